@@ -1,0 +1,44 @@
+# distlab: `make demo` and `make test` each bootstrap .venv from nothing (MPI comes from the mpich wheel on PyPI).
+PYTHON3 ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.distlab-installed
+NP      ?= 2
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: all venv build demo test test-fast docs bench clean distclean
+
+all: build
+
+# Create the venv and install distlab (editable) with its test extras. Re-runs when the packaging files change.
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Compile the Cython core twin in place (incremental: only changed .pyx files are rebuilt).
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace -j 2
+
+demo: build
+	$(PY) -m distlab run -n $(NP) examples/comm_demo.py
+
+# The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path.
+test: build
+	$(PY) -P -m pytest -q -p no:cacheprovider tests
+
+docs: build
+	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -P -m sphinx -W --keep-going -b html docs docs/_build/html
+
+bench: build
+	$(PY) -P benchmarks/bench_comm.py
+
+clean:
+	rm -rf build core/*.c core/*.so docs/_build .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info src/*.egg-info

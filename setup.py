@@ -1,0 +1,34 @@
+"""Build distlab: the facade in src/distlab, the reference twin in reference/, the Cython core twin in core/.
+
+Cython extensions are named explicitly (globbing infers wrong module names under a package_dir mapping).
+To add a core module, add its stem to CORE_MODULES; its source is core/<stem>.pyx.
+"""
+from setuptools import Extension, setup
+from Cython.Build import cythonize
+
+CORE_MODULES = [
+    "_fingerprint",
+]
+
+extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"]) for stem in CORE_MODULES]
+
+setup(
+    package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},
+    packages=[
+        "distlab", "distlab.reference", "distlab.core",
+        "distlab.autograd", "distlab.nn", "distlab.optim", "distlab.rpc",
+    ],
+    package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={
+            "language_level": 3,
+            "binding": True,
+            "embedsignature": True,
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+        },
+    ),
+    zip_safe=False,
+)

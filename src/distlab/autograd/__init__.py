@@ -1,0 +1,1 @@
+"""distlab.autograd (to be filled by its issue)."""

@@ -1,0 +1,198 @@
+"""``Future``: the result of an asynchronous operation (what comm hooks, ``Work.get_future`` and RPC return).
+
+Modelled on ``torch.futures.Future``: ``wait``, ``value``, ``done``, ``then``, ``add_done_callback``,
+``set_result``, ``set_exception`` and :func:`collect_all`.
+
+MPI operations progress only while some thread is inside an MPI call, so a future that stands for an MPI request
+carries a *driver*: ``wait()`` calls it to push the request to completion (with a timeout) instead of sleeping
+on a condition variable that nobody would ever signal.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from .errors import DistTimeoutError
+
+__all__ = ["Future", "collect_all", "default_timeout"]
+
+_UNSET = object()
+
+
+def default_timeout() -> float:
+    """The default timeout of every blocking wait, in seconds: ``DISTLAB_TIMEOUT`` (default 300)."""
+    import os
+
+    value = os.environ.get("DISTLAB_TIMEOUT", "300")
+    try:
+        timeout = float(value)
+    except ValueError:
+        raise ValueError(f"DISTLAB_TIMEOUT={value!r} is not a number of seconds") from None
+    if timeout <= 0:
+        raise ValueError(f"DISTLAB_TIMEOUT must be positive, got {timeout}")
+    return timeout
+
+
+class Future:
+    """A value that will be available later, or an exception.
+
+    Parameters
+    ----------
+    driver : callable, optional
+        ``driver(timeout)`` pushes the underlying operation to completion (it completes this future or raises
+        :class:`~distlab.errors.DistTimeoutError`). Futures completed by another thread need none.
+    description : str, optional
+        What this future stands for, used in timeout messages.
+    """
+
+    __slots__ = ("_cond", "_value", "_exception", "_callbacks", "_driver", "_description")
+
+    def __init__(self, *, driver: Callable[[float], Any] | None = None, description: str = "future"):
+        self._cond = threading.Condition(threading.Lock())
+        self._value = _UNSET
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future], Any]] = []
+        self._driver = driver
+        self._description = description
+
+    # -- completion -------------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once a result or an exception has been set."""
+        return self._value is not _UNSET or self._exception is not None
+
+    def set_result(self, value) -> None:
+        """Complete the future with ``value`` and run its callbacks. Completing twice is an error."""
+        self._complete(value, None)
+
+    def set_exception(self, exception: BaseException) -> None:
+        """Complete the future with ``exception`` (raised by ``wait`` and ``value``) and run its callbacks."""
+        if not isinstance(exception, BaseException):
+            raise TypeError(f"set_exception needs an exception instance, got {type(exception).__name__}")
+        self._complete(_UNSET, exception)
+
+    def _complete(self, value, exception) -> None:
+        with self._cond:
+            if self.done():
+                raise RuntimeError(f"{self._description}: the future is already completed")
+            if exception is not None:
+                self._exception = exception
+            else:
+                self._value = value
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for callback in callbacks:
+            self._run_callback(callback)
+
+    def _run_callback(self, callback) -> None:
+        # A failing callback must not stop the others, nor lose the error: log it like torch does.
+        try:
+            callback(self)
+        except Exception:  # noqa: BLE001
+            import logging
+
+            logging.getLogger("distlab.futures").exception("a Future callback raised")
+
+    # -- waiting ----------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None):
+        """Block until completed and return the value (or raise the stored exception).
+
+        Raises :class:`~distlab.errors.DistTimeoutError` after ``timeout`` seconds (default ``DISTLAB_TIMEOUT``).
+        """
+        if not self.done():
+            timeout = default_timeout() if timeout is None else timeout
+            if self._driver is not None:
+                self._driver(timeout)
+            else:
+                deadline = time.monotonic() + timeout
+                with self._cond:
+                    while not self.done():
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or not self._cond.wait(remaining):
+                            if self.done():
+                                break
+                            raise DistTimeoutError(
+                                f"{self._description} did not complete within {timeout:g} s",
+                                op=self._description, timeout=timeout,
+                            )
+        return self.value()
+
+    def value(self):
+        """Return the value of a completed future (raise its exception). Not completed is an error."""
+        if self._exception is not None:
+            raise self._exception
+        if self._value is _UNSET:
+            raise RuntimeError(f"{self._description} is not completed yet; call wait() first")
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        """The stored exception of a completed future, or None."""
+        return self._exception
+
+    result = wait
+
+    # -- chaining ---------------------------------------------------------------------------------------------
+    def add_done_callback(self, callback: Callable[["Future"], Any]) -> None:
+        """Run ``callback(self)`` once completed (at once if already completed)."""
+        with self._cond:
+            if not self.done():
+                self._callbacks.append(callback)
+                return
+        self._run_callback(callback)
+
+    def then(self, callback: Callable[["Future"], Any]) -> "Future":
+        """Return a new future completed with ``callback(self)``; an exception in either propagates to it."""
+        chained = Future(driver=self._drive_then, description=f"then({self._description})")
+
+        def run(parent: Future) -> None:
+            try:
+                chained.set_result(callback(parent))
+            except BaseException as exc:  # noqa: BLE001 - propagate whatever the callback raised
+                chained.set_exception(exc)
+
+        self.add_done_callback(run)
+        return chained
+
+    def _drive_then(self, timeout: float) -> None:
+        # Waiting on a chained future drives its parent; the callback then completes the child.
+        try:
+            self.wait(timeout)
+        except Exception:  # noqa: BLE001 - the parent's exception reaches the child through the callback
+            pass
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("error" if self._exception is not None else "done")
+        return f"<distlab.Future {self._description} {state}>"
+
+
+def collect_all(futures: Iterable[Future]) -> Future:
+    """Return a future completed with the list of ``futures`` once every one of them is completed."""
+    futures = list(futures)
+    combined = Future(driver=lambda timeout: _wait_all(futures, timeout), description="collect_all")
+    remaining = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        combined.set_result([])
+        return combined
+
+    def one_done(_fut: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined.set_result(futures)
+
+    for fut in futures:
+        fut.add_done_callback(one_done)
+    return combined
+
+
+def _wait_all(futures, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for fut in futures:
+        try:
+            fut.wait(max(deadline - time.monotonic(), 1e-6))
+        except DistTimeoutError:
+            raise
+        except Exception:  # noqa: BLE001 - collect_all completes with failed futures inside
+            pass

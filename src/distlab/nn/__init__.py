@@ -1,0 +1,1 @@
+"""distlab.nn (to be filled by its issue)."""

@@ -1,0 +1,1 @@
+"""distlab.optim (to be filled by its issue)."""

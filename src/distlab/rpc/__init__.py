@@ -1,0 +1,1 @@
+"""distlab.rpc (to be filled by its issue)."""

@@ -1,0 +1,61 @@
+"""Shared fixtures: the twin fixtures, the import-hygiene check, and the MPI scenario runner.
+
+Tests never name a twin: they take ``impl`` (ids ``reference`` and ``core``) or a fixture derived from it, such
+as ``fingerprint`` below, which yields that twin's module of a component.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import _backend
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_top_level_twin_packages():
+    """The repository root must not be importable: ``core``/``reference`` exist only as distlab.core/reference."""
+    yield
+    assert str(REPO) not in [os.path.abspath(p or os.getcwd()) for p in sys.path], (
+        "the repository root is on sys.path; run tests with `python -P -m pytest` (make test does)")
+    for name in ("core", "reference"):
+        assert name not in sys.modules, f"a top-level {name!r} module was imported; use distlab.{name}"
+
+
+@pytest.fixture(params=_backend.IMPLS)
+def impl(request) -> str:
+    """The twin under test: ``"reference"`` or ``"core"``. A missing core fails in CI and skips elsewhere."""
+    if request.param == "core" and not _backend.core_available():
+        message = f"the distlab core twin is not compiled; {_backend.BUILD_HINT}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return request.param
+
+
+def twin(component: str):
+    """Make a fixture that yields ``component``'s module from the twin under test."""
+
+    @pytest.fixture
+    def _fixture(impl):
+        return _backend.load(component, impl)
+
+    _fixture.__doc__ = f"The {component} module of the twin under test."
+    return _fixture
+
+
+fingerprint = twin("fingerprint")
+
+
+@pytest.fixture(scope="session")
+def mpirun():
+    """Run a scenario script under ``mpiexec -n N``; see :func:`tests._mpi.run_scenario`."""
+    from _mpi import run_scenario
+
+    return run_scenario
