@@ -1,0 +1,6 @@
+"""``python -m distlab run -n N script.py``: see :mod:`distlab.launch`."""
+import sys
+
+from .launch import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""Array backends: how the comm layer hands numpy, cupy (and test stand-ins) to MPI.
+
+A backend says whether an array lives on a device, how to wait for the device's stream, and how to stage it
+through host memory. numpy is the host backend; cupy registers itself when cupy is importable. Tests register a
+host-memory stand-in that exposes ``__cuda_array_interface__`` (as mpi4py's own tests do with a fake GPU array),
+so the device paths are exercised without a GPU.
+
+``DISTLAB_CUDA_AWARE=auto|1|0`` decides whether device arrays go to MPI directly (1) or are staged through host
+memory (0). ``auto`` asks the MPI library itself (``MPIX_Query_cuda_support``, exported by MPICH and Open MPI
+when built with CUDA); neither PyPI wheel is CUDA-aware, and handing a device pointer to an MPI that is not
+crashes the process, so anything but a clear "yes" means staging.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["ArrayBackend", "register_backend", "backend_for", "cuda_aware", "mpi_cuda_support"]
+
+
+@dataclass(frozen=True)
+class ArrayBackend:
+    """How to move one kind of array to and from MPI.
+
+    Attributes
+    ----------
+    name : str
+        For messages (``"numpy"``, ``"cupy"``).
+    matches : callable
+        ``matches(array) -> bool``.
+    on_device : bool
+        True when the array's memory is device memory.
+    synchronize : callable
+        ``synchronize(array)`` waits until pending device work writing the array is done.
+    to_host : callable
+        ``to_host(array) -> numpy.ndarray`` (a copy).
+    from_host : callable
+        ``from_host(array, host)`` copies ``host`` back into ``array`` in place.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    on_device: bool = False
+    synchronize: Callable[[Any], None] = lambda a: None
+    to_host: Callable[[Any], np.ndarray] = np.asarray
+    from_host: Callable[[Any, np.ndarray], None] = lambda a, h: None
+
+
+_NUMPY = ArrayBackend("numpy", lambda a: isinstance(a, np.ndarray))
+_backends: list[ArrayBackend] = []
+
+
+def register_backend(backend: ArrayBackend) -> None:
+    """Register an array backend (consulted before numpy, most recent first)."""
+    _backends.insert(0, backend)
+
+
+def _cupy_backend() -> ArrayBackend | None:
+    # cupy is imported only if the user already imported it: distlab never pulls a GPU stack in by itself.
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+
+    def synchronize(_array) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    def from_host(array, host) -> None:
+        array.set(host)
+
+    return ArrayBackend("cupy", lambda a: isinstance(a, cupy.ndarray), True, synchronize, cupy.asnumpy, from_host)
+
+
+def backend_for(array) -> ArrayBackend:
+    """Return the backend of ``array``; a clear TypeError for anything MPI cannot take."""
+    for backend in _backends:
+        if backend.matches(array):
+            return backend
+    if isinstance(array, np.ndarray):
+        return _NUMPY
+    cupy_backend = _cupy_backend()
+    if cupy_backend is not None and cupy_backend.matches(array):
+        register_backend(cupy_backend)
+        return cupy_backend
+    raise TypeError(
+        f"distlab collectives take numpy or cupy arrays, got {type(array).__module__}.{type(array).__name__}; "
+        "for a distlab.Tensor pass tensor.data"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_cuda_support() -> bool | None:
+    """Ask the loaded MPI library whether it is CUDA-aware (None when it cannot say)."""
+    from mpi4py import MPI  # noqa: F401 - loads libmpi
+
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libmpi" in line and ".so" in line:
+                    path = line.split()[-1]
+                    break
+    except OSError:
+        pass
+    path = path or ctypes.util.find_library("mpi")
+    if not path:
+        return None
+    try:
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+    except OSError:
+        return None
+    if query is None:
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def cuda_aware() -> bool:
+    """Whether device arrays go to MPI directly (see the module docstring for ``DISTLAB_CUDA_AWARE``)."""
+    setting = os.environ.get("DISTLAB_CUDA_AWARE", "auto").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting != "auto":
+        raise ValueError(f"DISTLAB_CUDA_AWARE={setting!r}: expected auto, 1 or 0")
+    return mpi_cuda_support() is True

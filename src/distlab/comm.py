@@ -1,0 +1,619 @@
+"""Process groups over MPI: the collectives every distlab component communicates with.
+
+A :class:`ProcessGroup` wraps an mpi4py communicator (a ``Dup`` of ``COMM_WORLD`` by default, so distlab's
+traffic never matches a user's own MPI calls). Its collectives work in place on the array they are given, as
+``torch.distributed``'s do::
+
+    from distlab import comm
+    pg = comm.world()
+    a = np.full(4, pg.rank, np.float32)
+    pg.allreduce(a)                         # a now holds the sum over ranks
+    work = pg.allreduce(a, op="avg", async_op=True)
+    ...                                     # compute while it runs
+    work.wait()
+
+Three promises hold for every call:
+
+* **No hang.** Every wait is bounded by ``DISTLAB_TIMEOUT`` (default 300 s). On timeout the error names the
+  operation, its sequence number, the tensor, and the ranks that had not entered it, read through a side channel
+  (a shared-memory window where each rank posts the last collective it entered), not guessed.
+* **Mismatches are named.** With ``DISTLAB_DEBUG=DETAIL`` every collective's fingerprint (sequence number, op,
+  shape, dtype, root) is compared across ranks first; a mismatch raises the same
+  :class:`~distlab.errors.CollectiveMismatchError` on every rank, naming who sent what.
+* **Arrays are never pickled.** numpy arrays go to MPI as buffers; cupy arrays go to MPI directly when the MPI
+  is CUDA-aware and through host memory otherwise (see :mod:`distlab._arrays`).
+
+MPI nonblocking operations only progress inside MPI calls. A caller that overlaps communication with compute
+should call :func:`progress` (or ``work.is_completed()``) now and then; the reducer does so from every autograd
+hook.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _backend
+from ._arrays import backend_for, cuda_aware
+from ._types import ReduceOp
+from ._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS
+from .errors import CollectiveMismatchError, DistTimeoutError, ProcessGroupBrokenError
+from .futures import Future, default_timeout
+from .timeline import get_timeline, now_us
+
+__all__ = ["ProcessGroup", "Work", "world", "new_group", "progress", "debug_level", "ReduceOp"]
+
+log = logging.getLogger("distlab.comm")
+
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
+}
+_OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
+_SPIN_SECONDS = 0.01  # busy-poll this long before backing off (large transfers need every progress call)
+
+
+def debug_level() -> str:
+    """``DISTLAB_DEBUG``: ``OFF`` (default), ``INFO`` (log each collective) or ``DETAIL`` (check fingerprints)."""
+    level = os.environ.get("DISTLAB_DEBUG", "OFF").strip().upper() or "OFF"
+    if level not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"DISTLAB_DEBUG={level!r}: expected OFF, INFO or DETAIL")
+    return level
+
+
+class Work:
+    """Handle on an operation in flight (``torch.distributed.Work``).
+
+    An operation runs as *stages*: a generator that starts an MPI request, yields it, and continues (maybe
+    starting another request, e.g. sizes then payload) once that request completes; its return value is the
+    result. ``wait`` and ``is_completed`` push the stages forward.
+    """
+
+    __slots__ = ("group", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_done", "_exception",
+                 "_result", "_future", "_start_us", "__weakref__")
+
+    def __init__(self, group: "ProcessGroup", op: str, seq: int, name, nbytes: int, stages, peer=None):
+        self.group = group
+        self.op = op
+        self.seq = seq
+        self.name = name
+        self.nbytes = nbytes
+        self.peer = peer
+        self._stages = stages
+        self._request = None
+        self._done = False
+        self._exception: BaseException | None = None
+        self._result = None
+        self._future: Future | None = None
+        self._start_us = now_us() if group._timeline.enabled else 0.0
+        self._next_stage(None)
+
+    def _next_stage(self, _completed) -> None:
+        try:
+            self._request = next(self._stages)
+        except StopIteration as stop:
+            self._finish(stop.value, None)
+        except Exception as exc:  # noqa: BLE001 - a failed stage fails the work, it is raised by wait()
+            self._finish(None, exc)
+
+    def _finish(self, result, exception) -> None:
+        self._done, self._result, self._exception, self._request = True, result, exception, None
+        self.group._pending.discard(self)
+        timeline = self.group._timeline
+        if timeline.enabled:
+            label = f"{self.op} {self.name}" if self.name else self.op
+            timeline.complete(label, self._start_us, cat="comm", lane=f"comm {self.group.name}",
+                              args={"seq": self.seq, "bytes": self.nbytes, "op": self.op})
+        if self._future is not None:
+            self._complete_future()
+
+    def _complete_future(self) -> None:
+        if self._future.done():
+            return
+        if self._exception is not None:
+            self._future.set_exception(self._exception)
+        else:
+            self._future.set_result(self._result)
+
+    def _poll(self) -> bool:
+        """Test the current request and move to the next stage while requests complete. True when done."""
+        if self._done:
+            return True
+        with self.group._lock:
+            while not self._done and self._request.Test():
+                self._next_stage(self._request)
+        return self._done
+
+    def is_completed(self) -> bool:
+        """True once the operation finished (this call also drives it forward)."""
+        return self._poll()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation completes; raise its error, or DistTimeoutError after ``timeout`` s."""
+        if not self._poll():
+            self.group._wait_for(self, self.group.timeout if timeout is None else timeout)
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def result(self):
+        """The operation's output (the array it wrote, the gathered list, ...) once it completed."""
+        self.wait()
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        """The error the operation ended with, if any."""
+        return self._exception
+
+    def get_future(self) -> Future:
+        """A :class:`~distlab.futures.Future` completed with :meth:`result` (waiting on it drives the work)."""
+        if self._future is None:
+            description = f"{self.op} #{self.seq}" + (f" of {self.name!r}" if self.name else "")
+            self._future = Future(driver=self._drive_future, description=description)
+            if self._done:
+                self._complete_future()
+        return self._future
+
+    def _drive_future(self, timeout: float) -> None:
+        try:
+            self.wait(timeout)
+        except DistTimeoutError:
+            raise
+        except Exception:  # noqa: BLE001 - the error already completed the future
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Work {self.op} #{self.seq} {'done' if self._done else 'pending'}>"
+
+
+class ProcessGroup:
+    """A group of ranks running collectives together (``torch.distributed.ProcessGroup`` over MPI).
+
+    Parameters
+    ----------
+    mpi_comm : mpi4py.MPI.Intracomm, optional
+        The communicator to run over; it is duplicated. Default ``MPI.COMM_WORLD``.
+    timeout : float, optional
+        Seconds any wait may block; default ``DISTLAB_TIMEOUT`` (300).
+    name : str, optional
+        Used in error messages and timeline lanes.
+
+    Attributes
+    ----------
+    rank, size : int
+        This process's rank in the group, and the group's size.
+    comm : mpi4py.MPI.Intracomm
+        The group's own communicator.
+    """
+
+    def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None):
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.comm = parent.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.name = name or "world"
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self._seq = 0
+        self._lock = threading.RLock()
+        self._broken: str | None = None
+        self._pending: weakref.WeakSet[Work] = weakref.WeakSet()
+        self._timeline = get_timeline()
+        self._detail = debug_level() == "DETAIL"
+        self._info = debug_level() == "INFO"
+        self._fingerprint = _backend.load("fingerprint")
+        self._open_arrival_board()
+        _groups.add(self)
+
+    # -- the side channel: where each rank is --------------------------------------------------------------
+    def _open_arrival_board(self) -> None:
+        """Each rank posts ``[last collective seq entered, its op code]`` in a node-shared memory window.
+
+        Reading a peer's slot is a plain memory load, so it works while that peer computes outside MPI (an RMA
+        Get would need the peer's MPI progress). Ranks on other nodes are reported as unknown.
+        """
+        self._node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self._board = MPI.Win.Allocate_shared(16, 8, comm=self._node)
+        self._my_slot = np.frombuffer(self._board.tomemory(), dtype=np.int64)
+        self._my_slot[:] = 0
+        node_ranks = self._node.Get_group().Translate_ranks(None, self.comm.Get_group())
+        self._peer_slots: dict[int, np.ndarray] = {}
+        for node_rank, group_rank in enumerate(node_ranks):
+            memory, _ = self._board.Shared_query(node_rank)
+            self._peer_slots[group_rank] = np.frombuffer(memory, dtype=np.int64)
+        self._node.Barrier()  # every slot is zeroed before anyone posts
+
+    def _arrivals(self) -> dict[int, tuple[int, str] | None]:
+        """Every rank's last entered collective ``(seq, op)``, or None when it cannot be read (other node)."""
+        status: dict[int, tuple[int, str] | None] = {}
+        for rank in range(self.size):
+            slot = self._peer_slots.get(rank)
+            if slot is None:
+                status[rank] = None
+            else:
+                seq, code = int(slot[0]), int(slot[1])
+                status[rank] = (seq, COLLECTIVE_OPS[code] if 0 <= code < len(COLLECTIVE_OPS) else "?")
+        return status
+
+    # -- issuing operations ---------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise ProcessGroupBrokenError(
+                f"process group {self.name!r} cannot be used: {self._broken}. Create a new group or restart.")
+
+    def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "") -> int:
+        """Number the collective, post arrival, and (DETAIL) check it matches on every rank."""
+        self._check_usable()
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self._my_slot[1] = _OP_CODES[op]
+        self._my_slot[0] = seq
+        if self._info:
+            log.info("group %s rank %d: %s #%d %s", self.name, self.rank, op, seq, name or "")
+        if self._detail:
+            shape = None if array is None else array.shape
+            dtype = None if array is None else array.dtype
+            self._check_fingerprint(self._fingerprint.make_fingerprint(seq, op, shape, dtype, root, reduce_op),
+                                    op, seq, name)
+        return seq
+
+    def _check_fingerprint(self, words, op: str, seq: int, name) -> None:
+        table = np.empty((self.size, FINGERPRINT_WORDS), dtype=np.int64)
+
+        def stages():
+            yield self.comm.Iallgather(words, table)
+
+        Work(self, op, seq, f"{name or op} (DETAIL fingerprint check)", table.nbytes, stages()).wait()
+        message = self._fingerprint.find_mismatch(table)
+        if message is not None:
+            where = f" ({name!r})" if name else ""
+            raise CollectiveMismatchError(f"rank {self.rank}{where}: {message}", seq=seq,
+                                          groups=self._fingerprint.fingerprint_groups(table))
+
+    def _run(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
+        work = Work(self, op, seq, name, nbytes, stages, peer)
+        if async_op:
+            if not work._done:
+                self._pending.add(work)
+            return work
+        work.wait()
+        return work._result
+
+    def _wait_for(self, work: Work, timeout: float) -> None:
+        """Busy-poll ``work`` (MPI progresses only inside MPI calls), backing off after a short spin."""
+        start = time.monotonic()
+        deadline = start + timeout
+        spin_until = start + _SPIN_SECONDS
+        pause = 0.0
+        polls = 0
+        while not work._poll():
+            polls += 1
+            if polls & 31:
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                self._raise_timeout(work, timeout)
+            if now > spin_until:
+                pause = min(max(pause * 2, 2e-5), 1e-3)
+                time.sleep(pause)
+
+    def _raise_timeout(self, work: Work, timeout: float) -> None:
+        label = f"{work.op} #{work.seq}" if work.seq else work.op
+        if work.name:
+            label += f" of {work.name!r}"
+        label += f" ({work.nbytes} bytes)" if work.nbytes else ""
+        if work.peer is not None:
+            missing, detail = [work.peer], f"its peer, rank {work.peer}, never posted the matching call"
+        else:
+            missing, detail = self._describe_missing(work.seq)
+        self._broken = f"{label} timed out and may still be in flight"
+        raise DistTimeoutError(
+            f"{label} timed out after {timeout:g} s on rank {self.rank} of group {self.name!r} "
+            f"(size {self.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
+            f"that every rank calls the same collectives.",
+            op=work.op, seq=work.seq, name=work.name, missing_ranks=missing, timeout=timeout)
+
+    def _describe_missing(self, seq: int):
+        status = self._arrivals()
+        missing = [r for r, s in status.items() if s is not None and s[0] < seq]
+        unknown = [r for r, s in status.items() if s is None]
+        if missing:
+            where = "; ".join(f"rank {r} last entered #{status[r][0]} {status[r][1]}" if status[r][0]
+                              else f"rank {r} has entered no collective" for r in missing)
+            detail = f"ranks {missing} have not entered it ({where})"
+        elif unknown:
+            detail = f"every rank on this node entered it; ranks {unknown} are on other nodes (status unknown)"
+        else:
+            detail = ("every rank entered it but the transfer did not complete (a rank may have died, or "
+                      "called it with a different size or op)")
+        if unknown and missing:
+            detail += f"; ranks {unknown} are on other nodes (status unknown)"
+        return missing, detail
+
+    # -- array plumbing ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _mpi_buffer(array, what: str):
+        """Return (buffer to give MPI, finish callback copying results back), staging device arrays if needed."""
+        backend = backend_for(array)
+        if not _is_contiguous(array):
+            raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                             "pass np.ascontiguousarray(a) and copy the result back")
+        if not backend.on_device:
+            return array, None
+        backend.synchronize(array)  # the kernels writing this array must finish before MPI reads it
+        if cuda_aware():
+            return array, None
+        host = backend.to_host(array)
+        return host, (lambda: backend.from_host(array, host))
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    def allreduce(self, array, op="sum", async_op: bool = False, name=None):
+        """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
+        reduce_op = ReduceOp.parse(op)
+        _check_reducible(array, reduce_op, "allreduce")
+        seq = self._enter("allreduce", name, array, reduce_op=reduce_op.value)
+        buf, copy_back = self._mpi_buffer(array, "allreduce")
+        mpi_op = _mpi_op(reduce_op, array.dtype)
+
+        def stages():
+            yield self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
+            if reduce_op is ReduceOp.AVG:
+                buf[...] /= self.size
+            if copy_back:
+                copy_back()
+            return array
+
+        return self._run("allreduce", seq, name, array.nbytes, stages(), async_op)
+
+    def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
+        """Overwrite ``array`` on every rank with rank ``src``'s copy."""
+        self._check_rank(src, "broadcast src")
+        backend_for(array)
+        seq = self._enter("broadcast", name, array, root=src)
+        buf, copy_back = self._mpi_buffer(array, "broadcast")
+
+        def stages():
+            yield self.comm.Ibcast(buf, root=src)
+            if copy_back:
+                copy_back()
+            return array
+
+        return self._run("broadcast", seq, name, array.nbytes, stages(), async_op)
+
+    def allgather(self, array, out=None, async_op: bool = False, name=None):
+        """Gather every rank's ``array`` into ``out`` of shape ``(size,) + array.shape`` (returned)."""
+        backend_for(array)
+        seq = self._enter("allgather", name, array)
+        if out is None:
+            out = _empty_like(array, (self.size,) + tuple(array.shape))
+        if tuple(out.shape) != (self.size,) + tuple(array.shape) or out.dtype != array.dtype:
+            raise ValueError(f"allgather: out must have shape {(self.size,) + tuple(array.shape)} and dtype "
+                             f"{array.dtype}, got {tuple(out.shape)} {out.dtype}")
+        send, _ = self._mpi_buffer(array, "allgather")
+        recv, copy_back = self._mpi_buffer(out, "allgather")
+
+        def stages():
+            yield self.comm.Iallgather(send, recv)
+            if copy_back:
+                copy_back()
+            return out
+
+        return self._run("allgather", seq, name, array.nbytes, stages(), async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op: bool = False, name=None):  # noqa: A002
+        """Reduce ``input`` (``size`` equal blocks) across ranks; rank ``r`` receives block ``r`` in ``output``."""
+        reduce_op = ReduceOp.parse(op)
+        _check_reducible(input, reduce_op, "reduce_scatter")
+        if input.size != output.size * self.size or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
+                             f"elements of {output.dtype}, got {input.size} of {input.dtype}")
+        seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op.value)
+        send, _ = self._mpi_buffer(input, "reduce_scatter")
+        recv, copy_back = self._mpi_buffer(output, "reduce_scatter")
+        mpi_op = _mpi_op(reduce_op, input.dtype)
+
+        def stages():
+            yield self.comm.Ireduce_scatter_block(send, recv, mpi_op)
+            if reduce_op is ReduceOp.AVG:
+                recv[...] /= self.size
+            if copy_back:
+                copy_back()
+            return output
+
+        return self._run("reduce_scatter", seq, name, input.nbytes, stages(), async_op)
+
+    def alltoall(self, output, input, async_op: bool = False, name=None):  # noqa: A002
+        """Send block ``j`` of ``input`` to rank ``j``; block ``i`` of ``output`` comes from rank ``i``."""
+        if input.size != output.size or input.dtype != output.dtype or input.size % self.size:
+            raise ValueError(f"alltoall: input and output need the same size and dtype, divisible by {self.size}")
+        seq = self._enter("alltoall", name, input)
+        send, _ = self._mpi_buffer(input, "alltoall")
+        recv, copy_back = self._mpi_buffer(output, "alltoall")
+
+        def stages():
+            yield self.comm.Ialltoall(send, recv)
+            if copy_back:
+                copy_back()
+            return output
+
+        return self._run("alltoall", seq, name, input.nbytes, stages(), async_op)
+
+    def barrier(self, async_op: bool = False, name=None):
+        """Wait until every rank of the group reached this barrier."""
+        seq = self._enter("barrier", name)
+
+        def stages():
+            yield self.comm.Ibarrier()
+
+        return self._run("barrier", seq, name, 0, stages(), async_op)
+
+    def allgather_object(self, obj, async_op: bool = False, name=None):
+        """Gather any picklable object from every rank; returns the list in rank order."""
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        seq = self._enter("allgather_object", name)
+
+        def stages():
+            sizes = np.zeros(self.size, dtype=np.int64)
+            yield self.comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)
+            data = np.empty(int(sizes.sum()), dtype=np.uint8)
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            yield self.comm.Iallgatherv(payload, [data, (sizes, offsets), MPI.BYTE])
+            return [pickle.loads(data[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+        return self._run("allgather_object", seq, name, payload.nbytes, stages(), async_op)
+
+    def broadcast_object(self, obj=None, src: int = 0, async_op: bool = False, name=None):
+        """Return rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
+        self._check_rank(src, "broadcast_object src")
+        seq = self._enter("broadcast_object", name, root=src)
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8) \
+            if self.rank == src else None
+
+        def stages():
+            size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+            yield self.comm.Ibcast(size, root=src)
+            data = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
+            yield self.comm.Ibcast(data, root=src)
+            return obj if self.rank == src else pickle.loads(data.tobytes())
+
+        return self._run("broadcast_object", seq, name, 0, stages(), async_op)
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def send(self, array, dst: int, tag: int = 0, async_op: bool = False, name=None):
+        """Send ``array`` to rank ``dst``."""
+        self._check_usable()
+        self._check_rank(dst, "send dst")
+        buf, _ = self._mpi_buffer(array, "send")
+
+        def stages():
+            yield self.comm.Isend(buf, dest=dst, tag=tag)
+
+        return self._run("send", 0, name, array.nbytes, stages(), async_op, peer=dst)
+
+    def recv(self, array, src=None, tag: int = 0, async_op: bool = False, name=None):
+        """Receive into ``array`` from rank ``src`` (any rank when None); returns the sender's rank."""
+        self._check_usable()
+        if src is not None:
+            self._check_rank(src, "recv src")
+        buf, copy_back = self._mpi_buffer(array, "recv")
+        status = MPI.Status()
+
+        def stages():
+            request = self.comm.Irecv(buf, source=MPI.ANY_SOURCE if src is None else src, tag=tag)
+            yield _StatusRequest(request, status)
+            if copy_back:
+                copy_back()
+            return status.Get_source()
+
+        return self._run("recv", 0, name, array.nbytes, stages(), async_op, peer=src)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+            raise ValueError(f"{what}={rank!r} is not a rank of group {self.name!r} (size {self.size})")
+
+    def new_group(self, ranks, name=None, timeout=None):
+        """Make a sub-group of ``ranks`` (every rank of this group must call it); None on non-members."""
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
+            raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group {self.name!r} "
+                             f"(size {self.size})")
+        self._check_usable()
+        member = self.rank in ranks
+        sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        group = ProcessGroup(sub, timeout=self.timeout if timeout is None else timeout,
+                             name=name or f"{self.name}{ranks}")
+        sub.Free()
+        return group
+
+    def destroy(self) -> None:
+        """Release the group's communicators (collective: every rank calls it)."""
+        _groups.discard(self)
+        for resource in ("_board", "_node", "comm"):
+            handle = getattr(self, resource, None)
+            if handle is not None and handle != MPI.COMM_NULL:
+                handle.Free()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name!r} rank {self.rank}/{self.size}>"
+
+
+class _StatusRequest:
+    """An Irecv request whose Test fills a Status (mpi4py's Test takes it as an argument)."""
+
+    __slots__ = ("request", "status")
+
+    def __init__(self, request, status):
+        self.request, self.status = request, status
+
+    def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
+        return self.request.Test(self.status)
+
+
+def _is_contiguous(array) -> bool:
+    flags = getattr(array, "flags", None)
+    if flags is not None:
+        return bool(flags["C_CONTIGUOUS"]) if not hasattr(flags, "c_contiguous") else bool(flags.c_contiguous)
+    return True
+
+
+def _empty_like(array, shape):
+    backend = backend_for(array)
+    if not backend.on_device:
+        return np.empty(shape, dtype=array.dtype)
+    module = __import__(type(array).__module__.split(".")[0])
+    return module.empty(shape, dtype=array.dtype)
+
+
+def _check_reducible(array, op: ReduceOp, what: str) -> None:
+    backend_for(array)  # a clear TypeError for lists, tensors, ... before anything else
+    kind = np.dtype(array.dtype).kind
+    if op in (ReduceOp.BAND, ReduceOp.BOR) and kind not in "biu":
+        raise TypeError(f"{what}: op {op.value!r} needs an integer or bool array, got {array.dtype}")
+    if op is ReduceOp.AVG and kind not in "fc":
+        raise TypeError(f"{what}: op 'avg' needs a floating-point array, got {array.dtype} (use 'sum')")
+
+
+def _mpi_op(op: ReduceOp, dtype):
+    if np.dtype(dtype).kind == "b":  # MPI defines only logical ops on C bool
+        return {ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR, ReduceOp.MIN: MPI.LAND,
+                ReduceOp.MAX: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND}.get(op, MPI.LOR)
+    return _MPI_OPS[op]
+
+
+_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+_world: ProcessGroup | None = None
+_world_lock = threading.Lock()
+
+
+def world() -> ProcessGroup:
+    """The default group: every rank of ``COMM_WORLD`` (created on first use; every rank must call it)."""
+    global _world
+    if _world is None:
+        with _world_lock:
+            if _world is None:
+                _world = ProcessGroup(name="world")
+    return _world
+
+
+def new_group(ranks, name=None, timeout=None):
+    """Sub-group of the world group (``torch.distributed.new_group``); every rank calls it, None on non-members."""
+    return world().new_group(ranks, name=name, timeout=timeout)
+
+
+def progress() -> int:
+    """Drive every outstanding async operation of every group one step; returns how many are still pending."""
+    pending = 0
+    for group in list(_groups):
+        for work in list(group._pending):
+            if not work._poll():
+                pending += 1
+    return pending

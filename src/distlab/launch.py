@@ -1,0 +1,221 @@
+"""Launching jobs on several ranks: ``python -m distlab run`` and :func:`distlab.run`.
+
+``python -m distlab run -n 4 [--timeline out.json] [--timeout S] script.py args...`` runs ``script.py`` on 4
+ranks with the ``mpiexec`` of the environment distlab is installed in (the mpich wheel's, in a venv). Each rank
+gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; an uncaught exception on any rank prints
+that rank's traceback and aborts the whole job (no rank is left waiting); the job's exit status is forwarded.
+
+``distlab.run(fn, np=4)`` runs a function (from a notebook too: it travels by cloudpickle) on 4 ranks and returns
+the list of per-rank results; an exception on any rank is re-raised here as
+:class:`~distlab.errors.RankFailedError` with the rank and its remote traceback.
+
+Both start ``mpiexec`` in a session of its own and kill the whole process group on timeout, so a job can never
+outlive its caller's patience.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DistlabError, RankFailedError
+
+__all__ = ["find_mpiexec", "mpiexec_command", "run_job", "launch_script", "run", "main", "JobResult"]
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` beside this Python (the venv's, from the mpich wheel), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found:
+        return found
+    raise DistlabError("no mpiexec found: install distlab's dependencies (`pip install mpich mpi4py`) in this "
+                       "environment, or put a system MPI's mpiexec on PATH")
+
+
+def mpiexec_command(np: int, module_args: list[str]) -> list[str]:
+    """``mpiexec -n np python -m <module_args>`` with this interpreter."""
+    if int(np) < 1:
+        raise ValueError(f"np must be at least 1, got {np}")
+    return [find_mpiexec(), "-n", str(int(np)), sys.executable, "-m", *module_args]
+
+
+@dataclass
+class JobResult:
+    """What a finished job left: its exit status and, when captured, its output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def _job_env(extra: dict | None) -> dict:
+    env = dict(os.environ)
+    # The venv's bin first, so mpiexec finds the hydra proxy and ranks find the same Python.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["DISTLAB_LAUNCHER"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_job(command: list[str], timeout: float | None = None, env: dict | None = None,
+            capture: bool = False, cwd: str | None = None) -> JobResult:
+    """Run ``command`` in its own session; on timeout kill the whole process group (every rank)."""
+    proc = subprocess.Popen(command, env=_job_env(env), cwd=cwd, start_new_session=True,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE if capture else None,
+                            stderr=subprocess.PIPE if capture else None, text=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        out, err = proc.communicate()
+    except BaseException:
+        _kill_group(proc)
+        proc.communicate()
+        raise
+    return JobResult(proc.returncode, out or "", err or "", timed_out)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=3)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
+                  env: dict | None = None, capture: bool = False, cwd: str | None = None) -> JobResult:
+    """Run ``script`` on ``np`` ranks (see the module docstring); merges the timeline when asked for one."""
+    extra = dict(env or {})
+    if timeline:
+        timeline = os.path.abspath(timeline)
+        extra["DISTLAB_TIMELINE"] = timeline
+    command = mpiexec_command(np, ["distlab._bootstrap", str(script), *map(str, args)])
+    result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd)
+    if timeline:
+        from .timeline import merge
+
+        merge(timeline, expected_parts=np, wait=2.0)
+    return result
+
+
+def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None):
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
+
+    Parameters
+    ----------
+    fn : callable
+        Any function cloudpickle can carry (a lambda or a function defined in a notebook works).
+    np : int
+        Number of ranks.
+    args, kwargs
+        Passed to ``fn`` on every rank.
+    timeout : float, optional
+        Kill the job after this many seconds (default: ``DISTLAB_TIMEOUT`` plus a minute).
+    env : dict, optional
+        Extra environment variables for the ranks.
+
+    Raises
+    ------
+    RankFailedError
+        When ``fn`` raised on any rank (the message holds that rank's traceback).
+    """
+    import cloudpickle
+
+    from .futures import default_timeout
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and module.__name__ not in ("__main__",) and not module.__name__.startswith("distlab"):
+        # Test modules and scripts are not importable on the ranks: send the function by value.
+        cloudpickle.register_pickle_by_value(module)
+    with tempfile.TemporaryDirectory(prefix="distlab-run-") as workdir:
+        payload = Path(workdir) / "payload.pkl"
+        payload.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
+        command = mpiexec_command(np, ["distlab._runner", str(payload), workdir])
+        limit = default_timeout() + 60 if timeout is None else timeout
+        job = run_job(command, timeout=limit, env=env, capture=True)
+        if job.stdout:
+            sys.stdout.write(job.stdout)
+        if job.stderr:
+            sys.stderr.write(job.stderr)
+        return _collect_results(Path(workdir), np, job, limit)
+
+
+def _collect_results(workdir: Path, np: int, job: JobResult, limit: float):
+    import cloudpickle
+
+    results, failures = [], {}
+    for rank in range(np):
+        path = workdir / f"rank{rank}.pkl"
+        if not path.exists():
+            results.append(None)
+            continue
+        ok, value = cloudpickle.loads(path.read_bytes())
+        if ok:
+            results.append(value)
+        else:
+            failures[rank] = value
+            results.append(None)
+    if failures:
+        first = min(failures)
+        raise RankFailedError(f"rank {first} of {np} raised:\n{failures[first]}", rank=first,
+                              remote_traceback=failures[first], failures=failures)
+    missing = [r for r in range(np) if not (workdir / f"rank{r}.pkl").exists()]
+    if job.timed_out:
+        raise RankFailedError(f"the job did not finish within {limit:g} s and was killed; ranks {missing} "
+                              "returned nothing", rank=missing[0] if missing else None)
+    if missing or job.returncode != 0:
+        raise RankFailedError(f"ranks {missing} ended without a result (mpiexec exit status {job.returncode})"
+                              + (f"\n{job.stderr[-2000:]}" if job.stderr else ""),
+                              rank=missing[0] if missing else None)
+    return results
+
+
+def main(argv=None) -> int:
+    """Command line: ``python -m distlab run -n N [--timeline out.json] [--timeout S] script.py args...``."""
+    parser = argparse.ArgumentParser(prog="python -m distlab", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="run a script on N MPI ranks")
+    run_parser.add_argument("-n", "--np", type=int, default=2, help="number of ranks (default 2)")
+    run_parser.add_argument("--timeline", help="write a Chrome trace of the run to this file")
+    run_parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    run_parser.add_argument("script")
+    run_parser.add_argument("args", nargs=argparse.REMAINDER)
+    merge_parser = sub.add_parser("merge-timeline", help="merge per-rank timeline parts into one trace")
+    merge_parser.add_argument("path")
+    options = parser.parse_args(argv)
+    if options.command == "merge-timeline":
+        from .timeline import merge
+
+        written = merge(options.path)
+        print(written or f"no parts found for {options.path}")
+        return 0 if written else 1
+    result = launch_script(options.script, np=options.np, args=options.args, timeline=options.timeline,
+                           timeout=options.timeout)
+    if result.timed_out:
+        print(f"distlab: the job was killed after {options.timeout:g} s", file=sys.stderr)
+        return 124
+    if options.timeline:
+        print(f"distlab: timeline written to {os.path.abspath(options.timeline)} "
+              "(open it in https://ui.perfetto.dev)", file=sys.stderr)
+    return result.returncode

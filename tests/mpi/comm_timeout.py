@@ -1,0 +1,34 @@
+"""A rank that never arrives: the others time out naming it (found through the side channel), caught here."""
+import time
+
+import numpy as np
+
+from distlab import comm
+from distlab.errors import DistTimeoutError, ProcessGroupBrokenError
+
+pg = comm.world()
+r, n = pg.rank, pg.size
+late = n - 1
+pg.barrier()
+if r == late:
+    time.sleep(4.0)  # busy elsewhere: never enters the allreduce
+else:
+    start = time.monotonic()
+    try:
+        pg.allreduce(np.ones(8, dtype=np.float32), name="grad.bucket3", async_op=True).wait(timeout=1.5)
+        raise AssertionError("must time out")
+    except DistTimeoutError as exc:
+        elapsed = time.monotonic() - start
+        assert 1.4 < elapsed < 10, elapsed
+        assert exc.missing_ranks == [late], exc.missing_ranks
+        assert exc.op == "allreduce" and exc.seq == 2 and exc.name == "grad.bucket3"
+        text = str(exc)
+        assert f"ranks [{late}] have not entered it" in text, text
+        assert f"rank {late} last entered #1 barrier" in text, text
+        assert "'grad.bucket3'" in text and "32 bytes" in text, text
+    try:
+        pg.barrier()
+        raise AssertionError("a broken group must refuse further use")
+    except ProcessGroupBrokenError as exc:
+        assert "timed out" in str(exc)
+print(f"rank {r}: timeout reported: OK", flush=True)
