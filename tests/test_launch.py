@@ -1,0 +1,60 @@
+"""distlab.run: functions on several ranks, results per rank, remote errors with their rank and traceback."""
+import pytest
+
+import distlab
+from distlab.errors import RankFailedError
+
+pytestmark = pytest.mark.mpi
+
+
+def allreduce_rank(scale):
+    import numpy as np
+
+    from distlab import comm
+
+    pg = comm.world()
+    a = np.array([pg.rank * scale], dtype=np.float64)
+    pg.allreduce(a)
+    return {"rank": pg.rank, "size": pg.size, "sum": float(a[0])}
+
+
+def fail_on_rank_one():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise KeyError("missing shard 7")
+    return "fine"
+
+
+def test_run_returns_per_rank_results():
+    results = distlab.run(allreduce_rank, np=2, args=(10.0,), timeout=120)
+    assert results == [{"rank": 0, "size": 2, "sum": 10.0}, {"rank": 1, "size": 2, "sum": 10.0}]
+
+
+def test_run_carries_lambdas_and_closures():
+    offset = 7
+    assert distlab.run(lambda: offset + 1, np=2, timeout=120) == [8, 8]
+
+
+def test_run_reraises_with_rank_and_remote_traceback():
+    with pytest.raises(RankFailedError) as info:
+        distlab.run(fail_on_rank_one, np=2, timeout=120)
+    err = info.value
+    assert err.rank == 1 and "KeyError: 'missing shard 7'" in err.remote_traceback
+    assert "fail_on_rank_one" in err.remote_traceback and "rank 1 of 2 raised" in str(err)
+
+
+def test_command_line_launcher(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('hello from', os.environ['RANK'], sys.argv[1])\n"
+                      "sys.exit(0)\n")
+    done = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script), "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n"))[-2:] == ["hello from 0 x", "hello from 1 x"]
+    bad = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "IndexError" in bad.stderr
