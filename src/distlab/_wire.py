@@ -1,7 +1,8 @@
 """Wire constants shared by both twins (codes that cross process boundaries must be defined once)."""
 from __future__ import annotations
 
-__all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION"]
+__all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION",
+           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -18,3 +19,23 @@ REDUCE_OP_CODES = {"": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "product": 5, 
 FINGERPRINT_VERSION = 1
 FINGERPRINT_MAX_DIMS = 9
 FINGERPRINT_WORDS = 7 + FINGERPRINT_MAX_DIMS
+
+#: RPC message kinds (distlab.rpc agent and the twinned RRef protocol). Codes travel between ranks: append only.
+#: Kinds below RPC_USER_KIND_BASE are reserved for distlab.rpc; other subsystems (distributed autograd, ...)
+#: register their own kinds at or above it through ``agent.register_handler``.
+RPC_KINDS = (
+    "response",      # 0: the reply to a request (matched by message id)
+    "call",          # 1: rpc_sync / rpc_async: run a function, reply with its result
+    "remote_call",   # 2: remote(): run a function into an OwnerRRef, reply with an ack
+    "rref_fetch",    # 3: to_here(): reply with the OwnerRRef's value once it is set
+    "user_delete",   # 4: RRef control: a UserRRef was deleted (G1)
+    "fork_request",  # 5: RRef control: a user forked to a user; the child asks the owner to add it
+    "child_accept",  # 6: RRef control: the owner knows the child; the parent may drop its pending child (G2)
+    "stop",          # 7: agent internal: stop the listener (sent to self)
+)
+RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
+RPC_USER_KIND_BASE = 64
+
+#: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
+#: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
+RFD_TUPLE_SIZE = 6

@@ -11,6 +11,14 @@ __all__ = [
     "ProcessGroupBrokenError",
     "RankFailedError",
     "CoreNotBuiltError",
+    "RpcError",
+    "RpcThreadLevelError",
+    "RemoteError",
+    "RRefError",
+    "RRefDeletedError",
+    "RRefCreationTimeoutError",
+    "RRefLeakError",
+    "RRefProtocolError",
 ]
 
 
@@ -83,3 +91,55 @@ class RankFailedError(DistlabError):
 
 class CoreNotBuiltError(ImportError):
     """The Cython core twin was requested (``DISTLAB_IMPL=core`` or ``auto``) but is not compiled."""
+
+
+# -- RPC and RRefs (distlab.rpc, twinned rref protocol) -------------------------------------------------------
+class RpcError(DistlabError):
+    """Base class of RPC errors: the agent is not running, a message is malformed, a worker is unknown."""
+
+
+class RpcThreadLevelError(RpcError):
+    """The MPI library does not provide ``MPI_THREAD_MULTIPLE``, which the RPC agent's listener thread needs."""
+
+
+class RemoteError(RpcError):
+    """A function run through RPC raised on the remote worker.
+
+    Attributes
+    ----------
+    worker_name : str
+        The worker the exception was raised on.
+    exc_type : str
+        The qualified name of the remote exception's type.
+    remote_traceback : str
+        The remote worker's formatted traceback.
+    remote_exception : BaseException or None
+        The remote exception itself when it could be pickled, else None.
+    """
+
+    def __init__(self, message, *, worker_name="", exc_type="", remote_traceback="", remote_exception=None):
+        super().__init__(message)
+        self.worker_name = worker_name
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+        self.remote_exception = remote_exception
+
+
+class RRefError(DistlabError):
+    """Base class of RRef protocol errors (ANCHORS section 5)."""
+
+
+class RRefDeletedError(RRefError):
+    """A UserRRef was used (``to_here``, fork, proxy) after its deletion notice was sent to the owner."""
+
+
+class RRefCreationTimeoutError(RRefError):
+    """``to_here`` (or a fork) on an RRef whose ``remote()`` creation timed out: the OwnerRRef may not exist."""
+
+
+class RRefLeakError(RRefError):
+    """Shutdown found RRefs still referenced; the message names every leaked RRef id and fork id."""
+
+
+class RRefProtocolError(RRefError):
+    """Inconsistent RRef protocol state: a message that cannot be applied (malformed or impossible)."""

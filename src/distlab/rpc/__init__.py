@@ -1,1 +1,10 @@
-"""distlab.rpc (to be filled by its issue)."""
+"""distlab.rpc: RPC over MPI point-to-point and remote references (RRefs) with PyTorch's RRef protocol.
+
+``init_rpc``/``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, ``RRef``; the agent (listener thread, thread
+pool, futures matched by message id) is :class:`distlab.rpc.agent.RpcAgent`.
+"""
+from .agent import CallInfo, WorkerInfo, current_call
+from .api import cheap, get_agent, get_worker_info, init_rpc, is_initialized, remote, rpc_async, rpc_sync, shutdown
+
+__all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
+           "is_initialized", "WorkerInfo", "CallInfo", "current_call"]

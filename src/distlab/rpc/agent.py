@@ -1,0 +1,493 @@
+"""The RPC agent: MPI point-to-point transport, a listener thread, a thread pool, futures matched by message id.
+
+Shared plumbing (not twinned). One agent per process, made by :func:`distlab.rpc.init_rpc`.
+
+How it waits (measured on this 2-core machine, MPICH wheel, 2 ranks; ``benchmarks/bench_rpc.py`` and
+../shared/probes/rpc_listener_probe.py): a listener thread blocked in ``MPI_Mprobe`` (GIL released, MPICH's
+progress engine polls in C) gave a 36-50 us round trip; the same with ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` gave
+36-67 us (no gain, so it is not set); ``MPI_Improbe`` polling from Python with ``sleep(0)``/back-off gave
+190-240 us (the poller and the waiting caller hand the GIL back and forth). So the listener blocks in ``Mprobe``
+and the caller waits on a condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
+
+Sends: a header message (``TAG_HEADER``) then the out-of-band buffers (``TAG_BUFFER``), under a per-destination
+lock so the buffers of two messages never interleave (MPI keeps order per source, tag and communicator). Small
+messages use a blocking ``MPI_Send`` (eager: it never waits for the receiver); large ones ``MPI_Isend``, kept
+alive until complete, so a listener replying inline never blocks on a peer that is itself blocked sending
+(the progress engine completes them while the listener waits in ``Mprobe``).
+
+Extension points (for distributed autograd and others): ``send(dst, kind, payload, meta=...)`` attaches any
+picklable metadata to a request; ``register_handler(kind, fn, inline=False)`` adds message kinds
+(``kind >= distlab._wire.RPC_USER_KIND_BASE``); handlers read the request's metadata through
+:func:`current_call`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple
+
+from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE
+from distlab.errors import DistTimeoutError, RemoteError, RpcError, RpcThreadLevelError
+from distlab.futures import Future, collect_all
+
+from . import framing
+from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
+
+__all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "TAG_HEADER", "TAG_BUFFER"]
+
+log = logging.getLogger("distlab.rpc")
+
+TAG_HEADER = 17
+TAG_BUFFER = 18
+EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
+
+K_RESPONSE = RPC_KIND_CODES["response"]
+K_STOP = RPC_KIND_CODES["stop"]
+
+
+class WorkerInfo(NamedTuple):
+    """A worker's name and id (its rank in the RPC communicator)."""
+
+    name: str
+    id: int
+
+
+class CallInfo(NamedTuple):
+    """The request a handler is running for: source worker id, kind, message id and the caller's metadata."""
+
+    src: int
+    kind: int
+    mid: int
+    meta: Any
+
+
+_call_local = threading.local()
+
+
+def current_call() -> CallInfo | None:
+    """The request being handled on this thread (None outside a handler)."""
+    return getattr(_call_local, "info", None)
+
+
+def _kind_name(kind: int) -> str:
+    return RPC_KINDS[kind] if 0 <= kind < len(RPC_KINDS) else f"kind {kind}"
+
+
+class RpcAgent:
+    """Listener thread + thread pool + response futures over a dedicated communicator.
+
+    Parameters
+    ----------
+    name : str
+        This worker's name (unique across the world).
+    comm : mpi4py.MPI.Intracomm
+        The communicator the agent owns (a ``Dup`` of COMM_WORLD made by ``init_rpc``); freed at shutdown.
+    rpc_timeout : float
+        Default timeout of requests, in seconds.
+    num_threads : int
+        Threads running requests that are not marked cheap.
+    """
+
+    def __init__(self, name: str, comm, rpc_timeout: float = 60.0, num_threads: int = 4):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RpcThreadLevelError(
+                "distlab.rpc needs MPI_THREAD_MULTIPLE (its listener thread calls MPI while other threads send), "
+                f"but MPI was initialized with thread level {MPI.Query_thread()}; do not lower "
+                "mpi4py.rc.thread_level, or use an MPI library built with thread support")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"worker name must be a non-empty string, got {name!r}")
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.rpc_timeout = float(rpc_timeout)
+        names = comm.allgather(name)
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"worker names must be unique; {dup} used by ranks "
+                             f"{[i for i, n in enumerate(names) if n in dup]}")
+        self.workers = [WorkerInfo(n, i) for i, n in enumerate(names)]
+        self.info = self.workers[self.rank]
+        self._by_name = {w.name: w for w in self.workers}
+        self._pending: dict[int, tuple[Future, int, int]] = {}
+        self._mids = itertools.count(1)
+        self._handlers: dict[int, tuple[Callable, bool]] = {}
+        self._send_locks = [threading.Lock() for _ in range(self.size)]
+        self._isends: list = []
+        self._isend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix=f"distlab-rpc-{name}")
+        self._deadlines: list = []
+        self._deadline_cond = threading.Condition()
+        self.errors: list[str] = []
+        #: set by the RRef layer: fork_hook(rref) -> fork data; fork_receiver(forks) -> (resolved, futures)
+        self.fork_hook: Callable | None = None
+        self.fork_receiver: Callable | None = None
+        self.running = True
+        self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
+                                         daemon=True)
+        self._listener.start()
+        self._watcher.start()
+
+    # -- registry ---------------------------------------------------------------------------------------------
+    def register_handler(self, kind: int, fn: Callable, *, inline: bool = False, _internal: bool = False) -> None:
+        """Handle requests of ``kind`` with ``fn(src, payload, meta) -> result or Future``.
+
+        ``inline=True`` runs ``fn`` on the listener thread (only for handlers that never block). Kinds below
+        ``RPC_USER_KIND_BASE`` are reserved for distlab.rpc.
+        """
+        if not isinstance(kind, int) or kind < 0 or kind >= 2 ** 31:
+            raise ValueError(f"message kind must be a non-negative int32, got {kind!r}")
+        if kind < RPC_USER_KIND_BASE and not _internal:
+            raise ValueError(f"message kinds below {RPC_USER_KIND_BASE} are reserved for distlab.rpc, got {kind}")
+        if kind in self._handlers and not _internal:
+            raise ValueError(f"a handler for message kind {kind} is already registered")
+        self._handlers[kind] = (fn, inline)
+
+    def worker_info(self, to=None) -> WorkerInfo:
+        """Resolve a worker name, id or WorkerInfo (None: this worker)."""
+        if to is None:
+            return self.info
+        if isinstance(to, WorkerInfo):
+            to = to.id
+        if isinstance(to, str):
+            try:
+                return self._by_name[to]
+            except KeyError:
+                raise ValueError(f"unknown worker name {to!r}; workers are {sorted(self._by_name)}") from None
+        if isinstance(to, int) and 0 <= to < self.size:
+            return self.workers[to]
+        raise ValueError(f"unknown worker {to!r}; workers are ids 0..{self.size - 1} or names "
+                         f"{sorted(self._by_name)}")
+
+    # -- sending ----------------------------------------------------------------------------------------------
+    def send(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline: bool = False,
+             noreply: bool = False, _track_timeout: bool = True) -> Future:
+        """Send a request; return a Future completed with the handler's result (or a RemoteError).
+
+        ``timeout`` (default ``rpc_timeout``; 0 or None-like negative means none) fails the future with
+        DistTimeoutError. ``noreply`` sends a one-way message and returns a completed future.
+        """
+        if not self.running:
+            raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
+        dst = dst if type(dst) is int and 0 <= dst < self.size else self.worker_info(dst).id
+        body, buffers, forks = framing.dumps(payload, self.fork_hook)
+        mid = next(self._mids)
+        fut = Future(description=f"rpc {_kind_name(kind)} #{mid} to {self.workers[dst].name}")
+        flags = (FLAG_INLINE if inline else 0) | (FLAG_NOREPLY if noreply else 0)
+        if noreply:
+            fut.set_result(None)
+        else:
+            self._pending[mid] = (fut, dst, kind)
+            timeout = self.rpc_timeout if timeout is None else timeout
+            if _track_timeout and timeout and timeout > 0:
+                self._add_deadline(time.monotonic() + timeout, mid, timeout)
+        try:
+            self._transmit(dst, kind, flags, mid, buffers, meta, forks, body)
+        except BaseException:
+            self._pending.pop(mid, None)
+            raise
+        return fut
+
+    def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
+        """``send`` then wait for the result; the wait is bounded by ``timeout`` (default ``rpc_timeout``)."""
+        timeout = self.rpc_timeout if timeout is None else timeout
+        fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
+        try:
+            return fut.wait(timeout if timeout and timeout > 0 else 1e9)
+        except DistTimeoutError:
+            if fut.done():
+                return fut.value()
+            self._expire(fut, timeout)
+            return fut.value()
+
+    def _transmit(self, dst, kind, flags, mid, buffers, meta, forks, body) -> None:
+        header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body)
+        MPI = self._MPI
+        comm = self.comm
+        if not buffers and len(header) <= EAGER_MAX:
+            comm.Send([header, MPI.BYTE], dst, TAG_HEADER)
+            return
+        requests = []
+        with self._send_locks[dst]:
+            if len(header) <= EAGER_MAX:
+                comm.Send([header, MPI.BYTE], dst, TAG_HEADER)
+            else:
+                requests.append(comm.Isend([header, MPI.BYTE], dst, TAG_HEADER))
+            for buf in buffers:
+                requests.append(comm.Isend([buf, MPI.BYTE], dst, TAG_BUFFER))
+        with self._isend_lock:
+            self._isends.append((requests, header, buffers))
+            if len(self._isends) > 8:
+                self._isends = [entry for entry in self._isends if not MPI.Request.Testall(entry[0])]
+
+    # -- receiving --------------------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        MPI = self._MPI
+        comm = self.comm
+        status = MPI.Status()
+        while True:
+            try:
+                message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                src = status.Get_source()
+                data = bytearray(status.Get_count(MPI.BYTE))
+                message.Recv([data, MPI.BYTE])
+                try:
+                    kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data)
+                except Exception as exc:  # noqa: BLE001 - a malformed message must not kill the listener
+                    self._record_error(f"dropped a malformed message from worker {src}: {exc}")
+                    continue
+                buffers = []
+                for size in sizes:
+                    buf = bytearray(size)
+                    comm.Recv([buf, MPI.BYTE], src, TAG_BUFFER)
+                    buffers.append(buf)
+                if kind == K_STOP and src == self.rank:
+                    return
+                if kind == K_RESPONSE:
+                    self._on_response(src, flags, mid, forks, body, buffers)
+                else:
+                    self._on_request(src, kind, flags, mid, meta, forks, body, buffers)
+            except Exception:  # noqa: BLE001 - keep listening; record what went wrong
+                self._record_error(f"listener error: {traceback.format_exc()}")
+
+    def _record_error(self, text: str) -> None:
+        log.error("distlab.rpc worker %s: %s", self.info.name, text)
+        self.errors.append(text)
+
+    def _on_response(self, src, flags, mid, forks, body, buffers) -> None:
+        entry = self._pending.pop(mid, None)
+        if entry is None:
+            return  # the request timed out (or was failed at shutdown): drop its late response
+        fut = entry[0]
+        if flags & FLAG_ERROR:
+            fut.set_exception(self._remote_error(body, buffers))
+            return
+        self._with_forks(forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved)),
+                         fut.set_exception, run_in_pool=False)
+
+    def _with_forks(self, forks, then, fail, run_in_pool) -> None:
+        """Receive RRef fork data, wait until each RRef is confirmed, then run ``then(resolved)``."""
+        if not forks:
+            try:
+                then(None)
+            except BaseException as exc:  # noqa: BLE001
+                fail(exc)
+            return
+        try:
+            resolved, waits = self.fork_receiver(forks)
+        except BaseException as exc:  # noqa: BLE001
+            fail(exc)
+            return
+        waits = [w for w in waits if not w.done()]
+
+        def go(_=None):
+            try:
+                then(resolved)
+            except BaseException as exc:  # noqa: BLE001
+                fail(exc)
+
+        if not waits:
+            go()
+        elif run_in_pool:
+            collect_all(waits).add_done_callback(lambda _f: self._pool.submit(go))
+        else:
+            collect_all(waits).add_done_callback(go)
+
+    def _on_request(self, src, kind, flags, mid, meta, forks, body, buffers) -> None:
+        entry = self._handlers.get(kind)
+        if entry is None:
+            self._reply_error(src, mid, flags, RpcError(
+                f"worker {self.info.name} has no handler for message kind {kind} ({_kind_name(kind)})"))
+            return
+        fn, inline = entry
+        if inline or flags & FLAG_INLINE:
+            self._run(fn, src, kind, flags, mid, meta, forks, body, buffers, inline=True)
+        else:
+            self._pool.submit(self._run, fn, src, kind, flags, mid, meta, forks, body, buffers, False)
+
+    def _run(self, fn, src, kind, flags, mid, meta, forks, body, buffers, inline) -> None:
+        def execute(resolved):
+            payload = framing.loads(body, buffers, resolved)
+            previous = getattr(_call_local, "info", None)
+            _call_local.info = CallInfo(src, kind, mid, meta)
+            try:
+                result = fn(src, payload, meta)
+            finally:
+                _call_local.info = previous
+            if flags & FLAG_NOREPLY:
+                return
+            if isinstance(result, Future):
+                result.add_done_callback(lambda f: self._reply_future(src, mid, flags, f))
+            else:
+                self._reply(src, mid, result)
+
+        def fail(exc):
+            if not flags & FLAG_NOREPLY:
+                self._reply_error(src, mid, flags, exc)
+            else:
+                self._record_error(f"one-way {_kind_name(kind)} from worker {src} failed: {exc!r}")
+
+        self._with_forks(forks, execute, fail, run_in_pool=not inline)
+
+    def _reply_future(self, dst, mid, flags, fut) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._reply_error(dst, mid, flags, exc)
+        else:
+            self._reply(dst, mid, fut.value())
+
+    def _reply(self, dst, mid, value) -> None:
+        if not self.running and dst != self.rank:
+            return
+        try:
+            body, buffers, forks = framing.dumps(value, self.fork_hook)
+        except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
+            self._reply_error(dst, mid, 0, exc)
+            return
+        self._transmit(dst, K_RESPONSE, 0, mid, buffers, None, forks, body)
+
+    def _reply_error(self, dst, mid, flags, exc) -> None:
+        if flags & FLAG_NOREPLY:
+            return
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        try:
+            exc_bytes = pickle.dumps(exc, protocol=5)
+        except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+            exc_bytes = None
+        body = pickle.dumps((exc_type, str(exc), tb, self.info.name, exc_bytes), protocol=5)
+        self._transmit(dst, K_RESPONSE, FLAG_ERROR, mid, [], None, (), body)
+
+    def _remote_error(self, body, buffers) -> RemoteError:
+        try:
+            exc_type, text, tb, worker, exc_bytes = pickle.loads(body)
+        except Exception as exc:  # noqa: BLE001
+            return RemoteError(f"malformed error response: {exc}")
+        remote_exc = None
+        if exc_bytes is not None:
+            try:
+                remote_exc = pickle.loads(exc_bytes)
+            except Exception:  # noqa: BLE001
+                remote_exc = None
+        return RemoteError(
+            f"{exc_type}: {text}\n(raised on RPC worker {worker!r}; remote traceback follows)\n{tb}",
+            worker_name=worker, exc_type=exc_type, remote_traceback=tb, remote_exception=remote_exc)
+
+    # -- timeouts ---------------------------------------------------------------------------------------------
+    def _add_deadline(self, deadline, mid, timeout) -> None:
+        with self._deadline_cond:
+            first = not self._deadlines or deadline < self._deadlines[0][0]
+            heapq.heappush(self._deadlines, (deadline, mid, timeout))
+            if first:
+                self._deadline_cond.notify()
+
+    def _watch_deadlines(self) -> None:
+        cond = self._deadline_cond
+        while True:
+            with cond:
+                while self.running and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
+                    cond.wait(None if not self._deadlines else self._deadlines[0][0] - time.monotonic())
+                if not self.running:
+                    return
+                now = time.monotonic()
+                expired = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    expired.append(heapq.heappop(self._deadlines))
+            for _deadline, mid, timeout in expired:
+                entry = self._pending.get(mid)
+                if entry is not None:
+                    self._expire(entry[0], timeout, mid)
+
+    def _expire(self, fut, timeout, mid=None) -> None:
+        if mid is None:
+            for key, entry in list(self._pending.items()):
+                if entry[0] is fut:
+                    mid = key
+                    break
+        entry = self._pending.pop(mid, None) if mid is not None else None
+        if entry is None:
+            return
+        _fut, dst, kind = entry
+        try:
+            fut.set_exception(DistTimeoutError(
+                f"rpc {_kind_name(kind)} #{mid} from worker {self.info.name!r} to worker "
+                f"{self.workers[dst].name!r} got no response within {timeout:g} s",
+                op=f"rpc {_kind_name(kind)}", timeout=timeout, missing_ranks=[dst]))
+        except RuntimeError:
+            pass  # completed concurrently
+
+    # -- shutdown ---------------------------------------------------------------------------------------------
+    def pending_count(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._pending)
+
+    def wait_idle(self, timeout: float) -> None:
+        """Wait until every request this worker sent has been answered (bounded)."""
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while self._pending:
+            if time.monotonic() > deadline:
+                waiting = sorted({self.workers[d].name for _f, d, _k in list(self._pending.values())})
+                raise DistTimeoutError(
+                    f"rpc shutdown on worker {self.info.name!r}: {len(self._pending)} requests still unanswered "
+                    f"after {timeout:g} s (waiting on workers {waiting})", op="rpc shutdown", timeout=timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def barrier(self, timeout: float) -> None:
+        """A non-blocking barrier on the agent's communicator, polled with back-off, bounded by ``timeout``."""
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise DistTimeoutError(
+                    f"rpc shutdown on worker {self.info.name!r}: not every worker reached shutdown within "
+                    f"{timeout:g} s (workers: {[w.name for w in self.workers]})",
+                    op="rpc shutdown barrier", timeout=timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def stop(self, graceful: bool = True, timeout: float = 60.0) -> None:
+        """Stop the listener and the pool; fail unanswered requests. ``graceful`` frees the communicator."""
+        if not self.running:
+            return
+        MPI = self._MPI
+        self.running = False
+        with self._deadline_cond:
+            self._deadline_cond.notify_all()
+        header = framing.pack_header(K_STOP, 0, 0, [], None, (), b"")
+        self.comm.Send([header, MPI.BYTE], self.rank, TAG_HEADER)
+        self._listener.join(timeout)
+        if self._listener.is_alive():
+            self._record_error("the listener thread did not stop within the timeout")
+        for mid, (fut, dst, kind) in list(self._pending.items()):
+            self._pending.pop(mid, None)
+            try:
+                fut.set_exception(RpcError(
+                    f"rpc {_kind_name(kind)} #{mid} to worker {self.workers[dst].name!r}: the RPC agent was shut "
+                    "down before the response arrived"))
+            except RuntimeError:
+                pass
+        self._pool.shutdown(wait=graceful)
+        deadline = time.monotonic() + timeout
+        with self._isend_lock:
+            pending = [r for entry in self._isends for r in entry[0]]
+            self._isends = []
+        while pending and not MPI.Request.Testall(pending):
+            if time.monotonic() > deadline:
+                self._record_error(f"{len(pending)} sends did not complete at shutdown")
+                break
+            time.sleep(1e-3)
+        if graceful and not self._listener.is_alive():
+            self.comm.Free()
