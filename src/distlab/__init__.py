@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from . import _backend
 from ._types import ReduceOp
+from .autograd import Tensor, enable_grad, no_grad, tensor
+from .nn.init import manual_seed
+from . import autograd, nn, optim  # noqa: E402  (the local autograd engine, layers and optimizers)
 from .errors import (
     CollectiveMismatchError,
     DistlabError,
@@ -41,4 +44,12 @@ __all__ = [
     "RankFailedError",
     "run",
     "__version__",
+    "Tensor",
+    "tensor",
+    "no_grad",
+    "enable_grad",
+    "manual_seed",
+    "autograd",
+    "nn",
+    "optim",
 ]

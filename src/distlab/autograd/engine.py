@@ -1,0 +1,201 @@
+"""The backward engine: runs the graph's nodes in dependency order (mirrors torch/csrc/autograd/engine.cpp).
+
+One backward pass is a *graph task*:
+
+1. ``compute_dependencies``: walk the graph once from the roots and count, for every node, how many edges point
+   at it (engine.cpp ``compute_dependencies``).
+2. Seed the input buffers of the root nodes with the supplied gradients and put the roots whose count is zero on
+   the ready queue.
+3. Pop the ready node with the highest sequence number (the most recently created, so backward visits the graph
+   in reverse creation order; AccumulateGrad nodes have an infinite number and run the moment they are ready),
+   run its pre-hooks and ``apply``, add each output gradient into the input buffer of the next node, decrement
+   that node's count and queue it when the count reaches zero (engine.cpp ``evaluate_function``).
+4. When the queue is empty, run the callbacks queued with :func:`queue_callback` (``exec_post_processing``).
+
+The loop is iterative, so a 1000-layer chain does not touch Python's recursion limit.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+
+from .node import FREED_GRAPH_MESSAGE, AccumulateGrad, Node, run_tensor_hooks
+from .sparse import add_grads
+
+__all__ = ["run_backward", "queue_callback", "compute_dependencies", "walk_graph", "graph_leaves",
+           "is_backward_running"]
+
+
+class _Tasks(threading.local):
+    def __init__(self):
+        self.stack = []  # graph tasks of this thread, innermost last (reentrant backward nests them)
+
+
+_tasks = _Tasks()
+
+
+class GraphTask:
+    """State of one backward pass: options and the final callbacks (torch's ``GraphTask``)."""
+
+    __slots__ = ("retain_graph", "sink", "callbacks")
+
+    def __init__(self, retain_graph: bool, sink):
+        self.retain_graph = retain_graph
+        self.sink = sink
+        self.callbacks = []
+
+
+def is_backward_running() -> bool:
+    """True while this thread is inside a backward pass (in a node, a hook or a final callback)."""
+    return bool(_tasks.stack)
+
+
+def queue_callback(fn) -> None:
+    """Run ``fn()`` once the current backward pass has finished, after every node and hook.
+
+    Mirrors ``Variable._execution_engine.queue_callback``: DDP's reducer queues ``finalize_backward`` this way
+    from its first autograd hook. Callbacks run in the order queued; a callback may queue further callbacks.
+
+    Raises
+    ------
+    RuntimeError
+        When called outside a backward pass.
+    """
+    if not _tasks.stack:
+        raise RuntimeError(
+            "queue_callback() can only be called during a backward pass (from a hook or a node's apply); "
+            "no backward pass is running in this thread")
+    _tasks.stack[-1].callbacks.append(fn)
+
+
+def compute_dependencies(roots) -> dict:
+    """Return ``{node: number of edges pointing at it}`` for every node reachable from ``roots``."""
+    deps = {}
+    seen = set(roots)
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        for nxt in node.next_nodes:
+            if nxt is None:
+                continue
+            deps[nxt] = deps.get(nxt, 0) + 1
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return deps
+
+
+def walk_graph(outputs):
+    """Yield every node reachable from ``outputs`` (Tensors or Nodes) once, breadth first."""
+    from .tensor import Tensor
+
+    frontier = []
+    for out in outputs:
+        node = out._grad_node() if isinstance(out, Tensor) else out
+        if node is not None:
+            frontier.append(node)
+    seen = set(frontier)
+    while frontier:
+        node = frontier.pop(0)
+        yield node
+        for nxt in node.next_nodes:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+
+
+def graph_leaves(outputs) -> set:
+    """Return the set of leaf tensors (requiring grad) reachable from ``outputs``.
+
+    This is how DDP's ``find_unused_parameters`` works: parameters not in this set get no gradient this step.
+    """
+    return {node.variable for node in walk_graph(outputs) if isinstance(node, AccumulateGrad)}
+
+
+def _root_node(root):
+    if isinstance(root, Node):
+        return root
+    node = root._grad_node()
+    if node is None:
+        raise RuntimeError("element of tensors does not require grad and does not have a grad_fn")
+    return node
+
+
+def run_backward(roots, grad_roots, retain_graph: bool = False, accumulate=True) -> None:
+    """Run one backward pass from ``roots`` seeded with ``grad_roots``.
+
+    Parameters
+    ----------
+    roots : sequence of Tensor or Node
+        Where backward starts. A Tensor starts at its ``grad_fn`` (or its AccumulateGrad for a leaf); a Node
+        starts there directly (a distributed engine starts at the send functions it received gradients for).
+    grad_roots : sequence of arrays
+        One gradient per root (numpy/cupy arrays, already checked against the roots' shapes).
+    retain_graph : bool
+        Keep saved values so the graph can be run again.
+    accumulate : True or callable
+        True: leaves accumulate into ``.grad`` and fire their post-accumulate-grad hooks. A callable
+        ``accumulate(tensor, grad)`` instead receives each leaf's gradient (after the leaf's tensor hooks) and
+        ``.grad`` is untouched (how distributed autograd accumulates into its context).
+    """
+    task = GraphTask(retain_graph, accumulate)
+    _tasks.stack.append(task)
+    try:
+        buffers = {}
+        for root, grad in zip(roots, grad_roots):
+            node = _root_node(root)
+            buffers[node] = grad if node not in buffers else add_grads(buffers[node], grad)
+        deps = compute_dependencies(buffers)
+        ready = []
+        order = 0  # tie-breaker: equal priorities run in the order they became ready
+        for node in buffers:
+            if node not in deps:
+                heapq.heappush(ready, (-node.seq, order, node))
+                order += 1
+        _execute(task, ready, buffers, deps, order)
+        _run_callbacks(task)
+    finally:
+        _tasks.stack.pop()
+
+
+def _execute(task, ready, buffers, deps, order) -> None:
+    """The engine loop (engine.cpp ``thread_main`` + ``evaluate_function``) over one graph task."""
+    heappop, heappush = heapq.heappop, heapq.heappush
+    retain, sink = task.retain_graph, task.sink
+    while ready:
+        node = heappop(ready)[2]
+        grad = buffers.pop(node, None)
+        if grad is None:
+            outputs = ()  # nothing flowed in: dependents still need their counts decremented
+        elif isinstance(node, AccumulateGrad):
+            node.accumulate(grad, sink)
+            continue
+        else:
+            if node.freed:
+                raise RuntimeError(FREED_GRAPH_MESSAGE.format(name=node.name()))
+            if node.pre_hooks:
+                grad = run_tensor_hooks(node.pre_hooks, grad)
+            outputs = node.apply(grad)
+            if not retain:
+                node.release()
+        nexts = node.next_nodes
+        for i, nxt in enumerate(nexts):
+            if nxt is None:
+                continue
+            g = outputs[i] if outputs else None
+            if g is not None:
+                prev = buffers.get(nxt)
+                buffers[nxt] = g if prev is None else add_grads(prev, g)
+            remaining = deps[nxt] - 1
+            deps[nxt] = remaining
+            if remaining == 0:
+                heappush(ready, (-nxt.seq, order, nxt))
+                order += 1
+
+
+def _run_callbacks(task) -> None:
+    """Run the final callbacks in order; ones queued by a callback run too (engine.cpp exec_post_processing)."""
+    i = 0
+    while i < len(task.callbacks):
+        task.callbacks[i]()
+        i += 1

@@ -1,0 +1,107 @@
+"""``Optimizer``: parameter groups, per-parameter state, zero_grad and state_dict (mirrors torch/optim/optimizer.py)."""
+from __future__ import annotations
+
+import copy
+
+from ..autograd.tensor import Tensor
+
+__all__ = ["Optimizer", "required"]
+
+
+class _Required:
+    def __repr__(self):
+        return "<required parameter>"
+
+
+#: Sentinel for hyper-parameters without a default (torch's ``required``).
+required = _Required()
+
+
+class Optimizer:
+    """Base class: subclasses set ``defaults`` through ``__init__`` and implement ``step``.
+
+    Parameters
+    ----------
+    params : iterable of Tensor, or of dicts
+        The parameters, or parameter groups ``{"params": [...], "lr": ...}`` overriding ``defaults``.
+    defaults : dict
+        Default hyper-parameters of every group.
+    """
+
+    def __init__(self, params, defaults: dict):
+        self.defaults = defaults
+        self.state = {}  # Tensor -> dict (per-parameter state: momentum buffers, Adam moments, step)
+        self.param_groups = []
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(params[0], dict):
+            params = [{"params": params}]
+        for group in params:
+            self.add_param_group(group)
+
+    def add_param_group(self, group: dict) -> None:
+        """Add a group; missing hyper-parameters take the defaults. A parameter may belong to one group only."""
+        group = dict(group)
+        ps = group["params"]
+        group["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+        for name, default in self.defaults.items():
+            if default is required and name not in group:
+                raise ValueError(f"parameter group didn't specify a value of required optimization parameter {name}")
+            group.setdefault(name, default)
+        existing = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in existing for p in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset every parameter's gradient to None (default) or to zeros in place."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none or getattr(p.grad, "is_sparse", False):
+                    p.grad = None
+                else:
+                    p.grad.data[...] = 0
+
+    def step(self, closure=None):
+        raise NotImplementedError
+
+    def _params_with_grad(self, group):
+        return [p for p in group["params"] if p.grad is not None]
+
+    # -- state_dict: parameters are replaced by their position across groups, as torch does ------------------------
+    def state_dict(self) -> dict:
+        """Return ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}`` (arrays not copied)."""
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
+            groups.append(packed)
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {index[id(p)]: self.state[p] for p in params if p in self.state}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state produced by :meth:`state_dict` of an optimizer over parameters of the same shapes."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)):
+            raise ValueError("loaded state dict has a different number of parameter groups or parameters")
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.state = {}
+        for idx, st in state_dict["state"].items():
+            p = params[int(idx)]
+            self.state[p] = {k: (v.copy() if hasattr(v, "copy") and not isinstance(v, (int, float)) else v)
+                             for k, v in st.items()}
+        for own, saved in zip(self.param_groups, groups):
+            own.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+
+    def __repr__(self) -> str:
+        lines = [type(self).__name__ + " ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {v}" for k, v in sorted(group.items()) if k != "params"]
+        return "\n".join(lines + [")"])

@@ -1,0 +1,67 @@
+"""Stochastic gradient descent with momentum, dampening, weight decay and Nesterov (mirrors torch/optim/sgd.py).
+
+The update, per parameter ``p`` with gradient ``g`` (torch's ``_single_tensor_sgd``)::
+
+    g = g + weight_decay * p                      (if weight_decay)
+    buf = g              (first step)             (if momentum)
+    buf = momentum * buf + (1 - dampening) * g    (later steps)
+    g = g + momentum * buf  if nesterov  else  buf
+    p = p - lr * g
+"""
+from __future__ import annotations
+
+from ..autograd._array import index_add
+from ..autograd.sparse import SparseGrad
+from .optimizer import Optimizer, required
+
+__all__ = ["SGD"]
+
+
+class SGD(Optimizer):
+    """SGD; a row-sparse gradient with no momentum and no weight decay updates only the touched rows."""
+
+    def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False):
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0 or weight_decay < 0.0:
+            raise ValueError("momentum and weight_decay must be non-negative")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=maximize))
+
+    def step(self, closure=None):
+        """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p, group) -> None:
+        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+        grad = p.grad
+        sign = -1.0 if group["maximize"] else 1.0
+        if isinstance(grad, SparseGrad):
+            if momentum == 0 and wd == 0:
+                index_add(p.data, grad.indices, (-lr * sign) * grad.values)  # touched rows only
+                return
+            grad = grad.to_dense()  # as torch: sparse + dense (weight decay, momentum) is dense
+        else:
+            grad = grad.data
+        if sign < 0:
+            grad = -grad
+        if wd != 0:
+            grad = grad + wd * p.data
+        if momentum != 0:
+            state = self.state.setdefault(p, {})
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.copy()
+            else:
+                buf *= momentum
+                buf += (1 - group["dampening"]) * grad
+            grad = grad + momentum * buf if group["nesterov"] else buf
+        p.data -= lr * grad
