@@ -256,10 +256,10 @@ class MatmulBackward(Node):
         xp = array_module(g)
         a2 = a[None, :] if a.ndim == 1 else a
         b2 = b[:, None] if b.ndim == 1 else b
+        if b.ndim == 1:  # restore the axes numpy's matmul dropped for 1-D operands (b's first)
+            g = g[..., None]
         if a.ndim == 1:
-            g = xp.expand_dims(g, -2)
-        if b.ndim == 1:
-            g = xp.expand_dims(g, -1)
+            g = g[..., None, :]
         ga = gb = None
         if self.needs(0):
             ga = unbroadcast(g @ xp.swapaxes(b2, -1, -2), a2.shape).reshape(a.shape)

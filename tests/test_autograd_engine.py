@@ -1,0 +1,258 @@
+"""The engine: dependency order, AccumulateGrad, hooks, queue_callback, errors, graph walks, run_backward."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import distlab
+from distlab import autograd as ag
+from distlab import nn
+
+
+def leaf(*shape, seed=0):
+    return distlab.tensor(np.random.default_rng(seed).standard_normal(shape), requires_grad=True)
+
+
+def mlp(depth=3, width=4):
+    distlab.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width, dtype=np.float64) for _ in range(depth)])
+
+
+def test_leaf_used_twice_gets_one_summed_gradient_and_one_hook_call():
+    x = leaf(3)
+    calls = []
+    x.register_post_accumulate_grad_hook(lambda t: calls.append(t.grad.data.copy()))
+    (x * x + x).sum().backward()
+    np.testing.assert_allclose(x.grad.data, 2 * x.data + 1)
+    assert len(calls) == 1
+    np.testing.assert_allclose(calls[0], 2 * x.data + 1)
+
+
+def test_gradients_accumulate_across_backward_calls():
+    x = leaf(3)
+    (x * 2).sum().backward()
+    (x * 3).sum().backward()
+    np.testing.assert_allclose(x.grad.data, 5.0)
+
+
+def test_first_gradient_is_a_private_copy():
+    a, b = leaf(3), leaf(3, seed=1)
+    (a + b).backward(np.ones(3))  # AddBackward hands the same array to both leaves
+    assert not np.shares_memory(a.grad.data, b.grad.data)
+    a.grad.data[...] = 7.0
+    np.testing.assert_allclose(b.grad.data, 1.0)
+    g = np.full(3, 2.0)
+    c = leaf(3)
+    (c + 0.0).backward(g)
+    assert not np.shares_memory(c.grad.data, g)
+
+
+def test_post_accumulate_hooks_fire_once_per_leaf_in_ready_order():
+    model = mlp(depth=3)
+    order = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, name=name: order.append(name))
+    x = distlab.tensor(np.ones((2, 4)))
+    for _ in range(2):
+        order.clear()
+        model(x).sum().backward()
+        # the last layer's gradients are ready first; every parameter exactly once
+        assert order == ["2.weight", "2.bias", "1.weight", "1.bias", "0.weight", "0.bias"]
+
+
+def test_accumulate_grad_runs_as_soon_as_ready():
+    w1, w2 = leaf(4, 4), leaf(4, 4, seed=1)
+    events = []
+    w2.register_post_accumulate_grad_hook(lambda t: events.append("w2 ready"))
+    h = distlab.tensor(np.ones((1, 4))) @ w1
+    h.register_hook(lambda g: events.append("backward reached h"))
+    (h @ w2).sum().backward()
+    assert events == ["w2 ready", "backward reached h"]
+
+
+def test_register_hook_can_replace_gradient_and_be_removed():
+    x = leaf(3)
+    handle = x.register_hook(lambda g: g * 10)
+    (x * 2).sum().backward()
+    np.testing.assert_allclose(x.grad.data, 20.0)
+    handle.remove()
+    x.grad = None
+    (x * 2).sum().backward()
+    np.testing.assert_allclose(x.grad.data, 2.0)
+
+
+def test_hook_on_non_leaf_changes_upstream_gradient():
+    x = leaf(3)
+    y = x * 3
+    seen = []
+    y.register_hook(lambda g: seen.append(g.data.copy()) or g * 0.5)
+    y.sum().backward()
+    np.testing.assert_allclose(seen[0], 1.0)
+    np.testing.assert_allclose(x.grad.data, 1.5)
+
+
+def test_retain_grad_on_non_leaf():
+    x = leaf(3)
+    y = x * 3
+    y.retain_grad()
+    (y * 2).sum().backward()
+    np.testing.assert_allclose(y.grad.data, 2.0)
+
+
+def test_queue_callback_runs_after_all_hooks_once():
+    model = mlp(depth=2)
+    log = []
+
+    def hook(p):
+        log.append("hook")
+        if log.count("hook") == 1:
+            ag.queue_callback(lambda: log.append("final"))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    model(distlab.tensor(np.ones((2, 4)))).sum().backward()
+    assert log == ["hook"] * 4 + ["final"]
+
+
+def test_queue_callback_from_a_callback_and_outside_backward():
+    x = leaf(2)
+    log = []
+    x.register_post_accumulate_grad_hook(
+        lambda t: ag.queue_callback(lambda: (log.append(1), ag.queue_callback(lambda: log.append(2)))))
+    x.sum().backward()
+    assert log == [1, 2]
+    assert not ag.is_backward_running()
+    with pytest.raises(RuntimeError, match="only be called during a backward pass"):
+        ag.queue_callback(lambda: None)
+
+
+def test_backward_twice_through_freed_graph():
+    x = leaf(3)
+    y = (x * x).sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time.*retain_graph=True"):
+        y.backward()
+    z = (x * x).sum()
+    z.backward(retain_graph=True)
+    z.backward()
+    np.testing.assert_allclose(x.grad.data, 3 * 2 * x.data)
+
+
+def test_backward_errors_are_clear():
+    x = leaf(2, 3)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
+        (x * 2).backward()
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):
+        (x * 2).backward(np.ones((3, 2)))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        distlab.tensor([1.0, 2.0]).sum().backward()
+
+
+def test_deep_chain_does_not_recurse():
+    x = leaf(4)
+    y = x
+    for _ in range(3 * sys.getrecursionlimit()):
+        y = y * 1.0
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.data, 1.0)
+
+
+def test_no_grad_records_nothing():
+    x = leaf(3)
+    with distlab.no_grad():
+        y = x * 2
+    assert y.grad_fn is None and not y.requires_grad and y.is_leaf
+
+    @distlab.no_grad()
+    def f(t):
+        return t + 1
+
+    assert f(x).grad_fn is None
+    with distlab.no_grad():
+        with distlab.enable_grad():
+            assert (x * 2).requires_grad
+
+
+def test_detach_and_leaf_flags():
+    x = leaf(3)
+    y = x * 2
+    assert x.is_leaf and not y.is_leaf and y.grad_fn.name() == "MulBackward"
+    d = y.detach()
+    assert d.is_leaf and not d.requires_grad and np.shares_memory(d.data, y.data)
+    assert x.numel() == 3 and x.size() == (3,) and x.size(0) == 3 and x.numpy() is x.data
+
+
+def test_graph_walk_and_leaves_find_unused_parameters():
+    distlab.manual_seed(0)
+    used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
+    out = used(distlab.tensor(np.ones((1, 4), dtype=np.float32))).sum()
+    leaves = ag.graph_leaves([out])
+    assert leaves == {used.weight, used.bias}
+    assert not ({unused.weight, unused.bias} & leaves)
+    names = [n.name() for n in ag.walk_graph([out])]
+    assert names[:2] == ["SumBackward", "LinearBackward"] and names.count("AccumulateGrad") == 2
+    nexts = out.grad_fn.next_functions
+    assert nexts[0][0] is out.grad_fn.next_nodes[0] and nexts[0][1] == 0
+
+
+def test_run_backward_from_a_node_with_a_sink():
+    x, w = leaf(2, 3), leaf(3, 3, seed=1)
+    h = x @ w
+    out = h.tanh()
+    got = {}
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda t: fired.append(t))
+    ag.run_backward([out.grad_fn], [np.ones((2, 3))], retain_graph=True,
+                    accumulate=lambda t, g: got.__setitem__(id(t), g))
+    assert x.grad is None and w.grad is None and not fired
+    out.backward(np.ones((2, 3)))
+    np.testing.assert_allclose(got[id(x)], x.grad.data)
+    np.testing.assert_allclose(got[id(w)], w.grad.data)
+
+
+def test_run_backward_with_several_roots():
+    x = leaf(3)
+    a = x * 2
+    b = a * 3  # b depends on a: a must wait for b's contribution
+    ag.run_backward([a, b], [np.ones(3), np.ones(3)])
+    np.testing.assert_allclose(x.grad.data, 2 + 6)
+
+
+def test_autograd_grad_leaves_dot_grad_alone():
+    x, y = leaf(3), leaf(3, seed=1)
+    gx, gy = ag.grad((x * y).sum(), [x, y])
+    np.testing.assert_allclose(gx.data, y.data)
+    np.testing.assert_allclose(gy.data, x.data)
+    assert x.grad is None
+    with pytest.raises(RuntimeError, match="not have been used"):
+        ag.grad((x * 2).sum(), [x, y])
+
+
+def test_custom_nodes_as_send_and_recv_functions():
+    """A distributed engine's send/recv functions are Nodes at the edges of the local graph."""
+    received = []
+
+    class RecvBackward(ag.Node):  # stands for "a tensor that came from another worker"
+        __slots__ = ()
+
+        def apply(self, grad):
+            received.append(grad)  # a real one would send this gradient back to the sender
+            return ()
+
+    class SendBackward(ag.Node):  # a root: the engine starts here with a gradient that arrived from afar
+        __slots__ = ()
+
+        def apply(self, grad):
+            return (grad,)
+
+    z = distlab.Tensor._wrap(np.ones(3), RecvBackward(()))
+    (z * 5).sum().backward()
+    np.testing.assert_allclose(received[0], 5.0)
+
+    x = leaf(3)
+    y = x * 2
+    send = SendBackward((y.grad_fn,))
+    ag.run_backward([send], [np.full(3, 0.5)])
+    np.testing.assert_allclose(x.grad.data, 1.0)
