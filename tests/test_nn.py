@@ -1,0 +1,198 @@
+"""distlab.nn: module bookkeeping, initialisation, layers, sparse embeddings, and a small MLP that learns."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import distlab
+from distlab import autograd as ag
+from distlab import nn, optim
+from distlab.autograd import SparseGrad
+
+
+class Block(nn.Module):
+    def __init__(self, n_in):
+        super().__init__()
+        self.fc = nn.Linear(n_in, 4, seed=1)
+        self.norm = nn.LayerNorm(4)
+        self.register_buffer("steps", np.zeros(1))
+        self.register_buffer("scratch", np.zeros(2), persistent=False)
+
+    def forward(self, x):
+        return self.norm(self.fc(x)).relu()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(3), Block(4)])
+        self.head = nn.Linear(4, 2, bias=False, seed=2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_named_parameters_buffers_children():
+    net = Net()
+    names = [n for n, _ in net.named_parameters()]
+    assert names == ["blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.norm.weight", "blocks.0.norm.bias",
+                     "blocks.1.fc.weight", "blocks.1.fc.bias", "blocks.1.norm.weight", "blocks.1.norm.bias",
+                     "head.weight"]
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad and p.is_leaf for p in net.parameters())
+    assert [n for n, _ in net.named_buffers()] == ["blocks.0.steps", "blocks.0.scratch",
+                                                   "blocks.1.steps", "blocks.1.scratch"]
+    assert [n for n, _ in net.named_children()] == ["blocks", "head"]
+    assert len(list(net.modules())) == 1 + 1 + 2 * 3 + 1
+    assert net.head.bias is None
+
+
+def test_shared_parameter_listed_once():
+    a = nn.Linear(2, 2)
+    seq = nn.Sequential(a, nn.Tanh(), a)
+    assert len(list(seq.parameters())) == 2
+
+
+def test_state_dict_round_trip_and_errors():
+    net, other = Net(), Net()
+    for p in other.parameters():
+        p.data += 1.0
+    state = {k: v.copy() for k, v in net.state_dict().items()}
+    assert "blocks.0.steps" in state and "blocks.0.scratch" not in state
+    result = other.load_state_dict(state)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for (n, p), (_, q) in zip(net.named_parameters(), other.named_parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    with pytest.raises(RuntimeError, match="missing keys"):
+        other.load_state_dict({"head.weight": state["head.weight"]})
+    with pytest.raises(RuntimeError, match="size mismatch for head.weight"):
+        other.load_state_dict({**state, "head.weight": np.zeros((3, 3))})
+
+
+def test_zero_grad_train_eval_and_forward_hooks():
+    net = Net()
+    x = distlab.tensor(np.ones((2, 3), dtype=np.float32))
+    net(x).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+    net.zero_grad(set_to_none=False)
+    assert all(np.all(p.grad.data == 0) for p in net.parameters())
+    net.zero_grad()
+    assert all(p.grad is None for p in net.parameters())
+    net.eval()
+    assert not any(m.training for m in net.modules())
+    net.train()
+    assert all(m.training for m in net.modules())
+    seen = []
+    handle = net.head.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    net(x)
+    handle.remove()
+    net(x)
+    assert seen == [(2, 2)]
+
+
+def test_deterministic_init_and_bounds():
+    a, b = nn.Linear(64, 8, seed=5), nn.Linear(64, 8, seed=5)
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+    distlab.manual_seed(3)
+    c = nn.Linear(64, 8)
+    distlab.manual_seed(3)
+    d = nn.Linear(64, 8)
+    np.testing.assert_array_equal(c.weight.data, d.weight.data)
+    assert not np.array_equal(a.weight.data, c.weight.data)
+    bound = 1 / math.sqrt(64)  # kaiming_uniform(a=sqrt(5)) as torch
+    assert np.abs(c.weight.data).max() <= bound and np.abs(c.bias.data).max() <= bound
+    assert np.abs(c.weight.data).max() > 0.8 * bound
+    assert c.weight.dtype == np.float32
+
+
+def test_dropout_train_and_eval():
+    drop = nn.Dropout(0.5, seed=0)
+    x = distlab.tensor(np.ones((100, 100), dtype=np.float32))
+    y = drop(x)
+    assert 0.45 < (y.data == 0).mean() < 0.55 and set(np.unique(y.data)) <= {0.0, 2.0}
+    assert drop.eval()(x) is x
+
+
+def test_layer_norm_normalises():
+    ln = nn.LayerNorm(8)
+    x = distlab.tensor(np.random.default_rng(0).normal(3, 5, (4, 8)))
+    y = ln(x).data
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-6)
+    np.testing.assert_allclose(y.var(-1), 1, atol=1e-3)
+
+
+def test_losses_match_formulas():
+    logits = np.random.default_rng(0).standard_normal((5, 3))
+    target = np.array([0, 2, 1, 1, 0])
+    loss = nn.CrossEntropyLoss()(distlab.tensor(logits), target).item()
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    assert loss == pytest.approx(-logp[np.arange(5), target].mean())
+    y = np.ones((5, 3))
+    assert nn.MSELoss()(distlab.tensor(logits), y).item() == pytest.approx(((logits - 1) ** 2).mean())
+    assert nn.MSELoss(reduction="sum")(distlab.tensor(logits), y).item() == pytest.approx(((logits - 1) ** 2).sum())
+
+
+def embedding_grads(sparse, indices_list):
+    emb = nn.Embedding(10, 4, sparse=sparse, dtype=np.float64, seed=0)
+    for idx in indices_list:
+        (emb(idx) * np.arange(4.0)).sum().backward()
+    return emb.weight.grad
+
+
+def test_sparse_and_dense_embedding_gradients_agree():
+    batches = [np.array([[1, 3, 3], [0, 9, 1]]), np.array([3, 3, 7])]
+    dense = embedding_grads(False, batches)
+    sparse = embedding_grads(True, batches)
+    assert isinstance(sparse, SparseGrad) and not isinstance(dense, SparseGrad)
+    assert sparse.nnz() == 9 and not sparse.coalesced  # accumulation concatenates, as torch
+    np.testing.assert_allclose(sparse.to_dense(), dense.data)
+    co = sparse.coalesce()
+    assert co.indices.tolist() == [0, 1, 3, 7, 9] and co.coalesced
+    np.testing.assert_allclose(co.to_dense(), dense.data)
+    np.testing.assert_allclose(co.values[co.indices.tolist().index(3)], 4 * np.arange(4.0))
+
+
+def test_sparse_embedding_hooks_and_padding():
+    emb = nn.Embedding(5, 2, padding_idx=0, sparse=True, seed=0)
+    assert np.all(emb.weight.data[0] == 0)
+    fired = []
+    emb.weight.register_post_accumulate_grad_hook(lambda p: fired.append(type(p.grad).__name__))
+    emb(np.array([0, 2, 0])).sum().backward()
+    assert fired == ["SparseGrad"]
+    np.testing.assert_allclose(emb.weight.grad.to_dense()[0], 0)
+    np.testing.assert_allclose(emb.weight.grad.to_dense()[2], 1)
+    assert ag.grad(emb(np.array([4])).sum(), emb.weight).to_dense()[4].tolist() == [1.0, 1.0]
+
+
+def spiral(n_per_class=100, classes=3, seed=0):
+    """Three interleaved spirals in 2-D: not linearly separable, learnable by a small MLP."""
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for c in range(classes):
+        r = np.linspace(0.05, 1.0, n_per_class)
+        t = np.linspace(c * 4.0, (c + 1) * 4.0, n_per_class) + rng.normal(0, 0.15, n_per_class)
+        xs.append(np.c_[r * np.sin(t), r * np.cos(t)])
+        ys.append(np.full(n_per_class, c))
+    return np.concatenate(xs).astype(np.float32), np.concatenate(ys)
+
+
+def test_mlp_learns_spirals():
+    x, y = spiral()
+    distlab.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = optim.Adam(model.parameters(), lr=0.02)
+    loss_fn = nn.CrossEntropyLoss()
+    order = np.random.default_rng(0)
+    for epoch in range(60):
+        perm = order.permutation(len(x))
+        for i in range(0, len(x), 50):  # batches of 50 keep BLAS single-threaded (fast on a loaded machine)
+            b = perm[i:i + 50]
+            opt.zero_grad()
+            loss_fn(model(distlab.tensor(x[b])), y[b]).backward()
+            opt.step()
+    with distlab.no_grad():
+        accuracy = (model(distlab.tensor(x)).data.argmax(1) == y).mean()
+    assert accuracy >= 0.95
