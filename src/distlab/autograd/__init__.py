@@ -18,7 +18,8 @@ from .engine import compute_dependencies, graph_leaves, is_backward_running, que
 from .function import Function, FunctionCtx
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .gradcheck import gradcheck, numerical_grad
-from .node import AccumulateGrad, Node, RemovableHandle
+from .accumulate_grad import AccumulateGrad
+from .node import Node, RemovableHandle
 from .ops import abs, add, div, exp, log, matmul, mul, neg, pow, relu, sigmoid, sqrt, sub, tanh
 from .shape_ops import concatenate, getitem, log_softmax, mean, reshape, softmax, stack, sum, transpose
 from .sparse import SparseGrad

@@ -19,8 +19,10 @@ from __future__ import annotations
 import heapq
 import threading
 
-from .node import FREED_GRAPH_MESSAGE, AccumulateGrad, Node, run_tensor_hooks
+from .accumulate_grad import AccumulateGrad, run_tensor_hooks
+from .node import FREED_GRAPH_MESSAGE, Node
 from .sparse import add_grads
+from .tensor import Tensor
 
 __all__ = ["run_backward", "queue_callback", "compute_dependencies", "walk_graph", "graph_leaves",
            "is_backward_running"]
@@ -87,8 +89,6 @@ def compute_dependencies(roots) -> dict:
 
 def walk_graph(outputs):
     """Yield every node reachable from ``outputs`` (Tensors or Nodes) once, breadth first."""
-    from .tensor import Tensor
-
     frontier = []
     for out in outputs:
         node = out._grad_node() if isinstance(out, Tensor) else out

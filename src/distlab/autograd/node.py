@@ -2,7 +2,7 @@
 
 Every differentiable operation creates one :class:`Node` for its output. A node knows the nodes that produced
 its inputs (``next_nodes``, torch's ``next_edges``), and ``apply(grad)`` maps the gradient of its output to one
-gradient per input. Leaves end in an :class:`AccumulateGrad` node that writes ``tensor.grad``.
+gradient per input. Leaves end in an ``AccumulateGrad`` node (accumulate_grad.py) that writes ``tensor.grad``.
 
 Gradients travel through the engine as raw arrays (numpy/cupy ndarrays or :class:`SparseGrad`), never as
 Tensors: wrapping every intermediate gradient would double the per-node cost. Hooks see Tensors.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "FREED_GRAPH_MESSAGE"]
+__all__ = ["Node", "RemovableHandle", "add_hook", "FREED_GRAPH_MESSAGE"]
 
 #: Creation order of nodes. The engine runs ready nodes newest first, like torch's ``sequence_nr``.
 _sequence = itertools.count()
@@ -110,75 +110,3 @@ class Node:
 
     def __repr__(self):
         return f"<{self.name()} seq={self.seq}>"
-
-
-class AccumulateGrad(Node):
-    """The sink node of a leaf tensor: accumulates the incoming gradient into ``variable.grad``.
-
-    Mirrors torch/csrc/autograd/functions/accumulate_grad.h. Its ``seq`` is infinite so the engine runs it as
-    soon as it is ready: a parameter's gradient is published (and its post-accumulate hooks fire) the moment it
-    is complete, which is what lets DDP start a bucket's allreduce during backward.
-
-    One AccumulateGrad exists per leaf while a graph uses it (the tensor keeps a weak reference and the graph
-    keeps it alive), so a leaf used twice still gets one summed gradient and one hook call per backward.
-    """
-
-    __slots__ = ("variable",)
-
-    def __init__(self, variable):
-        super().__init__(())
-        self.seq = float("inf")
-        self.variable = variable
-
-    def apply(self, grad):
-        self.accumulate(grad, True)
-        return ()
-
-    def accumulate(self, grad, sink=True) -> None:
-        """Run the leaf's tensor hooks, then deliver ``grad``.
-
-        ``sink`` is True to accumulate into ``.grad`` and fire the post-accumulate-grad hooks, or a callable
-        ``sink(tensor, grad)`` that receives the gradient instead (distributed autograd's context).
-        """
-        var = self.variable
-        if var._hooks:
-            grad = run_tensor_hooks(var._hooks, grad)
-        if sink is not True:
-            sink(var, grad)
-            return
-        accumulate_into(var, grad)
-        if var._post_acc_hooks:
-            for hook in tuple(var._post_acc_hooks.values()):
-                hook(var)
-
-
-def run_tensor_hooks(hooks: dict, grad):
-    """Call each ``hook(grad_tensor)`` in registration order; a non-None return value replaces the gradient."""
-    from .tensor import Tensor, _as_array
-
-    for hook in tuple(hooks.values()):
-        arg = grad if getattr(grad, "is_sparse", False) else Tensor._wrap(grad)
-        result = hook(arg)
-        if result is not None:
-            grad = _as_array(result)
-    return grad
-
-
-def accumulate_into(var, grad) -> None:
-    """AccumulateGrad semantics: the first gradient is stored as a private copy, later ones are added.
-
-    The copy matters: a gradient array may be shared (``a + b`` passes the same array to both inputs), and the
-    DDP reducer later writes bucket results into ``.grad`` in place, which must not leak into other tensors.
-    Later gradients are added in place, as torch does when grad mode is off.
-    """
-    from .sparse import SparseGrad, add_grads
-    from .tensor import Tensor
-
-    old = var.grad
-    if old is None:
-        var.grad = grad.clone() if isinstance(grad, SparseGrad) else Tensor._wrap(grad.copy())
-    elif isinstance(old, SparseGrad) or isinstance(grad, SparseGrad):
-        new = add_grads(old if isinstance(old, SparseGrad) else old.data, grad)
-        var.grad = new if isinstance(new, SparseGrad) else Tensor._wrap(new)
-    else:
-        old.data += grad

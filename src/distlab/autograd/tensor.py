@@ -12,7 +12,7 @@ import numpy as np
 
 from . import grad_mode
 from ._array import array_module, is_cupy, to_numpy
-from .node import AccumulateGrad, add_hook
+from .node import add_hook
 
 __all__ = ["Tensor", "tensor"]
 
@@ -163,7 +163,7 @@ class Tensor:
             return None
         node = self._accumulator() if self._accumulator is not None else None
         if node is None:
-            node = AccumulateGrad(self)
+            node = _accumulate_grad.AccumulateGrad(self)
             self._accumulator = weakref.ref(node)
         return node
 
@@ -177,9 +177,7 @@ class Tensor:
         retain_graph : bool
             Keep the saved values so backward can run through this graph again.
         """
-        from .engine import run_backward
-
-        run_backward([self], [_check_gradient(self, gradient)], retain_graph=retain_graph)
+        _engine.run_backward([self], [_check_gradient(self, gradient)], retain_graph=retain_graph)
 
     def register_hook(self, hook) -> "RemovableHandle":  # noqa: F821
         """Register ``hook(grad) -> Tensor or None``, called with this tensor's gradient before it is used.
@@ -290,5 +288,8 @@ def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
     return Tensor(xp.array(data, dtype=dtype), requires_grad=requires_grad)
 
 
-from . import ops as _ops  # noqa: E402  (ops imports Tensor; resolved at call time)
+# These modules import Tensor back; bound here, looked up at call time.
+from . import accumulate_grad as _accumulate_grad  # noqa: E402
+from . import engine as _engine  # noqa: E402
+from . import ops as _ops  # noqa: E402
 from . import shape_ops as _shape_ops  # noqa: E402

@@ -35,33 +35,36 @@ class SGD(Optimizer):
         """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
+            hyper = (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                     group["nesterov"], group["maximize"])
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group)
+                    self._update(p, *hyper)
         return loss
 
-    def _update(self, p, group) -> None:
-        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+    def _update(self, p, lr, momentum, dampening, wd, nesterov, maximize) -> None:
         grad = p.grad
-        sign = -1.0 if group["maximize"] else 1.0
         if isinstance(grad, SparseGrad):
             if momentum == 0 and wd == 0:
-                index_add(p.data, grad.indices, (-lr * sign) * grad.values)  # touched rows only
+                scale = lr if maximize else -lr
+                index_add(p.data, grad.indices, scale * grad.values)  # touched rows only
                 return
             grad = grad.to_dense()  # as torch: sparse + dense (weight decay, momentum) is dense
         else:
             grad = grad.data
-        if sign < 0:
+        if maximize:
             grad = -grad
         if wd != 0:
             grad = grad + wd * p.data
         if momentum != 0:
-            state = self.state.setdefault(p, {})
+            state = self.state.get(p)
+            if state is None:
+                state = self.state[p] = {}
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = grad.copy()
             else:
                 buf *= momentum
-                buf += (1 - group["dampening"]) * grad
-            grad = grad + momentum * buf if group["nesterov"] else buf
+                buf += (1 - dampening) * grad if dampening else grad
+            grad = grad + momentum * buf if nesterov else buf
         p.data -= lr * grad
