@@ -51,6 +51,7 @@ def twin(component: str):
 
 
 fingerprint = twin("fingerprint")
+rref = twin("rref")
 
 
 @pytest.fixture(scope="session")

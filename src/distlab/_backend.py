@@ -28,6 +28,7 @@ IMPLS = ("reference", "core")
 #: component name -> (reference module, core module). Add a line here when a component gains its twins.
 COMPONENTS: dict[str, tuple[str, str]] = {
     "fingerprint": ("distlab.reference.fingerprint", "distlab.core._fingerprint"),
+    "rref": ("distlab.reference.rref", "distlab.core._rref"),
 }
 
 BUILD_HINT = (

@@ -1,7 +1,303 @@
-"""RRef glue (stub while the protocol lands)."""
-def attach(agent):
-    pass
-def detach(agent, check_leaks=True):
+"""The public ``RRef`` and the glue between the RPC agent and the active twin's RRef context.
+
+The protocol itself (ids, fork data, owner and user RRefs, the context with G1 and G2) is twinned:
+``distlab.reference.rref`` / ``distlab.core._rref``, chosen by ``distlab._backend.load("rref")``. This module
+wires the context to the agent: its control messages become agent requests (answered inline on the listener),
+RRefs inside arguments and return values are forked through the framing's fork hook, and the ``remote_call`` /
+``rref_fetch`` handlers run user functions into OwnerRRefs and serve ``to_here``.
+
+Deletion is deterministic: dropping the last Python reference to a user's ``RRef`` releases it (CPython
+reference counting), and graceful shutdown deletes every remaining UserRRef explicitly.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+
+from distlab import _backend
+from distlab._wire import RPC_KIND_CODES
+from distlab.errors import DistTimeoutError, RpcError, RRefError
+from distlab.futures import Future
+
+from . import framing
+
+__all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
+
+K_REMOTE = RPC_KIND_CODES["remote_call"]
+K_FETCH = RPC_KIND_CODES["rref_fetch"]
+K_CONTROL = (RPC_KIND_CODES["user_delete"], RPC_KIND_CODES["fork_request"], RPC_KIND_CODES["child_accept"])
+
+_ctx = None
+_agent = None
+_impl_module = None
+
+
+def get_context():
+    """The active RRef context (RpcError when RPC is not running)."""
+    if _ctx is None:
+        raise RpcError("distlab.rpc is not initialized on this worker (call init_rpc first, or it was shut down)")
+    return _ctx
+
+
+def _gid(key):
+    return _impl_module.GloballyUniqueId(key[0], key[1])
+
+
+class RRef:
+    """A reference to a value owned by some worker (``RRef(value)`` makes a local one, owned here).
+
+    Methods mirror ``torch.distributed.rpc.RRef``: :meth:`to_here`, :meth:`local_value`, :meth:`owner`,
+    :meth:`owner_name`, :meth:`is_owner`, :meth:`confirmed_by_owner`, and the proxies :meth:`rpc_sync`,
+    :meth:`rpc_async`, :meth:`remote` (``rref.rpc_sync().method(*args)`` runs ``method`` on the owner).
+    """
+
+    __slots__ = ("_r", "_deadline", "__weakref__")
+
+    def __init__(self, value):
+        self._r = get_context().create_owner_rref(value)
+        self._deadline = None
+
+    @classmethod
+    def _wrap(cls, impl, deadline=None):
+        obj = cls.__new__(cls)
+        obj._r = impl
+        obj._deadline = deadline
+        return obj
+
+    def is_owner(self) -> bool:
+        """True on the owner."""
+        return self._r.is_owner()
+
+    def owner(self):
+        """The owner's WorkerInfo."""
+        from .api import get_agent
+
+        return get_agent().worker_info(self._r.owner())
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner knows this reference (always True on the owner)."""
+        return self._r.confirmed_by_owner()
+
+    def local_value(self):
+        """The value, on the owner only (waits for a ``remote`` still running; raises its error)."""
+        if not self._r.is_owner():
+            raise RRefError(f"local_value() can only be called on the owner; {self._r!r} is owned by worker "
+                            f"{self._r.owner()}")
+        return self._r.get_value(None)
+
+    def to_here(self, timeout=None):
+        """Copy the value here (blocking, bounded by ``timeout`` seconds, default the RPC timeout)."""
+        r = self._r
+        if r.is_owner():
+            return r.get_value(timeout)
+        if not r.confirmed_by_owner() and self._deadline is not None and time.monotonic() > self._deadline:
+            r.timed_out = True
+        r.check_usable("to_here()")
+        from .api import get_agent
+
+        return get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
+
+    def rpc_sync(self, timeout=None):
+        """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``."""
+        from .api import rpc_sync
+
+        return _Proxy(self, rpc_sync, timeout)
+
+    def rpc_async(self, timeout=None):
+        """Proxy like :meth:`rpc_sync` returning Futures."""
+        from .api import rpc_async
+
+        return _Proxy(self, rpc_async, timeout)
+
+    def remote(self, timeout=None):
+        """Proxy like :meth:`rpc_sync` returning RRefs."""
+        return _Proxy(self, remote, timeout)
+
+    def __reduce__(self):
+        hook = framing.fork_hook()
+        if hook is None:
+            raise pickle.PicklingError("an RRef can only be pickled by distlab.rpc while it is being sent")
+        return framing.rref_reduce(hook(self._r))
+
+    def __del__(self):
+        r = getattr(self, "_r", None)
+        ctx = _ctx
+        if r is not None and ctx is not None and not r.is_owner():
+            try:
+                ctx.release_user(r)
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+    def __repr__(self):
+        return repr(self._r)
+
+
+class _Proxy:
+    __slots__ = ("_rref", "_fn", "_timeout")
+
+    def __init__(self, rref, fn, timeout):
+        self._rref, self._fn, self._timeout = rref, fn, timeout
+
+    def __getattr__(self, name):
+        rref, fn, timeout = self._rref, self._fn, self._timeout
+
+        def call(*args, **kwargs):
+            return fn(rref._r.owner(), _invoke_method, (rref, name, args, kwargs), timeout=timeout)
+
+        return call
+
+
+def _invoke_method(rref, name, args, kwargs):
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+# -- agent glue ---------------------------------------------------------------------------------------------------
+def _fork_receiver(forks):
+    resolved = [None] * len(forks)
+    waits = []
+    for i, data in enumerate(forks):
+        r, fut = _ctx.receive_fork(tuple(data))
+        if r is not None:
+            resolved[i] = RRef._wrap(r)
+            if fut is not None:
+                waits.append(fut)
+        elif fut.done():
+            resolved[i] = RRef._wrap(fut.value())
+        else:
+            waits.append(fut.then(lambda f, i=i: resolved.__setitem__(i, RRef._wrap(f.value()))))
+    return resolved, waits
+
+
+def _handle_remote(src, payload, meta):
+    rid, fid, func, args, kwargs = payload
+    owner = _ctx.handle_remote_call(_gid(rid), _gid(fid))
+    try:
+        value = func(*args, **kwargs) if kwargs else func(*args)
+    except BaseException as exc:  # noqa: BLE001 - the error is the RRef's value (to_here re-raises it remotely)
+        owner.set_error(exc)
+        return None
+    owner.set_value(value)
     return None
-def graceful_delete(agent, timeout):
-    pass
+
+
+def _handle_fetch(src, payload, meta):
+    owner_fut = _ctx.get_owner_rref(_gid(payload))
+    result = Future(description=f"to_here of {payload}")
+
+    def with_owner(f):
+        exc = f.exception()
+        if exc is not None:
+            result.set_exception(exc)
+            return
+        f.value().get_future().add_done_callback(
+            lambda v: result.set_exception(v.exception()) if v.exception() is not None
+            else result.set_result(v.value()))
+
+    owner_fut.add_done_callback(with_owner)
+    return result
+
+
+def _handle_control(src, payload, meta):
+    from .agent import current_call
+
+    return _ctx.handle(src, current_call().kind, payload)
+
+
+def attach(agent) -> None:
+    """Create this worker's RRef context (active twin) and register the RRef handlers on ``agent``."""
+    global _ctx, _agent, _impl_module
+    _impl_module = _backend.load("rref")
+    _agent = agent
+
+    def send(dst, kind, payload):
+        return agent.send(dst, kind, payload, inline=True)
+
+    _ctx = _impl_module.RRefContext(agent.rank, send)
+    agent.fork_hook = _ctx.prepare_child_fork
+    agent.fork_receiver = _fork_receiver
+    agent.register_handler(K_REMOTE, _handle_remote, _internal=True)
+    agent.register_handler(K_FETCH, _handle_fetch, inline=True, _internal=True)
+    for kind in K_CONTROL:
+        agent.register_handler(kind, _handle_control, inline=True, _internal=True)
+
+
+def remote(to, func, args=(), kwargs=None, timeout=None):
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return an RRef to the result at once.
+
+    If the owner has not acknowledged the creation within ``timeout`` seconds (default the RPC timeout),
+    ``to_here`` raises RRefCreationTimeoutError.
+    """
+    from .api import _call_payload, get_agent
+
+    agent = get_agent()
+    ctx = _ctx
+    dst = agent.worker_info(to).id
+    func_v, args, kwargs = _call_payload(func, args, kwargs)
+    r, rid, fid = ctx.create_remote(dst)
+    timeout = agent.rpc_timeout if timeout is None else timeout
+    rref = RRef._wrap(r, time.monotonic() + timeout if timeout and timeout > 0 else None)
+    try:
+        fut = agent.send(dst, K_REMOTE, (rid.key(), fid.key(), func_v, args, kwargs), timeout=0,
+                         inline=getattr(func, "__distlab_rpc_cheap__", False))
+    except BaseException as exc:
+        _remote_done(ctx, r, rid, exc)
+        raise
+    fut.add_done_callback(lambda f: _remote_done(ctx, r, rid, f.exception()))
+    return rref
+
+
+def _remote_done(ctx, r, rid, exc):
+    if not r.is_owner():
+        ctx.finish_remote(r, exc)
+    elif exc is not None:
+        ctx.del_fork_of_owner(rid, rid)
+        if not r.has_value():
+            r.set_error(exc)
+
+
+def rref_debug_info() -> dict:
+    """Counts of the RRef context: owner RRefs, pending futures, pending users, forks, pending children..."""
+    return get_context().debug_info()
+
+
+def _wait_for(ctx, predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    with ctx.cond:
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistTimeoutError(f"rpc shutdown on worker {_agent.info.name!r}: {what} after {timeout:g} s; "
+                                       f"state {ctx.debug_info()}", op="rpc shutdown", timeout=timeout)
+            ctx.cond.wait(min(remaining, 0.05))
+
+
+def graceful_delete(agent, timeout: float) -> None:
+    """Graceful shutdown, RRef part: wait for pending users and children, delete every confirmed UserRRef,
+    drop never-forked owners, wait until no owner remains (mirrors delAllUsersAndUnforkedOwners)."""
+    ctx = _ctx
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(deadline - time.monotonic(), 1e-3)
+        _wait_for(ctx, lambda: not ctx.has_pending(), left, "UserRRefs still await their owners' confirmation")
+        ctx.delete_all_users()
+        ctx.drop_unforked_owners()
+        left = max(deadline - time.monotonic(), 1e-3)
+        _wait_for(ctx, lambda: ctx.idle() or ctx.has_pending() or ctx.debug_info()["num_confirmed_users"], left,
+                  "OwnerRRefs are still referenced by other workers")
+        if ctx.idle():
+            return
+
+
+def detach(agent, check_leaks=True):
+    """Forget the context; return its leak error (or None)."""
+    global _ctx, _agent
+    ctx = _ctx
+    _ctx = None
+    _agent = None
+    if ctx is None or not check_leaks:
+        return None
+    return ctx.check_leaks()
