@@ -49,6 +49,29 @@ def test_first_gradient_is_a_private_copy():
     assert not np.shares_memory(c.grad.data, g)
 
 
+def test_gradient_seen_by_a_hook_is_never_stored_as_grad():
+    x = leaf(3)
+    kept = []
+    y = x + 0.0  # AddBackward passes the gradient array through unchanged
+    y.register_hook(lambda g: kept.append(g))
+    (y * 2).sum().backward()
+    assert not np.shares_memory(x.grad.data, kept[0].data)
+    w = leaf(2, 2)
+    w.register_hook(lambda g: kept.append(g))
+    (w @ np.ones((2, 1))).sum().backward()
+    assert not np.shares_memory(w.grad.data, kept[-1].data)
+
+
+def test_fresh_gradient_is_stored_without_a_copy_as_torch_steals_it():
+    distlab.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    seen = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.data))
+    lin(distlab.tensor(np.ones((4, 3), dtype=np.float32))).sum().backward()
+    assert lin.weight.grad.data is seen[0] and lin.weight.grad.data.flags.c_contiguous
+    assert lin.weight.grad.dtype == np.float32
+
+
 def test_post_accumulate_hooks_fire_once_per_leaf_in_ready_order():
     model = mlp(depth=3)
     order = []

@@ -17,6 +17,7 @@ The loop is iterative, so a 1000-layer chain does not touch Python's recursion l
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
@@ -34,6 +35,15 @@ class _Tasks(threading.local):
 
 
 _tasks = _Tasks()
+
+
+def _owned_refcount() -> int:
+    """What ``sys.getrefcount`` reports for an array held by one local variable only (see ``_execute``)."""
+    grad = bytearray(1)
+    return sys.getrefcount(grad)
+
+
+_OWNED_REFS = _owned_refcount()
 
 
 class GraphTask:
@@ -168,7 +178,9 @@ def _execute(task, ready, buffers, deps, order) -> None:
         if grad is None:
             outputs = ()  # nothing flowed in: dependents still need their counts decremented
         elif isinstance(node, AccumulateGrad):
-            node.accumulate(grad, sink)
+            outputs = g = None  # drop our other references so that the count below is exact
+            owned = sys.getrefcount(grad) <= _OWNED_REFS  # only `grad` refers to it: no one else can alias it
+            node.accumulate(grad, sink, owned)
             continue
         else:
             if node.freed:
