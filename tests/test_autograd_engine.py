@@ -173,6 +173,23 @@ def test_backward_errors_are_clear():
         distlab.tensor([1.0, 2.0]).sum().backward()
 
 
+def test_sparse_gradient_accumulates_in_place_into_a_dense_grad():
+    w = leaf(4, 2)
+    w.grad = distlab.Tensor(np.zeros((4, 2)))
+    bucket_view = w.grad.data
+    ag.run_backward([w], [ag.SparseGrad(np.array([1, 1]), np.ones((2, 2)), (4, 2))])
+    assert w.grad.data is bucket_view
+    np.testing.assert_allclose(bucket_view[1], 2.0)
+
+
+def test_backward_runs_with_grad_mode_off():
+    x = leaf(2)
+    modes = []
+    x.register_post_accumulate_grad_hook(lambda t: modes.append(ag.is_grad_enabled()))
+    (x * 2).sum().backward()
+    assert modes == [False] and ag.is_grad_enabled()
+
+
 def test_deep_chain_does_not_recurse():
     x = leaf(4)
     y = x

@@ -1,6 +1,7 @@
 """AccumulateGrad: the sink node of a leaf tensor (mirrors torch/csrc/autograd/functions/accumulate_grad.h)."""
 from __future__ import annotations
 
+from ._array import index_add
 from .node import Node
 from .sparse import SparseGrad, add_grads
 from .tensor import Tensor, _as_array
@@ -78,8 +79,10 @@ def accumulate_into(var, grad, owned: bool = False) -> None:
             var.grad = Tensor._wrap(grad)
         else:
             var.grad = Tensor._wrap(grad.astype(var.data.dtype, order="C", copy=True))
-    elif isinstance(old, SparseGrad) or isinstance(grad, SparseGrad):
-        new = add_grads(old if isinstance(old, SparseGrad) else old.data, grad)
+    elif isinstance(old, SparseGrad):
+        new = add_grads(old, grad)  # sparse + sparse stays sparse (concatenated); + dense becomes dense
         var.grad = new if isinstance(new, SparseGrad) else Tensor._wrap(new)
+    elif isinstance(grad, SparseGrad):
+        index_add(old.data, grad.indices, grad.values)  # in place: .grad may be a view into a DDP bucket
     else:
         old.data += grad

@@ -20,6 +20,7 @@ import heapq
 import sys
 import threading
 
+from . import grad_mode
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
 from .node import FREED_GRAPH_MESSAGE, Node
 from .sparse import add_grads
@@ -150,6 +151,8 @@ def run_backward(roots, grad_roots, retain_graph: bool = False, accumulate=True)
     """
     task = GraphTask(retain_graph, accumulate)
     _tasks.stack.append(task)
+    grad_was_enabled = grad_mode._state.enabled
+    grad_mode._state.enabled = False  # backward records nothing (torch: grad mode = create_graph = False)
     try:
         buffers = {}
         for root, grad in zip(roots, grad_roots):
@@ -165,6 +168,7 @@ def run_backward(roots, grad_roots, retain_graph: bool = False, accumulate=True)
         _execute(task, ready, buffers, deps, order)
         _run_callbacks(task)
     finally:
+        grad_mode._state.enabled = grad_was_enabled
         _tasks.stack.pop()
 
 
