@@ -8,6 +8,8 @@ from .tensor import Tensor, _as_array
 
 __all__ = ["AccumulateGrad", "accumulate_into", "run_tensor_hooks"]
 
+_INF = float("inf")
+
 
 class AccumulateGrad(Node):
     """The sink node of a leaf tensor: accumulates the incoming gradient into ``variable.grad``.
@@ -23,8 +25,12 @@ class AccumulateGrad(Node):
     __slots__ = ("variable",)
 
     def __init__(self, variable):
-        super().__init__(())
-        self.seq = float("inf")
+        # Node.__init__ inlined: one is created per parameter per forward pass
+        self.next_nodes = ()
+        self.seq = _INF
+        self.saved = None
+        self.pre_hooks = None
+        self.freed = False
         self.variable = variable
 
     def apply(self, grad):

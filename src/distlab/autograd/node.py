@@ -74,7 +74,7 @@ class Node:
     __slots__ = ("next_nodes", "seq", "saved", "pre_hooks", "freed", "__weakref__")
 
     def __init__(self, next_nodes=(), saved=None):
-        self.next_nodes = tuple(next_nodes)
+        self.next_nodes = next_nodes if type(next_nodes) is tuple else tuple(next_nodes)
         self.seq = next(_sequence)
         self.saved = saved
         self.pre_hooks = None

@@ -37,14 +37,22 @@ def needs_grad(*inputs) -> bool:
 def edge(x):
     """The node that will receive ``x``'s gradient (its grad_fn or AccumulateGrad), or None."""
     if isinstance(x, Tensor) and x.requires_grad:
-        return x.grad_fn if x.grad_fn is not None else x._grad_node()
+        fn = x.grad_fn
+        return fn if fn is not None else x._grad_node()
     return None
 
 
 def record(data, node_cls, inputs, saved=None) -> Tensor:
-    """Wrap ``data`` as the output of an op; record ``node_cls(edges, saved)`` if a gradient is needed."""
-    if needs_grad(*inputs):
-        return Tensor._wrap(data, node_cls(tuple(edge(x) for x in inputs), saved))
+    """Wrap ``data`` as the output of an op; record ``node_cls(edges, saved)`` if a gradient is needed.
+
+    This is the hot path of every forward op (torch's ``collect_next_edges`` + ``set_history``): one pass over
+    the inputs builds the edges, and a node is created only if one of them is not None.
+    """
+    if grad_mode._state.enabled:
+        edges = tuple([edge(x) for x in inputs])
+        for e in edges:
+            if e is not None:
+                return Tensor._wrap(data, node_cls(edges, saved))
     return Tensor._wrap(data)
 
 
