@@ -49,7 +49,7 @@ def test_command_line_launcher(tmp_path):
     import sys
 
     script = tmp_path / "hello.py"
-    script.write_text("import os, sys\nprint('hello from', os.environ['RANK'], sys.argv[1])\n"
+    script.write_text("import os, sys\nsys.stdout.write(f\"hello from {os.environ['RANK']} {sys.argv[1]}\\n\")\n"
                       "sys.exit(0)\n")
     done = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script), "x"],
                           capture_output=True, text=True, timeout=120)

@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import threading
+import itertools
 import time
 import weakref
 
@@ -70,15 +71,17 @@ def debug_level() -> str:
 class Work:
     """Handle on an operation in flight (``torch.distributed.Work``).
 
-    An operation runs as *stages*: a generator that starts an MPI request, yields it, and continues (maybe
-    starting another request, e.g. sizes then payload) once that request completes; its return value is the
-    result. ``wait`` and ``is_completed`` push the stages forward.
+    Most operations are one MPI request plus an optional ``finish`` step run once it completes (divide for
+    ``avg``, copy a staged device array back). Operations needing several requests in sequence (objects: sizes,
+    then payload) pass ``stages``, a generator that yields each request and returns the result.
+    ``wait`` and ``is_completed`` push the operation forward.
     """
 
-    __slots__ = ("group", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_done", "_exception",
-                 "_result", "_future", "_start_us", "__weakref__")
+    __slots__ = ("group", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_finish_step", "_done",
+                 "_exception", "_result", "_future", "_start_us", "__weakref__")
 
-    def __init__(self, group: "ProcessGroup", op: str, seq: int, name, nbytes: int, stages, peer=None):
+    def __init__(self, group: "ProcessGroup", op: str, seq: int, name, nbytes: int, request=None, finish=None,
+                 result=None, peer=None, stages=None, start_us: float = 0.0):
         self.group = group
         self.op = op
         self.seq = seq
@@ -86,30 +89,37 @@ class Work:
         self.nbytes = nbytes
         self.peer = peer
         self._stages = stages
-        self._request = None
+        self._request = request
+        self._finish_step = finish
         self._done = False
         self._exception: BaseException | None = None
-        self._result = None
+        self._result = result
         self._future: Future | None = None
-        self._start_us = now_us() if group._timeline.enabled else 0.0
-        self._next_stage(None)
+        self._start_us = start_us
+        if stages is not None:
+            self._request_done()  # start the first stage
 
-    def _next_stage(self, _completed) -> None:
+    def _request_done(self) -> None:
+        """The current request completed: start the next stage, or run the finish step and complete."""
         try:
-            self._request = next(self._stages)
-        except StopIteration as stop:
-            self._finish(stop.value, None)
-        except Exception as exc:  # noqa: BLE001 - a failed stage fails the work, it is raised by wait()
-            self._finish(None, exc)
+            if self._stages is not None:
+                try:
+                    self._request = self._stages.send(None)
+                    return
+                except StopIteration as stop:
+                    self._result = stop.value
+            elif self._finish_step is not None:
+                self._finish_step()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails the work; wait() raises it
+            self._complete(exc)
+            return
+        self._complete(None)
 
-    def _finish(self, result, exception) -> None:
-        self._done, self._result, self._exception, self._request = True, result, exception, None
+    def _complete(self, exception) -> None:
+        self._done, self._exception, self._request = True, exception, None
         self.group._pending.discard(self)
-        timeline = self.group._timeline
-        if timeline.enabled:
-            label = f"{self.op} {self.name}" if self.name else self.op
-            timeline.complete(label, self._start_us, cat="comm", lane=f"comm {self.group.name}",
-                              args={"seq": self.seq, "bytes": self.nbytes, "op": self.op})
+        if self._start_us:
+            self.group._record(self.op, self.name, self.seq, self.nbytes, self._start_us)
         if self._future is not None:
             self._complete_future()
 
@@ -122,12 +132,12 @@ class Work:
             self._future.set_result(self._result)
 
     def _poll(self) -> bool:
-        """Test the current request and move to the next stage while requests complete. True when done."""
+        """Test the current request and move on while requests complete. True when done."""
         if self._done:
             return True
         with self.group._lock:
             while not self._done and self._request.Test():
-                self._next_stage(self._request)
+                self._request_done()
         return self._done
 
     def is_completed(self) -> bool:
@@ -137,7 +147,8 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation completes; raise its error, or DistTimeoutError after ``timeout`` s."""
         if not self._poll():
-            self.group._wait_for(self, self.group.timeout if timeout is None else timeout)
+            self.group._spin(self._poll, self.group.timeout if timeout is None else timeout,
+                             self.op, self.seq, self.name, self.nbytes, self.peer)
         if self._exception is not None:
             raise self._exception
         return True
@@ -200,10 +211,12 @@ class ProcessGroup:
         self.name = name or "world"
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self._seq = 0
+        self._next_seq = itertools.count(1).__next__  # atomic under the GIL: no lock on the hot path
         self._lock = threading.RLock()
         self._broken: str | None = None
-        self._pending: weakref.WeakSet[Work] = weakref.WeakSet()
+        self._pending: set[Work] = set()  # async work not yet seen complete (progress() drives it)
         self._timeline = get_timeline()
+        self._timeline_on = self._timeline.enabled
         self._detail = debug_level() == "DETAIL"
         self._info = debug_level() == "INFO"
         self._fingerprint = _backend.load("fingerprint")
@@ -219,8 +232,8 @@ class ProcessGroup:
         """
         self._node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self._board = MPI.Win.Allocate_shared(16, 8, comm=self._node)
-        self._my_slot = np.frombuffer(self._board.tomemory(), dtype=np.int64)
-        self._my_slot[:] = 0
+        self._my_slot = memoryview(self._board.tomemory()).cast("B").cast("q")  # item stores are cheap
+        self._my_slot[0] = self._my_slot[1] = 0
         node_ranks = self._node.Get_group().Translate_ranks(None, self.comm.Get_group())
         self._peer_slots: dict[int, np.ndarray] = {}
         for node_rank, group_rank in enumerate(node_ranks):
@@ -248,10 +261,9 @@ class ProcessGroup:
 
     def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "") -> int:
         """Number the collective, post arrival, and (DETAIL) check it matches on every rank."""
-        self._check_usable()
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
+        if self._broken:
+            self._check_usable()
+        seq = self._seq = self._next_seq()
         self._my_slot[1] = _OP_CODES[op]
         self._my_slot[0] = seq
         if self._info:
@@ -269,15 +281,35 @@ class ProcessGroup:
         def stages():
             yield self.comm.Iallgather(words, table)
 
-        Work(self, op, seq, f"{name or op} (DETAIL fingerprint check)", table.nbytes, stages()).wait()
+        Work(self, op, seq, f"{name or op} (DETAIL fingerprint check)", table.nbytes, stages=stages()).wait()
         message = self._fingerprint.find_mismatch(table)
         if message is not None:
             where = f" ({name!r})" if name else ""
             raise CollectiveMismatchError(f"rank {self.rank}{where}: {message}", seq=seq,
                                           groups=self._fingerprint.fingerprint_groups(table))
 
-    def _run(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
-        work = Work(self, op, seq, name, nbytes, stages, peer)
+    def _issue(self, op: str, seq: int, name, nbytes: int, request, finish, result, async_op: bool,
+               peer=None, start_us: float = 0.0):
+        """Complete a one-request operation: return a Work (async) or wait here and return ``result``.
+
+        The sync path makes no Work object: it is the hot path of small collectives.
+        """
+        if async_op:
+            work = Work(self, op, seq, name, nbytes, request, finish, result, peer, start_us=start_us)
+            self._pending.add(work)
+            return work
+        if not request.Test():
+            self._spin(request.Test, self.timeout, op, seq, name, nbytes, peer)
+        if finish is not None:
+            finish()
+        if start_us:
+            self._record(op, name, seq, nbytes, start_us)
+        return result
+
+    def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool):
+        """Run a multi-request operation (``stages`` yields each request and returns the result)."""
+        start_us = now_us() if self._timeline.enabled else 0.0
+        work = Work(self, op, seq, name, nbytes, stages=stages, start_us=start_us)
         if async_op:
             if not work._done:
                 self._pending.add(work)
@@ -285,39 +317,50 @@ class ProcessGroup:
         work.wait()
         return work._result
 
-    def _wait_for(self, work: Work, timeout: float) -> None:
-        """Busy-poll ``work`` (MPI progresses only inside MPI calls), backing off after a short spin."""
+    def _record(self, op: str, name, seq: int, nbytes: int, start_us: float) -> None:
+        self._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {self.name}",
+                                args={"seq": seq, "bytes": nbytes, "op": op})
+
+    def _spin(self, test, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
+        """Poll ``test()`` until True (MPI progresses only inside MPI calls), bounded by ``timeout``.
+
+        Spin first (a large transfer needs every progress call), yielding the core now and then so that
+        oversubscribed ranks (4 ranks on 2 cores) let their peers run, then back off with short sleeps.
+        """
         start = time.monotonic()
         deadline = start + timeout
         spin_until = start + _SPIN_SECONDS
         pause = 0.0
         polls = 0
-        while not work._poll():
+        while not test():
             polls += 1
-            if polls & 31:
+            if polls & 15:
                 continue
+            _yield_cpu()
             now = time.monotonic()
             if now >= deadline:
-                self._raise_timeout(work, timeout)
+                self._raise_timeout(timeout, op, seq, name, nbytes, peer)
             if now > spin_until:
                 pause = min(max(pause * 2, 2e-5), 1e-3)
                 time.sleep(pause)
 
-    def _raise_timeout(self, work: Work, timeout: float) -> None:
-        label = f"{work.op} #{work.seq}" if work.seq else work.op
-        if work.name:
-            label += f" of {work.name!r}"
-        label += f" ({work.nbytes} bytes)" if work.nbytes else ""
-        if work.peer is not None:
-            missing, detail = [work.peer], f"its peer, rank {work.peer}, never posted the matching call"
+    def _raise_timeout(self, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
+        label = f"{op} #{seq}" if seq else op
+        if name:
+            label += f" of {name!r}"
+        label += f" ({nbytes} bytes)" if nbytes else ""
+        if peer is not None:
+            missing, detail = [peer], f"its peer, rank {peer}, never posted the matching call"
+        elif seq:
+            missing, detail = self._describe_missing(seq)
         else:
-            missing, detail = self._describe_missing(work.seq)
+            missing, detail = [], "no rank posted a matching call"
         self._broken = f"{label} timed out and may still be in flight"
         raise DistTimeoutError(
             f"{label} timed out after {timeout:g} s on rank {self.rank} of group {self.name!r} "
             f"(size {self.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
             f"that every rank calls the same collectives.",
-            op=work.op, seq=work.seq, name=work.name, missing_ranks=missing, timeout=timeout)
+            op=op, seq=seq, name=name, missing_ranks=missing, timeout=timeout)
 
     def _describe_missing(self, seq: int):
         status = self._arrivals()
@@ -339,7 +382,12 @@ class ProcessGroup:
     # -- array plumbing ---------------------------------------------------------------------------------------
     @staticmethod
     def _mpi_buffer(array, what: str):
-        """Return (buffer to give MPI, finish callback copying results back), staging device arrays if needed."""
+        """Return (buffer to give MPI, step copying results back or None), staging device arrays if needed."""
+        if type(array) is np.ndarray:  # the hot path: host memory, no staging
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                                 "pass np.ascontiguousarray(a) and copy the result back")
+            return array, None
         backend = backend_for(array)
         if not _is_contiguous(array):
             raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
@@ -352,106 +400,79 @@ class ProcessGroup:
         host = backend.to_host(array)
         return host, (lambda: backend.from_host(array, host))
 
+    def _start(self) -> float:
+        return now_us() if self._timeline_on else 0.0
+
     # -- collectives ------------------------------------------------------------------------------------------
     def allreduce(self, array, op="sum", async_op: bool = False, name=None):
         """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
-        reduce_op = ReduceOp.parse(op)
-        _check_reducible(array, reduce_op, "allreduce")
-        seq = self._enter("allreduce", name, array, reduce_op=reduce_op.value)
+        reduce_op = _parse_op(op)
         buf, copy_back = self._mpi_buffer(array, "allreduce")
-        mpi_op = _mpi_op(reduce_op, array.dtype)
-
-        def stages():
-            yield self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
-            if reduce_op is ReduceOp.AVG:
-                buf[...] /= self.size
-            if copy_back:
-                copy_back()
-            return array
-
-        return self._run("allreduce", seq, name, array.nbytes, stages(), async_op)
+        if reduce_op in _KIND_CHECKED:
+            _check_reducible(array, reduce_op, "allreduce")
+        seq = self._enter("allreduce", name, array, reduce_op=reduce_op.value)
+        start = now_us() if self._timeline_on else 0.0
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(reduce_op, array.dtype))
+        finish = copy_back
+        if reduce_op is ReduceOp.AVG:
+            finish = _averaging(buf, self.size, copy_back)
+        return self._issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
 
     def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
         """Overwrite ``array`` on every rank with rank ``src``'s copy."""
         self._check_rank(src, "broadcast src")
-        backend_for(array)
-        seq = self._enter("broadcast", name, array, root=src)
         buf, copy_back = self._mpi_buffer(array, "broadcast")
-
-        def stages():
-            yield self.comm.Ibcast(buf, root=src)
-            if copy_back:
-                copy_back()
-            return array
-
-        return self._run("broadcast", seq, name, array.nbytes, stages(), async_op)
+        seq = self._enter("broadcast", name, array, root=src)
+        start = self._start()
+        request = self.comm.Ibcast(buf, root=src)
+        return self._issue("broadcast", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
 
     def allgather(self, array, out=None, async_op: bool = False, name=None):
         """Gather every rank's ``array`` into ``out`` of shape ``(size,) + array.shape`` (returned)."""
-        backend_for(array)
-        seq = self._enter("allgather", name, array)
+        send, _ = self._mpi_buffer(array, "allgather")
         if out is None:
             out = _empty_like(array, (self.size,) + tuple(array.shape))
         if tuple(out.shape) != (self.size,) + tuple(array.shape) or out.dtype != array.dtype:
             raise ValueError(f"allgather: out must have shape {(self.size,) + tuple(array.shape)} and dtype "
                              f"{array.dtype}, got {tuple(out.shape)} {out.dtype}")
-        send, _ = self._mpi_buffer(array, "allgather")
         recv, copy_back = self._mpi_buffer(out, "allgather")
-
-        def stages():
-            yield self.comm.Iallgather(send, recv)
-            if copy_back:
-                copy_back()
-            return out
-
-        return self._run("allgather", seq, name, array.nbytes, stages(), async_op)
+        seq = self._enter("allgather", name, array)
+        start = self._start()
+        request = self.comm.Iallgather(send, recv)
+        return self._issue("allgather", seq, name, array.nbytes, request, copy_back, out, async_op, None, start)
 
     def reduce_scatter(self, output, input, op="sum", async_op: bool = False, name=None):  # noqa: A002
         """Reduce ``input`` (``size`` equal blocks) across ranks; rank ``r`` receives block ``r`` in ``output``."""
-        reduce_op = ReduceOp.parse(op)
+        reduce_op = _parse_op(op)
+        send, _ = self._mpi_buffer(input, "reduce_scatter")
+        recv, copy_back = self._mpi_buffer(output, "reduce_scatter")
         _check_reducible(input, reduce_op, "reduce_scatter")
         if input.size != output.size * self.size or input.dtype != output.dtype:
             raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
                              f"elements of {output.dtype}, got {input.size} of {input.dtype}")
         seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op.value)
-        send, _ = self._mpi_buffer(input, "reduce_scatter")
-        recv, copy_back = self._mpi_buffer(output, "reduce_scatter")
-        mpi_op = _mpi_op(reduce_op, input.dtype)
-
-        def stages():
-            yield self.comm.Ireduce_scatter_block(send, recv, mpi_op)
-            if reduce_op is ReduceOp.AVG:
-                recv[...] /= self.size
-            if copy_back:
-                copy_back()
-            return output
-
-        return self._run("reduce_scatter", seq, name, input.nbytes, stages(), async_op)
+        start = self._start()
+        request = self.comm.Ireduce_scatter_block(send, recv, _mpi_op(reduce_op, input.dtype))
+        finish = _averaging(recv, self.size, copy_back) if reduce_op is ReduceOp.AVG else copy_back
+        return self._issue("reduce_scatter", seq, name, input.nbytes, request, finish, output, async_op, None,
+                           start)
 
     def alltoall(self, output, input, async_op: bool = False, name=None):  # noqa: A002
         """Send block ``j`` of ``input`` to rank ``j``; block ``i`` of ``output`` comes from rank ``i``."""
+        send, _ = self._mpi_buffer(input, "alltoall")
+        recv, copy_back = self._mpi_buffer(output, "alltoall")
         if input.size != output.size or input.dtype != output.dtype or input.size % self.size:
             raise ValueError(f"alltoall: input and output need the same size and dtype, divisible by {self.size}")
         seq = self._enter("alltoall", name, input)
-        send, _ = self._mpi_buffer(input, "alltoall")
-        recv, copy_back = self._mpi_buffer(output, "alltoall")
-
-        def stages():
-            yield self.comm.Ialltoall(send, recv)
-            if copy_back:
-                copy_back()
-            return output
-
-        return self._run("alltoall", seq, name, input.nbytes, stages(), async_op)
+        start = self._start()
+        request = self.comm.Ialltoall(send, recv)
+        return self._issue("alltoall", seq, name, input.nbytes, request, copy_back, output, async_op, None, start)
 
     def barrier(self, async_op: bool = False, name=None):
         """Wait until every rank of the group reached this barrier."""
         seq = self._enter("barrier", name)
-
-        def stages():
-            yield self.comm.Ibarrier()
-
-        return self._run("barrier", seq, name, 0, stages(), async_op)
+        start = self._start()
+        return self._issue("barrier", seq, name, 0, self.comm.Ibarrier(), None, None, async_op, None, start)
 
     def allgather_object(self, obj, async_op: bool = False, name=None):
         """Gather any picklable object from every rank; returns the list in rank order."""
@@ -466,7 +487,7 @@ class ProcessGroup:
             yield self.comm.Iallgatherv(payload, [data, (sizes, offsets), MPI.BYTE])
             return [pickle.loads(data[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
 
-        return self._run("allgather_object", seq, name, payload.nbytes, stages(), async_op)
+        return self._staged("allgather_object", seq, name, payload.nbytes, stages(), async_op)
 
     def broadcast_object(self, obj=None, src: int = 0, async_op: bool = False, name=None):
         """Return rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
@@ -482,7 +503,7 @@ class ProcessGroup:
             yield self.comm.Ibcast(data, root=src)
             return obj if self.rank == src else pickle.loads(data.tobytes())
 
-        return self._run("broadcast_object", seq, name, 0, stages(), async_op)
+        return self._staged("broadcast_object", seq, name, 0, stages(), async_op)
 
     # -- point to point -------------------------------------------------------------------------------------
     def send(self, array, dst: int, tag: int = 0, async_op: bool = False, name=None):
@@ -490,11 +511,9 @@ class ProcessGroup:
         self._check_usable()
         self._check_rank(dst, "send dst")
         buf, _ = self._mpi_buffer(array, "send")
-
-        def stages():
-            yield self.comm.Isend(buf, dest=dst, tag=tag)
-
-        return self._run("send", 0, name, array.nbytes, stages(), async_op, peer=dst)
+        start = self._start()
+        request = self.comm.Isend(buf, dest=dst, tag=tag)
+        return self._issue("send", 0, name, array.nbytes, request, None, None, async_op, dst, start)
 
     def recv(self, array, src=None, tag: int = 0, async_op: bool = False, name=None):
         """Receive into ``array`` from rank ``src`` (any rank when None); returns the sender's rank."""
@@ -505,13 +524,19 @@ class ProcessGroup:
         status = MPI.Status()
 
         def stages():
-            request = self.comm.Irecv(buf, source=MPI.ANY_SOURCE if src is None else src, tag=tag)
-            yield _StatusRequest(request, status)
+            yield _StatusRequest(self.comm.Irecv(buf, source=MPI.ANY_SOURCE if src is None else src, tag=tag),
+                                 status)
             if copy_back:
                 copy_back()
             return status.Get_source()
 
-        return self._run("recv", 0, name, array.nbytes, stages(), async_op, peer=src)
+        work = Work(self, "recv", 0, name, array.nbytes, peer=src, stages=stages(), start_us=self._start())
+        if async_op:
+            if not work._done:
+                self._pending.add(work)
+            return work
+        work.wait()
+        return work._result
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _check_rank(self, rank: int, what: str) -> None:
@@ -573,8 +598,12 @@ def _empty_like(array, shape):
     return module.empty(shape, dtype=array.dtype)
 
 
+_KIND_CHECKED = frozenset({ReduceOp.AVG, ReduceOp.BAND, ReduceOp.BOR})
+
+
 def _check_reducible(array, op: ReduceOp, what: str) -> None:
-    backend_for(array)  # a clear TypeError for lists, tensors, ... before anything else
+    if op not in _KIND_CHECKED:
+        return
     kind = np.dtype(array.dtype).kind
     if op in (ReduceOp.BAND, ReduceOp.BOR) and kind not in "biu":
         raise TypeError(f"{what}: op {op.value!r} needs an integer or bool array, got {array.dtype}")
@@ -582,8 +611,33 @@ def _check_reducible(array, op: ReduceOp, what: str) -> None:
         raise TypeError(f"{what}: op 'avg' needs a floating-point array, got {array.dtype} (use 'sum')")
 
 
+_OP_LOOKUP = {**{m: m for m in ReduceOp}, **{m.value: m for m in ReduceOp}}
+
+
+def _parse_op(op) -> ReduceOp:
+    """``ReduceOp.parse`` with a dictionary fast path (this runs on every collective)."""
+    parsed = _OP_LOOKUP.get(op)
+    return parsed if parsed is not None else ReduceOp.parse(op)
+
+
+def _averaging(buf, size: int, copy_back):
+    """The finish step of ``avg``: divide the sum by the group size, then copy a staged array back."""
+    def finish():
+        buf[...] /= size
+        if copy_back is not None:
+            copy_back()
+    return finish
+
+
+def _yield_cpu() -> None:
+    """Give the core to another runnable process (oversubscribed ranks), at the cost of one syscall."""
+    os.sched_yield()
+
+
 def _mpi_op(op: ReduceOp, dtype):
-    if np.dtype(dtype).kind == "b":  # MPI defines only logical ops on C bool
+    if dtype.kind != "b":
+        return _MPI_OPS[op]
+    if dtype.kind == "b":  # MPI defines only logical ops on C bool
         return {ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR, ReduceOp.MIN: MPI.LAND,
                 ReduceOp.MAX: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND}.get(op, MPI.LOR)
     return _MPI_OPS[op]
