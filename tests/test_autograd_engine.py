@@ -229,7 +229,7 @@ def test_graph_walk_and_leaves_find_unused_parameters():
     used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
     out = used(distlab.tensor(np.ones((1, 4), dtype=np.float32))).sum()
     leaves = ag.graph_leaves([out])
-    assert leaves == {used.weight, used.bias}
+    assert leaves == {used.weight, used.bias} == ag.graph_leaves(out)
     assert not ({unused.weight, unused.bias} & leaves)
     names = [n.name() for n in ag.walk_graph([out])]
     assert names[:2] == ["SumBackward", "LinearBackward"] and names.count("AccumulateGrad") == 2

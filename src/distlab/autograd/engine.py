@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import sys
 import threading
+from collections import deque
 
 from . import grad_mode
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
@@ -99,15 +100,17 @@ def compute_dependencies(roots) -> dict:
 
 
 def walk_graph(outputs):
-    """Yield every node reachable from ``outputs`` (Tensors or Nodes) once, breadth first."""
-    frontier = []
+    """Yield every node reachable from ``outputs`` (a Tensor or Node, or a sequence of them) once, breadth first."""
+    if isinstance(outputs, (Tensor, Node)):
+        outputs = [outputs]
+    frontier = deque()
     for out in outputs:
         node = out._grad_node() if isinstance(out, Tensor) else out
         if node is not None:
             frontier.append(node)
     seen = set(frontier)
     while frontier:
-        node = frontier.pop(0)
+        node = frontier.popleft()
         yield node
         for nxt in node.next_nodes:
             if nxt is not None and nxt not in seen:
