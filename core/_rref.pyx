@@ -193,6 +193,8 @@ cdef class UserRRef:
 
     def check_usable(self, what):
         """See the reference twin."""
+        if self.creation_error is not None:
+            raise self.creation_error
         if self.deleted_on_owner:
             raise RRefDeletedError(
                 f"User RRef with RRefId={self.rref_id!r} and ForkId={self.fork_id!r} has been deleted. "
@@ -201,8 +203,6 @@ cdef class UserRRef:
             raise RRefCreationTimeoutError(
                 f"RRef creation via rpc.remote() timed out for RRefId={self.rref_id!r}, and it is possible that "
                 f"the RRef on the owner (worker {self.owner_id}) does not exist; cannot call {what}.")
-        if self.creation_error is not None:
-            raise self.creation_error
 
     def fork(self, RRefContext ctx):
         """See the reference twin."""

@@ -180,6 +180,8 @@ class UserRRef:
 
     def check_usable(self, what: str) -> None:
         """Raise if this UserRRef was deleted or its creation timed out (mirrors UserRRef::toHere checks)."""
+        if self.creation_error is not None:
+            raise self.creation_error
         if self.deleted_on_owner:
             raise RRefDeletedError(
                 f"User RRef with RRefId={self.rref_id!r} and ForkId={self.fork_id!r} has been deleted. "
@@ -188,8 +190,6 @@ class UserRRef:
             raise RRefCreationTimeoutError(
                 f"RRef creation via rpc.remote() timed out for RRefId={self.rref_id!r}, and it is possible that "
                 f"the RRef on the owner (worker {self.owner_id}) does not exist; cannot call {what}.")
-        if self.creation_error is not None:
-            raise self.creation_error
 
     def fork(self, ctx) -> RRefForkData:
         """Fork data for a new child; forking a deleted UserRRef is an error (mirrors UserRRef::fork)."""
