@@ -296,3 +296,23 @@ def test_custom_nodes_as_send_and_recv_functions():
     send = SendBackward((y.grad_fn,))
     ag.run_backward([send], [np.full(3, 0.5)])
     np.testing.assert_allclose(x.grad.data, 1.0)
+
+
+def test_grad_mode_and_backward_state_are_per_thread():
+    import threading
+
+    x = leaf(2)
+    seen = {}
+
+    def worker():
+        seen["grad_enabled"] = ag.is_grad_enabled()
+        y = (x * 3).sum()
+        y.backward()
+        seen["backward_running"] = ag.is_backward_running()
+
+    with distlab.no_grad():
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen == {"grad_enabled": True, "backward_running": False}
+    np.testing.assert_allclose(x.grad.data, 3.0)
