@@ -150,7 +150,15 @@ def run_backward(roots, grad_roots, retain_graph: bool = False, accumulate=True)
     accumulate : True or callable
         True: leaves accumulate into ``.grad`` and fire their post-accumulate-grad hooks. A callable
         ``accumulate(tensor, grad)`` instead receives each leaf's gradient (after the leaf's tensor hooks) and
-        ``.grad`` is untouched (how distributed autograd accumulates into its context).
+        ``.grad`` is untouched (how distributed autograd accumulates into its context). ``grad`` is an ndarray
+        or a :class:`SparseGrad` that may be shared with other consumers: copy it before modifying it in place.
+
+    Notes
+    -----
+    Runs in the calling thread with grad mode off. Nodes run newest first among those ready, leaves' gradients
+    are delivered the moment they are complete, and callbacks queued with :func:`queue_callback` run after the
+    last node, before this function returns. Unless ``retain_graph``, each node's saved values are freed after it
+    runs; running it again raises the "backward through the graph a second time" error.
     """
     task = GraphTask(retain_graph, accumulate)
     _tasks.stack.append(task)
