@@ -10,7 +10,6 @@ import weakref
 
 import numpy as np
 
-from . import grad_mode
 from ._array import array_module, is_cupy, to_numpy
 from .node import add_hook
 
