@@ -6,7 +6,6 @@ born. The rest are compositions of autograd ops, so their gradients come from al
 """
 from __future__ import annotations
 
-
 from ..autograd import ops, shape_ops
 from ..autograd._array import array_module, index_add, is_cupy
 from ..autograd.node import Node
