@@ -9,6 +9,7 @@ from Cython.Build import cythonize
 CORE_MODULES = [
     "_fingerprint",
     "_rref",
+    "_negotiation",
 ]
 
 extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"]) for stem in CORE_MODULES]

@@ -52,6 +52,7 @@ def twin(component: str):
 
 fingerprint = twin("fingerprint")
 rref = twin("rref")
+negotiation = twin("negotiation")
 
 
 @pytest.fixture(scope="session")

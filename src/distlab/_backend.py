@@ -29,6 +29,7 @@ IMPLS = ("reference", "core")
 COMPONENTS: dict[str, tuple[str, str]] = {
     "fingerprint": ("distlab.reference.fingerprint", "distlab.core._fingerprint"),
     "rref": ("distlab.reference.rref", "distlab.core._rref"),
+    "negotiation": ("distlab.reference.negotiation", "distlab.core._negotiation"),
 }
 
 BUILD_HINT = (
