@@ -135,6 +135,10 @@ class RpcAgent:
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
         self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
                                          daemon=True)
+
+    def start(self) -> None:
+        """Start the listener and the timeout watcher. Register the handlers first: a peer may already have
+        sent requests (MPI holds them until the listener receives them)."""
         self._listener.start()
         self._watcher.start()
 

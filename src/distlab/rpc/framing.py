@@ -71,8 +71,38 @@ class _ByValue:
 _by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _resolve_main(name, data):
+    import sys
+
+    fn = getattr(sys.modules.get("__main__"), name, None) if name else None
+    if fn is not None:
+        return fn
+    if data is None:
+        raise pickle.UnpicklingError(
+            f"function {name!r} is not defined in this worker's __main__ and could not travel by value")
+    return cloudpickle.loads(data)
+
+
+class _MainFunction:
+    """A top-level ``__main__`` function: the receiver's own ``__main__.<name>`` (every rank runs the same
+    script, and the function must see the receiver's globals), else the cloudpickled copy."""
+
+    __slots__ = ("name", "data")
+
+    def __init__(self, name, data):
+        self.name = name
+        self.data = data
+
+    def __reduce__(self):
+        return _resolve_main, (self.name, self.data)
+
+
 def by_value(fn):
-    """Return ``fn`` itself if pickle can name it everywhere, else a wrapper carrying it by value (cached)."""
+    """Return ``fn`` if pickle can name it everywhere, else a (cached) wrapper that carries it.
+
+    Top-level ``__main__`` functions resolve to the receiver's ``__main__`` function of that name (falling
+    back to a cloudpickled copy); lambdas and local functions travel by value (cloudpickle).
+    """
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", "")
     if module != "__main__" and "<" not in qualname:
@@ -82,7 +112,16 @@ def by_value(fn):
     except TypeError:
         wrapped = None
     if wrapped is None:
-        wrapped = _ByValue(cloudpickle.dumps(fn, protocol=5))
+        try:
+            data = cloudpickle.dumps(fn, protocol=5)
+        except Exception:  # noqa: BLE001 - e.g. it references a lock: by name only
+            data = None
+        if module == "__main__" and "." not in qualname and "<" not in qualname:
+            wrapped = _MainFunction(qualname, data)
+        elif data is None:
+            raise pickle.PicklingError(f"cannot send {fn!r}: it is not importable and cloudpickle failed")
+        else:
+            wrapped = _ByValue(data)
         try:
             _by_value_cache[fn] = wrapped
         except TypeError:

@@ -1,0 +1,28 @@
+"""distlab.rpc over MPI: the agent and the RRef protocol on 2, 3 and 4 workers, each twin and a mixed world."""
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_agent(mpirun, np_):
+    result = mpirun("rpc_agent.py", np=np_, timeout=120)
+    assert result.stdout.count("rpc agent OK") == np_
+
+
+def test_agent_mixed_world(mpirun):
+    result = mpirun("rpc_agent.py", np=2, args=["mixed"], timeout=120)
+    assert result.stdout.count("rpc agent OK") == 2
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_rrefs_every_fork_case(mpirun, impl, np_):
+    result = mpirun("rpc_rref.py", np=np_, timeout=120, env={"DISTLAB_IMPL": impl})
+    assert result.stdout.count(f"impl {impl}") == np_
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_rrefs_mixed_world(mpirun, np_):
+    result = mpirun("rpc_rref.py", np=np_, args=["mixed"], timeout=120)
+    assert result.stdout.count("impl reference") == (np_ + 1) // 2
+    assert result.stdout.count("impl core") == np_ // 2
