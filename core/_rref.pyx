@@ -9,6 +9,7 @@ from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport sort as cpp_sort
 
+from distlab._rref_shared import UNSET
 from distlab._wire import RFD_TUPLE_SIZE, RPC_KIND_CODES
 from distlab.errors import (DistTimeoutError, RRefCreationTimeoutError, RRefDeletedError, RRefLeakError,
                             RRefProtocolError)
@@ -19,7 +20,6 @@ __all__ = ["GloballyUniqueId", "RRefForkData", "OwnerRRef", "UserRRef", "RRefCon
 cdef int K_USER_DELETE = RPC_KIND_CODES["user_delete"]
 cdef int K_FORK_REQUEST = RPC_KIND_CODES["fork_request"]
 cdef int K_CHILD_ACCEPT = RPC_KIND_CODES["child_accept"]
-cdef object _UNSET = object()
 cdef long long _LOCAL_BITS = 40
 cdef long long _LOCAL_MASK = (1LL << 40) - 1
 
@@ -106,11 +106,11 @@ cdef class OwnerRRef:
     cdef public object future
     cdef object __weakref__
 
-    def __init__(self, int owner_id, GloballyUniqueId rref_id, value=_UNSET):
+    def __init__(self, int owner_id, GloballyUniqueId rref_id, value=UNSET):
         self.owner_id = owner_id
         self.rref_id = rref_id
         self.future = Future(description=f"value of OwnerRRef({rref_id!r})")
-        if value is not _UNSET:
+        if value is not UNSET:
             self.future.set_result(value)
 
     def owner(self):
@@ -269,7 +269,7 @@ cdef class RRefContext:
             self._next_local_id += 1
         return GloballyUniqueId(self.worker_id, local_id)
 
-    def create_owner_rref(self, value=_UNSET):
+    def create_owner_rref(self, value=UNSET):
         """See the reference twin."""
         return OwnerRRef(self.worker_id, self.gen_id(), value)
 

@@ -18,13 +18,13 @@ deterministic scheduler (the equivalence and reordering tests).
 """
 from __future__ import annotations
 
+from distlab._rref_shared import UNSET
 from distlab._wire import RFD_TUPLE_SIZE
 from distlab.errors import RRefCreationTimeoutError, RRefDeletedError, RRefProtocolError
 from distlab.futures import Future
 
 __all__ = ["GloballyUniqueId", "RRefForkData", "OwnerRRef", "UserRRef", "RRefContext", "parse_fork_data"]
 
-_UNSET = object()
 
 
 class GloballyUniqueId:
@@ -35,7 +35,7 @@ class GloballyUniqueId:
 
     __slots__ = ("created_on", "local_id")
 
-    def __init__(self, created_on: int, local_id: int):
+    def __init__(self, /, created_on: int, local_id: int):
         self.created_on = int(created_on)
         self.local_id = int(local_id)
 
@@ -65,7 +65,7 @@ class RRefForkData:
 
     __slots__ = ("owner", "rref_id", "fork_id", "parent")
 
-    def __init__(self, owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int):
+    def __init__(self, /, owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int):
         self.owner = owner
         self.rref_id = rref_id
         self.fork_id = fork_id
@@ -97,11 +97,11 @@ class OwnerRRef:
 
     __slots__ = ("owner_id", "rref_id", "future", "__weakref__")
 
-    def __init__(self, owner_id: int, rref_id: GloballyUniqueId, value=_UNSET):
+    def __init__(self, /, owner_id: int, rref_id: GloballyUniqueId, value=UNSET):
         self.owner_id = owner_id
         self.rref_id = rref_id
         self.future = Future(description=f"value of OwnerRRef({rref_id!r})")
-        if value is not _UNSET:
+        if value is not UNSET:
             self.future.set_result(value)
 
     def owner(self) -> int:
@@ -154,7 +154,7 @@ class UserRRef:
     __slots__ = ("owner_id", "rref_id", "fork_id", "confirmed", "deleted_on_owner", "released", "timed_out",
                  "n_pending_children", "confirm_future", "creation_error", "__weakref__")
 
-    def __init__(self, owner_id: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId):
+    def __init__(self, /, owner_id: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId):
         self.owner_id = owner_id
         self.rref_id = rref_id
         self.fork_id = fork_id

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 
+from distlab._rref_shared import UNSET
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import DistTimeoutError, RRefLeakError, RRefProtocolError
 from distlab.futures import Future
@@ -54,7 +55,7 @@ class RRefContext:
         Record every control message sent in :attr:`trace` (for the twins' equivalence tests).
     """
 
-    def __init__(self, worker_id: int, send, max_retries: int = 5, trace: bool = False):
+    def __init__(self, /, worker_id: int, send, max_retries: int = 5, trace: bool = False):
         self.worker_id = worker_id
         self._send = send
         self.max_retries = max_retries
@@ -79,7 +80,7 @@ class RRefContext:
             self._next_local_id += 1
         return _r.GloballyUniqueId(self.worker_id, local_id)
 
-    def create_owner_rref(self, value=_r._UNSET):
+    def create_owner_rref(self, value=UNSET):
         """A local OwnerRRef, not registered until it is forked (mirrors RRefContext::createOwnerRRef)."""
         return _r.OwnerRRef(self.worker_id, self.gen_id(), value)
 

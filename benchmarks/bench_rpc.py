@@ -1,0 +1,186 @@
+"""distlab.rpc: round-trip latency, async throughput and RRef rates, reference vs core twin, against raw mpi4py.
+
+Run: ``python benchmarks/bench_rpc.py``. It launches itself on 2 ranks once per twin (the twin is chosen per
+process by ``DISTLAB_IMPL``); each job also measures a raw mpi4py ``Send``/``Recv`` ping-pong of the same
+payloads on its own communicator, so every ratio compares numbers from one launch. Rank 0 calls, rank 1 serves.
+Prints a table and writes ``benchmarks/results/bench_rpc.json``.
+
+Anchor figures (PyTorch RPC over TensorPipe on this 2-core machine, from issue 7): 393 us rpc_sync round trip,
+6,000 async calls/s, 171 us per remote RRef create+delete. Targets for the core: < 100 us, >= 25,000 calls/s,
+< 40 us.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def noop():
+    return None
+
+
+def echo(x):
+    return x
+
+
+def _cheap():
+    import distlab.rpc as rpc
+
+    return rpc.cheap(noop), rpc.cheap(echo)
+
+
+def worker(out_path: str, quick: bool) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    import distlab
+    import distlab.rpc as rpc
+
+    raw = MPI.COMM_WORLD.Dup()
+    rank = raw.Get_rank()
+    scale = 0.3 if quick else 1.0
+    payloads = {"8 B": np.zeros(1, np.float64), "small array (100 f64)": np.zeros(100),
+                "1 MiB array": np.zeros(1 << 17)}
+    results = {}
+
+    # -- raw mpi4py ping-pong (same payloads, blocking Send/Recv, rank 1 echoes)
+    for label, arr in payloads.items():
+        n = int((2000 if arr.nbytes < 1 << 16 else 200) * scale)
+        buf = np.empty_like(arr)
+        raw.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if rank == 0:
+                raw.Send(arr, 1, 5)
+                raw.Recv(buf, 1, 5)
+            else:
+                raw.Recv(buf, 0, 5)
+                raw.Send(buf, 0, 5)
+        results[f"raw ping-pong {label}"] = (time.perf_counter() - t0) / n * 1e6
+    rpc.init_rpc(f"w{rank}")
+    cheap_noop, cheap_echo = _cheap()
+
+    def timed(label, n, fn, unit="us"):
+        fn()  # warm-up
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples.append((time.perf_counter() - t0) / n)
+        best = statistics.median(samples)
+        results[label] = best * 1e6 if unit == "us" else 1.0 / best
+
+    if rank == 0:
+        n = int(2000 * scale)
+        timed("rpc_sync no-op (cheap, inline on the listener)", n, lambda: rpc.rpc_sync(1, cheap_noop))
+        timed("rpc_sync no-op (thread pool)", n, lambda: rpc.rpc_sync(1, noop))
+        small = payloads["small array (100 f64)"]
+        timed("rpc_sync echo small array (100 f64)", n, lambda: rpc.rpc_sync(1, cheap_echo, (small,)))
+        big = payloads["1 MiB array"]
+        timed("rpc_sync echo 1 MiB array", int(200 * scale), lambda: rpc.rpc_sync(1, cheap_echo, (big,)))
+
+        def burst(total=int(20000 * scale), window=1000, fn=cheap_noop):
+            futs = []
+            for i in range(total):
+                futs.append(rpc.rpc_async(1, fn))
+                if len(futs) >= window:
+                    for f in futs[: window // 2]:
+                        f.wait(60)
+                    del futs[: window // 2]
+            for f in futs:
+                f.wait(60)
+
+        for label, fn in (("rpc_async calls/s, 1000 in flight (cheap)", cheap_noop),
+                          ("rpc_async calls/s, 1000 in flight (thread pool)", noop)):
+            burst(2000, fn=fn)
+            t0 = time.perf_counter()
+            total = int(20000 * scale)
+            burst(total, fn=fn)
+            results[label] = total / (time.perf_counter() - t0)
+        timed("remote + to_here (cheap)", int(1000 * scale), lambda: rpc.remote(1, cheap_noop).to_here())
+
+        def create_delete(n):
+            for _ in range(n):
+                r = rpc.remote(1, cheap_noop)
+                del r
+            deadline = time.monotonic() + 60
+            while rpc.rpc_sync(1, rpc.rref_debug_info)["num_owner_rrefs"] or \
+                    rpc.rref_debug_info()["num_pending_users"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"RRefs were not deleted: {rpc.rref_debug_info()}")
+                time.sleep(0.0005)
+
+        create_delete(500)
+        n = int(10000 * scale)
+        t0 = time.perf_counter()
+        create_delete(n)
+        per = (time.perf_counter() - t0) / n
+        results["remote RRef create+delete (us each, pipelined)"] = per * 1e6
+        results["RRef create+delete per second"] = 1.0 / per
+        local = [time.perf_counter()]
+        for _ in range(int(2000 * scale)):
+            r = rpc.RRef(1)
+            del r
+        results["local RRef(value) create+delete (us)"] = (time.perf_counter() - local[0]) / int(2000 * scale) * 1e6
+    rpc.shutdown()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"impl": distlab.IMPL, "results": results}))
+
+
+def table(runs: dict) -> str:
+    metrics = list(next(iter(runs.values())).keys())
+    impls = list(runs)
+    head = f"{'metric':<52}" + "".join(f"{i:>14}" for i in impls)
+    lines = [head, "-" * len(head)]
+    for m in metrics:
+        unit = "/s" if ("per second" in m or "calls/s" in m) else "us"
+        lines.append(f"{m + ' [' + unit + ']':<52}" + "".join(f"{runs[i].get(m, float('nan')):>14.1f}"
+                                                                for i in impls))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", nargs="+", default=["reference", "core"])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--throttle", choices=["0", "1"], default="1",
+                        help="MPIR_CVAR_CH4_PROGRESS_THROTTLE for the job (default 1, see distlab.rpc)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        worker(options.worker, options.quick)
+        return
+    from distlab.launch import launch_script
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for impl in options.impl:
+        part = RESULTS / f"bench_rpc.{impl}.json"
+        args = ["--worker", str(part)] + (["--quick"] if options.quick else [])
+        job = launch_script(__file__, np=2, args=args, timeout=600, env={"DISTLAB_IMPL": impl,
+                                                                       "MPIR_CVAR_CH4_PROGRESS_THROTTLE": options.throttle})
+        if job.returncode != 0:
+            sys.exit(f"bench_rpc with the {impl} twin failed (exit {job.returncode})")
+        data = json.loads(part.read_text())
+        part.unlink()
+        runs[impl] = data["results"]
+    report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
+              "ranks": 2, "throttle": options.throttle, "runs": runs,
+              "anchor_pytorch_tensorpipe": {"rpc_sync_us": 393, "async_calls_per_s": 6000,
+                                            "remote_create_delete_us": 171}}
+    (RESULTS / "bench_rpc.json").write_text(json.dumps(report, indent=1))
+    print(table(runs))
+    print("\nraw ping-pong rows: each job's own mpi4py Send/Recv round trip (same launch as its twin's rows)")
+    print(f"written to {RESULTS / 'bench_rpc.json'}")
+
+
+if __name__ == "__main__":
+    main()
