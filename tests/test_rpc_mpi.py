@@ -26,3 +26,11 @@ def test_rrefs_mixed_world(mpirun, np_):
     result = mpirun("rpc_rref.py", np=np_, args=["mixed"], timeout=120)
     assert result.stdout.count("impl reference") == (np_ + 1) // 2
     assert result.stdout.count("impl core") == np_ // 2
+
+
+def test_parameter_server_example(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "parameter_server.py"
+    result = mpirun(str(example), np=3, timeout=120)
+    assert "parameter server example OK" in result.stdout

@@ -80,8 +80,8 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
         agent = RpcAgent(name, world.Dup(), rpc_timeout=rpc_timeout, num_threads=num_threads)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
         _rref_glue.attach(agent)
+        _agent = agent  # before the listener starts: handlers may call get_agent() at once
         agent.start()
-        _agent = agent
     return agent.info
 
 
