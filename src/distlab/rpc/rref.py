@@ -26,6 +26,7 @@ __all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
 K_REMOTE = RPC_KIND_CODES["remote_call"]
 K_FETCH = RPC_KIND_CODES["rref_fetch"]
 K_CONTROL = (RPC_KIND_CODES["user_delete"], RPC_KIND_CODES["fork_request"], RPC_KIND_CODES["child_accept"])
+K_FORK_REQUEST = RPC_KIND_CODES["fork_request"]
 
 _ctx = None
 _agent = None
@@ -186,6 +187,10 @@ def _handle_remote(src, payload, meta):
 
 def _handle_fetch(src, payload, meta):
     owner_fut = _ctx.get_owner_rref(_gid(payload))
+    if owner_fut.done():  # fast path: the OwnerRRef exists and holds its value (or error)
+        value_fut = owner_fut.value().get_future()
+        if value_fut.done():
+            return value_fut.value()
     result = Future(description=f"to_here of {payload}")
 
     def with_owner(f):
@@ -214,7 +219,11 @@ def attach(agent) -> None:
     _agent = agent
 
     def send(dst, kind, payload):
-        return agent.send(dst, kind, payload, inline=True)
+        # MPI delivers every message exactly once, so only the fork request, whose acknowledgement drives the
+        # protocol (finish_fork_request), waits for one; deletion notices and child accepts are one-way here.
+        # The context still retries any control message whose acknowledgement fails (the in-process
+        # reordering transport of the tests loses and duplicates them).
+        return agent.send(dst, kind, payload, inline=True, noreply=kind != K_FORK_REQUEST)
 
     _ctx = _impl_module.RRefContext(agent.rank, send)
     agent.fork_hook = _ctx.prepare_child_fork
