@@ -34,3 +34,16 @@ def test_parameter_server_example(mpirun):
     example = Path(__file__).resolve().parent.parent / "examples" / "parameter_server.py"
     result = mpirun(str(example), np=3, timeout=120)
     assert "parameter server example OK" in result.stdout
+
+
+def test_lifecycle_and_timeline(mpirun, tmp_path):
+    import json
+
+    path = tmp_path / "rpc_timeline.json"
+    result = mpirun("rpc_lifecycle.py", np=2, timeout=120, timeline=str(path))
+    assert result.stdout.count("rpc lifecycle OK") == 2
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("rpc call -> w1") for n in names), sorted(names)[:20]
+    assert any(n.startswith("handle call <- w0") for n in names)

@@ -118,7 +118,7 @@ class RpcAgent:
         self.workers = [WorkerInfo(n, i) for i, n in enumerate(names)]
         self.info = self.workers[self.rank]
         self._by_name = {w.name: w for w in self.workers}
-        self._pending: dict[int, tuple[Future, int, int]] = {}
+        self._pending: dict[int, tuple] = {}  # mid -> (future, dst, kind, start_us)
         self._mids = itertools.count(1)
         self._handlers: dict[int, tuple[Callable, bool]] = {}
         self._send_locks = [threading.Lock() for _ in range(self.size)]
@@ -131,6 +131,11 @@ class RpcAgent:
         #: set by the RRef layer: fork_hook(rref) -> fork data; fork_receiver(forks) -> (resolved, futures)
         self.fork_hook: Callable | None = None
         self.fork_receiver: Callable | None = None
+        from distlab.timeline import get_timeline, now_us
+
+        self._timeline = get_timeline()
+        self._tl_on = self._timeline.enabled  # checked on the hot path: no timeline cost when disabled
+        self._now_us = now_us
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
         self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
@@ -191,7 +196,7 @@ class RpcAgent:
         if noreply:
             fut.set_result(None)
         else:
-            self._pending[mid] = (fut, dst, kind)
+            self._pending[mid] = (fut, dst, kind, self._now_us() if self._tl_on else 0.0)
             timeout = self.rpc_timeout if timeout is None else timeout
             if _track_timeout and timeout and timeout > 0:
                 self._add_deadline(time.monotonic() + timeout, mid, timeout)
@@ -273,6 +278,9 @@ class RpcAgent:
         if entry is None:
             return  # the request timed out (or was failed at shutdown): drop its late response
         fut = entry[0]
+        if self._tl_on:
+            self._timeline.complete(f"rpc {_kind_name(entry[2])} -> {self.workers[src].name}", entry[3],
+                                    self._now_us(), lane="rpc", args={"mid": mid, "error": bool(flags & FLAG_ERROR)})
         if flags & FLAG_ERROR:
             fut.set_exception(self._remote_error(body, buffers))
             return
@@ -324,10 +332,14 @@ class RpcAgent:
             payload = framing.loads(body, buffers, resolved)
             previous = getattr(_call_local, "info", None)
             _call_local.info = CallInfo(src, kind, mid, meta)
+            start = self._now_us() if self._tl_on else 0.0
             try:
                 result = fn(src, payload, meta)
             finally:
                 _call_local.info = previous
+                if self._tl_on:
+                    self._timeline.complete(f"handle {_kind_name(kind)} <- {self.workers[src].name}", start,
+                                            self._now_us(), lane="rpc-handler", args={"mid": mid})
             if flags & FLAG_NOREPLY:
                 return
             if isinstance(result, Future):
@@ -421,7 +433,7 @@ class RpcAgent:
         entry = self._pending.pop(mid, None) if mid is not None else None
         if entry is None:
             return
-        _fut, dst, kind = entry
+        dst, kind = entry[1], entry[2]
         try:
             fut.set_exception(DistTimeoutError(
                 f"rpc {_kind_name(kind)} #{mid} from worker {self.info.name!r} to worker "
@@ -441,7 +453,7 @@ class RpcAgent:
         delay = 1e-4
         while self._pending:
             if time.monotonic() > deadline:
-                waiting = sorted({self.workers[d].name for _f, d, _k in list(self._pending.values())})
+                waiting = sorted({self.workers[e[1]].name for e in list(self._pending.values())})
                 raise DistTimeoutError(
                     f"rpc shutdown on worker {self.info.name!r}: {len(self._pending)} requests still unanswered "
                     f"after {timeout:g} s (waiting on workers {waiting})", op="rpc shutdown", timeout=timeout)
@@ -475,7 +487,7 @@ class RpcAgent:
         self._listener.join(timeout)
         if self._listener.is_alive():
             self._record_error("the listener thread did not stop within the timeout")
-        for mid, (fut, dst, kind) in list(self._pending.items()):
+        for mid, (fut, dst, kind, _start) in list(self._pending.items()):
             self._pending.pop(mid, None)
             try:
                 fut.set_exception(RpcError(
