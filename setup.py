@@ -8,7 +8,9 @@ from Cython.Build import cythonize
 
 CORE_MODULES = [
     "_fingerprint",
+    "_reducer",
     "_rref",
+    "_autograd_container",
     "_negotiation",
 ]
 

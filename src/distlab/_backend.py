@@ -28,7 +28,9 @@ IMPLS = ("reference", "core")
 #: component name -> (reference module, core module). Add a line here when a component gains its twins.
 COMPONENTS: dict[str, tuple[str, str]] = {
     "fingerprint": ("distlab.reference.fingerprint", "distlab.core._fingerprint"),
+    "reducer": ("distlab.reference.reducer", "distlab.core._reducer"),
     "rref": ("distlab.reference.rref", "distlab.core._rref"),
+    "autograd_container": ("distlab.reference.autograd_container", "distlab.core._autograd_container"),
     "negotiation": ("distlab.reference.negotiation", "distlab.core._negotiation"),
 }
 

@@ -412,7 +412,11 @@ class ProcessGroup:
             _check_reducible(array, reduce_op, "allreduce")
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op.value)
         start = now_us() if self._timeline_on else 0.0
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(reduce_op, array.dtype))
+        if array.dtype.name == "bfloat16":  # no MPI datatype: reduce the bits with our own MPI op
+            request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T],
+                                           _bfloat16_op(reduce_op, array.dtype))
+        else:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(reduce_op, array.dtype))
         finish = copy_back
         if reduce_op is ReduceOp.AVG:
             finish = _averaging(buf, self.size, copy_back)
@@ -627,6 +631,27 @@ def _averaging(buf, size: int, copy_back):
         if copy_back is not None:
             copy_back()
     return finish
+
+
+_BF16_OPS: dict = {}
+
+
+def _bfloat16_op(op: ReduceOp, dtype):
+    """An MPI op reducing ml_dtypes.bfloat16 values carried as uint16 (created once per reduce op)."""
+    if op in (ReduceOp.BAND, ReduceOp.BOR):
+        raise TypeError(f"allreduce: op {op.value!r} needs an integer or bool array, got bfloat16")
+    mpi_op = _BF16_OPS.get(op)
+    if mpi_op is None:
+        combine = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
+                   ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}[op]
+
+        def reduce(inbuf, outbuf, _datatype):
+            incoming = np.frombuffer(inbuf, dtype=dtype)
+            into = np.frombuffer(outbuf, dtype=dtype)
+            combine(into, incoming, out=into)
+
+        mpi_op = _BF16_OPS[op] = MPI.Op.Create(reduce, commute=True)
+    return mpi_op
 
 
 def _yield_cpu() -> None:

@@ -1,0 +1,204 @@
+"""``DistributedDataParallel``: data-parallel training of a distlab module over MPI.
+
+Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank holds the same model, copies rank
+0's parameters and buffers to every rank, buckets the parameters, and hands them to the active twin's
+:class:`~distlab.reference.reducer.Reducer`, whose hooks reduce gradients during backward::
+
+    model = DistributedDataParallel(MLP(), bucket_cap_mb=25)
+    loss = loss_fn(model(x), y)
+    loss.backward()          # gradients are averaged over ranks when backward returns
+    opt.step()
+
+Shared by both twins (it is plumbing around the reducer, not a twinned protocol).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from . import _backend, comm
+from .autograd import Tensor, is_grad_enabled
+from .nn import Module
+
+__all__ = ["DistributedDataParallel"]
+
+MiB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+
+def _find_tensors(obj):
+    """Every Tensor inside a forward output (tensors, lists, tuples, dicts), like torch's ``_find_tensors``."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _find_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _find_tensors(item)]
+    return []
+
+
+class DistributedDataParallel(Module):
+    """Wrap ``module`` so that ``backward`` averages its gradients over the ranks of ``process_group``.
+
+    Parameters
+    ----------
+    module : distlab.nn.Module
+        The model; every rank must build the same one (checked).
+    process_group : distlab.comm.ProcessGroup, optional
+        Default: :func:`distlab.comm.world`.
+    bucket_cap_mb : float
+        Bucket size in MiB (default 25, as PyTorch).
+    find_unused_parameters : bool
+        Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
+    gradient_as_bucket_view : bool
+        ``.grad`` becomes a view into the bucket: saves a copy and the memory of one gradient set.
+    static_graph : bool
+        Promise that every iteration uses the same parameters, the same number of times.
+    broadcast_buffers : bool
+        Copy rank 0's buffers to every rank at each forward.
+    reduce_dtype : numpy dtype, optional
+        Reduce gradients in this dtype (mixed precision, e.g. ``np.float16``).
+    impl : {"reference", "core"}, optional
+        Which reducer twin to use (default: ``distlab.IMPL``).
+    """
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+                 gradient_as_bucket_view=False, static_graph=False, broadcast_buffers=True, reduce_dtype=None,
+                 impl=None):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group if process_group is not None else comm.world()
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = False
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
+        named = self._parameters_to_reduce()
+        self._verify_model_across_ranks(named)
+        self._sync_module_states()
+        names = [name for name, _ in named]
+        params = [p for _, p in named]
+        expect_sparse = self._sparse_flags(params)
+        reducer_module = _backend.load("reducer", impl)
+        self.impl = impl or _backend.active_impl()
+        bucket_indices, _limits = reducer_module.compute_bucket_assignment_by_size(
+            params, [self.bucket_bytes_cap], expect_sparse)
+        # Reverse: parameters registered last are used last in forward, so their gradients come first.
+        self.reducer = reducer_module.Reducer(
+            params, list(reversed(bucket_indices)), self.process_group, expect_sparse, self.bucket_bytes_cap,
+            find_unused_parameters, gradient_as_bucket_view, names, DEFAULT_FIRST_BUCKET_BYTES, reduce_dtype)
+        if static_graph:
+            self._set_static_graph()
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _parameters_to_reduce(self):
+        named, seen = [], set()
+        for name, param in self.module.named_parameters():
+            if param.requires_grad and id(param) not in seen:  # a shared parameter is reduced once
+                seen.add(id(param))
+                named.append((name, param))
+        if not named:
+            raise ValueError("DistributedDataParallel is not needed when a module has no parameter that "
+                             "requires a gradient")
+        return named
+
+    def _verify_model_across_ranks(self, named):
+        """Same number of parameters and same shapes on every rank, else an error naming the rank (all raise)."""
+        mine = [(name, tuple(p.data.shape), str(p.data.dtype)) for name, p in named]
+        everyone = self.process_group.allgather_object(mine, name="verify model")
+        reference = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], 1):
+            if len(theirs) != len(reference):
+                raise ValueError(f"DistributedDataParallel expects the same model on every rank, but rank {rank} "
+                                 f"has {len(theirs)} parameters that require grad while rank 0 has "
+                                 f"{len(reference)}")
+            for (name0, shape0, dtype0), (name, shape, dtype) in zip(reference, theirs):
+                if shape != shape0 or dtype != dtype0:
+                    raise ValueError(f"DistributedDataParallel expects the same model on every rank, but "
+                                     f"parameter {name!r} is {dtype}{list(shape)} on rank {rank} while rank 0's "
+                                     f"{name0!r} is {dtype0}{list(shape0)}")
+
+    def _sync_module_states(self):
+        """Every rank starts from rank 0's parameters and buffers (``_sync_module_states``)."""
+        for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            self.process_group.broadcast(tensor.data, src=0, name=f"init {name}")
+
+    def _sparse_flags(self, params):
+        sparse_ids = {id(m.weight) for m in self.module.modules() if getattr(m, "sparse", False)
+                      and getattr(m, "weight", None) is not None}
+        return [id(p) in sparse_ids for p in params]
+
+    def _set_static_graph(self):
+        self.static_graph = True
+        self.reducer.set_static_graph()
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Run the module, around it the reducer's per-iteration steps (``_pre_forward``/``_post_forward``)."""
+        grad_enabled = is_grad_enabled()
+        sync = grad_enabled and self.require_backward_grad_sync
+        if sync:
+            self.reducer.prepare_for_forward()
+        join_work = self._notify_join_context()
+        if join_work is not None:
+            self.reducer.set_forward_pass_work_handle(join_work, self._divide_by_initial_world_size)
+        if grad_enabled:
+            self.reducer.rebuild_buckets()
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            self._sync_buffers()
+        output = self.module(*inputs, **kwargs)
+        if sync:
+            self.require_forward_param_sync = True
+            if self.find_unused_parameters and not self.static_graph:
+                self.reducer.prepare_for_backward(_find_tensors(output))
+            else:
+                self.reducer.prepare_for_backward([])
+        else:
+            self.require_forward_param_sync = False
+        return output
+
+    def _sync_buffers(self):
+        for name, buffer in self.module.named_buffers():
+            self.process_group.broadcast(buffer.data, src=0, name=f"buffer {name}")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally inside the block; the first backward after it synchronises them all."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state, hook):
+        """Reduce buckets with ``hook(state, bucket) -> Future`` (see :mod:`distlab.ddp_comm_hooks`); once only."""
+        if not callable(hook):
+            raise TypeError(f"the communication hook must be callable, got {type(hook).__name__}")
+        params = list(inspect.signature(hook).parameters)
+        if len(params) != 2:
+            raise TypeError(f"a communication hook takes (state, bucket); {getattr(hook, '__name__', hook)!r} "
+                            f"takes {params}")
+        self.reducer.register_comm_hook(state, hook)
+
+    def _get_ddp_logging_data(self):
+        return self.reducer.get_logging_data()
+
+    # -- Join plumbing (the join issue builds on these) -------------------------------------------------------
+    _divide_by_initial_world_size = True
+
+    def _notify_join_context(self):
+        """The work handle of ``Join.notify_join_context(self)`` once Join exists; None otherwise."""
+        notify = getattr(self, "_join_notify", None)
+        return notify(self) if notify is not None else None
+
+    def state_dict(self, prefix: str = "") -> dict:
+        return self.module.state_dict(prefix)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}, buckets={len(self.reducer.get_grad_buckets())}"
+
