@@ -19,16 +19,39 @@ def _signature(obj):
     return [(p.name, p.kind, repr(p.default)) for p in parameters]
 
 
+def _constructor_signature(cls, module):
+    """A class's constructor parameters, without ``self``.
+
+    A Cython ``cdef class`` exposes no ``__init__`` signature to inspect; with ``embedsignature`` its docstring
+    starts with ``Name(params)``, whose defaults are evaluated here in the defining module's namespace.
+    """
+    try:
+        return _signature(cls.__init__)[1:]
+    except TypeError:
+        pass
+    first_line = (cls.__doc__ or "").split("\n", 1)[0]
+    prefix = f"{cls.__name__}("
+    if not first_line.startswith(prefix) or not first_line.endswith(")"):
+        return None
+    params = first_line[len(prefix):-1]
+    fake = eval(f"lambda {params}: None", dict(vars(module)))  # noqa: S307 - our own compiled docstring
+    return _signature(fake)
+
+
 @pytest.mark.parametrize("component", sorted(_backend.COMPONENTS))
 def test_same_names_and_signatures(component):
     twins = _backend.load_twins(component)
     ref, core = (_public(twins[i]) for i in ("reference", "core"))
     assert sorted(ref) == sorted(core), f"{component}: __all__ differs"
-    for name, ref_obj in ref.items():
+    for name, ref_obj in ref.items():  # noqa: PLR1702
         core_obj = core[name]
         assert callable(ref_obj) == callable(core_obj), f"{component}.{name}"
         if inspect.isclass(ref_obj):
-            members = [m for m in vars(ref_obj) if not m.startswith("_") or m == "__init__"]
+            if "__init__" in vars(ref_obj):
+                ref_init = _constructor_signature(ref_obj, twins["reference"])
+                core_init = _constructor_signature(core_obj, twins["core"])
+                assert ref_init == core_init, f"{component}.{name}(): constructor signatures differ"
+            members = [m for m in vars(ref_obj) if not m.startswith("_")]
             for member in members:
                 ref_member = getattr(ref_obj, member)
                 core_member = getattr(core_obj, member, None)
