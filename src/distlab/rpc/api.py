@@ -118,8 +118,9 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
 
 
 def shutdown(graceful=True, timeout=None):
-    """Stop RPC on this worker. ``graceful`` (collective): delete every UserRRef, wait until no OwnerRRef
-    remains, wait until every worker is done sending, then stop; raises RRefLeakError naming leaked RRefs."""
+    """Stop RPC on this worker. ``graceful`` (collective): wait until every worker has called shutdown, delete
+    every UserRRef, wait until no OwnerRRef remains, wait until every worker is done sending, then stop; raises
+    RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout)."""
     global _agent
     from . import rref as _rref_glue
 
@@ -130,6 +131,10 @@ def shutdown(graceful=True, timeout=None):
         timeout = agent.rpc_timeout if timeout is None else timeout
         try:
             if graceful:
+                # mirrors torch.distributed.rpc.shutdown: first every worker agrees it is done (no new user
+                # work), then UserRRefs are deleted and owners drained, then every worker is done sending.
+                agent.wait_idle(timeout)
+                agent.barrier(timeout)
                 _rref_glue.graceful_delete(agent, timeout)
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
