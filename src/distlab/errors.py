@@ -19,6 +19,10 @@ __all__ = [
     "RRefCreationTimeoutError",
     "RRefLeakError",
     "RRefProtocolError",
+    "DistAutogradError",
+    "AutogradContextNotFoundError",
+    "AutogradIdOverflowError",
+    "DistBackwardError",
 ]
 
 
@@ -143,3 +147,34 @@ class RRefLeakError(RRefError):
 
 class RRefProtocolError(RRefError):
     """Inconsistent RRef protocol state: a message that cannot be applied (malformed or impossible)."""
+
+
+# -- distributed autograd (distlab.distributed_autograd, twinned autograd containers) ------------------------
+class DistAutogradError(DistlabError):
+    """Base class of distributed autograd errors (ANCHORS section 4): use before init, re-init with another worker
+    id, a nested context on one thread, no current context, a duplicate send/recv function, an unknown message id."""
+
+
+class AutogradContextNotFoundError(DistAutogradError, LookupError):
+    """No autograd context with this id exists on this worker ("could not find autograd context")."""
+
+
+class AutogradIdOverflowError(DistAutogradError, OverflowError):
+    """A worker's 48-bit context or message id counter is exhausted (it would overflow into the worker id bits)."""
+
+
+class DistBackwardError(DistAutogradError):
+    """A distributed backward pass failed; the message names the worker it failed on.
+
+    Attributes
+    ----------
+    worker_id : int
+        The worker whose engine (or gradient RPC) raised.
+    context_id : int
+        The autograd context of the pass.
+    """
+
+    def __init__(self, message, *, worker_id=None, context_id=None):
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.context_id = context_id
