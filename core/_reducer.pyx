@@ -30,7 +30,7 @@ cdef object _ndarray = np.ndarray
 # -- bucketing (reference: bucketing.py) ---------------------------------------------------------------------
 def _bucket_key(tensor):
     """See :func:`distlab.reference.bucketing._bucket_key`."""
-    data = getattr(tensor, "data", tensor)
+    data = tensor.data if isinstance(tensor, Tensor) else tensor  # ndarray.data is a buffer
     return (np.dtype(data.dtype).str, type(data).__module__.split(".")[0])
 
 
@@ -62,7 +62,7 @@ def compute_bucket_assignment_by_size(tensors, size_limits, expect_sparse_gradie
         if bucket is None:
             bucket = open_buckets[key] = [[], 0, 0]
         position = limit_position.setdefault(key, 0)
-        data = getattr(tensor, "data", tensor)
+        data = tensor.data if isinstance(tensor, Tensor) else tensor  # ndarray.data is a buffer
         nbytes = <long long>data.size * np.dtype(data.dtype).itemsize
         bucket[0].append(index)
         bucket[1] += nbytes

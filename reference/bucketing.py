@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from distlab.autograd import Tensor
+
 __all__ = ["compute_bucket_assignment_by_size"]
 
 #: The size limit recorded for a sparse parameter's bucket: it is alone, so no limit applies.
@@ -22,13 +24,13 @@ NO_SIZE_LIMIT = 0
 
 def _bucket_key(tensor) -> tuple:
     """Parameters share a bucket only with parameters of the same dtype on the same device."""
-    data = getattr(tensor, "data", tensor)
+    data = tensor.data if isinstance(tensor, Tensor) else tensor  # ndarray.data is a buffer
     device = type(data).__module__.split(".")[0]  # "numpy" or "cupy" (one GPU per rank)
     return (np.dtype(data.dtype).str, device)
 
 
 def _nbytes(tensor) -> int:
-    data = getattr(tensor, "data", tensor)
+    data = tensor.data if isinstance(tensor, Tensor) else tensor  # ndarray.data is a buffer
     return int(data.size) * np.dtype(data.dtype).itemsize
 
 

@@ -1,0 +1,241 @@
+"""The reducer and DistributedDataParallel in one process (world size 1): behaviour and every error path.
+
+Several ranks are covered by tests/test_ddp_mpi.py; here the collectives are trivial, so each test isolates the
+reducer's own bookkeeping. Every test runs on both twins.
+"""
+import numpy as np
+import pytest
+
+import distlab
+from distlab import comm, nn, optim
+from distlab.ddp import DistributedDataParallel as DDP
+from distlab.ddp_comm_hooks import allreduce_hook, noop_hook
+
+from conftest import twin
+
+reducer_twin = twin("reducer")
+
+
+class TwoBranch(nn.Module):
+    """fc1 always used; fc2 only when asked (an unused parameter otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 3, seed=1)
+        self.fc2 = nn.Linear(3, 3, seed=2)
+
+    def forward(self, x, use_fc2=True, twice=False):
+        h = self.fc1(x)
+        if use_fc2:
+            h = self.fc2(h)
+            if twice:
+                h = self.fc2(h)
+        return h.sum()
+
+
+def x():
+    return distlab.tensor(np.ones((2, 4), dtype=np.float32))
+
+
+@pytest.fixture
+def group():
+    return comm.world()
+
+
+def test_ddp_step_matches_plain_step(impl):
+    plain, wrapped = TwoBranch(), DDP(TwoBranch(), impl=impl)
+    plain(x()).backward()
+    wrapped(x()).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.module.named_parameters()):
+        assert np.array_equal(a.grad.data, b.grad.data), name
+    data = wrapped.reducer.get_logging_data()
+    assert data["num_parameters"] == 4 and data["world_size"] == 1 and data["impl"] == impl
+
+
+def test_buckets_are_rebuilt_once_in_arrival_order(impl):
+    model = DDP(TwoBranch(), bucket_cap_mb=8 / 2**20, impl=impl)  # 8 bytes: one parameter per bucket
+    before = [b.parameters() for b in model.reducer.get_grad_buckets()]
+    assert len(before) == 4
+    assert model.reducer.get_logging_data()["bucket_indices"] == [[3], [2], [1], [0]]  # reversed registration
+    arrivals = []
+    for i, p in enumerate(model.module.parameters()):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: arrivals.append(i))
+    for _ in range(3):
+        model(x()).backward()
+    assert model.reducer.has_rebuilt_bucket
+    after = model.reducer.get_logging_data()["bucket_indices"]
+    assert after == [arrivals[:4]]  # arrival order, all within the 1 MiB first bucket
+    assert arrivals[:2] in ([2, 3], [3, 2])  # fc2's gradients arrive before fc1's
+
+
+def test_gradient_as_bucket_view(impl):
+    model = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl)
+    plain = TwoBranch()
+    for _ in range(2):
+        model(x()).backward()
+        plain(x()).backward()
+    buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert any(np.shares_memory(p.grad.data, buf) for buf in buffers), name
+        assert np.allclose(p.grad.data, q.grad.data), name
+
+
+def test_no_sync_accumulates_then_syncs(impl):
+    model, plain = DDP(TwoBranch(), find_unused_parameters=True, impl=impl), TwoBranch()
+    with model.no_sync():
+        model(x(), use_fc2=True).backward()   # fc2 used only in the no_sync micro-batch
+    model(x(), use_fc2=False).backward()
+    plain(x(), use_fc2=True).backward()
+    plain(x(), use_fc2=False).backward()
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert np.allclose(p.grad.data, q.grad.data), name
+
+
+def test_unused_parameter_grad_untouched_with_find_unused(impl):
+    model = DDP(TwoBranch(), find_unused_parameters=True, impl=impl)
+    model(x(), use_fc2=False).backward()
+    assert model.module.fc2.weight.grad is None and model.module.fc1.weight.grad is not None
+    model(x(), use_fc2=True).backward()
+    assert model.module.fc2.weight.grad is not None
+
+
+def test_prior_reduction_error_names_the_unused_parameters(impl):
+    model = DDP(TwoBranch(), impl=impl)
+    model(x(), use_fc2=False).backward()
+    with pytest.raises(RuntimeError) as info:
+        model(x(), use_fc2=False)
+    text = str(info.value)
+    assert "'fc2.weight' (index 2)" in text and "'fc2.bias' (index 3)" in text
+    assert "find_unused_parameters=True" in text and "on rank 0" in text
+
+
+def test_marked_twice_names_the_parameter(impl, group):
+    reducer = reducer_twin.__wrapped__(impl) if hasattr(reducer_twin, "__wrapped__") else None
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    reducer = module.Reducer(params, [[1, 0]], group, param_names=["a.w", "b.w"])
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([])
+    for p in params:
+        p.grad = distlab.tensor(np.ones_like(p.data))
+    reducer.mark_variable_ready(1)
+    with pytest.raises(RuntimeError, match=r"parameter 'b.w' \(index 1\) was marked ready twice"):
+        reducer.mark_variable_ready(1)
+
+
+def test_grad_dtype_mismatch(impl, group):
+    module = distlab._backend.load("reducer", impl)
+    p = nn.Parameter(np.ones(3, dtype=np.float32))
+    reducer = module.Reducer([p], [[0]], group, param_names=["w"])
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([])
+    p.grad = distlab.tensor(np.ones(3, dtype=np.float64))
+    with pytest.raises(TypeError, match="'w' .* has dtype float32 but its gradient is float64"):
+        reducer.mark_variable_ready(0)
+
+
+@pytest.mark.parametrize("buckets, expect_sparse, message", [
+    ([[0, 1], []], None, "bucket 1 is empty"),
+    ([[0, 1]], [True, False], "'a' expects a sparse gradient and must be alone"),
+    ([[0]], None, r"every parameter index 0..1 exactly once"),
+])
+def test_bad_bucket_layouts(impl, group, buckets, expect_sparse, message):
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    with pytest.raises(ValueError, match=message):
+        module.Reducer(params, buckets, group, expect_sparse, param_names=["a", "b"])
+
+
+def test_mixed_dtypes_in_a_bucket(impl, group):
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float64))]
+    with pytest.raises(TypeError, match="bucket 0 mixes .* 'a' is numpy float32, 'b' is numpy float64"):
+        module.Reducer(params, [[0, 1]], group, param_names=["a", "b"])
+
+
+def test_static_graph(impl):
+    model, plain = DDP(TwoBranch(), static_graph=True, impl=impl), TwoBranch()
+    for _ in range(3):
+        model.module.zero_grad()
+        plain.zero_grad()
+        model(x(), use_fc2=False).backward()
+        plain(x(), use_fc2=False).backward()
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert np.allclose(p.grad.data, q.grad.data), name
+    with pytest.raises(RuntimeError, match="must be called before the first iteration"):
+        model.reducer.set_static_graph()
+
+
+def test_static_graph_change_is_an_error(impl):
+    model = DDP(TwoBranch(), static_graph=True, impl=impl)
+    model(x()).backward()
+    model(x()).backward()
+    model(x(), use_fc2=False).backward()  # fc2 unused: its bucket never completes
+    with pytest.raises(RuntimeError, match=r"graph changed.*static_graph=True(.|\n)*'fc2.weight' \(index 2\)"):
+        model(x())
+
+
+def test_static_graph_extra_hook_is_an_error(impl):
+    model = DDP(TwoBranch(), static_graph=True, bucket_cap_mb=8 / 2**20, impl=impl)
+    model(x()).backward()
+    model(x())  # iteration 2 forward; now a reentrant backward would call fc1.bias's hook twice
+    for p in model.module.parameters():
+        p.grad = distlab.tensor(np.ones_like(p.data))
+    model.reducer.autograd_hook(1)
+    with pytest.raises(RuntimeError, match=r"graph changed in this iteration: parameter 'fc1.bias' \(index 1\)"):
+        model.reducer.autograd_hook(1)
+
+
+def test_comm_hooks(impl):
+    model, plain = DDP(TwoBranch(), impl=impl), TwoBranch()
+    model.register_comm_hook(None, allreduce_hook)
+    model(x()).backward()
+    plain(x()).backward()
+    assert all(np.allclose(p.grad.data, q.grad.data) for p, q in zip(model.parameters(), plain.parameters()))
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        model.register_comm_hook(None, noop_hook)
+    fresh = DDP(TwoBranch(), impl=impl)
+    with pytest.raises(TypeError, match="must be callable"):
+        fresh.register_comm_hook(None, 42)
+    with pytest.raises(TypeError, match=r"takes \(state, bucket\)"):
+        fresh.register_comm_hook(None, lambda bucket: bucket)
+
+
+def test_module_without_trainable_parameters(impl):
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+        DDP(frozen, impl=impl)
+
+
+def test_bucket_view_and_reduce_dtype_conflict(impl, group):
+    module = distlab._backend.load("reducer", impl)
+    with pytest.raises(ValueError, match="gradient_as_bucket_view cannot be used with a reduce_dtype"):
+        module.Reducer([nn.Parameter(np.ones(2, np.float32))], [[0]], group, gradient_as_bucket_view=True,
+                       reduce_dtype=np.float16)
+
+
+def test_reduce_dtype_mixed_precision(impl):
+    model, plain = DDP(TwoBranch(), reduce_dtype=np.float16, impl=impl), TwoBranch()
+    assert all(b.buffer().dtype == np.float16 for b in model.reducer.get_grad_buckets())
+    model(x()).backward()
+    plain(x()).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p.grad.data.dtype == np.float32 and np.allclose(p.grad.data, q.grad.data, rtol=1e-3, atol=1e-3)
+
+
+def test_training_converges(impl):
+    model = DDP(nn.Sequential(nn.Linear(4, 8, seed=0), nn.Tanh(), nn.Linear(8, 1, seed=1)), impl=impl)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((64, 4)).astype(np.float32)
+    target = data @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype=np.float32)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = nn.MSELoss()(model(distlab.tensor(data)), distlab.tensor(target))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.data))
+    assert losses[-1] < 0.1 * losses[0]
