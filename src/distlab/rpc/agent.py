@@ -40,7 +40,7 @@ from distlab.futures import Future, collect_all
 from . import framing
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
 
-__all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "TAG_HEADER", "TAG_BUFFER"]
+__all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_level", "TAG_HEADER", "TAG_BUFFER"]
 
 log = logging.getLogger("distlab.rpc")
 
@@ -76,6 +76,20 @@ def current_call() -> CallInfo | None:
     return getattr(_call_local, "info", None)
 
 
+def check_thread_level() -> None:
+    """Raise RpcThreadLevelError unless MPI runs with ``MPI_THREAD_MULTIPLE``."""
+    from mpi4py import MPI
+
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        raise RpcThreadLevelError(
+            "distlab.rpc needs MPI_THREAD_MULTIPLE (its listener thread calls MPI while other threads send), "
+            f"but MPI was initialized with {names.get(level, level)}; do not lower mpi4py.rc.thread_level "
+            "(or MPI4PY_RC_THREAD_LEVEL), or use an MPI library built with thread support")
+
+
 def _kind_name(kind: int) -> str:
     return RPC_KINDS[kind] if 0 <= kind < len(RPC_KINDS) else f"kind {kind}"
 
@@ -99,11 +113,7 @@ class RpcAgent:
         from mpi4py import MPI
 
         self._MPI = MPI
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RpcThreadLevelError(
-                "distlab.rpc needs MPI_THREAD_MULTIPLE (its listener thread calls MPI while other threads send), "
-                f"but MPI was initialized with thread level {MPI.Query_thread()}; do not lower "
-                "mpi4py.rc.thread_level, or use an MPI library built with thread support")
+        check_thread_level()
         if not isinstance(name, str) or not name:
             raise ValueError(f"worker name must be a non-empty string, got {name!r}")
         self.comm = comm

@@ -12,7 +12,7 @@ from distlab.errors import RpcError
 from distlab.futures import Future
 
 from . import framing
-from .agent import RpcAgent, WorkerInfo
+from .agent import RpcAgent, WorkerInfo, check_thread_level
 
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
            "is_initialized"]
@@ -72,11 +72,7 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
         if world_size is not None and world_size != world.Get_size():
             raise ValueError(f"init_rpc(world_size={world_size}) but MPI has {world.Get_size()} ranks")
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            from distlab.errors import RpcThreadLevelError
-
-            raise RpcThreadLevelError(
-                f"distlab.rpc needs MPI_THREAD_MULTIPLE but MPI provides thread level {MPI.Query_thread()}")
+        check_thread_level()
         agent = RpcAgent(name, world.Dup(), rpc_timeout=rpc_timeout, num_threads=num_threads)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
         _rref_glue.attach(agent)
