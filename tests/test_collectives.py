@@ -1,0 +1,55 @@
+"""distlab.collectives: settings and errors without MPI, and the MPI scenarios on 2 and 4 ranks (mixed twins)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from distlab import collectives as hvd
+
+
+def test_settings_defaults_and_validation(monkeypatch):
+    for var in ("DISTLAB_CACHE_CAPACITY", "DISTLAB_FUSION_THRESHOLD", "DISTLAB_CYCLE_TIME",
+                "DISTLAB_STALL_CHECK_TIME", "DISTLAB_STALL_SHUTDOWN_TIME"):
+        monkeypatch.delenv(var, raising=False)
+    assert hvd.settings() == {"cache_capacity": 1024, "fusion_threshold": 128 * 1024 * 1024, "cycle_time_ms": 1.0,
+                              "stall_check_time": 60.0, "stall_shutdown_time": 0.0}
+    monkeypatch.setenv("DISTLAB_CACHE_CAPACITY", "0")
+    monkeypatch.setenv("DISTLAB_CYCLE_TIME", "2.5")
+    assert hvd.settings()["cache_capacity"] == 0 and hvd.settings()["cycle_time_ms"] == 2.5
+    monkeypatch.setenv("DISTLAB_CACHE_CAPACITY", "lots")
+    with pytest.raises(ValueError, match="DISTLAB_CACHE_CAPACITY='lots' is not a whole number"):
+        hvd.settings()
+    monkeypatch.setenv("DISTLAB_CACHE_CAPACITY", "-1")
+    with pytest.raises(ValueError, match="at least 0"):
+        hvd.settings()
+
+
+def test_use_before_init_is_a_clear_error():
+    assert not hvd.is_initialized()
+    with pytest.raises(hvd.NotInitializedError, match=r"call collectives.init\(\)"):
+        hvd.allreduce(np.ones(2), name="x")
+    with pytest.raises(hvd.NotInitializedError):
+        hvd.rank()
+    hvd.shutdown()   # harmless when not initialized
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args", [(2, ()), (4, ("mixed",))], ids=["2ranks", "4ranks-mixed-twins"])
+def test_scenarios(mpirun, np_, args):
+    result = mpirun("collectives_scenarios.py", np=np_, args=args, timeout=150)
+    assert result.stdout.count("collectives OK") == np_
+    if args:
+        assert result.stdout.count("impl=reference") == np_ // 2
+
+
+@pytest.mark.mpi
+def test_scenarios_without_cache_with_timeline(mpirun, tmp_path):
+    trace = tmp_path / "collectives.json"
+    result = mpirun("collectives_scenarios.py", np=2, timeout=150, env={"DISTLAB_CACHE_CAPACITY": "0"},
+                    timeline=str(trace))
+    assert result.stdout.count("collectives OK") == 2 and "fast=0" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert "negotiate (slow path)" in names and "fuse" in names
