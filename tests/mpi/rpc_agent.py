@@ -29,6 +29,11 @@ def boom(x):
     raise KeyError(f"no key {x}")
 
 
+@rpc.cheap
+def nested_on_listener(dst):
+    return rpc.rpc_sync(dst, add, (1, 2))
+
+
 def echo_meta(src, payload, meta):
     return (src, payload, meta, rpc.current_call().meta)
 
@@ -79,6 +84,11 @@ if rank == 0:
         raise AssertionError("non-callable accepted")
     except TypeError:
         pass
+    try:
+        rpc.rpc_sync(peer, nested_on_listener, (0,))
+        raise AssertionError("blocking call on the listener accepted")
+    except RemoteError as exc:
+        assert "listener thread" in str(exc), exc
     agent = rpc.get_agent()
     assert agent.send(peer, 64, {"x": 1}, meta=("ctx", 7)).wait(10) == (0, {"x": 1}, ("ctx", 7), ("ctx", 7))
     try:

@@ -220,6 +220,11 @@ class RpcAgent:
     def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
         """``send`` then wait for the result; the wait is bounded by ``timeout`` (default ``rpc_timeout``)."""
         timeout = self.rpc_timeout if timeout is None else timeout
+        if threading.current_thread() is self._listener:
+            raise RpcError(
+                "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
+                f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
+                "(only the listener could receive the answer); drop @cheap or use rpc_async")
         fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
         try:
             return fut.wait(timeout if timeout and timeout > 0 else 1e9)
