@@ -24,7 +24,7 @@ build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
 demo: build
-	$(PY) -m distlab run -n $(NP) examples/comm_demo.py
+	$(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
 
 # The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path.
 test: build

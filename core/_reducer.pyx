@@ -392,8 +392,7 @@ cdef class Reducer:
     def search_unused_parameters(self, outputs):
         """See :meth:`distlab.reference.reducer.Reducer.search_unused_parameters`."""
         reachable = graph_leaves(list(outputs))
-        self.unused_parameters = [i for i, p in enumerate(self.params)
-                                  if p not in reachable and not self.used_no_sync[i]]
+        self.unused_parameters = [i for i, p in enumerate(self.params) if p not in reachable]
         memcpy(&self.used[0], &self.used_no_sync[0], self.n * sizeof(int))
         memset(&self.used_no_sync[0], 0, self.n * sizeof(int))
 

@@ -161,12 +161,13 @@ class Reducer:
     def search_unused_parameters(self, outputs):
         """Parameters that ``outputs`` do not reach get no gradient this step (``search_unused_parameters``).
 
-        A parameter whose gradient was accumulated under ``no_sync`` counts as used, so the gradients of
-        every micro-batch are synchronised, not only the last one's (a known failure of the anchor).
+        They are marked ready up front (their bucket slots hold zeros, or the gradient they accumulated under
+        ``no_sync``). A parameter whose gradient accumulated under ``no_sync`` counts as *used*, so that
+        gradient is reduced and written back: every micro-batch is synchronised, not only the last one (the
+        anchor leaves such gradients unsynchronised, a known complaint).
         """
         reachable = graph_leaves(list(outputs))
-        self.unused_parameters = [i for i, p in enumerate(self.params)
-                                  if p not in reachable and not self.used_during_no_sync[i]]
+        self.unused_parameters = [i for i, p in enumerate(self.params) if p not in reachable]
         self.local_used_map[:] = self.used_during_no_sync
         self.used_during_no_sync[:] = 0
 

@@ -87,7 +87,9 @@ class DistributedDataParallel(Module):
         # Reverse: parameters registered last are used last in forward, so their gradients come first.
         self.reducer = reducer_module.Reducer(
             params, list(reversed(bucket_indices)), self.process_group, expect_sparse, self.bucket_bytes_cap,
-            find_unused_parameters, gradient_as_bucket_view, names, DEFAULT_FIRST_BUCKET_BYTES, reduce_dtype)
+            find_unused_parameters, gradient_as_bucket_view, names,
+            min(DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap),  # a small bucket_cap_mb stays small on rebuild
+            reduce_dtype)
         if static_graph:
             self._set_static_graph()
 

@@ -1,0 +1,109 @@
+"""DDP on several ranks equals single-process training on the whole batch, for every reducer feature.
+
+argv: impl ("reference", "core" or "mixed": even ranks reference, odd ranks core), output prefix.
+Each rank writes <prefix>.rank<N>.pkl: per configuration, the final parameters and the collective trace, so the
+test can compare twins bit for bit and trace for trace.
+"""
+import pickle
+import sys
+
+import numpy as np
+
+import distlab
+from distlab import comm, nn, optim
+from distlab.ddp import DistributedDataParallel as DDP
+from distlab.ddp_comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from distlab.testing import RecordingGroup
+
+impl_arg, prefix = sys.argv[1], sys.argv[2]
+world = comm.world()
+rank, size = world.rank, world.size
+impl = impl_arg if impl_arg != "mixed" else ("reference" if rank % 2 == 0 else "core")
+SHARD = 4
+
+
+class Net(nn.Module):
+    def __init__(self, sparse=False, spare=False):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, sparse=sparse)
+        self.fc1 = nn.Linear(6, 16, seed=1)
+        self.fc2 = nn.Linear(16, 16, seed=2)
+        self.head = nn.Linear(16, 3, seed=3)
+        if spare:
+            self.spare = nn.Linear(16, 3, seed=4)  # used only on some steps (or never: static graph)
+
+    def forward(self, tokens, use_spare=False):
+        h = self.fc1(self.emb(tokens).mean(axis=1)).tanh()
+        h = self.fc2(h).tanh()
+        out = self.head(h)
+        if use_spare:
+            out = out + self.spare(h)
+        return out
+
+
+def batch(step, rows):
+    rng = np.random.default_rng(step)
+    tokens = rng.integers(0, 10, size=(SHARD * size, 5))
+    target = rng.standard_normal((SHARD * size, 3)).astype(np.float32)
+    return distlab.tensor(tokens[rows]), distlab.tensor(target[rows])
+
+
+def make(sparse, spare):
+    distlab.manual_seed(0)
+    return Net(sparse, spare)
+
+
+CONFIGS = {
+    "default": dict(),
+    "small_buckets": dict(ddp=dict(bucket_cap_mb=200 / 2**20)),
+    "bucket_view": dict(ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=300 / 2**20)),
+    "find_unused": dict(ddp=dict(find_unused_parameters=True, bucket_cap_mb=300 / 2**20), spare=lambda s: s % 2 == 1),
+    "static": dict(ddp=dict(static_graph=True, bucket_cap_mb=300 / 2**20), spare=lambda s: False),
+    "no_sync": dict(ddp=dict(find_unused_parameters=True), micro=2, spare=lambda s: s == 0),
+    "allreduce_hook": dict(hook=allreduce_hook),
+    "fp16_hook": dict(hook=fp16_compress_hook, tol=2e-3),
+    "bf16_hook": dict(hook=bf16_compress_hook, tol=3e-2),
+    "sparse": dict(sparse=True, ddp=dict(bucket_cap_mb=300 / 2**20)),
+    "mixed_precision": dict(ddp=dict(reduce_dtype=np.float16), tol=2e-3),
+}
+
+results = {}
+for name, config in CONFIGS.items():
+    spare = config.get("spare", lambda s: False)
+    has_spare = "spare" in config
+    micro = config.get("micro", 1)
+    sparse = config.get("sparse", False)
+    group = RecordingGroup(world)
+    model = DDP(make(sparse, has_spare), process_group=group, impl=impl, **config.get("ddp", {}))
+    if "hook" in config:
+        model.register_comm_hook(None, config["hook"])
+    local = make(sparse, has_spare)
+    opt, local_opt = optim.SGD(model.parameters(), lr=0.05), optim.SGD(local.parameters(), lr=0.05)
+    loss_fn = nn.MSELoss()
+    for step in range(4):
+        opt.zero_grad()
+        local_opt.zero_grad()
+        for m in range(micro):
+            mine = np.arange(rank * SHARD, (rank + 1) * SHARD)
+            tokens, target = batch(10 * step + m, mine)
+            use_spare = spare(step * micro + m) if micro > 1 else spare(step)
+            if m < micro - 1:
+                with model.no_sync():
+                    (loss_fn(model(tokens, use_spare), target) / micro).backward()
+            else:
+                (loss_fn(model(tokens, use_spare), target) / micro).backward()
+            tokens, target = batch(10 * step + m, np.arange(SHARD * size))
+            (loss_fn(local(tokens, use_spare), target) / micro).backward()
+        opt.step()
+        local_opt.step()
+    tol = config.get("tol", 1e-5)
+    for (pname, a), b in zip(model.module.named_parameters(), local.parameters()):
+        assert np.allclose(a.data, b.data, atol=tol, rtol=tol), (name, pname, np.abs(a.data - b.data).max())
+    if name == "find_unused":
+        assert model.reducer.get_logging_data()["find_unused_parameters"]
+    if name == "small_buckets":
+        assert model.reducer.has_rebuilt_bucket
+    results[name] = {"params": [p.data.copy() for p in model.module.parameters()], "trace": group.trace}
+with open(f"{prefix}.rank{rank}.pkl", "wb") as fh:
+    pickle.dump(results, fh)
+print(f"rank {rank} ({impl}): {len(CONFIGS)} DDP configurations match local training", flush=True)

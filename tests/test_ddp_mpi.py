@@ -1,0 +1,78 @@
+"""DDP on 2 and 4 ranks: equals single-process training; twins bit-identical with identical traces; mixed world."""
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+def _load(prefix, np_):
+    return [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run the DDP scenario once per (ranks, twin) and keep every rank's parameters and traces."""
+    from _mpi import run_scenario
+
+    out = tmp_path_factory.mktemp("ddp")
+    results = {}
+    for np_, impls in ((2, ("reference", "core", "mixed")), (4, ("reference", "core", "mixed"))):
+        for impl in impls:
+            prefix = str(out / f"{impl}{np_}")
+            job = run_scenario("ddp_train.py", np=np_, args=[impl, prefix], timeout=300)
+            assert job.stdout.count("DDP configurations match local training") == np_
+            results[np_, impl] = _load(prefix, np_)
+    return results
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_twins_are_bit_identical_with_identical_traces(runs, np_):
+    reference, core = runs[np_, "reference"], runs[np_, "core"]
+    for rank in range(np_):
+        for config in reference[rank]:
+            ref, cor = reference[rank][config], core[rank][config]
+            for a, b in zip(ref["params"], cor["params"]):
+                assert np.array_equal(a, b), (rank, config)
+            assert ref["trace"] == cor["trace"], (rank, config)
+            assert ref["trace"] == reference[0][config]["trace"], "every rank issues the same collectives"
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_mixed_world_matches_either_twin(runs, np_):
+    reference, mixed = runs[np_, "reference"], runs[np_, "mixed"]
+    for rank in range(np_):
+        for config in reference[rank]:
+            for a, b in zip(reference[rank][config]["params"], mixed[rank][config]["params"]):
+                assert np.array_equal(a, b), (rank, config)
+            assert reference[rank][config]["trace"] == mixed[rank][config]["trace"]
+
+
+def test_trace_shows_buckets_in_order_then_the_used_map(runs):
+    trace = runs[2, "core"][0]["find_unused"]["trace"]
+    names = [name for op, name, *_ in trace if op == "allreduce"]
+    step = names[: names.index("local_used_map") + 1]
+    buckets = [n for n in step if n.startswith("bucket")]
+    assert buckets == sorted(buckets, key=lambda n: int(n[6:])) and step[-1] == "local_used_map"
+
+
+@pytest.mark.parametrize("impl", ["reference", "core"])
+def test_model_mismatch_is_refused_on_every_rank(mpirun, impl):
+    job = mpirun("ddp_errors.py", np=4, args=[impl])
+    assert job.stdout.count("model checks OK") == 4
+
+
+def test_training_example_reaches_its_accuracy_and_writes_a_timeline(mpirun, tmp_path):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+    trace = tmp_path / "ddp.json"
+    job = mpirun(str(example), np=2, args=["--epochs", "8"], timeline=str(trace))
+    assert "accuracy" in job.stdout
+    events = json.load(open(trace))["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"reducer grads", "reducer buckets", "comm world"} <= lanes
+    spans = [e for e in events if e["ph"] == "X" and e["name"].startswith("bucket")]
+    assert spans and all(e["args"]["bytes"] > 0 for e in spans)
