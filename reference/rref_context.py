@@ -2,14 +2,21 @@
 
 Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
 
-``owners``            RRef id -> OwnerRRef, for RRefs this worker owns that have (or had) forks
-``pending_owners``    RRef id -> Future of the OwnerRRef, for an RRef used here before its creation arrived
-``forks``             RRef id -> set of fork ids (the owner's reference count)
-``pending_users``     fork id -> UserRRef not yet confirmed by the owner (G2: it may not be deleted yet)
-``pending_children``  fork id -> parent RRef, kept until the owner has confirmed the child (G2)
-``confirmed_users``   fork id -> UserRRef confirmed by the owner (graceful shutdown deletes them, G1)
-``deleted_forks``     fork ids whose deletion the owner applied: a duplicated or retried ``fork_request``
-                      that arrives late must not resurrect them (control messages are idempotent)
+``owners``
+    RRef id -> OwnerRRef, for RRefs this worker owns that have (or had) forks.
+``pending_owners``
+    RRef id -> Future of the OwnerRRef, for an RRef used here before its creation arrived.
+``forks``
+    RRef id -> set of fork ids (the owner's reference count).
+``pending_users``
+    fork id -> UserRRef not yet confirmed by the owner (G2: it may not be deleted yet).
+``pending_children``
+    fork id -> parent RRef, kept until the owner has confirmed the child (G2).
+``confirmed_users``
+    fork id -> UserRRef confirmed by the owner (graceful shutdown deletes them, G1).
+``deleted_forks``
+    fork ids whose deletion the owner applied: a duplicated or retried ``fork_request`` that arrives late must
+    not resurrect them (control messages are idempotent).
 
 Every control message (``user_delete``, ``fork_request``, ``child_accept``) goes through the injected
 ``send(dst, kind, payload) -> Future`` and is retried when its acknowledgement times out
