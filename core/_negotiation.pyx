@@ -67,7 +67,6 @@ __all__ = ["Request", "Response", "RequestList", "ResponseList", "ResponseCache"
            "Controller", "fuse_responses", "request_params", "MISS", "HIT", "INVALID"]
 
 include "_negotiation_messages.pxi"
-include "_negotiation_cache.pxi"
 
 cdef long long _DTYPE_SIZE[64]
 for _i, _s in enumerate(DTYPE_SIZES):
@@ -78,8 +77,12 @@ _COUNTERS = ("cycles", "fast_path", "slow_path", "idle", "hits", "misses", "inva
 
 
 cdef inline long long _size_bytes(Response r):
-    return (<long long>r.tensor_sizes[0]) * _DTYPE_SIZE[r.tensor_type] if r.tensor_sizes else 0
+    if not r.tensor_sizes:
+        return 0
+    return (<long long>r.tensor_sizes[0]) * (_DTYPE_SIZE[r.tensor_type] if 0 <= r.tensor_type < 64 else 0)
 
+
+include "_negotiation_cache.pxi"
 
 def fuse_responses(responses, threshold):
     """See :func:`distlab.reference.negotiation.fuse_responses`."""
@@ -119,41 +122,37 @@ def fuse_responses(responses, threshold):
 
 
 cdef list _fuse_slots(ResponseCache cache, vector[int]& slots, long long limit):
-    """fuse_responses over cache slots (the fast path), building only one Response per fused group."""
+    """fuse_responses over cache slots (the fast path): C comparisons, one Response per fused group."""
     cdef cppdeque[int] queue
     cdef vector[int] skipped
     cdef int slot, cand
     cdef long long size, skipped_size, cand_size
-    cdef Response first, cr, fused
+    cdef Response fused
     cdef list out = []
     cdef list names, sizes
     cdef size_t k
-    cdef _Params* p
-    cdef _Params* q
+    cdef _RespInfo* first
+    cdef _RespInfo* ci
     for slot in slots:
         queue.push_back(slot)
     while not queue.empty():
         slot = queue.front()
         queue.pop_front()
-        first = <Response>cache._responses[slot]
-        fused = first.copy()
-        if first.response_type == RT_ALLREDUCE or first.response_type == RT_ADASUM:
+        fused = (<Response>cache._responses[slot]).copy()
+        first = &cache._info[slot]
+        if first.rtype == RT_ALLREDUCE or first.rtype == RT_ADASUM:
             names = fused.tensor_names
             sizes = fused.tensor_sizes
-            size = _size_bytes(first)
+            size = first.nbytes
             skipped.clear()
             skipped_size = 0
             while not queue.empty():
                 cand = queue.front()
-                cr = <Response>cache._responses[cand]
-                cand_size = _size_bytes(cr)
-                if (cr.response_type == first.response_type
-                        and cr.tensor_type == first.tensor_type
-                        and cr.reduce_op == first.reduce_op
-                        and size + cand_size <= limit
-                        and cr.prescale_factor == first.prescale_factor
-                        and cr.postscale_factor == first.postscale_factor
-                        and (cr.devices is first.devices or cr.devices == first.devices)):
+                ci = &cache._info[cand]
+                cand_size = ci.nbytes
+                if (ci.rtype == first.rtype and ci.dtype == first.dtype and ci.op == first.op
+                        and size + cand_size <= limit and ci.pre == first.pre and ci.post == first.post
+                        and ci.devices == first.devices):
                     size += cand_size
                     names.append(cache._pynames[cand])
                     sizes.append(cache._pysizes[cand])
@@ -295,6 +294,7 @@ cdef class Controller:
                     erased = True
             uncached = []
             requeue = []
+            tracking = bool(self.stall._cached)
             for i in range(n):
                 request = <Request>batch[i]
                 if erased and request.request_type != RT_JOIN:
@@ -304,7 +304,7 @@ cdef class Controller:
                     if not (coordinator._hits[bit >> 6] >> (bit & 63)) & 1:
                         requeue.append(request)
                         self.stall.record_cached(request._name)
-                    elif self.stall._cached:
+                    elif tracking:
                         self.stall.remove_cached(request._name)
                 else:
                     uncached.append(request)

@@ -13,6 +13,17 @@ cdef struct _Params:
     vector[int64_t] shape
 
 
+cdef struct _RespInfo:
+    # what fusion compares, kept in C so the fast path touches no Python object per tensor
+    int rtype
+    int dtype
+    int op
+    double pre
+    double post
+    long long nbytes
+    vector[int32_t] devices
+
+
 cdef inline bint _params_match(_Params& a, Request r):
     # S_HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
     return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and a.shape == r._cshape
@@ -46,10 +57,36 @@ def request_params(request):
             request.reduce_op, request.prescale_factor, request.postscale_factor)
 
 
+cdef int _fill_info(_RespInfo* info, Response response) except -1:
+    info.rtype = response.response_type
+    info.dtype = response.tensor_type
+    info.op = response.reduce_op
+    info.pre = response.prescale_factor
+    info.post = response.postscale_factor
+    info.nbytes = _size_bytes(response)
+    info.devices.clear()
+    for d in response.devices:
+        info.devices.push_back(d)
+    return 0
+
+
+# Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
+# remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current.
+cdef uint64_t _EPOCHS = 0
+cdef uint32_t _NO_BIT = 0xFFFFFFFF
+
+
+cdef inline uint64_t _new_epoch():
+    global _EPOCHS
+    _EPOCHS += 1
+    return _EPOCHS
+
+
 cdef class ResponseCache:
     """See :class:`distlab.reference.response_cache.ResponseCache`."""
 
     cdef uint32_t _capacity
+    cdef uint64_t _epoch
     cdef bint _print_warning, _bits_outdated
     cdef public long evictions
     # Entries live in slots; the LRU list orders slot ids (front = least recently used, back = most).
@@ -59,6 +96,7 @@ cdef class ResponseCache:
     cdef vector[uint32_t] _slot_bit                   # slot -> bit
     cdef unordered_map[string, uint32_t] _name_to_bit
     cdef vector[_Params] _params                      # slot -> params
+    cdef vector[_RespInfo] _info                      # slot -> fusion-relevant response fields
     cdef vector[string] _names                        # slot -> name
     cdef vector[int] _free                            # free slots
     cdef list _responses                              # slot -> Response
@@ -80,12 +118,14 @@ cdef class ResponseCache:
         self._slot_bit.clear()
         self._name_to_bit.clear()
         self._params.clear()
+        self._info.clear()
         self._names.clear()
         self._free.clear()
         self._responses = []
         self._pynames = []
         self._pysizes = []
         self._bits_outdated = False
+        self._epoch = _new_epoch()
 
     def set_capacity(self, capacity):
         """See :meth:`distlab.reference.response_cache.ResponseCache.set_capacity`."""
@@ -110,11 +150,18 @@ cdef class ResponseCache:
 
     # -- C-level helpers used by the controller --------------------------------------------------------------
     cdef inline int _state(self, Request r, uint32_t* bit):
-        it = self._name_to_bit.find(r._cname)
-        if it == self._name_to_bit.end():
+        cdef uint32_t b
+        if r._hint_epoch == self._epoch:
+            b = r._hint_bit
+        else:
+            it = self._name_to_bit.find(r._cname)
+            b = _NO_BIT if it == self._name_to_bit.end() else deref(it).second
+            r._hint_epoch = self._epoch
+            r._hint_bit = b
+        if b == _NO_BIT:
             return S_MISS
-        bit[0] = deref(it).second
-        return S_HIT if _params_match(self._params[self._bit_slot[bit[0]]], r) else S_INVALID
+        bit[0] = b
+        return S_HIT if _params_match(self._params[self._bit_slot[b]], r) else S_INVALID
 
     cdef int _slot_at(self, long bit) except -1:
         if bit < 0 or bit >= <long>self._bit_slot.size() or self._bit_slot[bit] < 0:
@@ -123,12 +170,8 @@ cdef class ResponseCache:
 
     cdef inline void _touch(self, uint32_t bit):
         # move to most recently used
-        cdef int slot = self._bit_slot[bit]
-        self._lru.erase(self._bit_iters[bit])
-        self._lru.push_back(slot)
-        it = self._lru.end()
-        dec(it)
-        self._bit_iters[bit] = it
+        # splice relinks the node: no allocation, and the bit's iterator stays valid
+        self._lru.splice(self._lru.end(), self._lru, self._bit_iters[bit])
         self._bits_outdated = True
 
     # -- lookups ---------------------------------------------------------------------------------------------
@@ -232,12 +275,14 @@ cdef class ResponseCache:
         else:
             slot = self._params.size()
             self._params.push_back(params)
+            self._info.push_back(_RespInfo())
             self._names.push_back(cname)
             self._slot_bit.push_back(0)
             self._responses.append(None)
             self._pynames.append(None)
             self._pysizes.append(None)
         self._params[slot] = params
+        _fill_info(&self._info[slot], response)
         self._names[slot] = cname
         self._slot_bit[slot] = bit
         self._responses[slot] = response
@@ -250,6 +295,7 @@ cdef class ResponseCache:
         self._bit_iters[bit] = it2
         self._name_to_bit[cname] = bit
         self._bits_outdated = True
+        self._epoch = _new_epoch()
         return 0
 
     def erase_response(self, long bit):
@@ -262,11 +308,13 @@ cdef class ResponseCache:
         self._responses[slot] = None
         self._free.push_back(slot)
         self._bits_outdated = True
+        self._epoch = _new_epoch()
 
     def update_cache_bits(self):
         """See :meth:`distlab.reference.response_cache.ResponseCache.update_cache_bits`."""
         cdef uint32_t bit = 0
         cdef int slot
+        cdef bint changed = self._bit_slot.size() != self._lru.size()
         if not self._bits_outdated:
             return
         self._bit_slot.resize(self._lru.size())
@@ -276,11 +324,15 @@ cdef class ResponseCache:
             slot = deref(it)
             self._bit_slot[bit] = slot
             self._bit_iters[bit] = it
-            self._slot_bit[slot] = bit
-            self._name_to_bit[self._names[slot]] = bit
+            if self._slot_bit[slot] != bit:
+                self._slot_bit[slot] = bit
+                self._name_to_bit[self._names[slot]] = bit
+                changed = True
             bit += 1
             inc(it)
         self._bits_outdated = False
+        if changed:
+            self._epoch = _new_epoch()
 
 
 cdef class CacheCoordinator:

@@ -81,6 +81,9 @@ cdef class Request:
     cdef tuple _shape
     cdef string _cname
     cdef vector[int64_t] _cshape
+    # A lookup hint: the cache bit of this name in the cache state numbered _hint_epoch (see ResponseCache._state)
+    cdef uint64_t _hint_epoch
+    cdef uint32_t _hint_bit
 
     def __init__(self, tensor_name="", request_type=RequestType.ALLREDUCE, tensor_type=0, tensor_shape=(),
                  request_rank=0, root_rank=0, device=CPU_DEVICE_ID, reduce_op=0, prescale_factor=1.0,
@@ -104,6 +107,7 @@ cdef class Request:
     def tensor_name(self, value):
         self._name = str(value)
         self._cname = _utf8(self._name)
+        self._hint_epoch = 0
 
     @property
     def tensor_shape(self):

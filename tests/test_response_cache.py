@@ -263,6 +263,11 @@ def test_twins_make_identical_decisions(sequence):
         pytest.skip("core not built")
     twins = _backend.load_twins("negotiation")
     caches = {impl: mod.ResponseCache(4) for impl, mod in twins.items()}
+    other = {impl: mod.ResponseCache(4) for impl, mod in twins.items()}
+    # Request objects kept across operations (the core caches lookups in them; this checks the hints expire)
+    kept = {impl: [req(mod, f"t{i}") for i in range(10)] for impl, mod in twins.items()}
+    for impl, mod in twins.items():
+        put(mod, other[impl], "t1")
     coordinators = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheEvictionWarning)
@@ -290,6 +295,10 @@ def test_twins_make_identical_decisions(sequence):
                 except CacheStateError as exc:
                     outcome = f"error {str(exc)[:40]}"
                 states = [cache.cached(req(mod, f"t{i}")) for i in range(10)]
+                assert [cache.cached(r) for r in kept[impl]] == states
+                assert [other[impl].cached(r) for r in kept[impl]] == [mod.HIT if i == 1 else mod.MISS
+                                                                       for i in range(10)]
+                assert [cache.cached(r) for r in kept[impl]] == states
                 coordinator = mod.CacheCoordinator(cache.num_active_bits())
                 for bit in cache.list_all_bits():
                     coordinator.record_hit(bit)
