@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["AUTO_INCREMENT_BITS", "AUTO_INCREMENT_MASK", "MAX_WORKER_ID", "NUM_DEFAULT_SHARDS", "INVALID_CONTEXT_ID",
            "worker_of", "counter_of", "NOT_INITIALIZED_MESSAGE", "NO_CURRENT_CONTEXT_MESSAGE",
-           "NESTED_CONTEXT_MESSAGE"]
+           "NESTED_CONTEXT_MESSAGE", "K_BACKWARD", "K_PREPARE", "K_CLEANUP"]
 
 #: Low bits of an id that count; the 16 bits above them hold the worker id (container.cpp kAutoIncrementBits).
 AUTO_INCREMENT_BITS = 48
@@ -18,6 +18,11 @@ MAX_WORKER_ID = 65535
 NUM_DEFAULT_SHARDS = 128
 #: "No context" value of a thread's current context id (container.cpp kInvalidContextId).
 INVALID_CONTEXT_ID = -1
+
+#: RPC message kinds of distributed autograd (>= distlab._wire.RPC_USER_KIND_BASE; codes travel: never change).
+K_BACKWARD = 80  # gradients for a send function: (context id, message id, pass id, retain_graph, grads)
+K_PREPARE = 81  # a backward pass starts: (context id, pass id, retain_graph)
+K_CLEANUP = 82  # release a context: context id
 
 NOT_INITIALIZED_MESSAGE = (
     "distributed autograd is not initialized on this worker: call distlab.rpc.init_rpc() first "

@@ -178,3 +178,10 @@ class DistBackwardError(DistAutogradError):
         super().__init__(message)
         self.worker_id = worker_id
         self.context_id = context_id
+
+    def __reduce__(self):  # keep the attributes when the error travels back through RPC
+        return _rebuild_dist_backward_error, (str(self), self.worker_id, self.context_id)
+
+
+def _rebuild_dist_backward_error(message, worker_id, context_id):
+    return DistBackwardError(message, worker_id=worker_id, context_id=context_id)

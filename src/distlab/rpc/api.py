@@ -92,9 +92,24 @@ def _call_payload(func, args, kwargs):
     return (framing.by_value(func), tuple(args), dict(kwargs) if kwargs else None)
 
 
+# -- distributed autograd hook (set by distlab.distributed_autograd; issue 8) ---------------------------------------
+#: None, or ``hook(dst_id, func, args, kwargs, remote=False)`` returning None (send the call as is) or
+#: ``(func, args, kwargs, unwrap)``: inside an autograd context the call carries autograd metadata and its reply
+#: passes through ``unwrap``.
+autograd_hook = None
+
+
+def _autograd_wrap(agent, to, func, args, kwargs, remote=False):
+    return autograd_hook(agent.worker_info(to).id, func, args, kwargs, remote)
+
+
 def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
     agent = get_agent()
+    wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
+    if wrapped:
+        func, args, kwargs, unwrap = wrapped
+        return unwrap(agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout))
     return agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
                            inline=getattr(func, "__distlab_rpc_cheap__", False))
 
@@ -102,6 +117,11 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
     """Like :func:`rpc_sync` but return a Future at once."""
     agent = get_agent()
+    wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
+    if wrapped:
+        func, args, kwargs, unwrap = wrapped
+        return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout).then(
+            lambda f: unwrap(f.value()))
     return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
                       inline=getattr(func, "__distlab_rpc_cheap__", False))
 
@@ -110,6 +130,9 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func`` on worker ``to`` and return an RRef to its result (see :mod:`distlab.rpc.rref`)."""
     from .rref import remote as _remote
 
+    wrapped = autograd_hook and _autograd_wrap(get_agent(), to, func, args, kwargs, remote=True)
+    if wrapped:
+        func, args, kwargs, _unwrap = wrapped
     return _remote(to, func, args, kwargs, timeout)
 
 

@@ -1,0 +1,21 @@
+"""Distributed autograd over MPI (tests/mpi/dist_autograd.py): ids, context errors, known workers, cleanup on
+every rank, backward across 2 and 4 workers equal to the local graph, remote engine errors, DistributedOptimizer;
+each twin of the containers, and a mixed world (even ranks reference, odd ranks core)."""
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_dist_autograd(mpirun, impl, np_):
+    result = mpirun("dist_autograd.py", np=np_, timeout=120, env={"DISTLAB_IMPL": impl})
+    assert result.stdout.count(f"container distlab.{'reference.' if impl == 'reference' else 'core._'}") == np_
+    assert f"dist autograd OK on {np_} workers" in result.stdout
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_dist_autograd_mixed_world(mpirun, np_):
+    result = mpirun("dist_autograd.py", np=np_, args=["mixed"], timeout=120)
+    assert result.stdout.count("container distlab.reference.") == (np_ + 1) // 2
+    assert result.stdout.count("container distlab.core.") == np_ // 2
+    assert f"dist autograd OK on {np_} workers" in result.stdout
