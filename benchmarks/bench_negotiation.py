@@ -1,0 +1,191 @@
+"""Negotiation cost per cycle: Horovod's response cache hit path vs the miss path, reference vs core twin.
+
+Run ``python -P benchmarks/bench_negotiation.py`` (it launches itself on 2 and 4 ranks). It measures, for 1, 100
+and 1000 tensors submitted per cycle:
+
+- **hit**: every tensor is cached on every rank; the cycle is one bitwise-AND allreduce of the bit vector plus the
+  cache bookkeeping (lookups, LRU updates, fusion);
+- **miss**: no tensor is cached (two name sets alternate in a cache that holds one); the cycle gathers request
+  lists on rank 0, validates, fuses, broadcasts the responses, and every rank updates its cache;
+- **floor**: a raw mpi4py ``Allreduce`` of the same bit vector on a plain communicator (what the hit path cannot
+  beat), and the same allreduce through :class:`distlab.comm.ProcessGroup` (what the controller actually calls);
+- **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication.
+
+Each cycle starts after a barrier; a figure is the median over iterations of the slowest rank. Prints a table and
+writes ``benchmarks/results/bench_negotiation.json``. Timings on a shared 2-core machine are noisy: compare
+within one run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+COUNTS = (1, 100, 1000)
+IMPLS = ("reference", "core")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _requests(module, count, prefix, rank):
+    from distlab._negotiation_shared import RequestType, dtype_code
+
+    return [module.Request(f"{prefix}.{i}", RequestType.ALLREDUCE, dtype_code("float32"), (64,), request_rank=rank,
+                           reduce_op=1) for i in range(count)]
+
+
+class _NoComm:
+    def allreduce_bits(self, words, op):
+        return None
+
+    def gather(self, payload):
+        return [payload]
+
+    def broadcast(self, payload):
+        return payload
+
+
+def bookkeeping(repeat=200):
+    """One-rank hit cycles with a no-op transport: microseconds per cycle for each twin and count."""
+    from distlab import _backend
+
+    out = {}
+    for impl in IMPLS:
+        module = _backend.load("negotiation", impl)
+        for count in COUNTS:
+            controller = module.Controller(0, 1)
+            requests = _requests(module, count, "grad", 0)
+            transport = _NoComm()
+            for r in requests:
+                controller.enqueue(r)
+            controller.compute_response_list(transport)
+            times = []
+            n = repeat if impl == "core" or count < 1000 else max(repeat // 5, 10)
+            for _ in range(n):
+                for r in requests:
+                    controller.enqueue(r)
+                start = time.perf_counter()
+                controller.compute_response_list(transport)
+                times.append(time.perf_counter() - start)
+            assert controller.counters["fast_path"] == n
+            out[f"{impl}/{count}"] = statistics.median(times) * 1e6
+    return out
+
+
+def worker(out_path):
+    """Runs on every rank under MPI."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from distlab import _backend, comm
+    from distlab.collectives import _MPITransport
+
+    raw = MPI.COMM_WORLD.Dup()
+    group = comm.ProcessGroup(name="bench")
+    transport = _MPITransport(group)
+    rank, size = group.rank, group.size
+    results = {}
+
+    def timed(fn, iterations, prepare=None):
+        times = []
+        for _ in range(iterations):
+            if prepare is not None:
+                prepare()       # e.g. enqueueing: the submitting thread's cost, not the cycle's
+            raw.Barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        mine = statistics.median(times) * 1e6
+        return max(raw.allgather(mine))
+
+    for count in COUNTS:
+        words = np.zeros((count + 3 + 63) // 64, dtype=np.uint64)
+        results[f"floor-mpi4py/{count}"] = timed(lambda: raw.Allreduce(MPI.IN_PLACE, words, op=MPI.BAND), 300)
+        results[f"floor-group/{count}"] = timed(lambda: group.allreduce(words, op="band"), 300)
+
+    warnings.simplefilter("ignore")
+    for impl in IMPLS:
+        module = _backend.load("negotiation", impl)
+        for count in COUNTS:
+            heavy = impl == "reference" and count == 1000
+            # hit path: pre-warmed cache, the same tensors every cycle
+            controller = module.Controller(rank, size, cache_capacity=2048)
+            requests = _requests(module, count, "grad", rank)
+
+            def enqueue():
+                for r in requests:
+                    controller.enqueue(r)
+
+            enqueue()
+            controller.compute_response_list(transport)
+            before = dict(controller.counters)
+            n = 20 if heavy else 150
+            results[f"hit-{impl}/{count}"] = timed(lambda: controller.compute_response_list(transport), n, enqueue)
+            assert controller.counters["fast_path"] - before["fast_path"] == n, "hit cycles left the fast path"
+            # miss path: two name sets alternate in a cache that holds one set
+            controller = module.Controller(rank, size, cache_capacity=count)
+            sets = [_requests(module, count, "a", rank), _requests(module, count, "b", rank)]
+            state = {"i": 0}
+
+            def enqueue_next():
+                for r in sets[state["i"] % 2]:
+                    controller.enqueue(r)
+                state["i"] += 1
+
+            def miss():
+                response_list = controller.compute_response_list(transport)
+                assert sum(len(x.tensor_names) for x in response_list.responses) == count
+
+            n = 8 if heavy else 40
+            results[f"miss-{impl}/{count}"] = timed(miss, n, enqueue_next)
+            assert controller.counters["fast_path"] == 0
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"size": size, "results": results}))
+    group.destroy()
+
+
+def main():
+    from distlab.launch import launch_script
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {"bookkeeping_us": bookkeeping(), "mpi": {}}
+    for np_ in (2, 4):
+        out = RESULTS / f".bench_negotiation_np{np_}.json"
+        result = launch_script(__file__, np=np_, args=["--worker", str(out)], timeout=600, capture=True)
+        if result.returncode != 0:
+            sys.exit(f"benchmark on {np_} ranks failed:\n{result.stdout}\n{result.stderr}")
+        report["mpi"][np_] = json.loads(out.read_text())["results"]
+        out.unlink()
+    (RESULTS / "bench_negotiation.json").write_text(json.dumps(report, indent=2))
+    print(render(report))
+
+
+def render(report):
+    lines = []
+    book = report["bookkeeping_us"]
+    lines.append("Cache bookkeeping, one-rank hit cycle, no communication (us per cycle):")
+    lines.append(f"{'tensors':>8} {'reference':>11} {'core':>9} {'ratio':>7}")
+    for count in COUNTS:
+        ref, core = book[f"reference/{count}"], book[f"core/{count}"]
+        lines.append(f"{count:>8} {ref:>11.1f} {core:>9.1f} {ref / core:>6.1f}x")
+    for np_, res in report["mpi"].items():
+        lines.append("")
+        lines.append(f"{np_} ranks, us per cycle (median of the slowest rank):")
+        lines.append(f"{'tensors':>8} {'floor mpi4py':>13} {'floor group':>12} {'hit ref':>9} {'hit core':>9} "
+                     f"{'miss ref':>9} {'miss core':>10} {'miss/hit core':>14} {'hit core-floor':>15}")
+        for count in COUNTS:
+            g = {k.split("/")[0]: v for k, v in res.items() if k.endswith(f"/{count}")}
+            lines.append(f"{count:>8} {g['floor-mpi4py']:>13.1f} {g['floor-group']:>12.1f} {g['hit-reference']:>9.1f} "
+                         f"{g['hit-core']:>9.1f} {g['miss-reference']:>9.1f} {g['miss-core']:>10.1f} "
+                         f"{g['miss-core'] / g['hit-core']:>13.1f}x {g['hit-core'] - g['floor-mpi4py']:>15.1f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[sys.argv.index("--worker") + 1])
+    else:
+        main()
