@@ -19,6 +19,8 @@ from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
 from distlab.autograd import Function, Tensor
 from distlab.distributed_optim import DistributedOptimizer
+from distlab._autograd_shared import K_CLEANUP
+from distlab.futures import Future
 from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError
 
 rank = int(os.environ["RANK"])
@@ -81,6 +83,31 @@ class Boom(Function):
 
 def boom_stage(x):
     return Boom.apply(x)
+
+
+_flaky = {}
+
+
+def install_flaky_cleanup(mode):
+    """Make this worker's context release fail once ("fail_once") or never answer ("dead": a failed worker)."""
+    _flaky.update(calls=0)
+
+    def flaky(src, payload, meta):
+        _flaky["calls"] += 1
+        if mode == "fail_once" and _flaky["calls"] == 1:
+            raise RuntimeError("transient cleanup failure")
+        if mode == "dead":
+            return Future()  # never answered
+        return dist_autograd._handle_cleanup(src, payload, meta)
+
+    rpc.get_agent().register_handler(K_CLEANUP, flaky, _internal=True)
+
+
+def restore_cleanup():
+    rpc.get_agent().register_handler(K_CLEANUP, dist_autograd._handle_cleanup, _internal=True)
+    for cid in dist_autograd.get_container().context_ids():
+        dist_autograd.get_container().release_context_if_present(cid)
+    return _flaky["calls"]
 
 
 def param_rref():
@@ -237,6 +264,26 @@ if rank == 0:
         except DistBackwardError as exc:
             assert exc.worker_id == world - 1 and f"worker {world - 1}" in str(exc) and "boom in backward" in str(exc)
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world, "failed pass leaked"
+
+    # -- release with retries; a worker that never answers is reported, the others are still released ---------
+    dist_autograd.cleanup_timeout = 0.5
+    rpc.rpc_sync(1, install_flaky_cleanup, ("fail_once",))
+    with dist_autograd.context() as cid:
+        for dst in others:
+            rpc.rpc_sync(dst, layer, (Tensor(X0, requires_grad=True),))
+    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
+    assert rpc.rpc_sync(1, restore_cleanup) == 2  # failed once, released on the retry
+    rpc.rpc_sync(1, install_flaky_cleanup, ("dead",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dist_autograd.context() as cid:
+            for dst in others:
+                rpc.rpc_sync(dst, layer, (Tensor(X0, requires_grad=True),))
+    assert any(f"context {cid} could not be released on" in str(w.message) for w in caught), caught
+    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world) if dst != 1] == [0] * (world - 1)
+    assert rpc.rpc_sync(1, num_contexts) == 1  # only the "failed" worker keeps it
+    assert rpc.rpc_sync(1, restore_cleanup) == 3  # every attempt was made
+    dist_autograd.cleanup_timeout = 10.0
 
     # -- DistributedOptimizer: the update equals the local one ------------------------------------------------
     rrefs = [rpc.rpc_sync(dst, param_rref) for dst in range(world)]
