@@ -130,6 +130,14 @@ def worker(out_path: str, quick: bool) -> None:
             r = rpc.RRef(1)
             del r
         results["local RRef(value) create+delete (us)"] = (time.perf_counter() - local[0]) / int(2000 * scale) * 1e6
+    # CPU burnt by an idle worker (its listener waiting for messages), per second of wall time
+    raw.Barrier()
+    time.sleep(0.2)
+    c0 = time.process_time()
+    time.sleep(1.0)
+    idle = raw.gather(time.process_time() - c0, root=0)
+    if rank == 0:
+        results["idle worker CPU (s per s, max over ranks)"] = max(idle)
     rpc.shutdown()
     if rank == 0:
         Path(out_path).write_text(json.dumps({"impl": distlab.IMPL, "results": results}))
@@ -153,6 +161,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--throttle", choices=["0", "1"], default="1",
                         help="MPIR_CVAR_CH4_PROGRESS_THROTTLE for the job (default 1, see distlab.rpc)")
+    parser.add_argument("--wait", choices=["adaptive", "block"], default=None,
+                        help="DISTLAB_RPC_WAIT for the job (default: the agent's default)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -165,15 +175,19 @@ def main() -> None:
     for impl in options.impl:
         part = RESULTS / f"bench_rpc.{impl}.json"
         args = ["--worker", str(part)] + (["--quick"] if options.quick else [])
-        job = launch_script(__file__, np=2, args=args, timeout=600, env={"DISTLAB_IMPL": impl,
-                                                                       "MPIR_CVAR_CH4_PROGRESS_THROTTLE": options.throttle})
+        env = {"DISTLAB_IMPL": impl, "MPIR_CVAR_CH4_PROGRESS_THROTTLE": options.throttle}
+        if options.wait:
+            env["DISTLAB_RPC_WAIT"] = options.wait
+        job = launch_script(__file__, np=2, args=args, timeout=600, env=env)
         if job.returncode != 0:
             sys.exit(f"bench_rpc with the {impl} twin failed (exit {job.returncode})")
         data = json.loads(part.read_text())
         part.unlink()
         runs[impl] = data["results"]
     report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
-              "ranks": 2, "throttle": options.throttle, "runs": runs,
+              "ranks": 2, "throttle": options.throttle,
+              "wait": options.wait or os.environ.get("DISTLAB_RPC_WAIT", "adaptive"),
+              "load_average": os.getloadavg(), "runs": runs,
               "anchor_pytorch_tensorpipe": {"rpc_sync_us": 393, "async_calls_per_s": 6000,
                                             "remote_create_delete_us": 171}}
     (RESULTS / "bench_rpc.json").write_text(json.dumps(report, indent=1))

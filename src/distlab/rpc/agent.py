@@ -44,6 +44,8 @@ __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_l
 
 log = logging.getLogger("distlab.rpc")
 
+SPIN_WINDOW = 0.002      # adaptive wait: keep polling this long after the last message
+IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest sleep between polls when idle (the wake-up latency bound)
 TAG_HEADER = 17
 TAG_BUFFER = 18
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
@@ -146,6 +148,10 @@ class RpcAgent:
         self._timeline = get_timeline()
         self._tl_on = self._timeline.enabled  # checked on the hot path: no timeline cost when disabled
         self._now_us = now_us
+        self.wait_mode = os.environ.get("DISTLAB_RPC_WAIT", "adaptive").strip().lower()
+        if self.wait_mode not in ("adaptive", "block"):
+            raise ValueError(f"DISTLAB_RPC_WAIT={self.wait_mode!r} is not one of adaptive, block")
+        self._last_activity = time.perf_counter()
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
         self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
@@ -259,9 +265,13 @@ class RpcAgent:
         MPI = self._MPI
         comm = self.comm
         status = MPI.Status()
+        block = self.wait_mode == "block"
         while True:
             try:
-                message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                if block:
+                    message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                else:
+                    message = self._probe_adaptive(comm, status)
                 src = status.Get_source()
                 data = bytearray(status.Get_count(MPI.BYTE))
                 message.Recv([data, MPI.BYTE])
@@ -277,12 +287,29 @@ class RpcAgent:
                     buffers.append(buf)
                 if kind == K_STOP and src == self.rank:
                     return
+                self._last_activity = time.perf_counter()
                 if kind == K_RESPONSE:
                     self._on_response(src, flags, mid, forks, body, buffers)
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, buffers)
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
                 self._record_error(f"listener error: {traceback.format_exc()}")
+
+    def _probe_adaptive(self, comm, status):
+        """Wait for a header with ``MPI_Improbe``: spin while this worker awaits answers or was active in the
+        last ``SPIN_WINDOW`` seconds, else sleep with exponential back-off up to ``IDLE_SLEEP_MAX``."""
+        MPI = self._MPI
+        improbe = comm.Improbe
+        perf = time.perf_counter
+        delay = 0.0
+        while True:
+            message = improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
+            if message is not None:
+                return message
+            if self._pending or perf() - self._last_activity < SPIN_WINDOW:
+                continue
+            delay = min(max(delay * 2.0, 5e-5), IDLE_SLEEP_MAX)
+            time.sleep(delay)
 
     def _record_error(self, text: str) -> None:
         log.error("distlab.rpc worker %s: %s", self.info.name, text)
