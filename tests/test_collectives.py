@@ -53,3 +53,15 @@ def test_scenarios_without_cache_with_timeline(mpirun, tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events}
     assert "negotiate (slow path)" in names and "fuse" in names
+
+
+@pytest.mark.mpi
+def test_horovod_style_example(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "horovod_style_training.py"
+    result = mpirun(str(example), np=2, timeout=150, args=["--epochs", "6", "--target", "0.8"])
+    line = [x for x in result.stdout.splitlines() if "negotiation cycles" in x][0]
+    fast = int(line.split("cycles: ")[1].split(" fast")[0])
+    slow = int(line.split("fast path, ")[1].split(" slow")[0])
+    assert fast > slow, line        # repeated steps take the fast path

@@ -1,0 +1,125 @@
+"""Horovod-style data-parallel training: an MLP, a DistributedOptimizer, uneven data and join().
+
+Each gradient is submitted with ``allreduce_async`` the moment backward has accumulated it (a post-accumulate-grad
+hook), under its parameter's name, so ranks may submit in any order; the background cycle negotiates them, fuses
+them into one buffer, and after the first step the response cache turns each negotiation into a single bit-vector
+allreduce (the "fast path", counted below). The ranks hold different amounts of data: a rank that runs out calls
+``join()`` and, from then on, contributes zeros to the others' allreduces until every rank has joined; join returns
+the last rank to join, whose model trained to the end, and every rank then takes that model.
+
+    python -m distlab run -n 2 examples/horovod_style_training.py
+    python -m distlab run -n 4 --timeline hvd.json examples/horovod_style_training.py   # open in Perfetto
+    DISTLAB_IMPL=reference python -m distlab run -n 2 examples/horovod_style_training.py
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import distlab
+from distlab import collectives as hvd
+from distlab import nn, optim
+
+
+class DistributedOptimizer:
+    """Wrap an optimizer: allreduce (average) every gradient asynchronously as backward produces it (as Horovod's).
+
+    ``step()`` waits for the averaged gradients, writes them into ``.grad`` and steps the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer, named_parameters):
+        self.optimizer = optimizer
+        self.handles = {}
+        for name, param in named_parameters:
+            param.register_post_accumulate_grad_hook(self._hook(f"grad.{name}"))
+
+    def _hook(self, name):
+        def hook(param):
+            self.handles[name] = (param, hvd.allreduce_async(param.grad.data, name=name, op=hvd.Average))
+        return hook
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        for param, handle in self.handles.values():
+            param.grad.data[...] = hvd.synchronize(handle)
+        self.handles.clear()
+        self.optimizer.step()
+
+
+def broadcast_parameters(named_parameters, root_rank=0):
+    """Give every rank ``root_rank``'s weights."""
+    for name, param in named_parameters:
+        param.data[...] = hvd.broadcast(param.data, root_rank, name=f"params.{name}")
+
+
+def spirals(n_per_class: int, classes: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for c in range(classes):
+        r = np.linspace(0.05, 1.0, n_per_class)
+        t = np.linspace(c * 4.0, (c + 1) * 4.0, n_per_class) + rng.normal(0, 0.15, n_per_class)
+        xs.append(np.stack([r * np.sin(t), r * np.cos(t)], axis=1))
+        ys.append(np.full(n_per_class, c))
+    x, y = np.concatenate(xs).astype(np.float32), np.concatenate(ys)
+    order = rng.permutation(len(y))
+    return x[order], y[order]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=25)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--target", type=float, default=0.85, help="exit 1 if the final accuracy is below this")
+    options = parser.parse_args()
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x, y = spirals(600)
+    shard = np.arange(rank, len(y), size)
+    keep = len(shard) - rank * 40            # uneven inputs: higher ranks hold fewer examples
+    x_local, y_local = x[shard[:keep]], y[shard[:keep]]
+
+    model = nn.Sequential(nn.Linear(2, options.hidden, seed=10 + rank), nn.ReLU(),
+                          nn.Linear(options.hidden, options.hidden, seed=20 + rank), nn.ReLU(),
+                          nn.Linear(options.hidden, 3, seed=30 + rank))
+    broadcast_parameters(model.named_parameters())
+    opt = DistributedOptimizer(optim.SGD(model.parameters(), lr=options.lr, momentum=0.9), model.named_parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(rank)
+    steps = len(y_local) // options.batch
+    for epoch in range(options.epochs):
+        order = rng.permutation(len(y_local))
+        for s in range(steps):
+            idx = order[s * options.batch:(s + 1) * options.batch]
+            opt.zero_grad()
+            loss = loss_fn(model(distlab.tensor(x_local[idx])), distlab.tensor(y_local[idx]))
+            loss.backward()
+            opt.step()
+        if rank == 0 and epoch % 5 == 4:
+            print(f"epoch {epoch + 1}: loss {float(loss.data):.3f}", flush=True)
+    last = hvd.join()                         # ranks with fewer steps wait here, contributing zeros
+    # A rank that joined early stopped updating its model; the last rank to join trained to the end.
+    broadcast_parameters(model.named_parameters(), root_rank=last)
+
+    with distlab.no_grad():
+        predicted = model(distlab.tensor(x)).data.argmax(axis=1)
+    accuracy = float((predicted == y).mean())
+    stats = hvd.stats()
+    accuracies = hvd.allgather(np.array([accuracy]), name="accuracy")
+    if rank == 0:
+        print(f"{size} ranks ({stats['impl']}): {steps} steps on rank 0, last rank to join: {last}; "
+              f"negotiation cycles: {stats['fast_path']} fast path, {stats['slow_path']} slow path; "
+              f"accuracy {accuracy:.3f}")
+    assert np.allclose(accuracies, accuracies[0]), f"ranks' models diverged: {accuracies}"
+    hvd.shutdown()
+    if accuracy < options.target:
+        raise SystemExit(f"accuracy {accuracy:.3f} is below the target {options.target}")
+
+
+if __name__ == "__main__":
+    main()
