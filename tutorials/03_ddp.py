@@ -1,0 +1,260 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # DDP: gradient buckets reduced while backward runs
+#
+# `DistributedDataParallel` wraps a model so that `backward()` leaves every rank with the average of all
+# ranks' gradients. Its reducer packs gradients into *buckets* and starts each bucket's allreduce as soon as
+# the bucket is full, while backward is still computing the earlier layers. This notebook:
+#
+# 1. checks the promise: DDP on two half-batches gives the gradients of one full batch;
+# 2. looks at the buckets, before and after the one-time rebuild in gradient-arrival order;
+# 3. draws the **overlap timeline**: each gradient's arrival and each bucket's allreduce, per rank;
+# 4. shows what happens when a parameter gets no gradient on one rank.
+#
+# The docs' "DDP reducer" page walks through the code this runs.
+
+# %%
+import numpy as np
+
+import distlab
+from distlab import nn
+
+print("twin:", distlab.IMPL)
+
+# %% [markdown]
+# ## 1. Two half-batches = one full batch
+#
+# Each rank gets half of a batch of 8 examples. After `backward()` the gradients are averaged over ranks, and
+# since the loss is a mean over examples, the average of two half-batch gradients is the full-batch gradient.
+# We compare with a plain, single-process backward on the whole batch.
+
+# %%
+def make_model():
+    from distlab import nn
+
+    distlab.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+rng = np.random.default_rng(0)
+X, Y = rng.standard_normal((8, 4)), rng.standard_normal((8, 1))
+
+
+def ddp_gradients():
+    from distlab import comm, nn
+    from distlab.ddp import DistributedDataParallel
+
+    pg = comm.world()
+    model = DistributedDataParallel(make_model())
+    mine = slice(pg.rank * 4, pg.rank * 4 + 4)               # rank r takes examples 4r .. 4r+3
+    loss = nn.MSELoss()(model(distlab.tensor(X[mine])), distlab.tensor(Y[mine]))
+    loss.backward()
+    return {name: p.grad.data.copy() for name, p in model.module.named_parameters()}
+
+
+per_rank = distlab.run(ddp_gradients, np=2)
+
+local = make_model()
+nn.MSELoss()(local(distlab.tensor(X)), distlab.tensor(Y)).backward()
+for name, p in local.named_parameters():
+    same_on_ranks = np.array_equal(per_rank[0][name], per_rank[1][name])
+    close = np.allclose(per_rank[0][name], p.grad.data, rtol=1e-5, atol=1e-7)
+    print(f"{name:10s} identical on both ranks: {same_on_ranks}   equals the full-batch gradient: {close}")
+
+# %% [markdown]
+# Identical on both ranks, bit for bit: both ranks received the same allreduce result. Equal to the full batch
+# up to rounding: the sum is taken in a different order.
+#
+# ## 2. The buckets
+#
+# With a small `bucket_cap_mb`, the model's parameters fall into several buckets. DDP builds them in *reverse*
+# registration order (the last layer's gradients are ready first), then, after the first iteration, rebuilds
+# them once in the order the gradients actually arrived, with a small first bucket so communication starts
+# early. Rank 0's layout is broadcast so that every rank reduces the same buckets in the same order.
+
+# %%
+def bucket_layouts():
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+
+    pg = comm.world()
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.004)   # about 4 KB per bucket
+    names = [name for name, _ in model.module.named_parameters()]
+    opt = optim.SGD(model.parameters(), lr=0.01)
+    layouts = []
+    for step in range(3):
+        layouts.append([[names[i] for i in bucket]
+                        for bucket in model.reducer.get_logging_data()["bucket_indices"]])
+        opt.zero_grad()
+        nn.MSELoss()(model(distlab.tensor(X)), distlab.tensor(Y)).backward()
+        opt.step()
+    return layouts
+
+
+layouts = distlab.run(bucket_layouts, np=2)[0]
+print("before the first iteration:", layouts[0])
+print("after the rebuild:         ", layouts[2])
+
+# %% [markdown]
+# ## 3. The overlap timeline
+#
+# Now a larger model (six 256-wide layers, about 1.6 MB of gradients) in buckets of about 0.4 MB, trained for a
+# few steps with `DISTLAB_TIMELINE` set. The reducer records, per rank, a mark when each gradient arrives (lane
+# `reducer grads`) and a span from each bucket's launch to its completion (lane `reducer buckets`).
+
+# %%
+def traced_training(steps=6):
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+
+    pg = comm.world()
+    distlab.manual_seed(1)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    model = DistributedDataParallel(nn.Sequential(*layers, nn.Linear(256, 1)), bucket_cap_mb=0.4)
+    opt = optim.SGD(model.parameters(), lr=0.001)
+    rng = np.random.default_rng(pg.rank)
+    x, y = rng.standard_normal((128, 256)), rng.standard_normal((128, 1))
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
+        opt.step()
+    return len(model.reducer.get_logging_data()["bucket_indices"]), len(model.reducer.params)
+
+
+# %%
+import json
+import os
+import tempfile
+
+from distlab.timeline import merge
+
+trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-ddp-"), "ddp.json")
+n_buckets, n_params = distlab.run(traced_training, np=2, env={"DISTLAB_TIMELINE": trace_path})[0]
+merge(trace_path)
+with open(trace_path) as fh:
+    events = json.load(fh)["traceEvents"]
+lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+         if e.get("ph") == "M" and e.get("name") == "thread_name"}
+print(f"{n_params} parameters in {n_buckets} buckets; {len(events)} events in {trace_path}")
+
+# %% [markdown]
+# We draw the last iteration: its gradient marks and bucket spans on each rank, with time measured from that
+# rank's first gradient of the iteration.
+
+# %%
+import matplotlib.pyplot as plt
+
+
+def last_iteration(rank):
+    """The last iteration's gradient marks (one per parameter) and bucket spans on ``rank``."""
+    def lane(e):
+        return lanes.get((rank, e.get("tid")))
+
+    grads = sorted((e for e in events if e.get("pid") == rank and e.get("ph") == "i" and lane(e) == "reducer grads"),
+                   key=lambda e: e["ts"])[-n_params:]
+    spans = [e for e in events if e.get("pid") == rank and e.get("ph") == "X" and lane(e) == "reducer buckets"]
+    last = max(s["args"]["iteration"] for s in spans)
+    spans = [s for s in spans if s["args"]["iteration"] == last]
+    return grads[0]["ts"], grads, spans
+
+
+fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
+for rank, ax in enumerate(axes):
+    t0, grads, spans = last_iteration(rank)
+    for g in grads:
+        ax.axvline((g["ts"] - t0) / 1000, ymin=0.55, ymax=0.95, color="#4a7ab5", linewidth=1.2)
+    for s in spans:
+        b = int(s["name"].split()[1])
+        ax.broken_barh([((s["ts"] - t0) / 1000, s["dur"] / 1000)], (0.05 + 0.4 * b / n_buckets, 0.35 / n_buckets),
+                       facecolors="#e07b5f", edgecolor="black", linewidth=0.5)
+        ax.text((s["ts"] + s["dur"] - t0) / 1000, 0.05 + 0.4 * b / n_buckets, f" bucket {b}", fontsize=7,
+                va="bottom")
+    last_grad = (max(g["ts"] for g in grads) - t0) / 1000
+    ax.axvline(last_grad, color="black", linestyle=":", linewidth=1)
+    ax.set_yticks([0.25, 0.75])
+    ax.set_yticklabels(["bucket allreduces", "gradients"])
+    ax.set_ylim(0, 1)
+    ax.set_title(f"rank {rank}: gradient arrivals (blue), bucket allreduces (red), last gradient (dotted)",
+                 fontsize=9)
+axes[-1].set_xlabel("ms since the iteration's first gradient")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Every bucket whose red span starts left of the dotted line was reduced while backward was still computing:
+# that is the overlap DDP's buckets exist for. (A span ends when the rank *sees* the allreduce complete, which
+# happens only inside an MPI call: each gradient hook calls `comm.progress()`, and `finalize_backward` waits. A
+# span ending exactly at a gradient mark was found complete by that hook.)
+#
+# The last bucket can only start after the last gradient, so its allreduce is the part of communication that
+# backward cannot hide. Smaller buckets shorten that tail but pay an allreduce's fixed cost more often:
+# `bucket_cap_mb` is that trade-off. Open the trace file in https://ui.perfetto.dev to see the same events
+# interactively, with the `comm world` lane showing the collectives themselves.
+#
+# ## 4. A parameter that gets no gradient
+#
+# A model whose forward skips a layer on one rank (here rank 1 never uses `head_a`): that layer's hook never
+# fires there, its bucket never completes, and the ranks' collectives no longer match. DDP cannot guess; with
+# `find_unused_parameters=True` it walks the graph each iteration to find such parameters, contributes zeros for
+# them, and agrees with the other ranks on which were unused everywhere.
+
+# %%
+def skipping_a_layer(find_unused):
+    from distlab import comm, nn
+    from distlab.ddp import DistributedDataParallel
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.head_a = nn.Linear(8, 1)
+            self.head_b = nn.Linear(8, 1)
+
+        def forward(self, x, skip_a):
+            h = self.body(x).tanh()
+            return self.head_b(h) if skip_a else self.head_a(h) + self.head_b(h)
+
+    pg = comm.world()
+    distlab.manual_seed(0)
+    model = DistributedDataParallel(TwoHeads(), find_unused_parameters=find_unused)
+    out = {}
+    try:
+        for step in range(2):
+            model.zero_grad()
+            loss = model(distlab.tensor(X[:4]), skip_a=(pg.rank == 1)).sum()   # rank 1 never uses head_a
+            loss.backward()
+        out["head_a.weight grad"] = [round(float(v), 4) for v in model.module.head_a.weight.grad.data.ravel()[:3]]
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+print("find_unused_parameters=True:")
+for rank, result in enumerate(distlab.run(skipping_a_layer, args=(True,), np=2)):
+    print(f"  rank {rank}: {result}")
+
+# %% [markdown]
+# Both ranks hold the same `head_a` gradient: rank 0's, averaged with rank 1's zeros.
+#
+# Without `find_unused_parameters`, rank 1 waits for `head_a`'s gradient forever: its bucket never completes, so
+# it never launches the allreduce that rank 0 is waiting for. Rank 1's next forward notices that the previous
+# reduction never finished and raises an error naming the parameters that got no gradient; rank 0's wait times
+# out (we set `DISTLAB_TIMEOUT` to 3 s) with an error naming rank 1. Both are caught above and returned:
+
+# %%
+for rank, result in enumerate(distlab.run(skipping_a_layer, args=(False,), np=2, env={"DISTLAB_TIMEOUT": "3"})):
+    print(f"rank {rank}: {result.get('error', result)}\n")
