@@ -65,3 +65,10 @@ def test_horovod_style_example(mpirun):
     fast = int(line.split("cycles: ")[1].split(" fast")[0])
     slow = int(line.split("fast path, ")[1].split(" slow")[0])
     assert fast > slow, line        # repeated steps take the fast path
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args", [(2, ()), (4, ()), (4, ("mixed",))], ids=["2ranks", "4ranks", "4ranks-mixed"])
+def test_coordinator_sync_over_mpi(mpirun, np_, args):
+    result = mpirun("negotiation_sync.py", np=np_, args=args, timeout=60)
+    assert result.stdout.count("sync OK") == np_

@@ -25,6 +25,7 @@ interleaves with the program's own collectives.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import threading
@@ -384,14 +385,26 @@ def _identity(op, dtype):
 
 _engine: _Engine | None = None
 _engine_lock = threading.Lock()
+_atexit_registered = False
 
 
 def init() -> None:
     """Start the negotiation engine (collective: every rank calls it). Calling it again is a no-op."""
-    global _engine
+    global _engine, _atexit_registered
     with _engine_lock:
         if _engine is None or _engine.stopped.is_set():
             _engine = _Engine()
+        if not _atexit_registered:
+            # A program that ends without shutdown() must not leave the cycle thread inside MPI at finalize.
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown(timeout=10.0)
+    except Exception:  # noqa: BLE001 - exiting anyway; another rank may already be gone
+        pass
 
 
 def shutdown(timeout: float | None = None) -> None:
