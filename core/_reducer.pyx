@@ -6,7 +6,7 @@ What differs: the per-parameter bookkeeping (locators, ready flags, hook counts,
 in C arrays, each parameter's hook is a small C-level callable, and a float32/float64 gradient is copied and
 scaled into its bucket by a C loop over raw buffers (no numpy call, no temporary).
 """
-from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
@@ -187,6 +187,89 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
     return bucket
 
 
+cdef bint _scaled_copy(object data, char* dst, Py_ssize_t count, int kind, double scale) except -1:
+    """``dst[:count] = data * scale`` by a C loop when ``data`` is a C-contiguous array of the kind's dtype.
+
+    Returns False (nothing done) when ``data`` does not qualify, so the caller takes numpy's path. Works in place
+    when ``data`` is the bucket view itself (gradient_as_bucket_view).
+    """
+    cdef Py_buffer src
+    cdef Py_ssize_t k
+    cdef float* f_dst
+    cdef float* f_src
+    cdef float f_scale
+    cdef double* d_dst
+    cdef double* d_src
+    cdef char code
+    try:
+        PyObject_GetBuffer(data, &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except BufferError:
+        return False
+    code = src.format[0] if src.format[0] not in b"<=@" else src.format[1]
+    if src.len != count * src.itemsize or not ((kind == KIND_F32 and code == b"f" and src.itemsize == 4)
+                                               or (kind == KIND_F64 and code == b"d" and src.itemsize == 8)):
+        PyBuffer_Release(&src)
+        return False
+    if kind == KIND_F32:
+        f_dst = <float*>dst
+        f_src = <float*>src.buf
+        f_scale = <float>scale
+        for k in range(count):
+            f_dst[k] = f_src[k] * f_scale
+    else:
+        d_dst = <double*>dst
+        d_src = <double*>src.buf
+        for k in range(count):
+            d_dst[k] = d_src[k] * scale
+    PyBuffer_Release(&src)
+    return True
+
+
+cdef int _copy_from_view(object grad, char* view, Py_ssize_t count, int kind, object view_array) except -1:
+    """``grad[...] = view`` by memcpy from the bucket view's known address (numpy's setitem otherwise)."""
+    cdef Py_buffer dst
+    cdef Py_ssize_t itemsize = 4 if kind == KIND_F32 else 8
+    try:
+        PyObject_GetBuffer(grad, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT)
+    except BufferError:
+        grad[...] = view_array
+        return 0
+    if dst.len == count * itemsize and dst.itemsize == itemsize and (dst.format[0] in b"fd" or dst.format[1] in b"fd"):
+        if dst.buf != <void*>view:
+            memcpy(dst.buf, view, dst.len)
+        PyBuffer_Release(&dst)
+        return 0
+    PyBuffer_Release(&dst)
+    grad[...] = view_array
+    return 0
+
+
+cdef int _copy_into(object dst, object src) except -1:
+    """``dst[...] = src`` for same-dtype C-contiguous host arrays by memcpy (numpy's setitem otherwise)."""
+    cdef Py_buffer d, s
+    if type(dst) is _ndarray and type(src) is _ndarray and dst.dtype is src.dtype:
+        try:
+            PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except BufferError:
+            dst[...] = src
+            return 0
+        try:
+            PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS)
+        except BufferError:
+            PyBuffer_Release(&d)
+            dst[...] = src
+            return 0
+        if s.len == d.len:
+            memcpy(d.buf, s.buf, d.len)
+            PyBuffer_Release(&s)
+            PyBuffer_Release(&d)
+            return 0
+        PyBuffer_Release(&s)
+        PyBuffer_Release(&d)
+    dst[...] = src
+    return 0
+
+
 cdef class _Hook:
     """A parameter's post-accumulate-grad hook: calls the reducer's C-level autograd_hook."""
     cdef Reducer reducer
@@ -217,6 +300,7 @@ cdef class Reducer:
     cdef public bint find_unused_parameters, gradient_as_bucket_view, static_graph, expect_autograd_hooks
     cdef public bint require_finalize, has_rebuilt_bucket, has_marked_unused_parameters, local_used_map_reduced
     cdef public bint forward_work_static_world, _finalize_queued
+    cdef bint _observe  # sampling runtime stats or recording a timeline: only then call into the stats object
     cdef public long long num_iterations
     cdef public Py_ssize_t next_bucket
     cdef Py_ssize_t n
@@ -374,6 +458,7 @@ cdef class Reducer:
         """See :meth:`distlab.reference.reducer.Reducer.prepare_for_backward`."""
         cdef Py_ssize_t b
         self.stats.mark("backward_compute_start")
+        self._observe = self.stats.sampling or self.stats.timeline.enabled
         self.expect_autograd_hooks = True
         self.rebuilt_param_indices = []
         for b in range(len(self.buckets)):
@@ -406,7 +491,8 @@ cdef class Reducer:
         if not self.expect_autograd_hooks:
             self.used_no_sync[index] = 1
             return 0
-        self.stats.grad_arrived(index, self.param_names[index])
+        if self._observe:
+            self.stats.grad_arrived(index, self.param_names[index])
         if (not self.static_graph and self.find_unused_parameters) or self._static_first():
             if self.params[index].grad is not None:
                 self.used[index] = 1
@@ -468,48 +554,28 @@ cdef class Reducer:
         self._mark_dense(index, bucket, position)
 
     cdef int _mark_dense(self, Py_ssize_t index, _Bucket bucket, Py_ssize_t position) except -1:
-        cdef Py_buffer src
-        cdef Py_ssize_t k, count
-        cdef float* f_dst
-        cdef float* f_src
-        cdef float f_scale
-        cdef double* d_dst
-        cdef double* d_src
-        cdef double d_scale
+        cdef double scale
         grad = self.params[index].grad
         if grad is None:
             bucket.views_in[position][...] = 0
             return 0
         data = grad.data
-        if isinstance(data, SparseGrad) or (data.dtype is not self._param_dtypes[index]
-                                            and data.dtype != self._param_dtypes[index]):
-            raise TypeError(support.grad_mismatch(self.param_names, index, self._param_dtypes[index], data))
-        view = bucket.views_in[position]
-        if self.comm_hook is not None:
-            if data is not view:
-                view[...] = data
-            return 0
-        if data is view:
-            view *= self._inv_div
-            return 0
-        if self.kind[index] != KIND_OTHER and type(data) is _ndarray and data.size == self.dst_len[index]:
-            if PyObject_GetBuffer(data, &src, PyBUF_C_CONTIGUOUS) == 0:
-                count = self.dst_len[index]
-                if self.kind[index] == KIND_F32:
-                    f_dst = <float*>self.dst_ptr[index]
-                    f_src = <float*>src.buf
-                    f_scale = <float>self._inv_div
-                    for k in range(count):
-                        f_dst[k] = f_src[k] * f_scale
-                else:
-                    d_dst = <double*>self.dst_ptr[index]
-                    d_src = <double*>src.buf
-                    d_scale = self._inv_div
-                    for k in range(count):
-                        d_dst[k] = d_src[k] * d_scale
-                PyBuffer_Release(&src)
+        scale = 1.0 if self.comm_hook is not None else self._inv_div  # a hook divides by itself
+        if self.kind[index] != KIND_OTHER and type(data) is _ndarray:
+            if _scaled_copy(data, self.dst_ptr[index], self.dst_len[index], self.kind[index], scale):
                 return 0
-        np.multiply(data, self._inv_div, out=view, casting="unsafe")
+        # Slow path: device arrays, reduce dtypes, non-contiguous or wrong-dtype gradients.
+        if type(data) is not _ndarray or data.dtype is not self._param_dtypes[index]:
+            if isinstance(data, SparseGrad) or data.dtype != self._param_dtypes[index]:
+                raise TypeError(support.grad_mismatch(self.param_names, index, self._param_dtypes[index], data))
+        view = bucket.views_in[position]
+        if data is view:
+            if scale != 1.0:
+                view *= scale
+        elif scale == 1.0:
+            view[...] = data
+        else:
+            np.multiply(data, scale, out=view, casting="unsafe")
         return 0
 
     def mark_variable_ready_sparse(self, index, bucket):
@@ -615,8 +681,10 @@ cdef class Reducer:
                     param.grad = Tensor._wrap(view_in)
             elif grad is None:
                 param.grad = Tensor._wrap(view_out.astype(param.data.dtype, copy=True))
+            elif view_out is view_in and self.kind[index] != KIND_OTHER and type(grad.data) is _ndarray:
+                _copy_from_view(grad.data, self.dst_ptr[index], self.dst_len[index], self.kind[index], view_out)
             else:
-                grad.data[...] = view_out
+                _copy_into(grad.data, view_out)
 
     cdef bint _globally_unused(self, Py_ssize_t index) except -1:
         if self.used[index]:

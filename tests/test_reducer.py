@@ -64,7 +64,7 @@ def test_buckets_are_rebuilt_once_in_arrival_order(impl):
         model(x()).backward()
     assert model.reducer.has_rebuilt_bucket
     after = model.reducer.get_logging_data()["bucket_indices"]
-    assert after == [arrivals[:4]]  # arrival order, all within the 1 MiB first bucket
+    assert after == [[i] for i in arrivals[:4]]  # arrival order; caps stay at 8 bytes on rebuild
     assert arrivals[:2] in ([2, 3], [3, 2])  # fc2's gradients arrive before fc1's
 
 

@@ -58,8 +58,13 @@ class JobResult:
     timed_out: bool
 
 
-def _job_env(extra: dict | None) -> dict:
+def _job_env(extra: dict | None, np: int = 1) -> dict:
     env = dict(os.environ)
+    # As torchrun does: ranks sharing a machine must not each start one BLAS thread per core, or they fight
+    # over the cores (seen here: a 30 us matmul taking 50 ms). An explicit setting wins.
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, int(np))))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, threads)
     # The venv's bin first, so mpiexec finds the hydra proxy and ranks find the same Python.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["DISTLAB_LAUNCHER"] = "1"
@@ -70,9 +75,9 @@ def _job_env(extra: dict | None) -> dict:
 
 
 def run_job(command: list[str], timeout: float | None = None, env: dict | None = None,
-            capture: bool = False, cwd: str | None = None) -> JobResult:
+            capture: bool = False, cwd: str | None = None, np: int = 1) -> JobResult:
     """Run ``command`` in its own session; on timeout kill the whole process group (every rank)."""
-    proc = subprocess.Popen(command, env=_job_env(env), cwd=cwd, start_new_session=True,
+    proc = subprocess.Popen(command, env=_job_env(env, np), cwd=cwd, start_new_session=True,
                             stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE if capture else None,
                             stderr=subprocess.PIPE if capture else None, text=True)
@@ -111,7 +116,7 @@ def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
     command = mpiexec_command(np, ["distlab._bootstrap", str(script), *map(str, args)])
-    result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd)
+    result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd, np=np)
     if timeline:
         from .timeline import merge
 
@@ -153,7 +158,7 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         payload.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
         command = mpiexec_command(np, ["distlab._runner", str(payload), workdir])
         limit = default_timeout() + 60 if timeout is None else timeout
-        job = run_job(command, timeout=limit, env=env, capture=True)
+        job = run_job(command, timeout=limit, env=env, capture=True, np=np)
         if job.stdout:
             sys.stdout.write(job.stdout)
         if job.stderr:

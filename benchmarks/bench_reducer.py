@@ -1,0 +1,192 @@
+"""DDP's per-step overhead, reference twin vs core twin, side by side in one run on 2 ranks.
+
+Run: ``python -P benchmarks/bench_reducer.py`` (``--quick`` for a smoke run). It launches itself on 2 ranks
+and, for the two models of bench_autograd (big: 100 x Linear(256, 256), 26 MB in 200 tensors; small:
+500 x Linear(16, 16), 1000 tensors), times one training step (zero_grad, forward, MSE loss, backward, SGD) at
+batch 32, round-robin over:
+
+- ``local``: the plain model, no DDP (the floor);
+- ``ddp reference`` / ``ddp core``: DistributedDataParallel with each reducer twin;
+- ``bookkeeping reference`` / ``bookkeeping core``: the same with a no-op communication hook, so only the
+  reducer's own work is left (hooks, ready marking, copies into buckets and back).
+
+DDP overhead = DDP step - local step (median of the per-round differences). Bookkeeping per parameter is
+measured directly: inside one backward pass, every parameter's ``autograd_hook`` is called (gradients already
+in ``.grad``, communication stubbed by the no-op hook's completed future) and ``finalize_backward`` runs; the
+time of an empty backward pass is subtracted. Prints a table, writes ``benchmarks/results/bench_reducer.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = {"big": (100, 256), "small": (500, 16)}
+BATCH = 32
+
+
+def worker(out: str, rounds: int) -> None:
+    import numpy as np
+    from tqdm import tqdm
+
+    import distlab
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+    from distlab.ddp_comm_hooks import noop_hook
+
+    pg = comm.world()
+
+    def mlp(layers, width):
+        distlab.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    class Step:
+        def __init__(self, model, width):
+            self.model = model
+            self.opt = optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+            rng = np.random.default_rng(pg.rank)
+            self.x = distlab.tensor(rng.standard_normal((BATCH, width), dtype=np.float32))
+            self.y = distlab.tensor(rng.standard_normal((BATCH, width), dtype=np.float32))
+            self.loss_fn = nn.MSELoss()
+
+        def __call__(self):
+            self.opt.zero_grad()
+            self.loss_fn(self.model(self.x), self.y).backward()
+            self.opt.step()
+
+    rows = []
+    for name, (layers, width) in MODELS.items():
+        steps = {"local": Step(mlp(layers, width), width)}
+        for impl in ("reference", "core"):
+            steps[f"ddp {impl}"] = Step(DistributedDataParallel(mlp(layers, width), impl=impl), width)
+            quiet = DistributedDataParallel(mlp(layers, width), impl=impl)
+            quiet.register_comm_hook(None, noop_hook)
+            steps[f"bookkeeping {impl}"] = Step(quiet, width)
+        for step in steps.values():  # warm-up, and the buckets' rebuild after the first iteration
+            for _ in range(3):
+                step()
+        samples = {k: [] for k in steps}
+        for _ in tqdm(range(rounds), desc=f"bench_reducer {name}", disable=pg.rank != 0, unit="round"):
+            for key, step in steps.items():
+                pg.barrier()
+                start = time.perf_counter()
+                step()
+                samples[key].append(time.perf_counter() - start)
+        nparams = len(list(steps["local"].model.parameters()))
+        nbytes = sum(p.data.nbytes for p in steps["local"].model.parameters())
+        row = {"model": name, "params": nparams, "megabytes": nbytes / 1e6}
+        local = samples["local"]
+        for key in steps:
+            row[f"{key} ms"] = statistics.median(samples[key]) * 1e3
+            if key != "local":
+                diffs = [a - b for a, b in zip(samples[key], local)]
+                row[f"{key} overhead ms"] = statistics.median(diffs) * 1e3
+        for impl in ("reference", "core"):
+            row[f"bookkeeping {impl} us/param"] = bookkeeping_per_param(impl, layers, width, rounds)
+        row["buckets"] = len(steps["ddp core"].model.reducer.get_grad_buckets())
+        gathered = pg.allgather_object(row)
+        if pg.rank == 0:  # a step is as slow as its slowest rank
+            worst = dict(row)
+            for key, value in row.items():
+                if isinstance(value, float):
+                    worst[key] = max(g[key] for g in gathered)
+            rows.append(worst)
+    if pg.rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def bookkeeping_per_param(impl: str, layers: int, width: int, rounds: int) -> float:
+    """Microseconds per parameter of the reducer's hooks plus finalize, communication stubbed (see above)."""
+    import numpy as np
+
+    import distlab
+    from distlab import _backend, comm
+    from distlab.autograd import Node, run_backward
+    from distlab.ddp_comm_hooks import noop_hook
+
+    class Driver(Node):
+        """A backward node that runs ``fn``: the hooks fire inside a real backward pass, as in training."""
+
+        def __init__(self, fn):
+            super().__init__(())
+            self.fn = fn
+
+        def apply(self, grad):
+            self.fn()
+            return ()
+
+    shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
+    params = [distlab.nn.Parameter(np.ones(shape, dtype=np.float32)) for shape in shapes]
+    for p in params:
+        p.grad = distlab.tensor(np.ones_like(p.data))
+    reducer = _backend.load("reducer", impl).Reducer(params, [list(range(len(params)))[::-1]], comm.world())
+    reducer.register_comm_hook(None, noop_hook)
+    hook, order = reducer.autograd_hook, range(len(params) - 1, -1, -1)
+
+    def hooks():
+        for i in order:
+            hook(i)
+
+    full, empty = [], []
+    for _ in range(max(rounds, 20) + 12):  # the first 10 iterations sample runtime stats: skip them
+        reducer.prepare_for_forward()
+        reducer.prepare_for_backward([])
+        start = time.perf_counter()
+        run_backward([Driver(hooks)], [np.ones(1)])
+        full.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        run_backward([Driver(lambda: None)], [np.ones(1)])
+        empty.append(time.perf_counter() - start)
+    return (statistics.median(full[12:]) - statistics.median(empty[12:])) * 1e6 / len(params)
+
+
+def table(rows) -> str:
+    lines = []
+    head = f"{'model':6} {'params':>6} {'MB':>6} {'local ms':>9} {'DDP ref ms':>11} {'DDP core ms':>12} " \
+           f"{'overhead ref':>13} {'overhead core':>14} {'bookkeeping ref':>16} {'bookkeeping core':>17} {'ratio':>6}"
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        ratio = r["bookkeeping reference us/param"] / max(r["bookkeeping core us/param"], 1e-9)
+        lines.append(
+            f"{r['model']:6} {r['params']:>6} {r['megabytes']:>6.1f} {r['local ms']:>9.2f} "
+            f"{r['ddp reference ms']:>11.2f} {r['ddp core ms']:>12.2f} {r['ddp reference overhead ms']:>10.2f} ms "
+            f"{r['ddp core overhead ms']:>11.2f} ms {r['bookkeeping reference us/param']:>10.2f} us/p "
+            f"{r['bookkeeping core us/param']:>11.2f} us/p {ratio:>6.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="5 rounds: a smoke run")
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    rounds = 5 if options.quick else options.rounds
+    if options.worker:
+        worker(options.worker, rounds)
+        return
+    from distlab.launch import launch_script
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    part = RESULTS / "bench_reducer.part.json"
+    job = launch_script(__file__, np=options.np, args=["--worker", str(part), "--rounds", str(rounds)],
+                        timeout=3600)
+    if job.returncode != 0:
+        sys.exit(f"bench_reducer failed (exit {job.returncode})")
+    rows = json.loads(part.read_text())
+    part.unlink()
+    report = {"benchmark": "bench_reducer", "command": " ".join(["python -P"] + sys.argv), "ranks": options.np,
+              "rounds": rounds, "host_cores": os.cpu_count(), "rows": rows}
+    (RESULTS / "bench_reducer.json").write_text(json.dumps(report, indent=1))
+    print(table(rows))
+    print(f"\nwritten to {RESULTS / 'bench_reducer.json'}")
+
+
+if __name__ == "__main__":
+    main()
