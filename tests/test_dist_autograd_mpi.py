@@ -19,3 +19,11 @@ def test_dist_autograd_mixed_world(mpirun, np_):
     assert result.stdout.count("container distlab.reference.") == (np_ + 1) // 2
     assert result.stdout.count("container distlab.core.") == np_ // 2
     assert f"dist autograd OK on {np_} workers" in result.stdout
+
+
+def test_pipeline_example(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "dist_autograd_pipeline.py"
+    result = mpirun(str(example), np=2, timeout=180)
+    assert "distributed vs local training: max parameter difference" in result.stdout
