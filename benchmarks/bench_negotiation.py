@@ -17,6 +17,7 @@ within one run.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -76,7 +77,8 @@ def bookkeeping(repeat=200):
 
 
 def worker(out_path):
-    """Runs on every rank under MPI."""
+    """Runs on every rank under MPI. Configurations are measured interleaved, round by round, so that a burst of
+    load from other processes hits them all alike and the ratios stay meaningful."""
     import numpy as np
     from mpi4py import MPI
 
@@ -87,61 +89,79 @@ def worker(out_path):
     group = comm.ProcessGroup(name="bench")
     transport = _MPITransport(group)
     rank, size = group.rank, group.size
+    modules = {impl: _backend.load("negotiation", impl) for impl in IMPLS}
     results = {}
+    warnings.simplefilter("ignore")
 
-    def timed(fn, iterations, prepare=None):
-        times = []
-        for _ in range(iterations):
-            if prepare is not None:
-                prepare()       # e.g. enqueueing: the submitting thread's cost, not the cycle's
-            raw.Barrier()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        mine = statistics.median(times) * 1e6
-        return max(raw.allgather(mine))
+    def once(fn, prepare=None):
+        if prepare is not None:
+            prepare()       # e.g. enqueueing: the submitting thread's cost, not the cycle's
+        raw.Barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def slowest_median(times):
+        return max(raw.allgather(statistics.median(times) * 1e6))
 
     for count in COUNTS:
         words = np.zeros((count + 3 + 63) // 64, dtype=np.uint64)
-        results[f"floor-mpi4py/{count}"] = timed(lambda: raw.Allreduce(MPI.IN_PLACE, words, op=MPI.BAND), 300)
-        results[f"floor-group/{count}"] = timed(lambda: group.allreduce(words, op="band"), 300)
-
-    warnings.simplefilter("ignore")
-    for impl in IMPLS:
-        module = _backend.load("negotiation", impl)
-        for count in COUNTS:
-            heavy = impl == "reference" and count == 1000
+        cases = {
+            "floor-mpi4py": (lambda: raw.Allreduce(MPI.IN_PLACE, words, op=MPI.BAND), None),
+            "floor-group": (lambda: group.allreduce(words, op="band"), None),
+        }
+        hit_controllers = {}
+        for impl, module in modules.items():
             # hit path: pre-warmed cache, the same tensors every cycle
             controller = module.Controller(rank, size, cache_capacity=2048)
             requests = _requests(module, count, "grad", rank)
 
-            def enqueue():
+            def enqueue(controller=controller, requests=requests):
                 for r in requests:
                     controller.enqueue(r)
 
             enqueue()
             controller.compute_response_list(transport)
-            before = dict(controller.counters)
-            n = 20 if heavy else 150
-            results[f"hit-{impl}/{count}"] = timed(lambda: controller.compute_response_list(transport), n, enqueue)
-            assert controller.counters["fast_path"] - before["fast_path"] == n, "hit cycles left the fast path"
-            # miss path: two name sets alternate in a cache that holds one set
+            hit_controllers[impl] = controller
+            cases[f"hit-{impl}"] = (lambda c=controller: c.compute_response_list(transport), enqueue)
+        times = {name: [] for name in cases}
+        rounds = 30 if count == 1000 else 150
+        gc.collect()        # garbage from earlier configurations must not be collected during these
+        for i in range(rounds):
+            for name, (fn, prepare) in cases.items():
+                if name == "hit-reference" and count == 1000 and i % 3:
+                    continue
+                times[name].append(once(fn, prepare))
+        for name in cases:
+            results[f"{name}/{count}"] = slowest_median(times[name])
+        for impl, controller in hit_controllers.items():
+            assert controller.counters["slow_path"] == 1, "hit cycles left the fast path"
+
+        # miss path: two name sets alternate in a cache that holds one set
+        miss_cases = {}
+        for impl, module in modules.items():
             controller = module.Controller(rank, size, cache_capacity=count)
             sets = [_requests(module, count, "a", rank), _requests(module, count, "b", rank)]
             state = {"i": 0}
 
-            def enqueue_next():
+            def enqueue_next(controller=controller, sets=sets, state=state):
                 for r in sets[state["i"] % 2]:
                     controller.enqueue(r)
                 state["i"] += 1
 
-            def miss():
+            def miss(controller=controller):
                 response_list = controller.compute_response_list(transport)
                 assert sum(len(x.tensor_names) for x in response_list.responses) == count
+                assert controller.counters["fast_path"] == 0
 
-            n = 8 if heavy else 40
-            results[f"miss-{impl}/{count}"] = timed(miss, n, enqueue_next)
-            assert controller.counters["fast_path"] == 0
+            miss_cases[f"miss-{impl}"] = (miss, enqueue_next)
+        times = {name: [] for name in miss_cases}
+        gc.collect()
+        for i in range(8 if count == 1000 else 30):
+            for name, (fn, prepare) in miss_cases.items():
+                times[name].append(once(fn, prepare))
+        for name in miss_cases:
+            results[f"{name}/{count}"] = slowest_median(times[name])
     if rank == 0:
         Path(out_path).write_text(json.dumps({"size": size, "results": results}))
     group.destroy()
