@@ -231,7 +231,6 @@ cdef class RRefContext:
     cdef public int worker_id
     cdef public int max_retries
     cdef public object lock
-    cdef public object cond
     cdef public object trace
     cdef public list errors
     cdef object _send
@@ -250,7 +249,6 @@ cdef class RRefContext:
         self._send = send
         self.max_retries = max_retries
         self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
         self._next_local_id = 0
         self._owners = {}
         self._pending_owners = {}
@@ -309,7 +307,6 @@ cdef class RRefContext:
             user.creation_error = error
             user.deleted_on_owner = True
             fut = user.confirm_future
-            self.cond.notify_all()
         if fut is not None and not fut.done():
             fut.set_exception(error)
 
@@ -324,7 +321,6 @@ cdef class RRefContext:
             owner = OwnerRRef(self.worker_id, rref_id)
             self._owners[key] = owner
             pending = self._pending_owners.pop(key, None)
-            self.cond.notify_all()
         if pending is not None:
             pending.set_result(owner)
         return owner
@@ -406,7 +402,6 @@ cdef class RRefContext:
             user.confirmed = True
             self._confirmed_users[key] = user
             fut = user.confirm_future
-            self.cond.notify_all()
         if fut is not None and not fut.done():
             fut.set_result(user)
         self._maybe_delete(user)
@@ -433,7 +428,6 @@ cdef class RRefContext:
             if parent is None:
                 return
             parent.n_pending_children -= 1
-            self.cond.notify_all()
         self._maybe_delete(parent)
 
     def add_fork_of_owner_if_not_present(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
@@ -459,7 +453,6 @@ cdef class RRefContext:
                 return None
             self._forks.erase(it)
             deleted = self._owners.pop(rkey, None)
-            self.cond.notify_all()
             return deleted
 
     # -- control messages
@@ -480,7 +473,6 @@ cdef class RRefContext:
             else:
                 with self.lock:
                     self.errors.append(f"control message {kind} {payload} to worker {dst} failed: {exc!r}")
-                    self.cond.notify_all()
 
         fut.add_done_callback(acked)
 
@@ -520,11 +512,7 @@ cdef class RRefContext:
                 return
             user.deleted_on_owner = True
             self._confirmed_users.pop(user.fork_id.packed(), None)
-        self._send_control(user.owner_id, K_USER_DELETE, user.rref_id.key() + user.fork_id.key(), self._notify)
-
-    def _notify(self):
-        with self.lock:
-            self.cond.notify_all()
+        self._send_control(user.owner_id, K_USER_DELETE, user.rref_id.key() + user.fork_id.key())
 
     # -- shutdown and inspection
     def has_pending(self):

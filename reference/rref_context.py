@@ -67,7 +67,6 @@ class RRefContext:
         self._send = send
         self.max_retries = max_retries
         self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
         self._next_local_id = 0
         self.owners = {}
         self.pending_owners = {}
@@ -133,7 +132,6 @@ class RRefContext:
             user.creation_error = error
             user.deleted_on_owner = True  # the owner never registered this fork: no deletion notice is due
             fut = user.confirm_future
-            self.cond.notify_all()
         if fut is not None and not fut.done():
             fut.set_exception(error)
 
@@ -147,7 +145,6 @@ class RRefContext:
             owner = _r.OwnerRRef(self.worker_id, rref_id)
             self.owners[rref_id] = owner
             pending = self.pending_owners.pop(rref_id, None)
-            self.cond.notify_all()
         if pending is not None:
             pending.set_result(owner)
         return owner
@@ -236,7 +233,6 @@ class RRefContext:
             user.confirmed = True
             self.confirmed_users[fork_id] = user
             fut = user.confirm_future
-            self.cond.notify_all()
         if fut is not None and not fut.done():
             fut.set_result(user)
         self._maybe_delete(user)
@@ -262,7 +258,6 @@ class RRefContext:
             if parent is None:
                 return
             parent.n_pending_children -= 1
-            self.cond.notify_all()
         self._maybe_delete(parent)
 
     def add_fork_of_owner_if_not_present(self, rref_id, fork_id) -> None:
@@ -287,7 +282,6 @@ class RRefContext:
                 return None
             del self.forks[rref_id]
             deleted = self.owners.pop(rref_id, None)
-            self.cond.notify_all()
             return deleted
 
     # -- control messages -------------------------------------------------------------------------------------
@@ -308,7 +302,6 @@ class RRefContext:
             else:
                 with self.lock:
                     self.errors.append(f"control message {kind} {payload} to worker {dst} failed: {exc!r}")
-                    self.cond.notify_all()
 
         fut.add_done_callback(acked)
 
@@ -346,12 +339,7 @@ class RRefContext:
                 return
             rref.deleted_on_owner = True
             self.confirmed_users.pop(rref.fork_id, None)
-        self._send_control(rref.owner_id, K_USER_DELETE, rref.rref_id.key() + rref.fork_id.key(),
-                           self._notify)
-
-    def _notify(self) -> None:
-        with self.lock:
-            self.cond.notify_all()
+        self._send_control(rref.owner_id, K_USER_DELETE, rref.rref_id.key() + rref.fork_id.key())
 
     # -- shutdown and inspection ------------------------------------------------------------------------------
     def has_pending(self) -> bool:

@@ -274,14 +274,16 @@ def rref_debug_info() -> dict:
 
 
 def _wait_for(ctx, predicate, timeout, what):
+    # Polled with back-off (shutdown only): the contexts keep no condition variable, so the protocol's hot
+    # paths pay for no notification.
     deadline = time.monotonic() + timeout
-    with ctx.cond:
-        while not predicate():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DistTimeoutError(f"rpc shutdown on worker {_agent.info.name!r}: {what} after {timeout:g} s; "
-                                       f"state {ctx.debug_info()}", op="rpc shutdown", timeout=timeout)
-            ctx.cond.wait(min(remaining, 0.05))
+    delay = 1e-4
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise DistTimeoutError(f"rpc shutdown on worker {_agent.info.name!r}: {what} after {timeout:g} s; "
+                                   f"state {ctx.debug_info()}", op="rpc shutdown", timeout=timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
 
 
 def graceful_delete(agent, timeout: float) -> None:
