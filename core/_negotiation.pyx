@@ -269,7 +269,11 @@ cdef class Controller:
         if self.joined and caching:
             for w in range(cache._bit_slot.size()):
                 if cache._bit_slot[w] >= 0:
-                    coordinator._hit(<uint32_t>w)
+                    if cache._info[cache._bit_slot[w]].rtype == RT_ALLREDUCE or \
+                            cache._info[cache._bit_slot[w]].rtype == RT_ADASUM:
+                        coordinator._hit(<uint32_t>w)
+                    else:
+                        coordinator.record_invalid_bit(w)
 
         should_shut_down = shut_down
         if self.stall.should_check():

@@ -172,9 +172,14 @@ class Controller:
                     counters["misses"] += 1
                     self.stall.remove_cached(request.tensor_name)
         if self.joined and caching:
-            # A joined rank has every cached tensor "ready": it contributes zeros (mirrors controller.cc).
+            # A joined rank has every cached allreduce "ready": it contributes zeros (mirrors controller.cc).
+            # Other cached collectives cannot run without it: it invalidates them, so that they go to the
+            # coordinator, which answers with an error (Horovod leaves them waiting for the stall inspector).
             for bit in cache.list_all_bits():
-                coordinator.record_hit(bit)
+                if cache.peek_response(bit).response_type in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
+                    coordinator.record_hit(bit)
+                else:
+                    coordinator.record_invalid_bit(bit)
 
         should_shut_down = bool(shut_down)
         if self.stall.should_check():

@@ -157,6 +157,24 @@ def test_join_zero_contribution_and_last_joined_rank(negotiation):
     assert all(o == out[0] for o in out) and not any(c.joined for c in cs)
 
 
+def test_cached_allgather_under_join_is_refused_not_held(negotiation):
+    m = negotiation
+    world, cs, ts = make_world([m, m])
+    for c in cs:
+        submit(m, c, "g", kind=RequestType.ALLGATHER, shape=(2,))
+        submit(m, c, "w")
+    run_cycle(cs, ts)
+    assert len(cs[0].cache) == 2
+    submit(m, cs[1], JOIN_TENSOR_NAME, kind=RequestType.JOIN)
+    submit(m, cs[0], "g", kind=RequestType.ALLGATHER, shape=(2,))
+    submit(m, cs[0], "w")
+    out = run_cycle(cs, ts)
+    by_name = {r.tensor_names[0]: r for o in [out[0]] for r in o.responses}
+    assert "not supported once a rank has joined" in by_name["g"].error_message
+    assert by_name["w"].response_type == ResponseType.ALLREDUCE
+    assert out[0] == out[1]
+
+
 def test_cache_disabled_always_takes_the_slow_path(negotiation):
     m = negotiation
     world, cs, ts = make_world([m, m], cache_capacity=0)

@@ -278,6 +278,9 @@ class _Engine:
         try:
             if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
                 results = self._allreduce(response, entries)
+            elif entries[0] is None and kind in (ResponseType.ALLGATHER, ResponseType.BROADCAST):
+                raise DistlabError(f"rank {self.rank} has no {response.tensor_names[0]!r} to take part in a "
+                                   "negotiated allgather/broadcast (it has joined?)")
             elif kind == ResponseType.ALLGATHER:
                 results = [self._allgather(response, entries[0])]
             elif kind == ResponseType.BROADCAST:
