@@ -21,7 +21,7 @@ from distlab.autograd import Function, Tensor
 from distlab.distributed_optim import DistributedOptimizer
 from distlab._autograd_shared import K_CLEANUP
 from distlab.futures import Future
-from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError
+from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError, RemoteError
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
@@ -108,6 +108,11 @@ def restore_cleanup():
     for cid in dist_autograd.get_container().context_ids():
         dist_autograd.get_container().release_context_if_present(cid)
     return _flaky["calls"]
+
+
+class FailingSGD(optim.SGD):
+    def step(self, closure=None):
+        raise ArithmeticError(f"step failed on worker {rank}")
 
 
 def param_rref():
@@ -305,7 +310,44 @@ if rank == 0:
         raise AssertionError("step on a released context accepted")
     except AutogradContextNotFoundError:
         pass
-    del rrefs, opt, r
+    try:
+        DistributedOptimizer(optim.SGD, rrefs, lr=-1.0)
+        raise AssertionError("bad optimizer arguments accepted")
+    except RemoteError as exc:
+        assert "Invalid learning rate" in str(exc)
+    bad = DistributedOptimizer(FailingSGD, rrefs, lr=0.1)
+    with dist_autograd.context() as cid:
+        out = rrefs[-1].rpc_sync().__mul__(Tensor(np.ones(4), requires_grad=True))
+        dist_autograd.backward(cid, [out.sum()])
+        try:
+            bad.step(cid)
+            raise AssertionError("remote optimizer error swallowed")
+        except RemoteError as exc:
+            assert "step failed on worker" in str(exc) and exc.exc_type.endswith("ArithmeticError")
+    del rrefs, opt, r, bad
+
+    # -- concurrent contexts on two threads share worker 1; each gets its own gradients -------------------------
+    results = {}
+
+    def trainer(scale):
+        with dist_autograd.context() as cid:
+            x = Tensor(X0 * scale, requires_grad=True)
+            y = rpc.rpc_sync(1, layer, (x,))
+            dist_autograd.backward(cid, [(y * y).sum()])
+            results[scale] = (dist_autograd.get_gradients(cid)[x].data, rpc.rpc_sync(1, my_grad, (cid,)).data)
+
+    threads = [threading.Thread(target=trainer, args=(s,)) for s in (1.0, 2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for scale in (1.0, 2.0, 3.0):
+        xl, wl = Tensor(X0 * scale, requires_grad=True), Tensor(WEIGHTS[1].copy(), requires_grad=True)
+        yl = (xl @ wl).tanh()
+        (yl * yl).sum().backward()
+        np.testing.assert_allclose(results[scale][0], xl.grad.data, rtol=1e-10)
+        np.testing.assert_allclose(results[scale][1], wl.grad.data, rtol=1e-10)
+    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
     for dst in others:
         rpc.rpc_sync(dst, finish)
     print(f"dist autograd OK on {world} workers")
