@@ -9,6 +9,7 @@ from Cython.Build import cythonize
 CORE_MODULES = [
     "_fingerprint",
     "_reducer",
+    "_join",
     "_rref",
     "_autograd_container",
     "_negotiation",

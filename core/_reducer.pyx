@@ -757,6 +757,40 @@ cdef class Reducer:
     def _dynamic_graph_find_unused(self):
         return not self.static_graph and self.find_unused_parameters
 
+    # -- Join: what a rank that ran out of inputs needs to shadow an iteration (DDP's join hook) ---------------
+    def _get_zeros_like_grad_buckets(self):
+        """See :meth:`distlab.reference.reducer.Reducer._get_zeros_like_grad_buckets`."""
+        buckets = []
+        for b, bucket in enumerate(self.buckets):
+            params = [self.params[i] for i in bucket.variable_indices]
+            if bucket.expect_sparse_gradient:
+                shape = params[0].data.shape
+                zeros = SparseGrad(np.zeros(0, dtype=np.int64),
+                                   np.zeros((0,) + tuple(shape[1:]), dtype=params[0].data.dtype), shape)
+            else:
+                zeros = np.zeros_like(bucket.gradients)
+            buckets.append(GradBucket(b, len(self.buckets), zeros, bucket.offsets, bucket.lengths, bucket.sizes,
+                                      params))
+        return buckets
+
+    def _run_comm_hook(self, grad_bucket):
+        """See :meth:`distlab.reference.reducer.Reducer._run_comm_hook`."""
+        b = grad_bucket.index()
+        if self.comm_hook is not None:
+            return self.comm_hook(self.comm_hook_state, grad_bucket)
+        if isinstance(grad_bucket.buffer(), SparseGrad):
+            return sparse_allreduce(self.process_group, grad_bucket.buffer(), name=f"bucket{b}")
+        return self.process_group.allreduce(grad_bucket.buffer(), async_op=True, name=f"bucket{b}").get_future()
+
+    def _get_local_used_map(self):
+        """See :meth:`distlab.reference.reducer.Reducer._get_local_used_map`."""
+        return np.zeros(self.n, dtype=np.int32)
+
+    def _push_all_rebuilt_params(self):
+        """See :meth:`distlab.reference.reducer.Reducer._push_all_rebuilt_params`."""
+        if (self.static_graph or not self.find_unused_parameters) and not self.has_rebuilt_bucket:
+            self.rebuilt_param_indices = list(range(len(self.params)))
+
     def get_logging_data(self):
         """See :meth:`distlab.reference.reducer.Reducer.get_logging_data`."""
         return self.stats.logging_data({

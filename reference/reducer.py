@@ -26,6 +26,7 @@ from distlab.autograd import SparseGrad, Tensor, graph_leaves, queue_callback
 from distlab.ddp_comm_hooks import sparse_allreduce
 from distlab.reference.bucketing import compute_bucket_assignment_by_size
 from distlab.reference.grad_bucket import GradBucket, build_bucket, point_grads_at_views
+from distlab.reference.reducer_join import ReducerJoinMixin
 from distlab import _reducer_support as support
 
 __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment_by_size"]
@@ -33,7 +34,7 @@ __all__ = ["Reducer", "GradBucket", "compute_bucket_assignment_by_size"]
 MiB = 1024 * 1024
 
 
-class Reducer:
+class Reducer(ReducerJoinMixin):
     """Buckets gradients and reduces them across the ranks of ``process_group`` during backward.
 
     Parameters

@@ -29,6 +29,7 @@ IMPLS = ("reference", "core")
 COMPONENTS: dict[str, tuple[str, str]] = {
     "fingerprint": ("distlab.reference.fingerprint", "distlab.core._fingerprint"),
     "reducer": ("distlab.reference.reducer", "distlab.core._reducer"),
+    "join": ("distlab.reference.join", "distlab.core._join"),
     "rref": ("distlab.reference.rref", "distlab.core._rref"),
     "autograd_container": ("distlab.reference.autograd_container", "distlab.core._autograd_container"),
     "negotiation": ("distlab.reference.negotiation", "distlab.core._negotiation"),

@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import numpy as np
+
 from . import _backend, comm
+from ._join_support import JoinConfig
 from .autograd import Tensor, is_grad_enabled
 from .nn import Module
 
@@ -74,6 +77,9 @@ class DistributedDataParallel(Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
+        self._join_config = JoinConfig.disabled()  # DDP is a Joinable (distlab.join registers it)
+        self._divide_by_initial_world_size = True
+        self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
         self._verify_model_across_ranks(named)
         self._sync_module_states()
@@ -142,13 +148,16 @@ class DistributedDataParallel(Module):
         sync = grad_enabled and self.require_backward_grad_sync
         if sync:
             self.reducer.prepare_for_forward()
-        join_work = self._notify_join_context()
+        join_work = self._join_module.Join.notify_join_context(self)  # None outside an enabled Join
         if join_work is not None:
             self.reducer.set_forward_pass_work_handle(join_work, self._divide_by_initial_world_size)
         if grad_enabled:
             self.reducer.rebuild_buckets()
-        if self.broadcast_buffers and self.require_forward_param_sync:
-            self._sync_buffers()
+        if self._will_sync_buffers():
+            self._sync_buffers(self._find_common_rank(self.process_group.rank, True)
+                               if self._join_config.enable else 0)
+        if self._join_config.enable:
+            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         output = self.module(*inputs, **kwargs)
         if sync:
             self.require_forward_param_sync = True
@@ -160,9 +169,12 @@ class DistributedDataParallel(Module):
             self.require_forward_param_sync = False
         return output
 
-    def _sync_buffers(self):
+    def _will_sync_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.broadcast_buffers and any(True for _ in self.module.buffers())
+
+    def _sync_buffers(self, src: int = 0):
         for name, buffer in self.module.named_buffers():
-            self.process_group.broadcast(buffer.data, src=0, name=f"buffer {name}")
+            self.process_group.broadcast(buffer.data, src=src, name=f"buffer {name}")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -187,13 +199,60 @@ class DistributedDataParallel(Module):
     def _get_ddp_logging_data(self):
         return self.reducer.get_logging_data()
 
-    # -- Join plumbing (the join issue builds on these) -------------------------------------------------------
-    _divide_by_initial_world_size = True
+    # -- Join (mirrors DistributedDataParallel.join and _DDPJoinHook) ------------------------------------------
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """``with model.join(): ...``: train on uneven inputs (Join with this model as the only joinable).
 
-    def _notify_join_context(self):
-        """The work handle of ``Join.notify_join_context(self)`` once Join exists; None otherwise."""
-        notify = getattr(self, "_join_notify", None)
-        return notify(self) if notify is not None else None
+        ``divide_by_initial_world_size=True`` keeps dividing gradients by the world size after ranks have
+        joined (joined ranks contribute zeros, so later steps are smaller); False divides by the number of
+        ranks still training.
+        """
+        return self._join_module.Join([self], enable, throw_on_early_termination,
+                                      divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        """DDP's join hook: shadows one iteration's collectives; the post hook syncs the final model."""
+        return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return "cpu"
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
+        """Tell joined ranks whether this iteration syncs gradients (no_sync does not)."""
+        flag = np.array([0 if is_joined_rank or not self.require_backward_grad_sync else 1], dtype=np.int64)
+        work = self.process_group.allreduce(flag, async_op=True, name="join: gradient sync this iteration")
+        if not is_joined_rank:
+            return work
+        work.wait()
+        return bool(flag[0])
+
+    def _find_common_rank(self, rank: int, candidate: bool) -> int:
+        """The highest rank among candidates (ties broken by the larger rank), agreed by every rank."""
+        chosen = np.array([rank if candidate else -1], dtype=np.int64)
+        self.process_group.allreduce(chosen, op="max", name="join: common rank")
+        if chosen[0] < 0:
+            raise RuntimeError("no rank was a candidate for the authoritative model copy (a distlab bug)")
+        return int(chosen[0])
+
+    def _match_all_reduce_for_bwd_pass(self):
+        """Allreduce zeros for every bucket, in the reducer's order, as the training ranks' backward does."""
+        futures = [self.reducer._run_comm_hook(b) for b in self.reducer._get_zeros_like_grad_buckets()]
+        for future in futures:
+            future.wait()
+
+    def _match_unused_params_allreduce(self):
+        self.process_group.allreduce(self.reducer._get_local_used_map(), name="local_used_map")
+
+    def _sync_final_model(self, is_last_joiner: bool):
+        """Every rank ends with the model of the highest rank among the last joiners."""
+        self._authoritative_rank = self._find_common_rank(self.process_group.rank, is_last_joiner)
+        for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            self.process_group.broadcast(tensor.data, src=self._authoritative_rank, name=f"final {name}")
 
     def state_dict(self, prefix: str = "") -> dict:
         return self.module.state_dict(prefix)
@@ -203,4 +262,30 @@ class DistributedDataParallel(Module):
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, buckets={len(self.reducer.get_grad_buckets())}"
+
+
+class _DDPJoinHook:
+    """Shadows one DDP iteration on a rank that ran out of inputs (mirrors distributed.py ``_DDPJoinHook``)."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """The collectives of one iteration, in order: rebuild once, buffers, grad-sync flag, buckets, used map."""
+        ddp = self.ddp
+        ddp.reducer.rebuild_buckets()
+        if ddp._will_sync_buffers():
+            ddp._sync_buffers(ddp._find_common_rank(ddp.process_group.rank, False))
+        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        ddp.require_forward_param_sync = should_sync  # no_sync on the others: no buffer sync next time either
+        if not should_sync:
+            return
+        ddp._match_all_reduce_for_bwd_pass()
+        if ddp.find_unused_parameters and not ddp.static_graph:
+            ddp._match_unused_params_allreduce()
+        ddp.reducer._push_all_rebuilt_params()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
 
