@@ -59,3 +59,11 @@ def test_exception_in_forward_inside_join_propagates_without_a_hang(mpirun, impl
     job = mpirun("join_edge.py", np=2, args=[impl, "raise"], timeout=120, expect_failure=True)
     assert "ValueError: bad batch in forward" in job.stderr and "[rank 1]" in job.stderr
     assert job.elapsed < 60
+
+
+def test_uneven_inputs_example(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "uneven_inputs.py"
+    job = mpirun(str(example), np=4, args=["--base", "4", "--divide-by-active"], timeout=120)
+    assert "ranks had [4, 14, 24, 34] batches" in job.stdout
