@@ -143,15 +143,39 @@ def worker(out_path: str, quick: bool) -> None:
         Path(out_path).write_text(json.dumps({"impl": distlab.IMPL, "results": results}))
 
 
+def protocol_cpu(impl: str, n: int = 20000) -> float:
+    """CPU microseconds of the RRef protocol's own bookkeeping per remote RRef lifecycle (create, owner
+    registration, confirmation, release, deletion), in process with a no-op transport: robust to machine load."""
+    from distlab import _backend
+    from distlab.futures import Future
+
+    mod = _backend.load("rref", impl)
+    acked = Future()
+    acked.set_result(None)
+    owner = mod.RRefContext(0, lambda dst, kind, payload: acked)
+    user = mod.RRefContext(1, lambda dst, kind, payload: acked)
+    t0 = time.process_time()
+    for _ in range(n):
+        u, rid, fid = user.create_remote(0)
+        owner.handle_remote_call(rid, fid)
+        user.finish_remote(u)
+        user.release_user(u)
+        owner.handle(1, 4, rid.key() + fid.key())
+    per = (time.process_time() - t0) / n * 1e6
+    assert owner.idle() and user.idle()
+    return per
+
+
 def table(runs: dict) -> str:
     metrics = list(next(iter(runs.values())).keys())
     impls = list(runs)
-    head = f"{'metric':<52}" + "".join(f"{i:>14}" for i in impls)
+    head = f"{'metric':<66}" + "".join(f"{i:>12}" for i in impls)
     lines = [head, "-" * len(head)]
     for m in metrics:
-        unit = "/s" if ("per second" in m or "calls/s" in m) else "us"
-        lines.append(f"{m + ' [' + unit + ']':<52}" + "".join(f"{runs[i].get(m, float('nan')):>14.1f}"
-                                                                for i in impls))
+        unit = "/s" if ("per second" in m or "calls/s" in m) else ("s/s" if "idle" in m else "us")
+        cells = "".join(f"{v:>12.2f}" if abs(v) < 10 else f"{v:>12.1f}"
+                        for v in (runs[i].get(m, float("nan")) for i in impls))
+        lines.append(f"{m + ' [' + unit + ']':<66}" + cells)
     return "\n".join(lines)
 
 
@@ -184,6 +208,7 @@ def main() -> None:
         data = json.loads(part.read_text())
         part.unlink()
         runs[impl] = data["results"]
+        runs[impl]["RRef protocol bookkeeping, CPU per lifecycle (in process)"] = protocol_cpu(impl)
     report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
               "ranks": 2, "throttle": options.throttle,
               "wait": options.wait or os.environ.get("DISTLAB_RPC_WAIT", "adaptive"),

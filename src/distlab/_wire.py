@@ -32,6 +32,7 @@ RPC_KINDS = (
     "fork_request",  # 5: RRef control: a user forked to a user; the child asks the owner to add it
     "child_accept",  # 6: RRef control: the owner knows the child; the parent may drop its pending child (G2)
     "stop",          # 7: agent internal: stop the listener (sent to self)
+    "wake",          # 8: agent internal: break the listener out of a blocking probe to re-check idleness
 )
 RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
 RPC_USER_KIND_BASE = 64

@@ -27,6 +27,17 @@ try:
 except RpcError as exc:
     assert "already called" in str(exc)
 assert rpc.rpc_sync((rank + 1) % world, add, (rank, 1)) == rank + 1
+# With no traffic the listener leaves MPICH's busy-polling probe (adaptive wait) and costs (almost) no CPU.
+agent = rpc.get_agent()
+deadline = time.monotonic() + 10
+while not agent._idle:
+    assert time.monotonic() < deadline, "the listener never went idle"
+    time.sleep(0.02)
+c0, t0 = time.process_time(), time.monotonic()
+time.sleep(0.5)
+cpu = (time.process_time() - c0) / (time.monotonic() - t0)
+assert cpu < 0.25, f"an idle worker burnt {cpu:.2f} s of CPU per second"
+assert rpc.rpc_sync((rank + 1) % world, add, (rank, 2)) == rank + 2   # idle listeners still answer
 rpc.shutdown()
 
 # A second life, with other names; then a non-graceful stop.

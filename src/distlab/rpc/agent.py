@@ -4,10 +4,15 @@ Shared plumbing (not twinned). One agent per process, made by :func:`distlab.rpc
 
 How it waits (measured on this 2-core machine, MPICH wheel, 2 ranks; ``benchmarks/bench_rpc.py`` and
 ../shared/probes/rpc_listener_probe.py): a listener thread blocked in ``MPI_Mprobe`` (GIL released, MPICH's
-progress engine polls in C) gave a 36-50 us round trip; the same with ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` gave
-36-67 us (no gain, so it is not set); ``MPI_Improbe`` polling from Python with ``sleep(0)``/back-off gave
-190-240 us (the poller and the waiting caller hand the GIL back and forth). So the listener blocks in ``Mprobe``
-and the caller waits on a condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
+progress engine polls in C) gave a 36-50 us round trip on an idle machine; ``MPI_Improbe`` polling from Python
+with ``sleep(0)``/back-off gave 190-240 us, and spinning on ``Improbe`` from Python made the caller wait for the
+GIL (0.7-1.3 ms per round trip under load): the poller re-takes the GIL before the woken caller can. But a
+blocking ``Mprobe`` busy-polls inside MPICH, so an idle worker burnt a whole core. Hence the *adaptive* wait
+(default; ``DISTLAB_RPC_WAIT=block`` keeps the blocking probe): the listener blocks in ``Mprobe`` while there is
+traffic; after ``IDLE_AFTER`` with no message and no answer awaited, the timeout watcher sends it a ``wake``
+message, and it switches to polling ``Improbe`` with pauses on an Event (no spinning, back-off up to
+``IDLE_SLEEP_MAX``), which a send from this worker or any arriving message ends. The caller always waits on a
+condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
 
 Sends: a header message (``TAG_HEADER``) then the out-of-band buffers (``TAG_BUFFER``), under a per-destination
 lock so the buffers of two messages never interleave (MPI keeps order per source, tag and communicator). Small
@@ -44,14 +49,15 @@ __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_l
 
 log = logging.getLogger("distlab.rpc")
 
-SPIN_WINDOW = 0.002      # adaptive wait: keep polling this long after the last message
-IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest sleep between polls when idle (the wake-up latency bound)
+IDLE_AFTER = 0.05        # adaptive wait: no message and nothing awaited for this long -> idle mode
+IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest pause between polls when idle (incoming wake-up latency bound)
 TAG_HEADER = 17
 TAG_BUFFER = 18
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
 
 K_RESPONSE = RPC_KIND_CODES["response"]
 K_STOP = RPC_KIND_CODES["stop"]
+K_WAKE = RPC_KIND_CODES["wake"]
 
 
 class WorkerInfo(NamedTuple):
@@ -151,7 +157,10 @@ class RpcAgent:
         self.wait_mode = os.environ.get("DISTLAB_RPC_WAIT", "adaptive").strip().lower()
         if self.wait_mode not in ("adaptive", "block"):
             raise ValueError(f"DISTLAB_RPC_WAIT={self.wait_mode!r} is not one of adaptive, block")
-        self._last_activity = time.perf_counter()
+        self._last_activity = time.monotonic()
+        self._idle = False             # listener in idle mode (polling with pauses), adaptive wait only
+        self._wake = threading.Event()  # set by send() to end an idle pause at once
+        self._wake_sent = False         # a K_WAKE to self is in flight
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
         self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
@@ -221,6 +230,8 @@ class RpcAgent:
         except BaseException:
             self._pending.pop(mid, None)
             raise
+        if self._idle:
+            self._wake.set()
         return fut
 
     def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
@@ -265,13 +276,13 @@ class RpcAgent:
         MPI = self._MPI
         comm = self.comm
         status = MPI.Status()
-        block = self.wait_mode == "block"
+        adaptive = self.wait_mode == "adaptive"
         while True:
             try:
-                if block:
-                    message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                if adaptive and self._idle:
+                    message = self._probe_idle(comm, status)
                 else:
-                    message = self._probe_adaptive(comm, status)
+                    message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
                 src = status.Get_source()
                 data = bytearray(status.Get_count(MPI.BYTE))
                 message.Recv([data, MPI.BYTE])
@@ -287,7 +298,13 @@ class RpcAgent:
                     buffers.append(buf)
                 if kind == K_STOP and src == self.rank:
                     return
-                self._last_activity = time.perf_counter()
+                if kind == K_WAKE and src == self.rank:
+                    # the watcher saw no traffic for IDLE_AFTER: go idle unless something is awaited
+                    self._wake_sent = False
+                    if not self._pending and time.monotonic() - self._last_activity >= IDLE_AFTER:
+                        self._idle = True
+                    continue
+                self._last_activity = time.monotonic()
                 if kind == K_RESPONSE:
                     self._on_response(src, flags, mid, forks, body, buffers)
                 else:
@@ -295,21 +312,25 @@ class RpcAgent:
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
                 self._record_error(f"listener error: {traceback.format_exc()}")
 
-    def _probe_adaptive(self, comm, status):
-        """Wait for a header with ``MPI_Improbe``: spin while this worker awaits answers or was active in the
-        last ``SPIN_WINDOW`` seconds, else sleep with exponential back-off up to ``IDLE_SLEEP_MAX``."""
+    def _probe_idle(self, comm, status):
+        """Idle mode: poll with ``MPI_Improbe``, pausing on an Event (GIL released, no spinning) with
+        exponential back-off up to ``IDLE_SLEEP_MAX``; a send from this worker ends the pause at once. Leaves
+        idle mode (back to the blocking ``Mprobe``) on the first message or send."""
         MPI = self._MPI
-        improbe = comm.Improbe
-        perf = time.perf_counter
         delay = 0.0
+        wake = self._wake
         while True:
-            message = improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
-            if message is not None:
-                return message
-            if self._pending or perf() - self._last_activity < SPIN_WINDOW:
-                continue
+            message = comm.Improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
+            if message is not None or self._pending or wake.is_set():
+                wake.clear()
+                self._idle = False
+                with self._deadline_cond:  # the watcher resumes its idle checks
+                    self._deadline_cond.notify()
+                if message is not None:
+                    return message
+                return comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
             delay = min(max(delay * 2.0, 5e-5), IDLE_SLEEP_MAX)
-            time.sleep(delay)
+            wake.wait(delay)
 
     def _record_error(self, text: str) -> None:
         log.error("distlab.rpc worker %s: %s", self.info.name, text)
@@ -454,7 +475,11 @@ class RpcAgent:
         while True:
             with cond:
                 while self.running and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
-                    cond.wait(None if not self._deadlines else self._deadlines[0][0] - time.monotonic())
+                    wait = None if not self._deadlines else self._deadlines[0][0] - time.monotonic()
+                    if self.wait_mode == "adaptive" and not self._idle:
+                        wait = IDLE_AFTER if wait is None else min(wait, IDLE_AFTER)
+                    cond.wait(wait)
+                    self._maybe_go_idle()
                 if not self.running:
                     return
                 now = time.monotonic()
@@ -465,6 +490,19 @@ class RpcAgent:
                 entry = self._pending.get(mid)
                 if entry is not None:
                     self._expire(entry[0], timeout, mid)
+
+    def _maybe_go_idle(self) -> None:
+        """Watcher: after IDLE_AFTER without traffic, break the listener out of its busy-polling ``Mprobe``
+        (a K_WAKE message to self) so it can switch to idle polling."""
+        if (self.wait_mode != "adaptive" or self._idle or self._wake_sent or self._pending or not self.running
+                or time.monotonic() - self._last_activity < IDLE_AFTER):
+            return
+        self._wake_sent = True
+        header = framing.pack_header(K_WAKE, 0, 0, [], None, (), b"")
+        try:
+            self.comm.Send([header, self._MPI.BYTE], self.rank, TAG_HEADER)
+        except Exception:  # noqa: BLE001 - the agent is stopping
+            self._wake_sent = False
 
     def _expire(self, fut, timeout, mid=None) -> None:
         if mid is None:
