@@ -21,6 +21,7 @@ this module registers that pickling for :class:`~distlab.autograd.Tensor`.
 """
 from __future__ import annotations
 
+import collections
 import copyreg
 import logging
 import threading
@@ -34,7 +35,7 @@ from distlab import _dist_engine as engine
 from distlab._autograd_shared import K_BACKWARD, K_CLEANUP, K_PREPARE
 from distlab.autograd import array_module, grad_mode
 from distlab.autograd.tensor import Tensor
-from distlab.errors import DistBackwardError, DistTimeoutError, RemoteError
+from distlab.errors import DistAutogradError, DistBackwardError, DistTimeoutError, RemoteError
 from distlab.futures import Future, collect_all
 from distlab.nn.parameter import Parameter
 from distlab.rpc import api as _rpc_api
@@ -47,6 +48,8 @@ log = logging.getLogger("distlab.distributed_autograd")
 #: Seconds each attempt to release a context on a known worker may take, and how many attempts are made.
 cleanup_timeout = 10.0
 CLEANUP_ATTEMPTS = 3
+#: How many released context ids each worker remembers (to refuse RPCs that outlive their context).
+RELEASED_MEMORY = 4096
 
 _impl = _backend.load("autograd_container")
 _attach_lock = threading.Lock()
@@ -157,10 +160,32 @@ def _rpc_hook(dst, func, args, kwargs, remote=False):
     return call + (unwrap,)
 
 
+#: Ids of contexts released on this worker (bounded memory): an RPC of a context that arrives after the release
+#: is refused instead of re-creating a context nobody will ever release again.
+_released_ids = collections.deque(maxlen=RELEASED_MEMORY)
+_released_set = set()
+_released_lock = threading.Lock()
+
+
+def _remember_released(context_id):
+    with _released_lock:
+        if context_id in _released_set:
+            return
+        if len(_released_ids) == _released_ids.maxlen:
+            _released_set.discard(_released_ids[0])
+        _released_ids.append(context_id)
+        _released_set.add(context_id)
+
+
 def _enter(meta, args, kwargs):
     context_id, message_id, from_worker = meta
     agent = _attach()
     container = _impl.get_container()
+    if context_id in _released_set:
+        raise DistAutogradError(
+            f"an RPC of distributed autograd context {context_id} from worker {from_worker} reached worker "
+            f"{agent.rank} after the context was released there (the RPC outlived its context); refused, so that "
+            "no context is re-created and leaked")
     ctx = container.get_or_create_context(context_id)
     _add_recv(ctx, _tensors((args, kwargs), []), message_id, from_worker)
     return agent, container, ctx
@@ -212,6 +237,7 @@ class context:
 
     def __exit__(self, exc_type, exc, tb):
         container = _impl.get_container()
+        _remember_released(self._ctx.context_id)
         known = container.release_context_if_present(self._ctx.context_id)
         container.clear_current_context_id()
         failures = _release_on(known, self._ctx.context_id, exclude=None)
@@ -269,6 +295,7 @@ def _release_on(known, context_id, exclude):
 
 def _handle_cleanup(src, context_id, meta):
     """A known worker left the context: release it here and forward to the workers this one knows."""
+    _remember_released(context_id)
     known = _impl.get_container().release_context_if_present(context_id)
     futures = list(_release_futures(known, context_id, exclude=src).values())
     if not futures:

@@ -20,9 +20,12 @@ from distlab import nn, optim
 from distlab.autograd import Function, Tensor
 from distlab.distributed_optim import DistributedOptimizer
 from distlab._autograd_shared import K_CLEANUP
+from distlab._wire import RPC_KIND_CODES
+from distlab.rpc.api import _call_payload
 from distlab.futures import Future
 from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError, RemoteError
 
+K_CALL = RPC_KIND_CODES["call"]
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 _done = threading.Event()
@@ -269,6 +272,20 @@ if rank == 0:
         except DistBackwardError as exc:
             assert exc.worker_id == world - 1 and f"worker {world - 1}" in str(exc) and "boom in backward" in str(exc)
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world, "failed pass leaked"
+
+    # -- an RPC that outlives its context is refused, never re-creates (and leaks) the context ------------------
+    with dist_autograd.context() as cid:
+        rpc.rpc_sync(1, layer, (Tensor(X0, requires_grad=True),))
+        late_meta = (cid, container.new_autograd_message_id(), 0)
+    late = rpc.get_agent().send(1, K_CALL, _call_payload(dist_autograd._autograd_call,
+                                                         (late_meta, layer, (Tensor(X0, requires_grad=True),), None),
+                                                         None))
+    try:
+        late.wait(30)
+        raise AssertionError("late RPC re-created its context")
+    except RemoteError as exc:
+        assert "outlived its context" in str(exc), exc
+    assert rpc.rpc_sync(1, num_contexts) == 0
 
     # -- release with retries; a worker that never answers is reported, the others are still released ---------
     dist_autograd.cleanup_timeout = 0.5
