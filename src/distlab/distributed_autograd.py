@@ -113,6 +113,7 @@ def _attach():
             if _impl.is_initialized() and _impl.get_container().worker_id != agent.rank:
                 _impl.shutdown()  # a new RPC session with another rank: a new container
             _impl.init(agent.rank)
+            _forget_released()
             agent.register_handler(K_BACKWARD, _handle_backward)
             agent.register_handler(K_PREPARE, _handle_prepare)
             agent.register_handler(K_CLEANUP, _handle_cleanup)
@@ -175,6 +176,13 @@ def _remember_released(context_id):
             _released_set.discard(_released_ids[0])
         _released_ids.append(context_id)
         _released_set.add(context_id)
+
+
+def _forget_released():
+    """Forget the released ids (a new RPC session, or a new container whose ids start again)."""
+    with _released_lock:
+        _released_ids.clear()
+        _released_set.clear()
 
 
 def _enter(meta, args, kwargs):
