@@ -16,7 +16,28 @@ def _signature(obj):
         parameters = inspect.signature(obj).parameters.values()
     except (TypeError, ValueError):
         return None
-    return [(p.name, p.kind, repr(p.default)) for p in parameters]
+    # Defaults compare by value: an IntEnum default in one twin equals the plain int in the other.
+    return [(p.name, p.kind, p.default) for p in parameters]
+
+
+def _split_top_level(text):
+    """Split a parameter list at commas outside brackets."""
+    pieces, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "([{" and 1 or 0
+        depth -= char in ")]}" and 1 or 0
+        if char == "," and depth == 0:
+            pieces.append(current)
+            current = ""
+        else:
+            current += char
+    return [p.strip() for p in pieces + [current] if p.strip()]
+
+
+def _drop_c_types(piece):
+    """``int owner=0`` -> ``owner=0``: Cython embeds C types of typed arguments in the signature."""
+    name, eq, default = piece.partition("=")
+    return name.split()[-1] + (eq + default if eq else "")
 
 
 def _constructor_signature(cls, module):
@@ -26,14 +47,17 @@ def _constructor_signature(cls, module):
     starts with ``Name(params)``, whose defaults are evaluated here in the defining module's namespace.
     """
     try:
-        return _signature(cls.__init__)[1:]
+        found = _signature(cls.__init__)[1:]
+        # object.__init__ (a cdef class initialised in __cinit__) says only (*args, **kwargs): look further.
+        if not all(kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for _, kind, _ in found):
+            return found
     except TypeError:
         pass
     first_line = (cls.__doc__ or "").split("\n", 1)[0]
     prefix = f"{cls.__name__}("
     if not first_line.startswith(prefix) or not first_line.endswith(")"):
         return None
-    params = first_line[len(prefix):-1]
+    params = ", ".join(_drop_c_types(piece) for piece in _split_top_level(first_line[len(prefix):-1]))
     fake = eval(f"lambda {params}: None", dict(vars(module)))  # noqa: S307 - our own compiled docstring
     return _signature(fake)
 
