@@ -40,6 +40,7 @@ from distlab.futures import Future, collect_all
 from distlab.nn.parameter import Parameter
 from distlab.rpc import api as _rpc_api
 from distlab.rpc import framing
+from distlab.timeline import get_timeline, now_us
 
 __all__ = ["context", "backward", "get_gradients", "init", "get_container", "cleanup_timeout"]
 
@@ -52,6 +53,7 @@ CLEANUP_ATTEMPTS = 3
 RELEASED_MEMORY = 4096
 
 _impl = _backend.load("autograd_container")
+_timeline = get_timeline()  # spans on the "dist_autograd" lane when DISTLAB_TIMELINE is set
 _attach_lock = threading.Lock()
 _attached_agent = None
 
@@ -245,10 +247,14 @@ class context:
 
     def __exit__(self, exc_type, exc, tb):
         container = _impl.get_container()
+        start = now_us() if _timeline.enabled else 0.0
         _remember_released(self._ctx.context_id)
         known = container.release_context_if_present(self._ctx.context_id)
         container.clear_current_context_id()
         failures = _release_on(known, self._ctx.context_id, exclude=None)
+        if _timeline.enabled:
+            _timeline.complete("release context", start, lane="dist_autograd",
+                               args={"context": self._ctx.context_id, "workers": sorted(known)})
         if failures:
             warnings.warn(f"distributed autograd context {self._ctx.context_id} could not be released on "
                           f"{failures}", RuntimeWarning, stacklevel=2)
@@ -345,6 +351,7 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     entries = _validate_roots(roots)
     agent = _attach()
     pass_id = container.new_autograd_message_id()  # unique across the world: names this pass everywhere
+    start = now_us() if _timeline.enabled else 0.0
     task, _created, silent = engine.task_for(ctx, pass_id, retain_graph, [node for node, _ in entries])
     try:
         ctx.clear_outstanding_rpcs()
@@ -363,6 +370,9 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
         raise err from exc
     finally:
         ctx.reset_graph_task()
+        if _timeline.enabled:
+            _timeline.complete("dist backward", start, lane="dist_autograd",
+                               args={"context": context_id, "pass": pass_id})
 
 
 def _pass_timeout(agent):
@@ -406,6 +416,7 @@ def _track(ctx, task, fut):
 
 
 def _run(agent, ctx, task, entries):
+    start = now_us() if _timeline.enabled else 0.0
     try:
         sends = engine.execute(task, ctx, entries)
     except DistBackwardError:
@@ -417,6 +428,11 @@ def _run(agent, ctx, task, entries):
         task.fail(err)
         raise err from exc
     _send_grads(agent, ctx, task, sends)
+    if _timeline.enabled:
+        what = "gradients in" if isinstance(entries[0][0], engine.SendRpcBackward) else "roots"
+        _timeline.complete(f"backward part ({what})", start, lane="dist_autograd",
+                           args={"context": ctx.context_id, "pass": task.pass_id, "grads_sent_to":
+                                 [w for w, _m, _g in sends]})
     task.check_finished()
 
 
