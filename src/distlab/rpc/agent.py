@@ -35,7 +35,7 @@ import pickle
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+import queue
 from typing import Any, Callable, NamedTuple
 
 from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE
@@ -102,6 +102,44 @@ def _kind_name(kind: int) -> str:
     return RPC_KINDS[kind] if 0 <= kind < len(RPC_KINDS) else f"kind {kind}"
 
 
+class _Pool:
+    """Worker threads fed by a ``queue.SimpleQueue`` (C-implemented): a request handed to the pool costs one
+    ``put`` (a ThreadPoolExecutor ``submit`` also builds a future and a work item for every request)."""
+
+    def __init__(self, num_threads: int, name: str):
+        self._queue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn, *args) -> None:
+        self._queue.put((fn, args))
+
+    def _work(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a request's errors are answered by _run; never die
+                log.exception("distlab.rpc pool task failed")
+            # Drop the task now, not when the next one arrives: its arguments may hold RRefs, whose release
+            # (the deletion notice, G1) must not wait for unrelated traffic.
+            del item, fn, args
+
+    def shutdown(self, wait: bool = True, timeout: float = 60.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            deadline = time.monotonic() + timeout
+            for thread in self._threads:
+                thread.join(max(deadline - time.monotonic(), 0.0))
+
+
 class RpcAgent:
     """Listener thread + thread pool + response futures over a dedicated communicator.
 
@@ -142,7 +180,7 @@ class RpcAgent:
         self._send_locks = [threading.Lock() for _ in range(self.size)]
         self._isends: list = []
         self._isend_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix=f"distlab-rpc-{name}")
+        self._pool = _Pool(max(1, num_threads), f"distlab-rpc-{name}")
         self._deadlines: list = []
         self._deadline_cond = threading.Condition()
         self.errors: list[str] = []
@@ -575,7 +613,7 @@ class RpcAgent:
                     "down before the response arrived"))
             except RuntimeError:
                 pass
-        self._pool.shutdown(wait=graceful)
+        self._pool.shutdown(wait=graceful, timeout=timeout)
         deadline = time.monotonic() + timeout
         with self._isend_lock:
             pending = [r for entry in self._isends for r in entry[0]]
