@@ -57,6 +57,17 @@ def chain(x, hops):
     return rpc.rpc_sync((rank + 1) % world, chain, (y, hops - 1))
 
 
+def combine(x, a):
+    """tanh((x + a) @ W): two received tensors feeding one graph."""
+    return ((x + a) @ W).tanh()
+
+
+def relay_combine(x, dst):
+    """Stage here, then combine on worker dst (a second sender into dst's context)."""
+    y = layer(x)
+    return rpc.rpc_sync(dst, combine, (x, y))
+
+
 def total(t):
     return float(t.data.sum())
 
@@ -242,6 +253,37 @@ if rank == 0:
         for dst in others:
             np.testing.assert_allclose(rpc.rpc_sync(dst, my_grad, (cid,)).data, gw_local[dst], rtol=1e-10)
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world, "nested chain leaked"
+
+    # -- a diamond: x goes to 1 and (with 1's output) to the last worker, which 1 also calls -----------------
+    last = world - 1
+    with dist_autograd.context() as cid:
+        x = Tensor(X0.copy(), requires_grad=True)
+        a = rpc.rpc_sync(1, layer, (x,))
+        b = rpc.rpc_sync(last, combine, (x, a))
+        c = rpc.rpc_sync(1, relay_combine, (x, last)) if last != 1 else a
+        loss = (b * b).sum() + a.sum() + (c * c).sum()
+        dist_autograd.backward(cid, [loss])
+        ws = {r: Tensor(WEIGHTS[r].copy(), requires_grad=True) for r in {1, last}}
+        xl = Tensor(X0.copy(), requires_grad=True)
+        al = (xl @ ws[1]).tanh()
+        bl = ((xl + al) @ ws[last]).tanh()
+        cl = ((xl + (xl @ ws[1]).tanh()) @ ws[last]).tanh() if last != 1 else al
+        ((bl * bl).sum() + al.sum() + (cl * cl).sum()).backward()
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, xl.grad.data, rtol=1e-10)
+        for r in sorted({1, last}):
+            np.testing.assert_allclose(rpc.rpc_sync(r, my_grad, (cid,)).data, ws[r].grad.data, rtol=1e-10)
+    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
+
+    # -- self RPC inside a context ----------------------------------------------------------------------------
+    with dist_autograd.context() as cid:
+        x = Tensor(X0.copy(), requires_grad=True)
+        y = rpc.rpc_sync(0, layer, (x,))
+        dist_autograd.backward(cid, [(y * y).sum()])
+        xl, wl = Tensor(X0.copy(), requires_grad=True), Tensor(WEIGHTS[0].copy(), requires_grad=True)
+        yl = (xl @ wl).tanh()
+        (yl * yl).sum().backward()
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, xl.grad.data, rtol=1e-10)
+        np.testing.assert_allclose(my_grad(cid).data, wl.grad.data, rtol=1e-10)
 
     # -- retain_graph: two passes in one context accumulate; rpc_async inside a context -----------------------
     with dist_autograd.context() as cid:
