@@ -9,7 +9,6 @@ controller can reach the cache's C++ containers: the messages and the cache are 
 fusion) runs on C++ containers without creating Python objects per tensor.
 """
 import sys
-import threading
 import warnings
 from collections import OrderedDict, deque
 
@@ -179,7 +178,6 @@ cdef class Controller:
     cdef public object timeline, stall
     cdef public bint joined
     cdef long long _c[10]
-    cdef object _lock
     cdef list _queue
     cdef dict _pending
     cdef object _message_table
@@ -197,7 +195,6 @@ cdef class Controller:
         self.joined = False
         for i in range(10):
             self._c[i] = 0
-        self._lock = threading.Lock()
         self._queue = []
         self._pending = {}
         self._message_table = OrderedDict()
@@ -210,13 +207,12 @@ cdef class Controller:
 
     def enqueue(self, Request request):
         """See :meth:`distlab.reference.negotiation.Controller.enqueue`."""
-        with self._lock:
-            self._queue.append(request)
+        # No lock: the append and the cycle's swap of the queue are each one C step under the GIL.
+        self._queue.append(request)
 
     def queue_length(self):
         """See :meth:`distlab.reference.negotiation.Controller.queue_length`."""
-        with self._lock:
-            return len(self._queue)
+        return len(self._queue)
 
     def compute_response_list(self, transport, shut_down=False):
         """See :meth:`distlab.reference.negotiation.Controller.compute_response_list`."""
@@ -236,9 +232,8 @@ cdef class Controller:
         cdef uint64_t word
         cdef size_t w
         self._c[0] += 1
-        with self._lock:
-            batch = self._queue
-            self._queue = []
+        batch = self._queue          # atomic under the GIL (no Python code runs between these two steps)
+        self._queue = []
         n = len(batch)
         coordinator = CacheCoordinator(cache._bit_slot.size())
         states.resize(n)
@@ -314,8 +309,7 @@ cdef class Controller:
                     uncached.append(request)
             if requeue:
                 self._c[7] += len(requeue)
-                with self._lock:
-                    self._queue[0:0] = requeue
+                self._queue[0:0] = requeue
 
         response_list = ResponseList([], coordinator._should_shut_down)
         if caching and not coordinator._uncached_in_queue and not coordinator._invalid_in_queue:
