@@ -48,7 +48,7 @@ from ._negotiation_shared import (
     dtype_code,
 )
 from ._types import ReduceOp
-from .errors import DistlabError
+from .errors import DistlabError, DistTimeoutError
 from .futures import Future, default_timeout
 from .timeline import get_timeline, now_us
 
@@ -502,8 +502,31 @@ def poll(handle: Handle) -> bool:
 
 
 def synchronize(handle: Handle, timeout: float | None = None):
-    """Wait for ``handle`` (default timeout ``DISTLAB_TIMEOUT``) and return its result, or raise its error."""
-    return handle.future.wait(timeout)
+    """Wait for ``handle`` (default timeout ``DISTLAB_TIMEOUT``) and return its result, or raise its error.
+
+    A timeout raises :class:`~distlab.errors.DistTimeoutError`; on rank 0, once the stall inspector has checked,
+    it names the ranks that have not submitted the tensor (``missing_ranks``).
+    """
+    timeout = default_timeout() if timeout is None else timeout
+    try:
+        return handle.future.wait(timeout)
+    except DistTimeoutError:
+        engine = _engine
+        missing = []
+        if engine is not None:
+            missing = list(engine.controller.stall.last_stalled.get(handle.name, []))
+            where = f"rank {engine.rank}"
+        else:
+            where = "this rank"
+        if missing:
+            detail = f"ranks {missing} have not submitted it (stall inspector)"
+        else:
+            detail = ("the ranks that have not submitted it are named by rank 0's stall report after "
+                      "DISTLAB_STALL_CHECK_TIME")
+        raise DistTimeoutError(
+            f"{handle.kind} of {handle.name!r} did not complete within {timeout:g} s on {where}: {detail}. "
+            "Every rank must submit the same names; a rank without more data should call join().",
+            op=handle.kind, name=handle.name, missing_ranks=missing, timeout=timeout) from None
 
 
 def stats() -> dict:

@@ -163,6 +163,18 @@ if r == 0:
     assert f"'straggler' (allreduce): waiting" in reports[0] and f"ready on rank 0; missing {missing}" in reports[0], \
         reports[0]
     assert any(issubclass(w.category, StallWarning) for w in seen)
+# a timed-out wait names the missing ranks (on rank 0, once the stall inspector has looked)
+from distlab.errors import DistTimeoutError  # noqa: E402
+
+if r == 0:
+    h = hvd.allreduce_async(np.ones(2), name="lonely")
+    exc = expect(DistTimeoutError, lambda: hvd.synchronize(h, timeout=1.5), "'lonely'", "did not complete within")
+    assert exc.missing_ranks == list(range(1, n)) and exc.name == "lonely", (exc.missing_ranks, str(exc))
+    hvd.barrier()
+else:
+    hvd.barrier()
+    h = hvd.allreduce_async(np.ones(2), name="lonely")
+hvd.synchronize(h)
 hvd.shutdown()
 
 os.environ["DISTLAB_STALL_SHUTDOWN_TIME"] = "1.0"
