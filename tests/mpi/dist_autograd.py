@@ -274,6 +274,21 @@ if rank == 0:
             np.testing.assert_allclose(rpc.rpc_sync(r, my_grad, (cid,)).data, ws[r].grad.data, rtol=1e-10)
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
 
+    # -- remote() and to_here() inside a context carry autograd metadata ----------------------------------------
+    with dist_autograd.context() as cid:
+        x = Tensor(X0.copy(), requires_grad=True)
+        r = rpc.remote(1, layer, (x,))
+        y = r.to_here()
+        assert y.grad_fn is not None and container.retrieve_context(cid).known_worker_ids() == {1}
+        dist_autograd.backward(cid, [(y * y).sum()])
+        xl, wl = Tensor(X0.copy(), requires_grad=True), Tensor(WEIGHTS[1].copy(), requires_grad=True)
+        yl = (xl @ wl).tanh()
+        (yl * yl).sum().backward()
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, xl.grad.data, rtol=1e-10)
+        np.testing.assert_allclose(rpc.rpc_sync(1, my_grad, (cid,)).data, wl.grad.data, rtol=1e-10)
+        del r
+    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
+
     # -- self RPC inside a context ----------------------------------------------------------------------------
     with dist_autograd.context() as cid:
         x = Tensor(X0.copy(), requires_grad=True)

@@ -98,9 +98,15 @@ class RRef:
         if not r.confirmed_by_owner() and self._deadline is not None and time.monotonic() > self._deadline:
             r.timed_out = True
         r.check_usable("to_here()")
-        from .api import get_agent
+        from . import api
 
-        return get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
+        if api.autograd_hook is not None:  # inside a distributed autograd context the fetch carries its metadata
+            wrapped = api._autograd_wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
+            if wrapped:  # (torch: to_here records a send function on the owner, a recv function here; issue 8)
+                func, args, kwargs, unwrap = wrapped
+                return unwrap(api.get_agent().call_sync(r.owner(), api.K_CALL, api._call_payload(func, args, kwargs),
+                                                        timeout=timeout))
+        return api.get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
 
     def rpc_sync(self, timeout=None):
         """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``."""
