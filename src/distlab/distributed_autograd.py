@@ -8,12 +8,12 @@
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)   # {tensor: gradient}, .grad untouched
 
-RPCs made inside a context (``rpc_sync``, ``rpc_async``, ``remote`` and the RRef proxies) carry autograd
-metadata ``(context id, message id, sender)``: the sender records a ``SendRpcBackward`` for the tensors that
-require grad and the receiver a ``RecvRpcBackward`` per such tensor (and the reply the same way back); every
-RPC records its destination as a known worker of the context (utils.cpp getMessageWithAutograd, forced grad
-recording). The containers are twinned (``distlab._backend.load("autograd_container")``); the engine is
-:mod:`distlab._dist_engine`. Leaving the context releases it here and, with retries and a timeout, on every
+RPCs made inside a context (``rpc_sync``, ``rpc_async``, ``remote``, ``RRef.to_here`` and the RRef proxies)
+carry autograd metadata ``(context id, message id, sender)``: the sender records a ``SendRpcBackward`` for the
+tensors that require grad and the receiver a ``RecvRpcBackward`` per such tensor (and the reply the same way
+back); every RPC records its destination as a known worker of the context (utils.cpp getMessageWithAutograd,
+forced grad recording). The containers are twinned (``distlab._backend.load("autograd_container")``); the
+engine is :mod:`distlab._dist_engine`. Leaving the context releases it here and, with retries and a timeout, on every
 known worker, which forwards the release to the workers it knows (nested RPC chains).
 
 Tensors travel as their data and ``requires_grad`` (arriving as leaves, then given a recv function); importing
