@@ -151,7 +151,7 @@ cdef list _fuse_slots(ResponseCache cache, vector[int]& slots, long long limit):
                 cand_size = ci.nbytes
                 if (ci.rtype == first.rtype and ci.dtype == first.dtype and ci.op == first.op
                         and size + cand_size <= limit and ci.pre == first.pre and ci.post == first.post
-                        and ci.devices == first.devices):
+                        and ci.devices_id == first.devices_id):
                     size += cand_size
                     names.append(cache._pynames[cand])
                     sizes.append(cache._pysizes[cand])

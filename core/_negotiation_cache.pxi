@@ -21,12 +21,25 @@ cdef struct _RespInfo:
     double pre
     double post
     long long nbytes
-    vector[int32_t] devices
+    int devices_id          # devices lists are interned: equal lists <=> equal ids
+
+
+cdef dict _DEVICE_IDS = {}
+
+
+cdef inline bint _same_shape(vector[int64_t]& a, vector[int64_t]& b):
+    cdef size_t i
+    if a.size() != b.size():
+        return False
+    for i in range(a.size()):
+        if a[i] != b[i]:
+            return False
+    return True
 
 
 cdef inline bint _params_match(_Params& a, Request r):
     # S_HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
-    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and a.shape == r._cshape
+    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a.shape, r._cshape)
                          and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
                          and a.post == r.postscale_factor))
 
@@ -64,9 +77,11 @@ cdef int _fill_info(_RespInfo* info, Response response) except -1:
     info.pre = response.prescale_factor
     info.post = response.postscale_factor
     info.nbytes = _size_bytes(response)
-    info.devices.clear()
-    for d in response.devices:
-        info.devices.push_back(d)
+    key = tuple(response.devices)
+    devices_id = _DEVICE_IDS.get(key)
+    if devices_id is None:
+        devices_id = _DEVICE_IDS[key] = len(_DEVICE_IDS)
+    info.devices_id = devices_id
     return 0
 
 
