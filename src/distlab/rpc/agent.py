@@ -503,8 +503,14 @@ class RpcAgent:
     # -- timeouts ---------------------------------------------------------------------------------------------
     def _add_deadline(self, deadline, mid, timeout) -> None:
         with self._deadline_cond:
-            first = not self._deadlines or deadline < self._deadlines[0][0]
-            heapq.heappush(self._deadlines, (deadline, mid, timeout))
+            heap = self._deadlines
+            pending = self._pending
+            # Prune answered requests from the top: with the usual single timeout, deadlines come in order, so
+            # the heap stays about as large as the number of requests in flight (not calls/s x timeout).
+            while heap and heap[0][1] not in pending:
+                heapq.heappop(heap)
+            first = not heap or deadline < heap[0][0]
+            heapq.heappush(heap, (deadline, mid, timeout))
             if first:
                 self._deadline_cond.notify()
 
