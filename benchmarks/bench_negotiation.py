@@ -174,7 +174,9 @@ def main():
     report = {"bookkeeping_us": bookkeeping(), "mpi": {}}
     for np_ in (2, 4):
         out = RESULTS / f".bench_negotiation_np{np_}.json"
-        result = launch_script(__file__, np=np_, args=["--worker", str(out)], timeout=600, capture=True)
+        # One BLAS thread per rank: idle OpenBLAS threads spin and steal the cores the ranks need.
+        result = launch_script(__file__, np=np_, args=["--worker", str(out)], timeout=600, capture=True,
+                               env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
             sys.exit(f"benchmark on {np_} ranks failed:\n{result.stdout}\n{result.stderr}")
         report["mpi"][np_] = json.loads(out.read_text())["results"]

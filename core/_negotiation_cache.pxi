@@ -2,6 +2,8 @@
 # Python objects on the hit path).
 
 cdef struct _Params:
+    int ndim
+    int64_t dims[8]         # the first dims inline: the hit check touches no heap buffer for ndim <= 8
     int rtype
     int dtype
     int device
@@ -27,19 +29,21 @@ cdef struct _RespInfo:
 cdef dict _DEVICE_IDS = {}
 
 
-cdef inline bint _same_shape(vector[int64_t]& a, vector[int64_t]& b):
-    cdef size_t i
-    if a.size() != b.size():
+cdef inline bint _same_shape(_Params& a, Request r):
+    cdef int i
+    if a.ndim != r._ndim:
         return False
-    for i in range(a.size()):
-        if a[i] != b[i]:
+    if a.ndim > 8:
+        return a.shape == r._cshape
+    for i in range(a.ndim):
+        if a.dims[i] != r._dims[i]:
             return False
     return True
 
 
 cdef inline bint _params_match(_Params& a, Request r):
     # S_HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
-    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a.shape, r._cshape)
+    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a, r)
                          and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
                          and a.post == r.postscale_factor))
 
@@ -61,6 +65,9 @@ cdef _Params _params_of(Request r):
     p.pre = r.prescale_factor
     p.post = r.postscale_factor
     p.shape = r._cshape
+    p.ndim = r._ndim
+    for i in range(min(r._ndim, 8)):
+        p.dims[i] = r._dims[i]
     return p
 
 

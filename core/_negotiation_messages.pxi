@@ -81,6 +81,8 @@ cdef class Request:
     cdef tuple _shape
     cdef string _cname
     cdef vector[int64_t] _cshape
+    cdef int _ndim
+    cdef int64_t _dims[8]
     # A lookup hint: the cache bit of this name in the cache state numbered _hint_epoch (see ResponseCache._state)
     cdef uint64_t _hint_epoch
     cdef uint32_t _hint_bit
@@ -119,6 +121,9 @@ cdef class Request:
         self._cshape.clear()
         for d in self._shape:
             self._cshape.push_back(d)
+        self._ndim = len(self._shape)
+        for i in range(min(self._ndim, 8)):
+            self._dims[i] = self._shape[i]
 
     cdef int _write(self, string& buf) except -1:
         cdef int32_t i32
