@@ -306,3 +306,19 @@ def test_twins_make_identical_decisions(sequence):
                 observed[impl] = (outcome, cache.lru_names(), cache.list_all_bits(), cache.num_active_bits(),
                                   states, coordinator.bitvector().tobytes(), cache.evictions)
             assert observed["reference"] == observed["core"], (op, k)
+
+
+def test_many_dimensions_and_mutated_requests(negotiation):
+    m = negotiation
+    cache = m.ResponseCache(8)
+    shape = tuple(range(1, 11))
+    put(m, cache, "deep", shape=shape)
+    assert cache.cached(req(m, "deep", shape=shape)) == m.HIT
+    assert cache.cached(req(m, "deep", shape=shape[:-1] + (99,))) == m.INVALID
+    assert cache.cached(req(m, "deep", shape=shape[:-1])) == m.INVALID
+    kept = req(m, "deep", shape=shape)
+    assert cache.cached(kept) == m.HIT
+    kept.tensor_shape = (3,)                 # a request changed after a lookup is looked at afresh
+    assert cache.cached(kept) == m.INVALID
+    kept.tensor_name = "other"
+    assert cache.cached(kept) == m.MISS
