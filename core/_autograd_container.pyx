@@ -40,7 +40,7 @@ def _check_id(value, what="context id"):
 
 
 cdef class _AutogradMetadataBase:
-    """State and methods of AutogradMetadata (typed); see distlab.reference.autograd_container.AutogradMetadata."""
+    """Typed state and methods of AutogradMetadata; see distlab.reference.autograd_container."""
 
     cdef public uint64_t context_id
     cdef public uint64_t message_id
@@ -73,7 +73,7 @@ class AutogradMetadata(_AutogradMetadataBase):
 
 
 cdef class _DistAutogradContextBase:
-    """State and methods of DistAutogradContext (typed); see distlab.reference.autograd_container.DistAutogradContext."""
+    """Typed state and methods of DistAutogradContext; see distlab.reference.autograd_container."""
 
     cdef uint64_t _context_id
     cdef object _lock
@@ -254,7 +254,7 @@ cdef class _FirstErrorWaiter:
 
 
 cdef class _DistAutogradContainerBase:
-    """State and methods of DistAutogradContainer (typed); see distlab.reference.autograd_container.DistAutogradContainer."""
+    """Typed state and methods of DistAutogradContainer; see distlab.reference.autograd_container."""
 
     cdef uint64_t _worker_id
     cdef uint64_t _num_shards
