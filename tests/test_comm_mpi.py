@@ -53,3 +53,11 @@ def test_nonzero_exit_status_is_forwarded(mpirun):
 def test_launcher_sets_rank_environment(mpirun):
     result = mpirun("launcher_env.py", np=2, args=["alpha", "--beta", "3"])
     assert result.stdout.count("env OK") == 2
+
+
+def test_debug_info_logs_every_collective(mpirun):
+    info = mpirun("comm_collectives.py", np=2, env={"DISTLAB_DEBUG": "INFO"})
+    assert info.stdout.count("comm collectives OK") == 2
+    for rank in (0, 1):
+        assert f"[rank {rank}] distlab.comm: group world rank {rank}: allreduce #1" in info.stderr
+        assert f"[rank {rank}] distlab.comm: group world rank {rank}: broadcast_object #" in info.stderr

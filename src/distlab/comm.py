@@ -219,6 +219,8 @@ class ProcessGroup:
         self._timeline_on = self._timeline.enabled
         self._detail = debug_level() == "DETAIL"
         self._info = debug_level() == "INFO"
+        if self._info:
+            _log_to_stderr(self.comm.Get_rank())
         self._fingerprint = _backend.load("fingerprint")
         self._open_arrival_board()
         _groups.add(self)
@@ -652,6 +654,17 @@ def _bfloat16_op(op: ReduceOp, dtype):
 
         mpi_op = _BF16_OPS[op] = MPI.Op.Create(reduce, commute=True)
     return mpi_op
+
+
+def _log_to_stderr(rank: int) -> None:
+    """DISTLAB_DEBUG=INFO: show distlab's INFO log on stderr, tagged with the rank (unless logging is set up)."""
+    logger = logging.getLogger("distlab")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 def _yield_cpu() -> None:
