@@ -308,10 +308,10 @@ class ProcessGroup:
             self._record(op, name, seq, nbytes, start_us)
         return result
 
-    def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool):
+    def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
         """Run a multi-request operation (``stages`` yields each request and returns the result)."""
         start_us = now_us() if self._timeline.enabled else 0.0
-        work = Work(self, op, seq, name, nbytes, stages=stages, start_us=start_us)
+        work = Work(self, op, seq, name, nbytes, peer=peer, stages=stages, start_us=start_us)
         if async_op:
             if not work._done:
                 self._pending.add(work)
@@ -536,13 +536,7 @@ class ProcessGroup:
                 copy_back()
             return status.Get_source()
 
-        work = Work(self, "recv", 0, name, array.nbytes, peer=src, stages=stages(), start_us=self._start())
-        if async_op:
-            if not work._done:
-                self._pending.add(work)
-            return work
-        work.wait()
-        return work._result
+        return self._staged("recv", 0, name, array.nbytes, stages(), async_op, peer=src)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _check_rank(self, rank: int, what: str) -> None:
