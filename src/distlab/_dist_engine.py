@@ -18,8 +18,11 @@ Backward, on each worker, per context and pass (:class:`GraphTask`):
    (DistAccumulateGradCaptureHook), never ``.grad``. A RecvRpcBackward always runs, even without a gradient,
    and when the last reachable one of its group has run the group sends the gradients (None where nothing
    flowed: no zero tensors are made or sent) to the sending worker, whose send function then runs.
-4. A worker replies to a gradient message only when its local run and every gradient RPC it sent have finished,
-   so when the root's own RPCs are answered, the whole pass is over on every worker.
+4. Gradient messages are one-way (one message per send/recv pair). Completion travels through a tree of
+   "prepare" messages: the root sends one to every worker it knows, each worker forwards the first it receives
+   to the workers it knows and answers it once all its send functions have run and its own forwards are
+   answered; so when the root's prepares are answered (and its own send functions have run), the pass is over
+   on every worker. A later prepare is answered at once, so the tree has no cycles.
 
 Unlike torch (whose "smart mode" never landed and which hangs when a send function never gets gradients),
 a recv group that no root or send function on its worker can reach answers with "no gradient" when the pass
@@ -123,7 +126,8 @@ class RecvRpcBackward(Node):
 class GraphTask:
     """One worker's state of one backward pass of one context (torch's GraphTask owned by the context)."""
 
-    __slots__ = ("pass_id", "retain_graph", "deps", "buffers", "lock", "order", "sends_left", "finished")
+    __slots__ = ("pass_id", "retain_graph", "deps", "buffers", "lock", "order", "sends_left", "finished",
+                 "in_tree")
 
     def __init__(self, pass_id, retain_graph: bool):
         self.pass_id = pass_id
@@ -135,6 +139,7 @@ class GraphTask:
         self.sends_left = set()  # message ids of send functions not yet run in this pass (outstanding_tasks_)
         #: completed when every send function of the context has run here (or with the first local error)
         self.finished = Future(description=f"backward pass {pass_id}")
+        self.in_tree = False  # joined the pass's tree of prepare messages (see distributed_autograd)
 
     def fail(self, exc) -> None:
         """Record a local error: the pass is over here (first error wins)."""

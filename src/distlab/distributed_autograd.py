@@ -35,7 +35,13 @@ from distlab import _dist_engine as engine
 from distlab._autograd_shared import K_BACKWARD, K_CLEANUP, K_PREPARE
 from distlab.autograd import array_module, grad_mode
 from distlab.autograd.tensor import Tensor
-from distlab.errors import DistAutogradError, DistBackwardError, DistTimeoutError, RemoteError
+from distlab.errors import (
+    AutogradContextNotFoundError,
+    DistAutogradError,
+    DistBackwardError,
+    DistTimeoutError,
+    RemoteError,
+)
 from distlab.futures import Future, collect_all
 from distlab.nn.parameter import Parameter
 from distlab.rpc import api as _rpc_api
@@ -355,7 +361,8 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     task, _created, silent = engine.task_for(ctx, pass_id, retain_graph, [node for node, _ in entries])
     try:
         ctx.clear_outstanding_rpcs()
-        _start_pass(agent, ctx, silent, (context_id, pass_id, retain_graph), exclude=None)
+        _join_tree(agent, ctx, task, (context_id, pass_id, retain_graph), parent=None)  # the root of the tree
+        _answer_silent(agent, ctx, task, silent)
         _run(agent, ctx, task, entries)
         _finish(agent, ctx, task).wait(_pass_timeout(agent) * 2)
     except DistTimeoutError as exc:
@@ -379,20 +386,34 @@ def _pass_timeout(agent):
     return agent.rpc_timeout if agent.rpc_timeout and agent.rpc_timeout > 0 else 300.0
 
 
-def _start_pass(agent, ctx, silent, prepare, exclude):
-    """A task was created here: tell the other known workers the pass starts, answer the silent recv groups."""
-    task = ctx.retrieve_graph_task()
-    for w in sorted(ctx.known_worker_ids()):
-        if w != exclude and w != agent.rank:
-            _track(ctx, task, agent.send(w, K_PREPARE, prepare))
+def _answer_silent(agent, ctx, task, silent):
+    """A task was created here: the recv groups nothing here can reach answer "no gradient" now."""
     _send_grads(agent, ctx, task, [(g.from_worker, g.message_id, [None] * len(g.nodes)) for g in silent])
     task.check_finished()
 
 
-def _finish(agent, ctx, task):
-    """Future of this worker's part of the pass: every send function ran, then every gradient RPC answered.
+def _join_tree(agent, ctx, task, prepare, parent):
+    """This worker joins the pass's tree of prepare messages (once): forward the prepare to every known worker
+    but the parent; the parent's answer then waits for this worker's part and for those forwards' answers.
+    Returns False if it had joined already (a second prepare is answered at once: the tree has no cycles)."""
+    with _tree_lock:
+        if task.in_tree:
+            return False
+        task.in_tree = True
+    for w in sorted(ctx.known_worker_ids()):
+        if w != parent and w != agent.rank:
+            _track(ctx, task, agent.send(w, K_PREPARE, prepare))
+    return True
 
-    A failed gradient RPC fails the pass at once (see :func:`_track`), so a failed worker never leaves this
+
+_tree_lock = threading.Lock()
+
+
+def _finish(agent, ctx, task):
+    """Future of this worker's part of the pass and its subtree's: every send function here ran, then every
+    prepare it forwarded was answered (the context's outstanding RPCs, first error wins).
+
+    A failed forward fails the pass here at once (see :func:`_track`), so a failed worker never leaves this
     waiting for send functions that will not run; the root bounds its wait by the RPC timeout.
     """
     result = Future(description=f"backward of autograd context {ctx.context_id} on worker {agent.rank}")
@@ -437,10 +458,11 @@ def _run(agent, ctx, task, entries):
 
 
 def _send_grads(agent, ctx, task, sends):
-    """Send each completed recv group's gradients to the worker holding the matching send function."""
+    """Send each completed recv group's gradients to the worker holding the matching send function (one-way:
+    one message per send/recv pair; the receiver's part, reported through the prepare tree, covers it)."""
     for worker, message_id, grads in sends:
         payload = (ctx.context_id, message_id, task.pass_id, task.retain_graph, grads)
-        _track(ctx, task, agent.send(worker, K_BACKWARD, payload))
+        agent.send(worker, K_BACKWARD, payload, noreply=True)
 
 
 def _as_backward_error(exc, context_id):
@@ -454,31 +476,47 @@ def _as_backward_error(exc, context_id):
 
 
 def _handle_prepare(src, payload, meta):
-    """A pass starts (sent by the root, forwarded once by each worker): count dependencies here, answer silent
-    recv groups; the worker that creates its task here answers once its whole part of the pass is over."""
+    """A pass starts (sent by the root, forwarded by each worker once it joins the tree): count dependencies here
+    if this worker has no task for the pass yet, answer silent recv groups, and if this is the first prepare
+    here, answer it once this worker's part and its subtree's are over (the pass's completion, bottom up)."""
     context_id, pass_id, retain_graph = payload
     agent = _attach()
-    ctx = _impl.get_container().retrieve_context(context_id)
+    try:
+        ctx = _impl.get_container().retrieve_context(context_id)
+    except AutogradContextNotFoundError:
+        return None  # the RPC that made us a known worker never arrived: nothing of this pass lives here
     task, created, silent = engine.task_for(ctx, pass_id, retain_graph)
-    if not created:
+    if created:
+        _answer_silent(agent, ctx, task, silent)
+    if not _join_tree(agent, ctx, task, payload, parent=src):
         return None
-    _start_pass(agent, ctx, silent, payload, exclude=src)
     return _finish(agent, ctx, task)
 
 
 def _handle_backward(src, payload, meta):
-    """Gradients for one of our send functions (processBackwardAutogradReq -> executeSendFunctionAsync): the
-    message that creates this worker's task answers when its whole part is over, later ones at once."""
+    """Gradients for one of our send functions, one-way (processBackwardAutogradReq -> executeSendFunctionAsync).
+
+    Nobody waits for an answer: this worker's part is over when all its send functions have run, which the
+    answer to its first prepare reports; an error here fails that answer.
+    """
     context_id, message_id, pass_id, retain_graph, grads = payload
     agent = _attach()
     ctx = _impl.get_container().retrieve_context(context_id)
     task, created, silent = engine.task_for(ctx, pass_id, retain_graph)
     if created:
-        _start_pass(agent, ctx, silent, (context_id, pass_id, retain_graph), exclude=src)
-    send_fn = ctx.retrieve_send_function(message_id)
-    send_fn.set_grads(grads)
-    _run(agent, ctx, task, [(send_fn, None)])
-    return _finish(agent, ctx, task) if created else None
+        _answer_silent(agent, ctx, task, silent)
+    try:
+        send_fn = ctx.retrieve_send_function(message_id)
+        send_fn.set_grads(grads)
+    except Exception as exc:
+        task.fail(DistBackwardError(f"Error on worker {agent.rank} ({agent.info.name!r}) in the backward pass of "
+                                    f"autograd context {context_id}: {exc}", worker_id=agent.rank,
+                                    context_id=context_id))
+        raise
+    try:
+        _run(agent, ctx, task, [(send_fn, None)])
+    except DistBackwardError:
+        pass  # recorded by task.fail: it reaches the root through this worker's answer to its prepare
 
 
 def get_gradients(context_id: int) -> dict:
