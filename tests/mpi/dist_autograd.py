@@ -68,6 +68,12 @@ def relay_combine(x, dst):
     return rpc.rpc_sync(dst, combine, (x, y))
 
 
+@rpc.cheap
+def cheap_layer(x):
+    """Runs on the callee's listener thread (no pool hop), inside the caller's context."""
+    return layer(x)
+
+
 def total(t):
     return float(t.data.sum())
 
@@ -288,6 +294,15 @@ if rank == 0:
         np.testing.assert_allclose(rpc.rpc_sync(1, my_grad, (cid,)).data, wl.grad.data, rtol=1e-10)
         del r
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
+
+    # -- a cheap (inline) function inside a context -------------------------------------------------------------
+    with dist_autograd.context() as cid:
+        x = Tensor(X0.copy(), requires_grad=True)
+        y = rpc.rpc_sync(1, cheap_layer, (x,))
+        dist_autograd.backward(cid, [y.sum()])
+        xl, wl = Tensor(X0.copy(), requires_grad=True), Tensor(WEIGHTS[1].copy(), requires_grad=True)
+        (xl @ wl).tanh().sum().backward()
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, xl.grad.data, rtol=1e-10)
 
     # -- self RPC inside a context ----------------------------------------------------------------------------
     with dist_autograd.context() as cid:

@@ -108,8 +108,9 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
     agent = get_agent()
     wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
     if wrapped:
+        inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
-        return unwrap(agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout))
+        return unwrap(agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout, inline=inline))
     return agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
                            inline=getattr(func, "__distlab_rpc_cheap__", False))
 
@@ -119,8 +120,9 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
     agent = get_agent()
     wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
     if wrapped:
+        inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
-        return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout).then(
+        return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout, inline=inline).then(
             lambda f: unwrap(f.value()))
     return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
                       inline=getattr(func, "__distlab_rpc_cheap__", False))
