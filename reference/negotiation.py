@@ -38,6 +38,7 @@ from distlab._negotiation_shared import (
     RequestType,
     ResponseType,
     dtype_name,
+    joined_phrase,
 )
 from distlab._stall import StallInspector
 from distlab.reference.messages import Request, RequestList, Response, ResponseList
@@ -331,8 +332,8 @@ class Controller:
         sizes: list[int] = []
         if error is None and kind in (RequestType.ALLGATHER, RequestType.ALLTOALL):
             if joined_size > 0:
-                error = (f"{kind_name} of {name!r} is not supported once a rank has joined (ranks "
-                         f"{', '.join(map(str, self._joined_ranks))} joined); only allreduce works with join")
+                error = (f"{kind_name} of {name!r} is not supported once a rank has joined "
+                         f"({joined_phrase(self._joined_ranks)}); only allreduce works with join")
             elif len(first.tensor_shape) == 0:
                 error = f"rank {first.request_rank} tried to {kind_name} {name!r}, a 0-dimensional array"
             else:
@@ -345,8 +346,8 @@ class Controller:
                     sizes[r.request_rank] = r.tensor_shape[0]
         if error is None and kind == RequestType.BROADCAST:
             if joined_size > 0:
-                error = (f"broadcast of {name!r} is not supported once a rank has joined (ranks "
-                         f"{', '.join(map(str, self._joined_ranks))} joined)")
+                error = (f"broadcast of {name!r} is not supported once a rank has joined "
+                         f"({joined_phrase(self._joined_ranks)})")
             else:
                 error = _first_mismatch(name, requests, [("root ranks", lambda r: f"root {r.root_rank}")])
         if error is None:

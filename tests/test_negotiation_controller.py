@@ -142,10 +142,13 @@ def test_join_zero_contribution_and_last_joined_rank(negotiation):
         submit(m, c, "new")
     submit(m, cs[0], "g", kind=RequestType.ALLGATHER, shape=(1,))
     submit(m, cs[1], "g", kind=RequestType.ALLGATHER, shape=(1,))
+    submit(m, cs[0], "b", kind=RequestType.BROADCAST)
+    submit(m, cs[1], "b", kind=RequestType.BROADCAST)
     out = run_cycle(cs, ts)
     by_name = {r.tensor_names[0]: r for r in out[2].responses}
     assert by_name["new"].response_type == ResponseType.ALLREDUCE and by_name["new"].devices == [-1, -1]
     assert "not supported once a rank has joined" in by_name["g"].error_message
+    assert by_name["b"].error_message == "broadcast of 'b' is not supported once a rank has joined (rank 2 has joined)"
     assert all(c.cache.cached(m.Request("new", tensor_type=F32, tensor_shape=(4,), reduce_op=1)) == m.MISS
                for c in cs)                            # not every rank took part: not cached
     submit(m, cs[0], JOIN_TENSOR_NAME, kind=RequestType.JOIN)

@@ -34,7 +34,7 @@ __all__ = [
     "CPU_DEVICE_ID", "MISS", "HIT", "INVALID", "CACHE_STATE_NAMES",
     "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
     "MessageFormatError", "CacheStateError", "CollectiveError", "DuplicateNameError", "NotInitializedError",
-    "StallShutdownError", "CacheEvictionWarning", "StallWarning", "eviction_warning_text",
+    "StallShutdownError", "CacheEvictionWarning", "StallWarning", "eviction_warning_text", "joined_phrase",
 ]
 
 #: Version of the binary format; a message of any other version is refused.
@@ -171,3 +171,11 @@ def eviction_warning_text(capacity: int, evicted: str, added: str) -> str:
         f"per step, set DISTLAB_CACHE_CAPACITY to at least that number; set DISTLAB_CACHE_CAPACITY=0 to disable "
         f"the cache. (Shown once.)"
     )
+
+
+def joined_phrase(ranks) -> str:
+    """``"rank 2 has joined"`` / ``"ranks 1, 2 have joined"`` (for the join refusals of both twins)."""
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has joined"
+    return f"ranks {', '.join(map(str, ranks))} have joined"
