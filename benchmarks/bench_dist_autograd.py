@@ -132,16 +132,18 @@ def driver(world, rounds):
         (h * h).mean().backward()
         local_opt.step()
 
-    samples = {impl: {"step": [], "local_step": [], **{f"k{k}": [] for k in KS}, **{f"p{k}": [] for k in KS}}
+    samples = {impl: {"step": [], "local_step": [], **{f"{c}{k}": [] for k in KS for c in "kpd"}}
                for impl in IMPLS}
     for _ in range(rounds):
         for impl in IMPLS:
             for dst in range(world):
                 rpc.rpc_sync(dst, _use_impl, (impl,))
             s = samples[impl]
-            for k in KS:  # k plain calls and k calls in a context, timed the same way (machine stalls hit both)
-                s[f"p{k}"] += _times(plain(k), max(10, 200 // k))
-                s[f"k{k}"] += _times(pairs(k), max(10, 200 // k))
+            for k in KS:  # k plain calls and k calls in a context, alternately (machine stalls hit both alike)
+                for _ in range(max(10, 200 // k)):
+                    s[f"p{k}"] += _times(plain(k), 1)
+                    s[f"k{k}"] += _times(pairs(k), 1)
+                    s[f"d{k}"].append(s[f"k{k}"][-1] - s[f"p{k}"][-1])
             step, stages, opt = split_model()
             step()
             s["step"].append(_median_time(step, 30))
@@ -153,7 +155,7 @@ def driver(world, rounds):
         best = {name: min(v) * 1e6 for name, v in samples[impl].items()}  # the least disturbed run
         for k in KS:
             rtt = med[f"p{k}"] / k
-            per_pair = (med[f"k{k}"] - med[f"p{k}"]) / (2 * k)
+            per_pair = med[f"d{k}"] / (2 * k)  # median of the paired differences
             best_rtt = best[f"p{k}"] / k
             best_pair = (best[f"k{k}"] - best[f"p{k}"]) / (2 * k)
             rows.append({"impl": impl, "np": world, "calls": k, "pairs": 2 * k, "rtt_us": rtt,
