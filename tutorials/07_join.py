@@ -1,0 +1,179 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Join: training on uneven inputs
+#
+# Two ranks train with DDP, but rank 0 has 4 batches and rank 1 only 2. This notebook shows what goes wrong
+# without Join, how `with model.join():` fixes it, and, from a timeline, the collectives a rank that ran out
+# issues to keep the others company. The docs' "Join" page walks through the code.
+
+# %%
+import distlab
+
+print("twin:", distlab.IMPL)
+
+# %% [markdown]
+# ## Without Join: the rank with more data waits for a partner that left
+#
+# Rank 1 finishes its 2 batches and returns. Rank 0 starts its third backward pass, whose bucket allreduce has
+# no partner. We give the ranks a 3-second `DISTLAB_TIMEOUT` so that the wait ends with an error, and catch it.
+
+# %%
+def train(batches_per_rank, use_join, divide_by_initial_world_size=True):
+    import numpy as np
+
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+    from distlab.errors import DistTimeoutError
+
+    pg = comm.world()
+    distlab.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+                                    bucket_cap_mb=0.0001)   # tiny buckets: two of them
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    rng = np.random.default_rng(pg.rank)
+    batches = [(rng.standard_normal((4, 4)), rng.standard_normal((4, 1)))
+               for _ in range(batches_per_rank[pg.rank])]
+
+    def loop():
+        for x, y in batches:
+            opt.zero_grad()
+            nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
+            opt.step()
+
+    try:
+        if use_join:
+            with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
+                loop()
+        else:
+            loop()
+    except DistTimeoutError as exc:
+        return {"error": str(exc)}
+    return {"weights": [p.data.copy() for p in model.module.parameters()]}
+
+
+results = distlab.run(train, args=([4, 2], False), np=2, env={"DISTLAB_TIMEOUT": "3"})
+print("rank 0:", results[0].get("error", "finished"))
+print("rank 1:", results[1].get("error", "finished"))
+
+# %% [markdown]
+# Rank 1 finished and left; rank 0's allreduce of `bucket0` timed out, and the error says why: rank 1 never
+# entered it. (Without the timeout, the classic outcome is a silent hang.)
+#
+# ## With Join
+#
+# The same training inside `with model.join():`. When rank 1 runs out, it does not leave: in `Join.__exit__` it
+# shadows each of rank 0's remaining iterations, allreducing zeros in place of gradients, until every rank has
+# run out. Then every rank takes the final model from the last rank to finish.
+
+# %%
+import numpy as np
+
+results = distlab.run(train, args=([4, 2], True), np=2)
+same = all(np.array_equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+print("both ranks finished; final models identical:", same)
+
+# %% [markdown]
+# ## What the ranks did: the collectives, side by side
+#
+# Every rank must issue the same collectives in the same order (same operation, same size), or MPI would match
+# unrelated calls. We run the Join training again with `DISTLAB_DEBUG=DETAIL`, which compares a fingerprint of
+# every collective across the ranks before running it and raises on any difference: the run finishing is the
+# proof that rank 1's shadowing matched rank 0's training call for call. A timeline records the calls.
+
+# %%
+import json
+import os
+import tempfile
+
+from distlab.timeline import merge
+
+trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-join-"), "join.json")
+distlab.run(train, args=([4, 2], True), np=2, env={"DISTLAB_TIMELINE": trace_path, "DISTLAB_DEBUG": "DETAIL"})
+merge(trace_path)
+with open(trace_path) as fh:
+    events = json.load(fh)["traceEvents"]
+
+
+def collectives(rank):
+    """The rank's collectives in call order (an async call is recorded once the rank saw it complete)."""
+    spans = [e for e in events if e.get("pid") == rank and e.get("ph") == "X" and e.get("cat") == "comm"]
+    return sorted(spans, key=lambda e: e["args"]["seq"])
+
+
+calls = {rank: collectives(rank) for rank in (0, 1)}
+print("DETAIL found no mismatch. Rank 1's collectives:")
+for e in calls[1]:
+    print(f"#{e['args']['seq']:<3d} {e['name']}")
+
+# %% [markdown]
+# After DDP's start-up (checking the model, broadcasting rank 0's weights), each iteration is: Join's
+# notification (`join: ranks still training`: rank 1 adds 1 while it trains, 0 once it has joined), the
+# gradient-sync flag, then one allreduce per bucket (iteration 2 also broadcasts the buckets rebuilt in arrival
+# order). From the third iteration on, rank 1 issues the same calls from its join hook, with zeros. The last
+# `join: ranks still training` sums to 0: everyone has joined. Then the ranks agree on the last joiner
+# (`join: common rank`) and broadcast its final model.
+#
+# The same as a picture: one box per collective, by call number, on each rank.
+
+# %%
+import matplotlib.pyplot as plt
+
+colors = {"join": "#b0b0b0", "bucket": "#e07b5f", "broadcast": "#9bbcd9", "other": "#e8e8e8"}
+
+
+def kind(name):
+    if "bucket" in name and "rebuild" not in name:
+        return "bucket"
+    if name.startswith("allreduce join"):
+        return "join"
+    if name.startswith("broadcast"):
+        return "broadcast"
+    return "other"
+
+
+notes = [e["args"]["seq"] for e in calls[1] if e["name"] == "allreduce join: ranks still training"]
+shadow_from, shadow_to = notes[2], notes[-1]          # rank 1's 3rd notification: it had no data left
+
+fig, ax = plt.subplots(figsize=(9, 2.2))
+for y, rank in enumerate((1, 0)):
+    for e in calls[rank]:
+        seq = e["args"]["seq"]
+        shadowed = rank == 1 and shadow_from <= seq <= shadow_to
+        ax.broken_barh([(seq - 0.45, 0.9)], (y - 0.35, 0.7), facecolors=colors[kind(e["name"])],
+                       edgecolor="black", linewidth=0.4, hatch="///" if shadowed else None)
+ax.set_yticks([0, 1])
+ax.set_yticklabels(["rank 1 (2 batches)", "rank 0 (4 batches)"])
+ax.set_ylim(-0.6, 1.6)
+ax.set_xlabel("collective number (the same on every rank)")
+handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black", linewidth=0.4) for c in colors.values()]
+handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///", linewidth=0.4))
+ax.legend(handles, ["Join count / flags", "bucket allreduce", "broadcast", "other", "rank 1 shadowing"],
+          fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.32), frameon=False)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## What the joined rank contributes: the divide factor
+#
+# In the shadowed iterations only rank 0 has gradients; rank 1 adds zeros. `divide_by_initial_world_size`
+# decides what the sum is divided by: the world size (2, the default: late steps are half as large, as if rank 1
+# contributed zero gradients) or the number of ranks still training (1: each step is the average over the ranks
+# that had data). The two choices end in different models:
+
+# %%
+by_world = distlab.run(train, args=([4, 2], True, True), np=2)[0]["weights"]
+by_active = distlab.run(train, args=([4, 2], True, False), np=2)[0]["weights"]
+print("final models differ:", not all(np.allclose(a, b) for a, b in zip(by_world, by_active)))
+print("largest difference in a weight:", max(float(np.abs(a - b).max()) for a, b in zip(by_world, by_active)))
