@@ -48,7 +48,7 @@ from distlab.rpc import api as _rpc_api
 from distlab.rpc import framing
 from distlab.timeline import get_timeline, now_us
 
-__all__ = ["context", "backward", "get_gradients", "init", "get_container", "cleanup_timeout"]
+__all__ = ["context", "backward", "get_gradients", "init", "get_container", "cleanup_timeout", "debug_info"]
 
 log = logging.getLogger("distlab.distributed_autograd")
 
@@ -522,3 +522,20 @@ def _handle_backward(src, payload, meta):
 def get_gradients(context_id: int) -> dict:
     """``{Tensor: gradient}`` accumulated on this worker in context ``context_id`` (mirrors get_gradients)."""
     return get_container().retrieve_context(context_id).get_gradients()
+
+
+def debug_info() -> dict:
+    """Counts on this worker (mirrors torch's ``_get_debug_info``): contexts alive, backward passes whose part
+    here is not over, and the send and recv functions recorded in all contexts."""
+    container = get_container()
+    contexts = []
+    for context_id in container.context_ids():
+        try:
+            contexts.append(container.retrieve_context(context_id))
+        except AutogradContextNotFoundError:
+            pass  # released meanwhile
+    tasks = [ctx.retrieve_graph_task() for ctx in contexts]
+    return {"num_autograd_contexts": len(contexts),
+            "num_current_backward_passes": sum(1 for t in tasks if t is not None and not t.finished.done()),
+            "num_send_functions": sum(len(ctx.send_functions()) for ctx in contexts),
+            "num_recv_functions": sum(len(ctx.recv_functions()) for ctx in contexts)}

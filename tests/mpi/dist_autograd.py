@@ -218,9 +218,13 @@ if rank == 0:
             assert rpc.rpc_sync(dst, context_state, (cid,)) == ([0], 0, 0)
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
 
+    assert dist_autograd.debug_info() == {"num_autograd_contexts": 0, "num_current_backward_passes": 0,
+                                          "num_send_functions": 0, "num_recv_functions": 0}
     with dist_autograd.context() as cid:
         x = Tensor(X0.copy(), requires_grad=True)
         outs = [rpc.rpc_sync(dst, layer, (x,)) for dst in others]
+        assert dist_autograd.debug_info() == {"num_autograd_contexts": 1, "num_current_backward_passes": 0,
+                                              "num_send_functions": world - 1, "num_recv_functions": world - 1}
         ctx = container.retrieve_context(cid)
         assert ctx.known_worker_ids() == set(others)
         assert len(ctx.send_functions()) == world - 1 and len(ctx.recv_functions()) == world - 1
