@@ -157,7 +157,8 @@ def _rpc_hook(dst, func, args, kwargs, remote=False):
     message_id = container.new_autograd_message_id()
     _add_send(ctx, _needing_grad((args, kwargs)), message_id, dst)
     ctx.add_known_worker_id(dst)
-    meta = (ctx.context_id, message_id, agent.rank)
+    # the wire form of AutogradMetadata, plus the sender (RpcWithAutograd's fromWorkerId)
+    meta = _impl.AutogradMetadata(ctx.context_id, message_id).to_tuple() + (agent.rank,)
     call = (_autograd_remote if remote else _autograd_call, (meta, framing.by_value(func), args, kwargs), None)
 
     def unwrap(reply):
