@@ -33,6 +33,7 @@ RPC_KINDS = (
     "child_accept",  # 6: RRef control: the owner knows the child; the parent may drop its pending child (G2)
     "stop",          # 7: agent internal: stop the listener (sent to self)
     "wake",          # 8: agent internal: break the listener out of a blocking probe to re-check idleness
+    "batch",         # 9: several small messages (length-prefixed header messages) in one MPI message
 )
 RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
 RPC_USER_KIND_BASE = 64

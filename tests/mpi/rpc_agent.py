@@ -63,10 +63,10 @@ if rank == 0:
         assert f"worker{peer}" in str(exc)
     t0 = time.monotonic()
     try:
-        rpc.rpc_sync(peer, time.sleep, (1.5,), timeout=0.2)
+        rpc.rpc_sync(peer, time.sleep, (3.0,), timeout=0.2)
         raise AssertionError("timeout not raised")
     except DistTimeoutError as exc:
-        assert f"worker{peer}" in str(exc) and time.monotonic() - t0 < 1.0, exc
+        assert f"worker{peer}" in str(exc) and time.monotonic() - t0 < 2.5, exc
     fut = rpc.rpc_async(peer, time.sleep, (1.5,), timeout=0.2)
     try:
         fut.wait(5)

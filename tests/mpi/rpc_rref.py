@@ -133,13 +133,13 @@ if rank == 0:
     except RemoteError as exc:
         assert exc.worker_name == "w1" and "ValueError" in exc.exc_type and "reshape" in str(exc), exc
     # -- to_here timeout (the value is not ready), then a creation timeout
-    slow = rpc.remote(1, time.sleep, (1.0,))
+    slow = rpc.remote(1, time.sleep, (3.0,))
     t0 = time.monotonic()
     try:
         slow.to_here(timeout=0.2)
         raise AssertionError("to_here timeout not raised")
     except DistTimeoutError as exc:
-        assert time.monotonic() - t0 < 0.9 and "w1" in str(exc)
+        assert time.monotonic() - t0 < 2.5 and "w1" in str(exc)
     late = rpc.remote(1, time.sleep, (0.6,), timeout=0.1)
     time.sleep(0.2)
     try:

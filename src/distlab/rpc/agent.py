@@ -20,6 +20,11 @@ messages use a blocking ``MPI_Send`` (eager: it never waits for the receiver); l
 alive until complete, so a listener replying inline never blocks on a peer that is itself blocked sending
 (the progress engine completes them while the listener waits in ``Mprobe``).
 
+Batching: small messages the listener itself sends (inline replies, RRef control messages) wait in a
+per-destination outbox while more messages are already queued for the listener (``MPI_Improbe``), and leave as
+one ``batch`` message (at most ``BATCH_MAX_FRAMES`` messages or ``EAGER_MAX`` bytes, flushed at least every
+``BATCH_MAX_FRAMES // 4`` messages handled). A lone request is answered at once.
+
 Extension points (for distributed autograd and others): ``send(dst, kind, payload, meta=...)`` attaches any
 picklable metadata to a request; ``register_handler(kind, fn, inline=False)`` adds message kinds
 (``kind >= distlab._wire.RPC_USER_KIND_BASE``); handlers read the request's metadata through
@@ -36,6 +41,7 @@ import threading
 import time
 import traceback
 import queue
+import struct
 from typing import Any, Callable, NamedTuple
 
 from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE
@@ -58,6 +64,9 @@ EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eage
 K_RESPONSE = RPC_KIND_CODES["response"]
 K_STOP = RPC_KIND_CODES["stop"]
 K_WAKE = RPC_KIND_CODES["wake"]
+K_BATCH = RPC_KIND_CODES["batch"]
+BATCH_MAX_FRAMES = 64
+_FRAME_LEN = struct.Struct("<I")
 
 
 class WorkerInfo(NamedTuple):
@@ -199,6 +208,11 @@ class RpcAgent:
         self._idle = False             # listener in idle mode (polling with pauses), adaptive wait only
         self._wake = threading.Event()  # set by send() to end an idle pause at once
         self._wake_sent = False         # a K_WAKE to self is in flight
+        # Small messages the listener sends (inline replies, control messages) wait in an outbox while more
+        # messages are already queued for it, and go out together as one "batch" MPI message.
+        self._outbox: dict[int, list] = {}
+        self._outbox_bytes: dict[int, int] = {}
+        self._listener_ident = None
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
         self._watcher = threading.Thread(target=self._watch_deadlines, name=f"distlab-rpc-timeouts-{name}",
@@ -294,6 +308,9 @@ class RpcAgent:
         MPI = self._MPI
         comm = self.comm
         if not buffers and len(header) <= EAGER_MAX:
+            if threading.get_ident() == self._listener_ident:
+                self._queue_frame(dst, header)
+                return
             comm.Send([header, MPI.BYTE], dst, TAG_HEADER)
             return
         requests = []
@@ -309,15 +326,56 @@ class RpcAgent:
             if len(self._isends) > 8:
                 self._isends = [entry for entry in self._isends if not MPI.Request.Testall(entry[0])]
 
+    def _queue_frame(self, dst, header) -> None:
+        """Listener thread only: hold a small message for ``dst`` until the listener runs out of work."""
+        box = self._outbox.get(dst)
+        if box is None:
+            box = self._outbox[dst] = []
+            self._outbox_bytes[dst] = 0
+        box.append(header)
+        self._outbox_bytes[dst] += len(header) + _FRAME_LEN.size
+        if len(box) >= BATCH_MAX_FRAMES or self._outbox_bytes[dst] > EAGER_MAX - 64:
+            self._flush_to(dst)
+
+    def _flush_to(self, dst) -> None:
+        box = self._outbox.pop(dst, None)
+        self._outbox_bytes.pop(dst, None)
+        if not box:
+            return
+        MPI = self._MPI
+        if len(box) == 1:
+            data = box[0]
+        else:
+            body = b"".join(_FRAME_LEN.pack(len(frame)) + frame for frame in box)
+            data = framing.pack_header(K_BATCH, 0, 0, [], None, (), body)
+        self.comm.Send([data, MPI.BYTE], dst, TAG_HEADER)
+
+    def _flush_outbox(self) -> None:
+        for dst in list(self._outbox):
+            self._flush_to(dst)
+
     # -- receiving --------------------------------------------------------------------------------------------
     def _listen(self) -> None:
         MPI = self._MPI
         comm = self.comm
         status = MPI.Status()
         adaptive = self.wait_mode == "adaptive"
+        self._listener_ident = threading.get_ident()
+        handled = 0
         while True:
             try:
-                if adaptive and self._idle:
+                if self._outbox and handled >= BATCH_MAX_FRAMES // 4:
+                    # Bound how long a held message waits while traffic from other workers keeps coming.
+                    self._flush_outbox()
+                    handled = 0
+                if self._outbox:
+                    # More work already queued? Handle it first; else send what the outbox holds.
+                    message = comm.Improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                    if message is None:
+                        self._flush_outbox()
+                        handled = 0
+                        continue
+                elif adaptive and self._idle:
                     message = self._probe_idle(comm, status)
                 else:
                     message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
@@ -335,6 +393,7 @@ class RpcAgent:
                     comm.Recv([buf, MPI.BYTE], src, TAG_BUFFER)
                     buffers.append(buf)
                 if kind == K_STOP and src == self.rank:
+                    self._flush_outbox()
                     return
                 if kind == K_WAKE and src == self.rank:
                     # the watcher saw no traffic for IDLE_AFTER: go idle unless something is awaited
@@ -343,12 +402,40 @@ class RpcAgent:
                         self._idle = True
                     continue
                 self._last_activity = time.monotonic()
-                if kind == K_RESPONSE:
+                handled += 1
+                if kind == K_BATCH:
+                    self._on_batch(src, body)
+                elif kind == K_RESPONSE:
                     self._on_response(src, flags, mid, forks, body, buffers)
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, buffers)
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
                 self._record_error(f"listener error: {traceback.format_exc()}")
+
+    def _on_batch(self, src, data) -> None:
+        """Dispatch each small message of a batch, in order."""
+        pos, end = 0, len(data)
+        while pos < end:
+            if pos + _FRAME_LEN.size > end:
+                self._record_error(f"dropped a malformed batch from worker {src}: truncated frame length")
+                return
+            (size,) = _FRAME_LEN.unpack_from(data, pos)
+            pos += _FRAME_LEN.size
+            if pos + size > end:
+                self._record_error(f"dropped a malformed batch from worker {src}: frame of {size} bytes overruns")
+                return
+            try:
+                kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data[pos:pos + size])
+                if sizes or kind in (K_BATCH, K_STOP, K_WAKE):
+                    raise ValueError(f"kind {kind} with {len(sizes)} buffers cannot be batched")
+            except Exception as exc:  # noqa: BLE001
+                self._record_error(f"dropped a malformed message in a batch from worker {src}: {exc}")
+            else:
+                if kind == K_RESPONSE:
+                    self._on_response(src, flags, mid, forks, body, [])
+                else:
+                    self._on_request(src, kind, flags, mid, meta, forks, body, [])
+            pos += size
 
     def _probe_idle(self, comm, status):
         """Idle mode: poll with ``MPI_Improbe``, pausing on an Event (GIL released, no spinning) with
