@@ -408,16 +408,18 @@ cdef class Controller:
         requests = sorted(self._message_table.pop(name), key=lambda r: r.request_rank)
         self.stall.remove_uncached(name)
         cdef Request first = requests[0]
+        # When every rank sent the same parameters no check can fail: skip building their descriptions.
+        cdef bint uniform = _uniform(requests)
         kind = first.request_type
         kind_name = REQUEST_TYPE_NAMES[kind]
-        error = _first_mismatch(name, requests, [
+        error = None if uniform else _first_mismatch(name, requests, [
             ("operations", lambda r: REQUEST_TYPE_NAMES[r.request_type]),
             ("data types", lambda r: dtype_name(r.tensor_type)),
         ])
         if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST):
-            error = _first_mismatch(name, requests, [("shapes", lambda r: _shape(r.tensor_shape))])
+            error = None if uniform else _first_mismatch(name, requests, [("shapes", lambda r: _shape(r.tensor_shape))])
         if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
-            error = _first_mismatch(name, requests, [
+            error = None if uniform else _first_mismatch(name, requests, [
                 ("reduce ops", lambda r: REDUCE_OPS[r.reduce_op] or "none"),
                 ("prescale/postscale factors", lambda r: f"({r.prescale_factor:g}, {r.postscale_factor:g})"),
             ])
@@ -429,7 +431,7 @@ cdef class Controller:
             elif len(first.tensor_shape) == 0:
                 error = f"rank {first.request_rank} tried to {kind_name} {name!r}, a 0-dimensional array"
             else:
-                error = _first_mismatch(name, requests, [
+                error = None if uniform else _first_mismatch(name, requests, [
                     ("shapes beyond the first dimension",
                      lambda r: f"[*, {', '.join(map(str, r.tensor_shape[1:]))}]")])
             if error is None:
@@ -441,9 +443,9 @@ cdef class Controller:
                 error = (f"broadcast of {name!r} is not supported once a rank has joined "
                          f"({joined_phrase(self._joined_ranks)})")
             else:
-                error = _first_mismatch(name, requests, [("root ranks", lambda r: f"root {r.root_rank}")])
+                error = None if uniform else _first_mismatch(name, requests, [("root ranks", lambda r: f"root {r.root_rank}")])
         if error is None:
-            error = _first_mismatch(name, requests, [
+            error = None if uniform else _first_mismatch(name, requests, [
                 ("devices", lambda r: "CPU" if r.device == CPU_DEVICE_ID else f"GPU {r.device}")])
         if error is not None:
             return Response(ResponseType.ERROR, [name], first.tensor_type, error_message=error,
@@ -457,6 +459,20 @@ cdef class Controller:
         return Response(kind, [name], first.tensor_type, devices=devices, tensor_sizes=sizes,
                         prescale_factor=first.prescale_factor, postscale_factor=first.postscale_factor,
                         reduce_op=first.reduce_op)
+
+
+cdef bint _uniform(list requests):
+    cdef Request first = requests[0]
+    cdef Request r
+    cdef Py_ssize_t i
+    for i in range(1, len(requests)):
+        r = requests[i]
+        if not (r.request_type == first.request_type and r.tensor_type == first.tensor_type
+                and r._cshape == first._cshape and r.reduce_op == first.reduce_op
+                and r.prescale_factor == first.prescale_factor and r.postscale_factor == first.postscale_factor
+                and r.root_rank == first.root_rank and r.device == first.device):
+            return False
+    return True
 
 
 def _shape(shape):

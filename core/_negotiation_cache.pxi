@@ -242,10 +242,17 @@ cdef class ResponseCache:
                                   "allreduce, allgather, adasum and alltoall are")
         fused = len(response.tensor_names) > 1
         for i, name in enumerate(response.tensor_names):
-            single = response.copy()
+            single = Response.__new__(Response)
+            single.response_type = response.response_type
             single.tensor_names = [name]
-            if fused:
-                single.tensor_sizes = [response.tensor_sizes[i]]
+            single.tensor_type = response.tensor_type
+            single.error_message = response.error_message
+            single.devices = list(response.devices)
+            single.tensor_sizes = [response.tensor_sizes[i]] if fused else list(response.tensor_sizes)
+            single.prescale_factor = response.prescale_factor
+            single.postscale_factor = response.postscale_factor
+            single.reduce_op = response.reduce_op
+            single.last_joined_rank = response.last_joined_rank
             if joined:
                 params.joined = True
                 params.known = True

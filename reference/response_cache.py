@@ -155,11 +155,11 @@ class ResponseCache:
                                   "allreduce, allgather, adasum and alltoall are")
         fused = len(response.tensor_names) > 1
         for i, name in enumerate(response.tensor_names):
-            single = response.copy()
-            single.tensor_names = [name]
-            if fused:
-                # Horovod copies every fused size into each part; we keep the part's own size.
-                single.tensor_sizes = [response.tensor_sizes[i]]
+            # Horovod copies every fused size into each part; we keep the part's own size.
+            sizes = [response.tensor_sizes[i]] if fused else response.tensor_sizes
+            single = Response(response.response_type, [name], response.tensor_type, response.error_message,
+                              response.devices, sizes, response.prescale_factor, response.postscale_factor,
+                              response.reduce_op, response.last_joined_rank)
             if joined:
                 params = JOINED
             else:
