@@ -105,8 +105,14 @@ if rank == 0:
     from mpi4py import MPI
     from distlab.rpc.agent import TAG_HEADER
     agent.comm.Send([b"xx", MPI.BYTE], peer, TAG_HEADER)
+    from distlab.rpc import framing
+    from distlab._wire import RPC_KIND_CODES
+    bad_batch = framing.pack_header(RPC_KIND_CODES["batch"], 0, 0, [], None, (), b"\x05\x00\x00\x00ab")
+    agent.comm.Send([bad_batch, MPI.BYTE], peer, TAG_HEADER)
     assert rpc.rpc_sync(peer, add, (1, 1)) == 2
-    assert any("malformed" in e for e in rpc.rpc_sync(peer, lambda: rpc.get_agent().errors))
+    errors = rpc.rpc_sync(peer, lambda: rpc.get_agent().errors)
+    assert any("malformed RPC message" in e for e in errors), errors
+    assert any("malformed batch" in e for e in errors), errors
     for dst in range(1, world):
         rpc.rpc_sync(dst, finish)
 else:
