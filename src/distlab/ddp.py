@@ -157,7 +157,8 @@ class DistributedDataParallel(Module):
             self._sync_buffers(self._find_common_rank(self.process_group.rank, True)
                                if self._join_config.enable else 0)
         if self._join_config.enable:
-            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
+            self._wait_grad_sync_flag()
+            self._grad_sync_flag = self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         output = self.module(*inputs, **kwargs)
         if sync:
             self.require_forward_param_sync = True
@@ -231,6 +232,13 @@ class DistributedDataParallel(Module):
         work.wait()
         return bool(flag[0])
 
+    def _wait_grad_sync_flag(self):
+        """Complete the previous iteration's flag allreduce (nobody reads it here; it must not stay pending)."""
+        work = getattr(self, "_grad_sync_flag", None)
+        if work is not None:
+            work.wait()
+            self._grad_sync_flag = None
+
     def _find_common_rank(self, rank: int, candidate: bool) -> int:
         """The highest rank among candidates (ties broken by the larger rank), agreed by every rank."""
         chosen = np.array([rank if candidate else -1], dtype=np.int64)
@@ -250,6 +258,7 @@ class DistributedDataParallel(Module):
 
     def _sync_final_model(self, is_last_joiner: bool):
         """Every rank ends with the model of the highest rank among the last joiners."""
+        self._wait_grad_sync_flag()
         self._authoritative_rank = self._find_common_rank(self.process_group.rank, is_last_joiner)
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
             self.process_group.broadcast(tensor.data, src=self._authoritative_rank, name=f"final {name}")
