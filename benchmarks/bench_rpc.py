@@ -52,31 +52,38 @@ def worker(out_path: str, quick: bool) -> None:
 
     # -- raw mpi4py ping-pong (same payloads, blocking Send/Recv, rank 1 echoes)
     for label, arr in payloads.items():
-        n = int((2000 if arr.nbytes < 1 << 16 else 200) * scale)
+        n = int((2000 if arr.nbytes < 1 << 16 else 200) * scale) // 10
         buf = np.empty_like(arr)
-        raw.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            if rank == 0:
-                raw.Send(arr, 1, 5)
-                raw.Recv(buf, 1, 5)
-            else:
-                raw.Recv(buf, 0, 5)
-                raw.Send(buf, 0, 5)
-        results[f"raw ping-pong {label}"] = (time.perf_counter() - t0) / n * 1e6
+        samples = []
+        for _ in range(10):
+            raw.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                if rank == 0:
+                    raw.Send(arr, 1, 5)
+                    raw.Recv(buf, 1, 5)
+                else:
+                    raw.Recv(buf, 0, 5)
+                    raw.Send(buf, 0, 5)
+            samples.append((time.perf_counter() - t0) / n)
+        results[f"raw ping-pong {label}"] = statistics.median(samples) * 1e6
+        results[f"raw ping-pong {label}, best batch"] = min(samples) * 1e6
     rpc.init_rpc(f"w{rank}")
     cheap_noop, cheap_echo = _cheap()
 
-    def timed(label, n, fn, unit="us"):
+    def timed(label, n, fn):
+        # 10 batches: the median, and the best batch (what the code costs when it gets the cores: on this
+        # shared 2-core machine other jobs' load moves the median by up to 10x from one minute to the next).
         fn()  # warm-up
         samples = []
-        for _ in range(3):
+        per_batch = max(n // 10, 1)
+        for _ in range(10):
             t0 = time.perf_counter()
-            for _ in range(n):
+            for _ in range(per_batch):
                 fn()
-            samples.append((time.perf_counter() - t0) / n)
-        best = statistics.median(samples)
-        results[label] = best * 1e6 if unit == "us" else 1.0 / best
+            samples.append((time.perf_counter() - t0) / per_batch)
+        results[label] = statistics.median(samples) * 1e6
+        results[label + ", best batch"] = min(samples) * 1e6
 
     if rank == 0:
         n = int(2000 * scale)
@@ -101,10 +108,14 @@ def worker(out_path: str, quick: bool) -> None:
         for label, fn in (("rpc_async calls/s, 1000 in flight (cheap)", cheap_noop),
                           ("rpc_async calls/s, 1000 in flight (thread pool)", noop)):
             burst(2000, fn=fn)
-            t0 = time.perf_counter()
-            total = int(20000 * scale)
-            burst(total, fn=fn)
-            results[label] = total / (time.perf_counter() - t0)
+            rates = []
+            total = int(10000 * scale)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                burst(total, fn=fn)
+                rates.append(total / (time.perf_counter() - t0))
+            results[label] = statistics.median(rates)
+            results[label + ", best of 3"] = max(rates)
         timed("remote + to_here (cheap)", int(1000 * scale), lambda: rpc.remote(1, cheap_noop).to_here())
 
         def create_delete(n):
@@ -119,12 +130,15 @@ def worker(out_path: str, quick: bool) -> None:
                 time.sleep(0.0005)
 
         create_delete(500)
-        n = int(10000 * scale)
-        t0 = time.perf_counter()
-        create_delete(n)
-        per = (time.perf_counter() - t0) / n
-        results["remote RRef create+delete (us each, pipelined)"] = per * 1e6
-        results["RRef create+delete per second"] = 1.0 / per
+        n = int(5000 * scale)
+        pers = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            create_delete(n)
+            pers.append((time.perf_counter() - t0) / n)
+        results["remote RRef create+delete (us each, pipelined)"] = statistics.median(pers) * 1e6
+        results["remote RRef create+delete (us each, pipelined), best of 3"] = min(pers) * 1e6
+        results["RRef create+delete per second"] = 1.0 / statistics.median(pers)
         local = [time.perf_counter()]
         for _ in range(int(2000 * scale)):
             r = rpc.RRef(1)

@@ -38,8 +38,9 @@ FLAG_ERROR = 1      # response: the body is a remote exception description
 FLAG_INLINE = 2     # request: cheap, run on the listener thread
 FLAG_NOREPLY = 4    # request: no response expected
 
-#: Buffers at most this big travel in-band (an extra MPI message costs more than copying a few hundred bytes).
-INBAND_MAX = 512
+#: Buffers at most this big travel in-band: an extra MPI message costs more than the copy. Measured here
+#: (2 ranks, rpc_sync echo of a 4000-byte array): out-of-band 540-630 us, in-band 140-235 us.
+INBAND_MAX = 4096
 
 _local = threading.local()
 
