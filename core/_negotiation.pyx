@@ -48,6 +48,7 @@ from distlab._stall import StallInspector
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long)
+    int __builtin_popcountll(unsigned long long)
 
 cdef enum:
     S_MISS = 0
@@ -119,6 +120,14 @@ def fuse_responses(responses, threshold):
             queue.extendleft(reversed(skipped))
         out.append(response)
     return out
+
+
+cdef size_t _popcount(vector[uint64_t]& words):
+    cdef size_t total = 0
+    cdef uint64_t w
+    for w in words:
+        total += __builtin_popcountll(w)
+    return total
 
 
 cdef list _fuse_slots(ResponseCache cache, vector[int]& slots, long long limit):
@@ -232,6 +241,8 @@ cdef class Controller:
         cdef vector[int] slots
         cdef uint64_t word
         cdef size_t w
+        cdef long long hits_before, local_hits
+        cdef bint in_order
         self._c[0] += 1
         batch = self._queue          # atomic under the GIL (no Python code runs between these two steps)
         self._queue = []
@@ -239,6 +250,7 @@ cdef class Controller:
         coordinator = CacheCoordinator(cache._bit_slot.size())
         states.resize(n)
         bits.resize(n)
+        hits_before = self._c[4]
         for i in range(n):
             request = <Request>batch[i]
             if request.request_type == RT_JOIN:
@@ -295,6 +307,10 @@ cdef class Controller:
             uncached = []
             requeue = []
             tracking = bool(self.stall._cached)
+            local_hits = self._c[4] - hits_before
+            if (not erased and not tracking and local_hits == n
+                    and _popcount(coordinator._hits) == <size_t>local_hits):
+                n = 0       # every request hit here and everywhere: nothing to requeue or send
             for i in range(n):
                 request = <Request>batch[i]
                 if erased and request.request_type != RT_JOIN:
@@ -314,6 +330,7 @@ cdef class Controller:
 
         response_list = ResponseList([], coordinator._should_shut_down)
         if caching and not coordinator._uncached_in_queue and not coordinator._invalid_in_queue:
+            in_order = not cache._bits_outdated
             for w in range(coordinator._hits.size()):
                 word = coordinator._hits[w]
                 while word:
@@ -324,6 +341,10 @@ cdef class Controller:
             if slots.empty():
                 self._c[3] += 1
                 return response_list
+            if in_order and slots.size() == cache._lru.size() and slots.size() == cache._bit_slot.size():
+                # Every entry was touched in bit order, which was the LRU order: the order, hence every bit,
+                # is unchanged, and update_cache_bits has nothing to renumber.
+                cache._bits_outdated = False
             self._c[1] += 1
             response_list.responses = _fuse_slots(cache, slots, self.fusion_threshold)
             self._finish(response_list)
