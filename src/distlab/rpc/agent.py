@@ -57,6 +57,8 @@ log = logging.getLogger("distlab.rpc")
 
 IDLE_AFTER = 0.05        # adaptive wait: no message and nothing awaited for this long -> idle mode
 IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest pause between polls when idle (incoming wake-up latency bound)
+STREAM_WINDOW = 0.001    # adaptive wait: another thread sent within this -> poll with pauses (streaming mode)
+STREAM_PAUSE = 5e-5      # adaptive wait: pause between polls in streaming mode
 TAG_HEADER = 17
 TAG_BUFFER = 18
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
@@ -208,6 +210,9 @@ class RpcAgent:
         self._idle = False             # listener in idle mode (polling with pauses), adaptive wait only
         self._wake = threading.Event()  # set by send() to end an idle pause at once
         self._wake_sent = False         # a K_WAKE to self is in flight
+        self._last_send = 0.0           # monotonic time of the last send by a thread other than the listener
+        self._sync_threads = set()      # threads blocked in call_sync (they want the lowest latency)
+        self._streaming = False         # listener polling with pauses while other threads stream sends
         # Small messages the listener sends (inline replies, control messages) wait in an outbox while more
         # messages are already queued for it, and go out together as one "batch" MPI message.
         self._outbox: dict[int, list] = {}
@@ -282,6 +287,8 @@ class RpcAgent:
         except BaseException:
             self._pending.pop(mid, None)
             raise
+        if threading.get_ident() != self._listener_ident:
+            self._last_send = time.monotonic()
         if self._idle:
             self._wake.set()
         return fut
@@ -294,14 +301,21 @@ class RpcAgent:
                 "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
                 f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
                 "(only the listener could receive the answer); drop @cheap or use rpc_async")
-        fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
+        ident = threading.get_ident()
+        self._sync_threads.add(ident)
+        if self._streaming:
+            self._wake.set()  # the listener goes back to its blocking probe for the lowest latency
         try:
-            return fut.wait(timeout if timeout and timeout > 0 else 1e9)
-        except DistTimeoutError:
-            if fut.done():
+            fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
+            try:
+                return fut.wait(timeout if timeout and timeout > 0 else 1e9)
+            except DistTimeoutError:
+                if fut.done():
+                    return fut.value()
+                self._expire(fut, timeout)
                 return fut.value()
-            self._expire(fut, timeout)
-            return fut.value()
+        finally:
+            self._sync_threads.discard(ident)
 
     def _transmit(self, dst, kind, flags, mid, buffers, meta, forks, body) -> None:
         header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body)
@@ -377,6 +391,9 @@ class RpcAgent:
                         continue
                 elif adaptive and self._idle:
                     message = self._probe_idle(comm, status)
+                elif (adaptive and not self._sync_threads
+                      and time.monotonic() - self._last_send < STREAM_WINDOW):
+                    message = self._probe_streaming(comm, status)
                 else:
                     message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
                 src = status.Get_source()
@@ -436,6 +453,26 @@ class RpcAgent:
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, [])
             pos += size
+
+    def _probe_streaming(self, comm, status):
+        """Streaming mode: another thread is sending a stream of requests (rpc_async, remote). A listener
+        blocked in ``Mprobe`` holds MPICH's lock while it polls, and every send then waits for it (measured
+        ~100 us per MPI_Send under load), so poll with ``Improbe`` and short pauses instead; go back to the
+        blocking probe when the stream stops or a caller blocks in ``call_sync``."""
+        MPI = self._MPI
+        wake = self._wake
+        self._streaming = True
+        try:
+            while True:
+                message = comm.Improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                if message is not None:
+                    return message
+                if self._sync_threads or time.monotonic() - self._last_send >= STREAM_WINDOW or wake.is_set():
+                    wake.clear()
+                    return comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                wake.wait(STREAM_PAUSE)
+        finally:
+            self._streaming = False
 
     def _probe_idle(self, comm, status):
         """Idle mode: poll with ``MPI_Improbe``, pausing on an Event (GIL released, no spinning) with
