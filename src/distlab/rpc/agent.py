@@ -11,8 +11,11 @@ blocking ``Mprobe`` busy-polls inside MPICH, so an idle worker burnt a whole cor
 (default; ``DISTLAB_RPC_WAIT=block`` keeps the blocking probe): the listener blocks in ``Mprobe`` while there is
 traffic; after ``IDLE_AFTER`` with no message and no answer awaited, the timeout watcher sends it a ``wake``
 message, and it switches to polling ``Improbe`` with pauses on an Event (no spinning, back-off up to
-``IDLE_SLEEP_MAX``), which a send from this worker or any arriving message ends. The caller always waits on a
-condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
+``IDLE_SLEEP_MAX``), which a send from this worker or any arriving message ends. And while other threads stream sends (rpc_async,
+remote) and nobody blocks in ``call_sync``, the listener polls with 50 us pauses (*streaming* mode): a listener
+in ``Mprobe`` holds MPICH's lock while it polls, and each ``MPI_Send`` of the streaming thread waited ~100 us
+for it. The caller always waits on a condition variable: only one Python thread ever waits in MPI, and nobody
+spin-polls.
 
 Sends: a header message (``TAG_HEADER``) then the out-of-band buffers (``TAG_BUFFER``), under a per-destination
 lock so the buffers of two messages never interleave (MPI keeps order per source, tag and communicator). Small
