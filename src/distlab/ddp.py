@@ -81,6 +81,9 @@ class DistributedDataParallel(Module):
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
+        # Buffers are listed once, as torch's DDP does (``modules_buffers``): walking 500 modules per forward
+        # would cost more than the whole reducer.
+        self._buffers = list(self.module.named_buffers())
         self._verify_model_across_ranks(named)
         self._sync_module_states()
         names = [name for name, _ in named]
@@ -171,10 +174,10 @@ class DistributedDataParallel(Module):
         return output
 
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.broadcast_buffers and any(True for _ in self.module.buffers())
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers)
 
     def _sync_buffers(self, src: int = 0):
-        for name, buffer in self.module.named_buffers():
+        for name, buffer in self._buffers:
             self.process_group.broadcast(buffer.data, src=src, name=f"buffer {name}")
 
     @contextlib.contextmanager
