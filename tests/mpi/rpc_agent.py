@@ -34,6 +34,14 @@ def nested_on_listener(dst):
     return rpc.rpc_sync(dst, add, (1, 2))
 
 
+def meta_seen():
+    return rpc.current_call().meta
+
+
+def add_reply_hook():
+    rpc.get_agent().add_reply_hook(lambda info, meta: ("reply-from", rank, info.meta))
+
+
 def echo_meta(src, payload, meta):
     return (src, payload, meta, rpc.current_call().meta)
 
@@ -91,6 +99,17 @@ if rank == 0:
         assert "listener thread" in str(exc), exc
     agent = rpc.get_agent()
     assert agent.send(peer, 64, {"x": 1}, meta=("ctx", 7)).wait(10) == (0, {"x": 1}, ("ctx", 7), ("ctx", 7))
+    # hooks: metadata attached to every request and response without changing the calls (distributed autograd)
+    responses = []
+    remove_send = agent.add_send_hook(lambda dst, kind, meta: ("ctx", 42) if kind == 1 else meta)
+    remove_resp = agent.add_response_hook(lambda src, mid, kind, meta: responses.append((src, kind, meta)))
+    rpc.rpc_sync(peer, add_reply_hook)
+    assert rpc.rpc_sync(peer, meta_seen) == ("ctx", 42)
+    assert rpc.rpc_async(peer, add, (2, 3)).wait(10) == 5
+    assert responses[-1] == (peer, 1, ("reply-from", peer, ("ctx", 42))), responses
+    remove_send()
+    remove_resp()
+    assert rpc.rpc_sync(peer, meta_seen) is None
     try:
         agent.send(peer, 65, None).wait(10)
         raise AssertionError("unknown kind accepted")

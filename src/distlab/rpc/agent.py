@@ -31,7 +31,8 @@ one ``batch`` message (at most ``BATCH_MAX_FRAMES`` messages or ``EAGER_MAX`` by
 Extension points (for distributed autograd and others): ``send(dst, kind, payload, meta=...)`` attaches any
 picklable metadata to a request; ``register_handler(kind, fn, inline=False)`` adds message kinds
 (``kind >= distlab._wire.RPC_USER_KIND_BASE``); handlers read the request's metadata through
-:func:`current_call`.
+:func:`current_call`; ``add_send_hook`` / ``add_reply_hook`` / ``add_response_hook`` attach and read metadata on
+every request and response (rpc_sync, rpc_async and remote included) without changing the callers.
 """
 from __future__ import annotations
 
@@ -191,6 +192,9 @@ class RpcAgent:
         self._pending: dict[int, tuple] = {}  # mid -> (future, dst, kind, start_us)
         self._mids = itertools.count(1)
         self._handlers: dict[int, tuple[Callable, bool]] = {}
+        self._send_hooks: list[Callable] = []
+        self._reply_hooks: list[Callable] = []
+        self._response_hooks: list[Callable] = []
         self._send_locks = [threading.Lock() for _ in range(self.size)]
         self._isends: list = []
         self._isend_lock = threading.Lock()
@@ -247,6 +251,24 @@ class RpcAgent:
             raise ValueError(f"a handler for message kind {kind} is already registered")
         self._handlers[kind] = (fn, inline)
 
+    def add_send_hook(self, fn: Callable) -> Callable[[], None]:
+        """Call ``meta = fn(dst, kind, meta)`` for every request this worker sends (calls, remotes, RRef control
+        messages, registered kinds), e.g. to attach a distributed-autograd context id. Returns a remover."""
+        self._send_hooks.append(fn)
+        return lambda: self._send_hooks.remove(fn)
+
+    def add_reply_hook(self, fn: Callable) -> Callable[[], None]:
+        """Call ``meta = fn(call_info, meta)`` in the handler's thread right after a handler returned, to attach
+        metadata to its response (``call_info`` is :func:`current_call`'s value). Returns a remover."""
+        self._reply_hooks.append(fn)
+        return lambda: self._reply_hooks.remove(fn)
+
+    def add_response_hook(self, fn: Callable) -> Callable[[], None]:
+        """Call ``fn(src, mid, kind, meta)`` on the listener thread when a response carrying metadata arrives,
+        before its future is completed. Returns a remover."""
+        self._response_hooks.append(fn)
+        return lambda: self._response_hooks.remove(fn)
+
     def worker_info(self, to=None) -> WorkerInfo:
         """Resolve a worker name, id or WorkerInfo (None: this worker)."""
         if to is None:
@@ -274,6 +296,8 @@ class RpcAgent:
         if not self.running:
             raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
         dst = dst if type(dst) is int and 0 <= dst < self.size else self.worker_info(dst).id
+        for hook in self._send_hooks:
+            meta = hook(dst, kind, meta)
         body, buffers, forks = framing.dumps(payload, self.fork_hook)
         mid = next(self._mids)
         fut = Future(description=f"rpc {_kind_name(kind)} #{mid} to {self.workers[dst].name}")
@@ -426,7 +450,7 @@ class RpcAgent:
                 if kind == K_BATCH:
                     self._on_batch(src, body)
                 elif kind == K_RESPONSE:
-                    self._on_response(src, flags, mid, forks, body, buffers)
+                    self._on_response(src, flags, mid, forks, body, buffers, meta)
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, buffers)
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
@@ -452,7 +476,7 @@ class RpcAgent:
                 self._record_error(f"dropped a malformed message in a batch from worker {src}: {exc}")
             else:
                 if kind == K_RESPONSE:
-                    self._on_response(src, flags, mid, forks, body, [])
+                    self._on_response(src, flags, mid, forks, body, [], meta)
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, [])
             pos += size
@@ -501,11 +525,14 @@ class RpcAgent:
         log.error("distlab.rpc worker %s: %s", self.info.name, text)
         self.errors.append(text)
 
-    def _on_response(self, src, flags, mid, forks, body, buffers) -> None:
+    def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
         entry = self._pending.pop(mid, None)
         if entry is None:
             return  # the request timed out (or was failed at shutdown): drop its late response
         fut = entry[0]
+        if meta is not None:
+            for hook in self._response_hooks:
+                hook(src, mid, entry[2], meta)
         if self._tl_on:
             self._timeline.complete(f"rpc {_kind_name(entry[2])} -> {self.workers[src].name}", entry[3],
                                     self._now_us(), lane="rpc", args={"mid": mid, "error": bool(flags & FLAG_ERROR)})
@@ -559,10 +586,13 @@ class RpcAgent:
         def execute(resolved):
             payload = framing.loads(body, buffers, resolved)
             previous = getattr(_call_local, "info", None)
-            _call_local.info = CallInfo(src, kind, mid, meta)
+            _call_local.info = info = CallInfo(src, kind, mid, meta)
             start = self._now_us() if self._tl_on else 0.0
+            rmeta = None
             try:
                 result = fn(src, payload, meta)
+                for hook in self._reply_hooks:
+                    rmeta = hook(info, rmeta)
             finally:
                 _call_local.info = previous
                 if self._tl_on:
@@ -571,9 +601,9 @@ class RpcAgent:
             if flags & FLAG_NOREPLY:
                 return
             if isinstance(result, Future):
-                result.add_done_callback(lambda f: self._reply_future(src, mid, flags, f))
+                result.add_done_callback(lambda f: self._reply_future(src, mid, flags, f, rmeta))
             else:
-                self._reply(src, mid, result)
+                self._reply(src, mid, result, rmeta)
 
         def fail(exc):
             if not flags & FLAG_NOREPLY:
@@ -583,14 +613,14 @@ class RpcAgent:
 
         self._with_forks(forks, execute, fail, run_in_pool=not inline)
 
-    def _reply_future(self, dst, mid, flags, fut) -> None:
+    def _reply_future(self, dst, mid, flags, fut, meta=None) -> None:
         exc = fut.exception()
         if exc is not None:
             self._reply_error(dst, mid, flags, exc)
         else:
-            self._reply(dst, mid, fut.value())
+            self._reply(dst, mid, fut.value(), meta)
 
-    def _reply(self, dst, mid, value) -> None:
+    def _reply(self, dst, mid, value, meta=None) -> None:
         if not self.running and dst != self.rank:
             return
         try:
@@ -598,7 +628,7 @@ class RpcAgent:
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self._reply_error(dst, mid, 0, exc)
             return
-        self._transmit(dst, K_RESPONSE, 0, mid, buffers, None, forks, body)
+        self._transmit(dst, K_RESPONSE, 0, mid, buffers, meta, forks, body)
 
     def _reply_error(self, dst, mid, flags, exc) -> None:
         if flags & FLAG_NOREPLY:
