@@ -55,6 +55,11 @@ log = logging.getLogger("distlab.distributed_autograd")
 #: Seconds each attempt to release a context on a known worker may take, and how many attempts are made.
 cleanup_timeout = 10.0
 CLEANUP_ATTEMPTS = 3
+#: Run the backward part a gradient message triggers on the receiver's RPC listener thread (no thread-pool hop:
+#: a chain of workers then passes gradients listener to listener). Backward never waits for a message, so this
+#: cannot deadlock unless a tensor hook itself makes a blocking RPC; set it False on every worker for such hooks
+#: (the part then runs on the RPC thread pool, as in PyTorch).
+inline_backward = True
 #: How many released context ids each worker remembers (to refuse RPCs that outlive their context).
 RELEASED_MEMORY = 4096
 
@@ -273,7 +278,7 @@ def _send_with_retries(agent, dst, payload, attempts):
     result = Future(description=f"release autograd context on worker {dst}")
 
     def attempt(left):
-        fut = agent.send(dst, K_CLEANUP, payload, timeout=cleanup_timeout)
+        fut = agent.send(dst, K_CLEANUP, payload, timeout=cleanup_timeout, inline=True)
 
         def done(f):
             exc = f.exception()
@@ -403,7 +408,7 @@ def _join_tree(agent, ctx, task, prepare, parent):
         task.in_tree = True
     for w in sorted(ctx.known_worker_ids()):
         if w != parent and w != agent.rank:
-            _track(ctx, task, agent.send(w, K_PREPARE, prepare))
+            _track(ctx, task, agent.send(w, K_PREPARE, prepare, inline=True))
     return True
 
 
@@ -463,7 +468,7 @@ def _send_grads(agent, ctx, task, sends):
     one message per send/recv pair; the receiver's part, reported through the prepare tree, covers it)."""
     for worker, message_id, grads in sends:
         payload = (ctx.context_id, message_id, task.pass_id, task.retain_graph, grads)
-        agent.send(worker, K_BACKWARD, payload, noreply=True)
+        agent.send(worker, K_BACKWARD, payload, noreply=True, inline=inline_backward)
 
 
 def _as_backward_error(exc, context_id):

@@ -74,6 +74,10 @@ def cheap_layer(x):
     return layer(x)
 
 
+def set_inline_backward(flag):
+    dist_autograd.inline_backward = flag
+
+
 def total(t):
     return float(t.data.sum())
 
@@ -318,6 +322,19 @@ if rank == 0:
         (yl * yl).sum().backward()
         np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, xl.grad.data, rtol=1e-10)
         np.testing.assert_allclose(my_grad(cid).data, wl.grad.data, rtol=1e-10)
+
+    # -- the same chain with backward parts on the RPC thread pools (inline_backward off on every worker) -------
+    for dst in range(world):
+        rpc.rpc_sync(dst, set_inline_backward, (False,))
+    with dist_autograd.context() as cid:
+        x = Tensor(X0.copy(), requires_grad=True)
+        y = rpc.rpc_sync(1 % world, chain, (layer(x), hops - 1))
+        dist_autograd.backward(cid, [(y * y).sum()])
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[x].data, gx_local, rtol=1e-10)
+        for dst in others:
+            np.testing.assert_allclose(rpc.rpc_sync(dst, my_grad, (cid,)).data, gw_local[dst], rtol=1e-10)
+    for dst in range(world):
+        rpc.rpc_sync(dst, set_inline_backward, (True,))
 
     # -- retain_graph: two passes in one context accumulate; rpc_async inside a context -----------------------
     with dist_autograd.context() as cid:
