@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from _negotiation_sim import make_world, run_cycle
 from distlab import _backend
@@ -278,4 +280,52 @@ def test_twins_and_mixed_world_are_equivalent(size):
     mixed = _scenario([ref if r % 2 == 0 else core for r in range(size)])
     assert a == b
     assert a == mixed
+    event(f"fast path taken: {a[2][0]['fast_path'] > 0}")
+    event(f"requeued: {a[2][0]['requeued'] > 0}; invalid: {a[2][0]['invalid'] > 0}")
     assert a[2][0]["fast_path"] > 0 and a[2][0]["slow_path"] > 0 and a[2][0]["invalid"] >= 0
+
+
+def _random_world(modules, plan, capacity, threshold):
+    world, cs, ts = make_world(modules, cache_capacity=capacity, fusion_threshold=threshold)
+    outs = []
+    in_flight = [set() for _ in cs]      # as the facade does: a name in flight on a rank is not resubmitted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cycle in plan:
+            for c, mod, submissions in zip(cs, modules, cycle):
+                for name, size, op in submissions:
+                    if name not in in_flight[c.rank]:
+                        in_flight[c.rank].add(name)
+                        submit(mod, c, name, shape=(size,), op=op)
+            results = run_cycle(cs, ts)
+            for r, result in enumerate(results):
+                for response in result.responses:
+                    in_flight[r].difference_update(response.tensor_names)
+            outs.append([o.to_bytes() for o in results])
+        # drain: whatever is still pending completes once every rank has submitted it
+        for _ in range(2):
+            outs.append([o.to_bytes() for o in run_cycle(cs, ts)])
+    return outs, sorted(world.trace), [c.counters for c in cs], [c.cache.lru_names() for c in cs]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_random_patterns_identical_across_twins_and_mixed(data):
+    if not _backend.core_available():
+        pytest.skip("core not built")
+    size = data.draw(st.sampled_from([2, 3]), label="ranks")
+    names = [f"t{i}" for i in range(6)]
+    submission = st.tuples(st.sampled_from(names), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2]))
+    plan = data.draw(st.lists(st.lists(st.lists(submission, max_size=4, unique_by=lambda s: s[0]),
+                                       min_size=size, max_size=size), min_size=1, max_size=8), label="plan")
+    capacity = data.draw(st.sampled_from([0, 3, 1024]), label="capacity")
+    threshold = data.draw(st.sampled_from([0, 16, 1 << 20]), label="threshold")
+    ref = _backend.load("negotiation", "reference")
+    core = _backend.load("negotiation", "core")
+    a = _random_world([ref] * size, plan, capacity, threshold)
+    b = _random_world([core] * size, plan, capacity, threshold)
+    mixed = _random_world([ref if r % 2 else core for r in range(size)], plan, capacity, threshold)
+    assert a == b
+    assert a == mixed
+    event(f"fast path taken: {a[2][0]['fast_path'] > 0}")
+    event(f"requeued: {a[2][0]['requeued'] > 0}; invalid: {a[2][0]['invalid'] > 0}")
