@@ -28,7 +28,6 @@ import threading
 import time
 import warnings
 
-import numpy as np
 
 from distlab import _backend
 from distlab import _dist_engine as engine

@@ -13,7 +13,6 @@ import numpy as np
 if len(sys.argv) > 1 and sys.argv[1] == "mixed":
     os.environ["DISTLAB_IMPL"] = "reference" if int(os.environ["RANK"]) % 2 == 0 else "core"
 
-import distlab
 import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
