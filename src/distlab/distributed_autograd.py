@@ -28,7 +28,6 @@ import threading
 import time
 import warnings
 
-
 from distlab import _backend
 from distlab import _dist_engine as engine
 from distlab._autograd_shared import K_BACKWARD, K_CLEANUP, K_PREPARE
