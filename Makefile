@@ -38,7 +38,7 @@ docs: $(STAMP)
 	$(PY) -P -m sphinx -W --keep-going -b html docs docs/_build/html
 
 bench: build
-	$(PY) -P benchmarks/bench_comm.py
+	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done
 
 clean:
 	rm -rf build core/*.c core/*.so docs/_build .pytest_cache

@@ -196,6 +196,10 @@ def _collect_results(workdir: Path, np: int, job: JobResult, limit: float):
     return results
 
 
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     """Command line: ``python -m distlab run -n N [--timeline out.json] [--timeout S] script.py args...``."""
     parser = argparse.ArgumentParser(prog="python -m distlab", description=__doc__.split("\n\n")[0])
@@ -209,6 +213,8 @@ def main(argv=None) -> int:
     merge_parser = sub.add_parser("merge-timeline", help="merge per-rank timeline parts into one trace")
     merge_parser.add_argument("path")
     options = parser.parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) must reach run_job's cleanup, which kills every rank: raise instead of dying.
+    signal.signal(signal.SIGTERM, _terminate)
     if options.command == "merge-timeline":
         from .timeline import merge
 
