@@ -175,3 +175,39 @@ def test_rpc_hook_leaves_calls_outside_a_context_alone(autograd_container):
     from distlab import distributed_autograd
 
     assert distributed_autograd._rpc_hook(1, print, (), None) is None
+
+
+def test_queue_callback_runs_when_this_workers_part_is_over(autograd_container):
+    from distlab.autograd import queue_callback
+
+    ctx_a, ctx_b, w, v, loss = _simulated_pair(autograd_container)
+    ran = []
+    w.register_hook(lambda g: queue_callback(lambda: ran.append(len(ran))) and None)
+    task_a, _, _, sends = _run(ctx_a, [loss], pass_id=3)
+    assert ran == [] and not task_a.finished.done()  # w's first gradient arrived, the send function has not run
+    task_b, _, _ = engine.task_for(ctx_b, 3, False)
+    ctx_b.retrieve_send_function(200).set_grads(sends[0][2])
+    sends_b = engine.execute(task_b, ctx_b, [(ctx_b.retrieve_send_function(200), None)])
+    task_b.check_finished()
+    ctx_a.retrieve_send_function(100).set_grads(sends_b[0][2])
+    engine.execute(task_a, ctx_a, [(ctx_a.retrieve_send_function(100), None)])
+    assert ran == []
+    task_a.check_finished()
+    assert ran == [0] and task_a.finished.done()
+    task_a.check_finished()
+    assert ran == [0]  # once
+
+
+def test_failing_callback_fails_the_part(autograd_container):
+    from distlab.autograd import queue_callback
+
+    ctx = autograd_container.DistAutogradContext(8)
+    x = _leaf(9)
+
+    def boom():
+        raise KeyError("callback")
+
+    x.register_hook(lambda g: queue_callback(boom) and None)
+    task, _, _, _ = _run(ctx, [(x * 2.0).sum()])
+    with pytest.raises(KeyError, match="callback"):
+        task.finished.value()

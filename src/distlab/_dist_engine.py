@@ -36,6 +36,8 @@ import threading
 
 from distlab.autograd import grad_mode
 from distlab.autograd.accumulate_grad import AccumulateGrad, run_tensor_hooks
+from distlab.autograd.engine import GraphTask as _LocalGraphTask
+from distlab.autograd.engine import _tasks as _local_tasks  # the local engine's per-thread graph-task stack
 from distlab.autograd.engine import compute_dependencies
 from distlab.autograd.node import FREED_GRAPH_MESSAGE, Node
 from distlab.autograd.sparse import add_grads
@@ -127,7 +129,7 @@ class GraphTask:
     """One worker's state of one backward pass of one context (torch's GraphTask owned by the context)."""
 
     __slots__ = ("pass_id", "retain_graph", "deps", "buffers", "lock", "order", "sends_left", "finished",
-                 "in_tree")
+                 "in_tree", "callbacks", "_closing")
 
     def __init__(self, pass_id, retain_graph: bool):
         self.pass_id = pass_id
@@ -140,6 +142,8 @@ class GraphTask:
         #: completed when every send function of the context has run here (or with the first local error)
         self.finished = Future(description=f"backward pass {pass_id}")
         self.in_tree = False  # joined the pass's tree of prepare messages (see distributed_autograd)
+        self.callbacks = []  # queued with distlab.autograd.queue_callback during this worker's part
+        self._closing = False
 
     def fail(self, exc) -> None:
         """Record a local error: the pass is over here (first error wins)."""
@@ -150,12 +154,25 @@ class GraphTask:
                 pass
 
     def check_finished(self) -> None:
-        """Complete :attr:`finished` once every send function has run (call after sending their gradients)."""
-        if not self.sends_left and not self.finished.done():
-            try:
-                self.finished.set_result(None)
-            except RuntimeError:
-                pass
+        """Complete :attr:`finished` once every send function has run (call after sending their gradients),
+        after running the callbacks queued during this worker's part (engine.cpp exec_post_processing)."""
+        with _task_lock:
+            if self.sends_left or self.finished.done() or self._closing:
+                return
+            self._closing = True
+        try:
+            with _engine_task(self):
+                i = 0
+                while i < len(self.callbacks):  # a callback may queue more
+                    self.callbacks[i]()
+                    i += 1
+        except BaseException as exc:  # noqa: BLE001 - a failed callback fails this worker's part
+            self.fail(exc)
+            return
+        try:
+            self.finished.set_result(None)
+        except RuntimeError:
+            pass
 
 
 def task_for(context, pass_id, retain_graph: bool, roots=()):
@@ -189,6 +206,21 @@ def task_for(context, pass_id, retain_graph: bool, roots=()):
 _task_lock = threading.Lock()
 
 
+class _engine_task:
+    """Make ``queue_callback`` work in this thread during a distributed part: the local engine's stack of graph
+    tasks gets one whose callbacks list is the distributed task's (distlab.autograd.engine keeps that stack)."""
+
+    def __init__(self, task):
+        self.local = _LocalGraphTask(task.retain_graph, True)
+        self.local.callbacks = task.callbacks
+
+    def __enter__(self):
+        _local_tasks.stack.append(self.local)
+
+    def __exit__(self, *exc):
+        _local_tasks.stack.pop()
+
+
 def execute(task: GraphTask, context, entries) -> list:
     """Run the graph from ``entries`` (``[(node, grad or None)]``) until no node is ready.
 
@@ -207,7 +239,8 @@ def execute(task: GraphTask, context, entries) -> list:
                     task.buffers[node] = grad if prev is None else add_grads(prev, grad)
                 heapq.heappush(ready, (-node.seq, task.order, node))
                 task.order += 1
-            _loop(task, context, ready, sends)
+            with _engine_task(task):
+                _loop(task, context, ready, sends)
         finally:
             grad_mode._state.enabled = was_enabled
     return sends
