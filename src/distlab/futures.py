@@ -46,10 +46,13 @@ class Future:
         What this future stands for, used in timeout messages.
     """
 
-    __slots__ = ("_cond", "_value", "_exception", "_callbacks", "_driver", "_description")
+    __slots__ = ("_lock", "_event", "_value", "_exception", "_callbacks", "_driver", "_description")
 
     def __init__(self, *, driver: Callable[[float], Any] | None = None, description: str = "future"):
-        self._cond = threading.Condition(threading.Lock())
+        # A plain lock is cheap; the Event a waiting thread sleeps on is made only when someone waits
+        # (most futures complete before anyone does: RPC replies, comm hooks chained with then()).
+        self._lock = threading.Lock()
+        self._event: threading.Event | None = None
         self._value = _UNSET
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future], Any]] = []
@@ -72,7 +75,7 @@ class Future:
         self._complete(_UNSET, exception)
 
     def _complete(self, value, exception) -> None:
-        with self._cond:
+        with self._lock:
             if self.done():
                 raise RuntimeError(f"{self._description}: the future is already completed")
             if exception is not None:
@@ -80,7 +83,9 @@ class Future:
             else:
                 self._value = value
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+            event = self._event
+        if event is not None:
+            event.set()
         for callback in callbacks:
             self._run_callback(callback)
 
@@ -104,17 +109,15 @@ class Future:
             if self._driver is not None:
                 self._driver(timeout)
             else:
-                deadline = time.monotonic() + timeout
-                with self._cond:
-                    while not self.done():
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0 or not self._cond.wait(remaining):
-                            if self.done():
-                                break
-                            raise DistTimeoutError(
-                                f"{self._description} did not complete within {timeout:g} s",
-                                op=self._description, timeout=timeout,
-                            )
+                with self._lock:
+                    if self._event is None:
+                        self._event = threading.Event()
+                    event = self._event
+                if not self.done() and not event.wait(timeout) and not self.done():
+                    raise DistTimeoutError(
+                        f"{self._description} did not complete within {timeout:g} s",
+                        op=self._description, timeout=timeout,
+                    )
         return self.value()
 
     def value(self):
@@ -134,7 +137,7 @@ class Future:
     # -- chaining ---------------------------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[["Future"], Any]) -> None:
         """Run ``callback(self)`` once completed (at once if already completed)."""
-        with self._cond:
+        with self._lock:
             if not self.done():
                 self._callbacks.append(callback)
                 return
