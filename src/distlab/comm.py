@@ -242,6 +242,7 @@ class ProcessGroup:
             memory, _ = self._board.Shared_query(node_rank)
             self._peer_slots[group_rank] = np.frombuffer(memory, dtype=np.int64)
         self._node.Barrier()  # every slot is zeroed before anyone posts
+        self._oversubscribed = self._node.Get_size() > _usable_cores()
 
     def _arrivals(self) -> dict[int, tuple[int, str] | None]:
         """Every rank's last entered collective ``(seq, op)``, or None when it cannot be read (other node)."""
@@ -273,7 +274,8 @@ class ProcessGroup:
         if self._detail:
             shape = None if array is None else array.shape
             dtype = None if array is None else array.dtype
-            self._check_fingerprint(self._fingerprint.make_fingerprint(seq, op, shape, dtype, root, reduce_op),
+            reduce_name = reduce_op.value if isinstance(reduce_op, ReduceOp) else reduce_op
+            self._check_fingerprint(self._fingerprint.make_fingerprint(seq, op, shape, dtype, root, reduce_name),
                                     op, seq, name)
         return seq
 
@@ -326,19 +328,23 @@ class ProcessGroup:
     def _spin(self, test, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
         """Poll ``test()`` until True (MPI progresses only inside MPI calls), bounded by ``timeout``.
 
-        Spin first (a large transfer needs every progress call), yielding the core now and then so that
-        oversubscribed ranks (4 ranks on 2 cores) let their peers run, then back off with short sleeps.
+        Spin first (a large transfer needs every progress call), then back off with short sleeps. When the
+        node runs more ranks than it has cores (4 ranks on 2 cores), each poll also yields the core, or a rank
+        spinning here would keep its peer from running the other half of the collective (measured: 8.5 ms for
+        a 4 KiB allreduce without yielding, 36 us raw). With a core per rank the syscall is pure cost: no yield.
         """
         start = time.monotonic()
         deadline = start + timeout
         spin_until = start + _SPIN_SECONDS
         pause = 0.0
         polls = 0
+        oversubscribed = self._oversubscribed
         while not test():
+            if oversubscribed:
+                _yield_cpu()
             polls += 1
             if polls & 15:
                 continue
-            _yield_cpu()
             now = time.monotonic()
             if now >= deadline:
                 self._raise_timeout(timeout, op, seq, name, nbytes, peer)
@@ -412,9 +418,9 @@ class ProcessGroup:
         buf, copy_back = self._mpi_buffer(array, "allreduce")
         if reduce_op in _KIND_CHECKED:
             _check_reducible(array, reduce_op, "allreduce")
-        seq = self._enter("allreduce", name, array, reduce_op=reduce_op.value)
+        seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
         start = now_us() if self._timeline_on else 0.0
-        if array.dtype.name == "bfloat16":  # no MPI datatype: reduce the bits with our own MPI op
+        if array.dtype.kind == "V" and array.dtype.name == "bfloat16":  # our own MPI op (.name alone: 1.8 us)
             request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T],
                                            _bfloat16_op(reduce_op, array.dtype))
         else:
@@ -456,7 +462,7 @@ class ProcessGroup:
         if input.size != output.size * self.size or input.dtype != output.dtype:
             raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
                              f"elements of {output.dtype}, got {input.size} of {input.dtype}")
-        seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op.value)
+        seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)
         start = self._start()
         request = self.comm.Ireduce_scatter_block(send, recv, _mpi_op(reduce_op, input.dtype))
         finish = _averaging(recv, self.size, copy_back) if reduce_op is ReduceOp.AVG else copy_back
@@ -659,6 +665,14 @@ def _log_to_stderr(rank: int) -> None:
         logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _yield_cpu() -> None:
