@@ -57,8 +57,8 @@ _MPI_OPS = {
     ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
 }
 _OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
-_SPIN_SECONDS = 0.01
-_YIELD_EVERY = 3  # oversubscribed: yield the core every 4th poll (a mask: measured best of 1, 4 and 16)  # busy-poll this long before backing off (large transfers need every progress call)
+_SPIN_SECONDS = 0.01  # busy-poll this long before backing off (large transfers need every progress call)
+_YIELD_EVERY = 3  # oversubscribed: yield the core every 4th poll (a mask: measured best of 1, 4 and 16)
 
 
 def debug_level() -> str:
