@@ -147,9 +147,21 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation completes; raise its error, or DistTimeoutError after ``timeout`` s."""
-        if not self._poll():
-            self.group._spin(self._poll, self.group.timeout if timeout is None else timeout,
-                             self.op, self.seq, self.name, self.nbytes, self.peer)
+        if not self._done:
+            timeout = self.group.timeout if timeout is None else timeout
+            deadline = time.monotonic() + timeout
+            # Hold the group's lock for the whole wait and poll the MPI request itself: no lock round trip per
+            # poll (another thread's progress() simply finds this work done afterwards).
+            with self.group._lock:
+                while not self._done:
+                    request = self._request
+                    if not request.Test():
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            self.group._raise_timeout(timeout, self.op, self.seq, self.name, self.nbytes, self.peer)
+                        self.group._spin(request.Test, remaining, self.op, self.seq, self.name, self.nbytes,
+                                         self.peer, timeout)
+                    self._request_done()
         if self._exception is not None:
             raise self._exception
         return True
@@ -326,7 +338,7 @@ class ProcessGroup:
         self._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {self.name}",
                                 args={"seq": seq, "bytes": nbytes, "op": op})
 
-    def _spin(self, test, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
+    def _spin(self, test, timeout: float, op: str, seq: int, name, nbytes: int, peer, reported=None) -> None:
         """Poll ``test()`` until True (MPI progresses only inside MPI calls), bounded by ``timeout``.
 
         Spin first (a large transfer needs every progress call), then back off with short sleeps. When the
@@ -348,7 +360,7 @@ class ProcessGroup:
                 continue
             now = time.monotonic()
             if now >= deadline:
-                self._raise_timeout(timeout, op, seq, name, nbytes, peer)
+                self._raise_timeout(timeout if reported is None else reported, op, seq, name, nbytes, peer)
             if now > spin_until:
                 pause = min(max(pause * 2, 2e-5), 1e-3)
                 time.sleep(pause)
