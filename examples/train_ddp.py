@@ -79,7 +79,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             bar.update()
-            bar.set_postfix(loss=f"{float(loss.data):.3f}")
+            bar.set_postfix(loss=f"{float(loss.data):.3f}", refresh=False)
     bar.close()
 
     with distlab.no_grad():
