@@ -13,9 +13,11 @@ method names the function it mirrors. One iteration goes like this:
    backward ends.
 4. ``finalize_backward`` waits for each bucket and writes the averaged gradients back into ``.grad``.
 
-Guarantees kept: every rank launches the same collectives in the same order (buckets strictly in order, the
-used-parameter map last), so ranks never mismatch; a parameter unused on every rank keeps its ``.grad``
-untouched; a parameter cannot be marked ready twice in one iteration without an error that names it.
+Guarantees kept (named as on the reducer's docs page): G1, every rank issues the same collectives in the same
+order (buckets strictly in order, the used-parameter map last, rank 0's rebuilt layout broadcast); G2, when
+backward returns every ``.grad`` holds the average over ranks; G3, a parameter unused on every rank keeps its
+``.grad`` untouched; G4, misuse (a parameter marked ready twice, an unfinished reduction, a changed static
+graph) is an error naming the parameters, never a silent divergence or a hang.
 """
 from __future__ import annotations
 
@@ -206,7 +208,7 @@ class Reducer(ReducerJoinMixin):
 
     def mark_variable_ready(self, index):
         """Copy the gradient into its bucket; launch buckets whose last gradient this was (``mark_variable_ready``)."""
-        if index in self.ready_this_iteration:
+        if index in self.ready_this_iteration:  # G4: a second gradient in one iteration is an error, not a double add
             raise RuntimeError(support.marked_twice(self.param_names, index, self.static_graph,
                                                     self.find_unused_parameters))
         self.ready_this_iteration.add(index)
@@ -258,7 +260,7 @@ class Reducer(ReducerJoinMixin):
         bucket.gradients = grad if self.comm_hook is not None else grad * (1.0 / self.div_factor)
 
     def mark_bucket_ready(self, bucket_index):
-        """Launch ready buckets strictly in order (``mark_bucket_ready``): every rank reduces the same sequence."""
+        """Launch ready buckets strictly in order (``mark_bucket_ready``): every rank reduces the same sequence (G1)."""
         if bucket_index > self.next_bucket:
             return
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -279,7 +281,7 @@ class Reducer(ReducerJoinMixin):
         self.stats.bucket_launched(b, nbytes, len(bucket.variable_indices), bucket.future)
 
     def all_reduce_local_used_map(self):
-        """Sum the used-parameter flags over ranks (``all_reduce_local_used_map``), after the last bucket."""
+        """Sum the used-parameter flags over ranks (``all_reduce_local_used_map``), after the last bucket (G1, G3)."""
         self.local_used_work = self.process_group.allreduce(self.local_used_map.copy(), async_op=True,
                                                             name="local_used_map")
 
@@ -321,7 +323,7 @@ class Reducer(ReducerJoinMixin):
         self.stats.end_iteration()
 
     def finalize_bucket_dense(self, bucket):
-        """Copy reduced views back into ``.grad``; globally unused parameters stay untouched."""
+        """Copy reduced views back into ``.grad`` (G2); globally unused parameters stay untouched (G3)."""
         for position, index in enumerate(bucket.variable_indices):
             if (self.static_graph or self.find_unused_parameters) and self._globally_unused(index):
                 continue
