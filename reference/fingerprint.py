@@ -1,5 +1,7 @@
 """Collective fingerprints: what ``DISTLAB_DEBUG=DETAIL`` compares across ranks before every collective.
 
+Twinned with ``core/_fingerprint.pyx``.
+
 A fingerprint is a small, fixed-size int64 vector describing one collective call: its sequence number in the
 process group, the operation, the reduce op, the root, and the array's dtype and shape (layout in
 ``distlab._wire``). Every rank builds its own, the ranks allgather them (a fixed-size exchange that cannot

@@ -1,5 +1,7 @@
 """Negotiation messages: ``Request``, ``Response`` and their lists, with a compact binary wire format.
 
+Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_messages.pxi``).
+
 Mirrors horovod/common/message.h and message.cc. A rank describes each collective it wants to run as a
 ``Request`` (name, type, dtype, shape, root, device, reduce op, scale factors); the coordinator answers with
 ``Response`` objects that say which tensors to run now, possibly several fused into one. Horovod serialises these

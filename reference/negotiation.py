@@ -1,5 +1,7 @@
 """The controller's cycle: from queued requests to the same ``ResponseList`` on every rank.
 
+Twinned with ``core/_negotiation.pyx``, which holds the twins of all three negotiation modules.
+
 Mirrors horovod/common/controller.cc ``Controller::ComputeResponseList``, ``ConstructResponse``,
 ``FuseResponses`` and ``IncrementTensorCount``. Each cycle:
 

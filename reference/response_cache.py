@@ -1,5 +1,7 @@
 """Horovod's response cache and cache coordinator (mirrors horovod/common/response_cache.h and .cc).
 
+Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_cache.pxi``).
+
 Once a tensor has been negotiated, every rank stores the coordinator's ``Response`` for it in an LRU cache, and
 all ranks perform the same cache operations in the same order, so the cache (and its *bit* numbering) is
 identical everywhere. From then on a rank that submits the same tensor with the same parameters only has to say

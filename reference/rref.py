@@ -1,5 +1,7 @@
 """RRefs: remote references with PyTorch's reference-counting protocol (reference twin).
 
+Twinned with ``core/_rref.pyx``, which also holds the twin of :mod:`distlab.reference.rref_context`.
+
 An RRef names a value that lives on one worker, its *owner*. The owner holds the single ``OwnerRRef`` (the value,
 as a future); every other worker that holds the RRef holds a ``UserRRef`` with its own fork id. The owner counts
 the forks of each RRef and deletes the ``OwnerRRef`` when the count drops to zero. Two guarantees make that safe

@@ -1,5 +1,7 @@
 """The RRef context: one per worker, the state of the RRef protocol (reference twin).
 
+Twinned with ``core/_rref.pyx`` (its ``RRefContext``).
+
 Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
 
 ``owners``
