@@ -38,8 +38,8 @@ from distlab.autograd import grad_mode
 from distlab.autograd.accumulate_grad import AccumulateGrad, run_tensor_hooks
 from distlab.autograd.engine import GraphTask as _LocalGraphTask
 from distlab.autograd.engine import _tasks as _local_tasks  # the local engine's per-thread graph-task stack
-from distlab.autograd.engine import compute_dependencies
-from distlab.autograd.node import FREED_GRAPH_MESSAGE, Node
+from distlab.autograd.engine import compute_dependencies, evaluate_node, propagate
+from distlab.autograd.node import Node
 from distlab.autograd.sparse import add_grads
 from distlab.futures import Future
 
@@ -248,7 +248,7 @@ def execute(task: GraphTask, context, entries) -> list:
 
 def _loop(task, context, ready, sends) -> None:
     """The engine loop (the local engine's, plus send/recv functions and the context as gradient sink)."""
-    heappop, heappush = heapq.heappop, heapq.heappush
+    heappop = heapq.heappop
     buffers, deps, retain = task.buffers, task.deps, task.retain_graph
     sink = context.accumulate_grad
     while ready:
@@ -271,22 +271,5 @@ def _loop(task, context, ready, sends) -> None:
         elif grad is None:
             outputs = ()  # nothing flowed in: dependents still need their counts decremented
         else:
-            if node.freed:
-                raise RuntimeError(FREED_GRAPH_MESSAGE.format(name=node.name()))
-            if node.pre_hooks:
-                grad = run_tensor_hooks(node.pre_hooks, grad)
-            outputs = node.apply(grad)
-            if not retain:
-                node.release()
-        for i, nxt in enumerate(node.next_nodes):
-            if nxt is None:
-                continue
-            g = outputs[i] if outputs else None
-            if g is not None:
-                prev = buffers.get(nxt)
-                buffers[nxt] = g if prev is None else add_grads(prev, g)
-            remaining = deps.get(nxt, 1) - 1
-            deps[nxt] = remaining
-            if remaining == 0:
-                heappush(ready, (-nxt.seq, task.order, nxt))
-                task.order += 1
+            outputs = evaluate_node(node, grad, retain)
+        task.order = propagate(node, outputs, buffers, deps, ready, task.order)

@@ -28,7 +28,7 @@ from .sparse import add_grads
 from .tensor import Tensor
 
 __all__ = ["run_backward", "queue_callback", "compute_dependencies", "walk_graph", "graph_leaves",
-           "is_backward_running"]
+           "is_backward_running", "evaluate_node", "propagate"]
 
 
 class _Tasks(threading.local):
@@ -185,7 +185,7 @@ def run_backward(roots, grad_roots, retain_graph: bool = False, accumulate=True)
 
 def _execute(task, ready, buffers, deps, order) -> None:
     """The engine loop (engine.cpp ``thread_main`` + ``evaluate_function``) over one graph task."""
-    heappop, heappush = heapq.heappop, heapq.heappush
+    heappop = heapq.heappop
     retain, sink = task.retain_graph, task.sink
     while ready:
         node = heappop(ready)[2]
@@ -193,31 +193,50 @@ def _execute(task, ready, buffers, deps, order) -> None:
         if grad is None:
             outputs = ()  # nothing flowed in: dependents still need their counts decremented
         elif isinstance(node, AccumulateGrad):
-            outputs = g = None  # drop our other references so that the count below is exact
+            outputs = None  # drop our other reference (the previous node's outputs) so the count below is exact
             owned = sys.getrefcount(grad) <= _OWNED_REFS  # only `grad` refers to it: no one else can alias it
             node.accumulate(grad, sink, owned)
             continue
         else:
-            if node.freed:
-                raise RuntimeError(FREED_GRAPH_MESSAGE.format(name=node.name()))
-            if node.pre_hooks:
-                grad = run_tensor_hooks(node.pre_hooks, grad)
-            outputs = node.apply(grad)
-            if not retain:
-                node.release()
-        nexts = node.next_nodes
-        for i, nxt in enumerate(nexts):
-            if nxt is None:
-                continue
-            g = outputs[i] if outputs else None
-            if g is not None:
-                prev = buffers.get(nxt)
-                buffers[nxt] = g if prev is None else add_grads(prev, g)
-            remaining = deps[nxt] - 1
-            deps[nxt] = remaining
-            if remaining == 0:
-                heappush(ready, (-nxt.seq, order, nxt))
-                order += 1
+            outputs = evaluate_node(node, grad, retain)
+        order = propagate(node, outputs, buffers, deps, ready, order)
+
+
+def evaluate_node(node, grad, retain_graph: bool):
+    """Run one non-leaf node on its summed gradient: pre-hooks, ``apply``, then free its saved values.
+
+    Mirrors engine.cpp ``call_function``; shared with the distributed engine.
+    """
+    if node.freed:
+        raise RuntimeError(FREED_GRAPH_MESSAGE.format(name=node.name()))
+    if node.pre_hooks:
+        grad = run_tensor_hooks(node.pre_hooks, grad)
+    outputs = node.apply(grad)
+    if not retain_graph:
+        node.release()
+    return outputs
+
+
+def propagate(node, outputs, buffers, deps, ready, order: int) -> int:
+    """Add ``outputs`` into the next nodes' input buffers and queue each whose dependencies are all met.
+
+    Mirrors the tail of engine.cpp ``evaluate_function``; shared with the distributed engine. A next node missing
+    from ``deps`` counts as having one dependency (the distributed engine adds send functions' targets late).
+    Returns the tie-breaking counter for the next node queued.
+    """
+    for i, nxt in enumerate(node.next_nodes):
+        if nxt is None:
+            continue
+        g = outputs[i] if outputs else None
+        if g is not None:
+            prev = buffers.get(nxt)
+            buffers[nxt] = g if prev is None else add_grads(prev, g)
+        remaining = deps.get(nxt, 1) - 1
+        deps[nxt] = remaining
+        if remaining == 0:
+            heapq.heappush(ready, (-nxt.seq, order, nxt))
+            order += 1
+    return order
 
 
 def _run_callbacks(task) -> None:
