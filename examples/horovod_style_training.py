@@ -20,6 +20,7 @@ import numpy as np
 import distlab
 from distlab import collectives as hvd
 from distlab import nn, optim
+from train_ddp import spirals  # the same data set as the DDP example (examples/ is on sys.path when run)
 
 
 class DistributedOptimizer:
@@ -53,19 +54,6 @@ def broadcast_parameters(named_parameters, root_rank=0):
     """Give every rank ``root_rank``'s weights."""
     for name, param in named_parameters:
         param.data[...] = hvd.broadcast(param.data, root_rank, name=f"params.{name}")
-
-
-def spirals(n_per_class: int, classes: int = 3, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    xs, ys = [], []
-    for c in range(classes):
-        r = np.linspace(0.05, 1.0, n_per_class)
-        t = np.linspace(c * 4.0, (c + 1) * 4.0, n_per_class) + rng.normal(0, 0.15, n_per_class)
-        xs.append(np.stack([r * np.sin(t), r * np.cos(t)], axis=1))
-        ys.append(np.full(n_per_class, c))
-    x, y = np.concatenate(xs).astype(np.float32), np.concatenate(ys)
-    order = rng.permutation(len(y))
-    return x[order], y[order]
 
 
 def main() -> None:
