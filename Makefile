@@ -13,7 +13,7 @@ all: build
 # Create the venv and install distlab (editable) with its test extras. Re-runs when the packaging files change.
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0"
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0" "numpy>=2.0"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 

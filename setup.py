@@ -3,6 +3,7 @@
 Cython extensions are named explicitly (globbing infers wrong module names under a package_dir mapping).
 To add a core module, add its stem to CORE_MODULES; its source is core/<stem>.pyx.
 """
+import numpy
 from setuptools import Extension, setup
 from Cython.Build import cythonize
 
@@ -15,7 +16,11 @@ CORE_MODULES = [
     "_negotiation",
 ]
 
-extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"]) for stem in CORE_MODULES]
+# numpy's headers: the reducer reads gradient arrays through numpy's C API (`cimport numpy`). Built against numpy
+# 2.x, the extension runs with numpy 1.x and 2.x alike.
+extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"], include_dirs=[numpy.get_include()],
+                        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+              for stem in CORE_MODULES]
 
 setup(
     package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},

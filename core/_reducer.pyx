@@ -2,15 +2,29 @@
 """Core twin of the DDP reducer: :mod:`distlab.reference.reducer`, :mod:`distlab.reference.bucketing` and
 :mod:`distlab.reference.grad_bucket` in one module (read those for the explanation).
 
-What differs: the per-parameter bookkeeping (locators, ready flags, hook counts, used maps, pending counts) lives
-in C arrays, each parameter's hook is a small C-level callable, and a float32/float64 gradient is copied and
-scaled into its bucket by a C loop over raw buffers (no numpy call, no temporary).
+What differs: the per-parameter bookkeeping (locators, ready flags, hook counts, used maps, pending counts, the
+arrival order) lives in C arrays, each parameter's hook is a small C-level callable, a parameter's ``grad`` and
+its ``data`` are read from Tensor's slots, and a float32/float64 gradient is copied and scaled into its bucket by
+a C loop over the array's memory, found through numpy's C API (no numpy call, no buffer export, no temporary).
+Launching a bucket builds no per-parameter Python object: the GradBucket shares the bucket's lists.
 """
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
 import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        pass
+    object PyMember_GetOne(const char* obj_addr, PyMemberDef* member)
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
 
 from distlab import _reducer_support as support
 from distlab import comm as _comm
@@ -25,6 +39,45 @@ NO_SIZE_LIMIT = 0
 cdef object _F32 = np.dtype(np.float32)
 cdef object _F64 = np.dtype(np.float64)
 cdef object _ndarray = np.ndarray
+
+
+# -- reading a Tensor's slots ---------------------------------------------------------------------------------
+# Tensor keeps ``grad`` and ``data`` in __slots__. Python's attribute lookup (type lookup, descriptor check, call)
+# costs more than the rest of a small parameter's bookkeeping, so the hot path reads the slot through its member
+# definition, as the slot descriptor itself would. Only for objects whose class resolves the name to Tensor's own
+# slot (checked once per parameter at construction; for gradients, the exact type Tensor): anything else, a
+# subclass with a ``grad`` property for instance, goes through ordinary getattr.
+cdef PyMemberDef* _member_of(object slot) except NULL:
+    if type(slot).__name__ != "member_descriptor":
+        raise TypeError(f"expected a __slots__ member descriptor, got {type(slot).__name__}")
+    return (<PyMemberDescrObject*>slot).d_member
+
+
+cdef object _GRAD_SLOT = Tensor.__dict__["grad"]
+cdef object _DATA_SLOT = Tensor.__dict__["data"]
+cdef PyMemberDef* _GRAD_MEMBER = _member_of(_GRAD_SLOT)
+cdef PyMemberDef* _DATA_MEMBER = _member_of(_DATA_SLOT)
+
+
+cdef bint _reads_tensor_slots(object param):
+    """True when ``param.grad`` is Tensor's own slot (so it may be read directly)."""
+    cls = type(param)
+    return (isinstance(param, Tensor) and getattr(cls, "grad", None) is _GRAD_SLOT
+            and cls.__getattribute__ is Tensor.__getattribute__)
+
+
+cdef inline object _grad_of(object param, bint direct):
+    """``param.grad``, read from the slot when ``direct``."""
+    if direct:
+        return PyMember_GetOne(<const char*><void*>param, _GRAD_MEMBER)
+    return param.grad
+
+
+cdef inline object _data_of(object tensor):
+    """``tensor.data``, read from the slot for a plain Tensor."""
+    if type(tensor) is Tensor:
+        return PyMember_GetOne(<const char*><void*>tensor, _DATA_MEMBER)
+    return tensor.data
 
 
 # -- bucketing (reference: bucketing.py) ---------------------------------------------------------------------
@@ -111,6 +164,9 @@ class GradBucket:
 
     def parameters(self):
         """See :meth:`distlab.reference.grad_bucket.GradBucket.parameters`."""
+        if self._parameters is None:
+            all_params, indices = self._lazy_parameters
+            self._parameters = [all_params[i] for i in indices]
         return list(self._parameters)
 
     def offsets(self):
@@ -130,7 +186,17 @@ class GradBucket:
         return self._index == self._bucket_count - 1
 
     def __repr__(self):
-        return f"<GradBucket {self._index}/{self._bucket_count} {len(self._parameters)} params>"
+        return f"<GradBucket {self._index}/{self._bucket_count} {len(self.parameters())} params>"
+
+
+cdef object _grad_bucket_of(Py_ssize_t b, Py_ssize_t count, _Bucket bucket, list params):
+    """The reducer's own GradBucket for bucket b: shares the bucket's lists (the accessors copy them) and builds
+    the parameter list only if a hook asks, so launching a bucket costs nothing per parameter."""
+    grad_bucket = GradBucket.__new__(GradBucket)
+    grad_bucket._index, grad_bucket._bucket_count, grad_bucket._buffer = b, count, bucket.gradients
+    grad_bucket._offsets, grad_bucket._lengths, grad_bucket._sizes = bucket.offsets, bucket.lengths, bucket.sizes
+    grad_bucket._parameters, grad_bucket._lazy_parameters = None, (params, bucket.variable_indices)
+    return grad_bucket
 
 
 cdef class _Bucket:
@@ -187,59 +253,61 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
     return bucket
 
 
+cdef inline bint _plain_array(object data, int kind, Py_ssize_t count):
+    """True when ``data`` is a native-order, C-contiguous numpy array of ``count`` elements of the kind's dtype.
+
+    Read straight from the array struct (numpy's C API): no buffer export, which costs more than the copy itself
+    for the small gradients of a many-parameter model.
+    """
+    cdef cnp.ndarray array
+    if type(data) is not _ndarray:
+        return False
+    array = <cnp.ndarray>data
+    return (cnp.PyArray_TYPE(array) == <int>(cnp.NPY_FLOAT32 if kind == KIND_F32 else cnp.NPY_FLOAT64)
+            and cnp.PyArray_IS_C_CONTIGUOUS(array) and cnp.PyArray_ISNOTSWAPPED(array)
+            and cnp.PyArray_SIZE(array) == count)
+
+
 cdef bint _scaled_copy(object data, char* dst, Py_ssize_t count, int kind, double scale) except -1:
     """``dst[:count] = data * scale`` by a C loop when ``data`` is a C-contiguous array of the kind's dtype.
 
     Returns False (nothing done) when ``data`` does not qualify, so the caller takes numpy's path. Works in place
     when ``data`` is the bucket view itself (gradient_as_bucket_view).
     """
-    cdef Py_buffer src
     cdef Py_ssize_t k
     cdef float* f_dst
     cdef float* f_src
     cdef float f_scale
     cdef double* d_dst
     cdef double* d_src
-    cdef char code
-    try:
-        PyObject_GetBuffer(data, &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-    except BufferError:
+    if not _plain_array(data, kind, count):
         return False
-    code = src.format[0] if src.format[0] not in b"<=@" else src.format[1]
-    if src.len != count * src.itemsize or not ((kind == KIND_F32 and code == b"f" and src.itemsize == 4)
-                                               or (kind == KIND_F64 and code == b"d" and src.itemsize == 8)):
-        PyBuffer_Release(&src)
-        return False
+    if scale == 1.0:  # a communication hook divides by itself: a plain copy (or nothing, in place)
+        if cnp.PyArray_DATA(<cnp.ndarray>data) != <void*>dst:
+            memcpy(dst, cnp.PyArray_DATA(<cnp.ndarray>data), count * (4 if kind == KIND_F32 else 8))
+        return True
     if kind == KIND_F32:
         f_dst = <float*>dst
-        f_src = <float*>src.buf
+        f_src = <float*>cnp.PyArray_DATA(<cnp.ndarray>data)
         f_scale = <float>scale
         for k in range(count):
             f_dst[k] = f_src[k] * f_scale
     else:
         d_dst = <double*>dst
-        d_src = <double*>src.buf
+        d_src = <double*>cnp.PyArray_DATA(<cnp.ndarray>data)
         for k in range(count):
             d_dst[k] = d_src[k] * scale
-    PyBuffer_Release(&src)
     return True
 
 
 cdef int _copy_from_view(object grad, char* view, Py_ssize_t count, int kind, object view_array) except -1:
     """``grad[...] = view`` by memcpy from the bucket view's known address (numpy's setitem otherwise)."""
-    cdef Py_buffer dst
-    cdef Py_ssize_t itemsize = 4 if kind == KIND_F32 else 8
-    try:
-        PyObject_GetBuffer(grad, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT)
-    except BufferError:
-        grad[...] = view_array
+    cdef void* dst
+    if _plain_array(grad, kind, count) and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad):
+        dst = cnp.PyArray_DATA(<cnp.ndarray>grad)
+        if dst != <void*>view:
+            memcpy(dst, view, count * (4 if kind == KIND_F32 else 8))
         return 0
-    if dst.len == count * itemsize and dst.itemsize == itemsize and (dst.format[0] in b"fd" or dst.format[1] in b"fd"):
-        if dst.buf != <void*>view:
-            memcpy(dst.buf, view, dst.len)
-        PyBuffer_Release(&dst)
-        return 0
-    PyBuffer_Release(&dst)
     grad[...] = view_array
     return 0
 
@@ -293,7 +361,7 @@ cdef enum:
 cdef class Reducer:
     """See :class:`distlab.reference.reducer.Reducer`."""
     cdef public list params, param_names, expect_sparse_gradients, buckets, unused_parameters
-    cdef public list rebuilt_param_indices, hook_handles
+    cdef public list hook_handles
     cdef public object process_group, reduce_dtype, comm_hook, comm_hook_state, local_used_map
     cdef public object used_during_no_sync, local_used_work, div_factor, forward_work, stats
     cdef public long long bucket_bytes_cap, first_bucket_bytes_cap
@@ -307,9 +375,12 @@ cdef class Reducer:
     cdef int* loc_bucket
     cdef int* loc_pos
     cdef char* ready
+    cdef char* direct  # direct[i]: params[i].grad may be read from Tensor's slot (_reads_tensor_slots)
     cdef int* hook_counts
     cdef int* hook_counts_left
     cdef int* pending
+    cdef int* rebuilt  # rebuilt_param_indices: the arrival order of the first iteration
+    cdef Py_ssize_t n_rebuilt
     cdef char** dst_ptr
     cdef Py_ssize_t* dst_len
     cdef int* kind
@@ -322,6 +393,9 @@ cdef class Reducer:
         self.n = 0
         self.loc_bucket = self.loc_pos = self.hook_counts = self.hook_counts_left = self.pending = NULL
         self.ready = NULL
+        self.direct = NULL
+        self.rebuilt = NULL
+        self.n_rebuilt = 0
         self.dst_ptr = NULL
         self.dst_len = NULL
         self.kind = NULL
@@ -329,6 +403,7 @@ cdef class Reducer:
     def __dealloc__(self):
         free(self.loc_bucket); free(self.loc_pos); free(self.ready); free(self.hook_counts)
         free(self.hook_counts_left); free(self.pending); free(self.dst_ptr); free(self.dst_len); free(self.kind)
+        free(self.rebuilt); free(self.direct)
 
     def __init__(self, params, bucket_indices, process_group, expect_sparse_gradients=None,
                  bucket_bytes_cap=25 * MiB, find_unused_parameters=False, gradient_as_bucket_view=False,
@@ -356,7 +431,6 @@ cdef class Reducer:
         self.expect_autograd_hooks = False
         self.require_finalize = False
         self.has_rebuilt_bucket = False
-        self.rebuilt_param_indices = []
         self.unused_parameters = []
         self.has_marked_unused_parameters = False
         self.local_used_map = np.zeros(n, dtype=np.int32)
@@ -373,10 +447,14 @@ cdef class Reducer:
         self.dst_ptr = <char**>calloc(n, sizeof(char*))
         self.dst_len = <Py_ssize_t*>calloc(n, sizeof(Py_ssize_t))
         self.kind = <int*>calloc(n, sizeof(int))
-        if not (self.loc_bucket and self.loc_pos and self.ready and self.hook_counts and self.hook_counts_left
+        self.rebuilt = <int*>calloc(n, sizeof(int))
+        self.direct = <char*>calloc(n, sizeof(char))
+        if not (self.rebuilt and self.direct and self.loc_bucket and self.loc_pos and self.ready and self.hook_counts and self.hook_counts_left
                 and self.dst_ptr and self.dst_len and self.kind):
             raise MemoryError()
         self._param_dtypes = [p.data.dtype for p in self.params]
+        for i in range(n):
+            self.direct[i] = _reads_tensor_slots(self.params[i])
         self.div_factor = None
         self.forward_work = None
         self.forward_work_static_world = True
@@ -443,10 +521,21 @@ cdef class Reducer:
         return [self._grad_bucket(b) for b in range(len(self.buckets))]
 
     def _grad_bucket(self, b):
-        bucket = self.buckets[b]
-        params = [self.params[i] for i in bucket.variable_indices]
-        return GradBucket(b, len(self.buckets), bucket.gradients, bucket.offsets, bucket.lengths, bucket.sizes,
-                          params)
+        return _grad_bucket_of(b, len(self.buckets), self.buckets[b], self.params)
+
+    @property
+    def rebuilt_param_indices(self):
+        """See :attr:`distlab.reference.reducer.Reducer.rebuilt_param_indices`."""
+        return [self.rebuilt[k] for k in range(self.n_rebuilt)]
+
+    @rebuilt_param_indices.setter
+    def rebuilt_param_indices(self, indices):
+        indices = list(indices)
+        if len(indices) > self.n:
+            raise ValueError(f"{len(indices)} rebuilt parameter indices for {self.n} parameters")
+        for k, i in enumerate(indices):
+            self.rebuilt[k] = i
+        self.n_rebuilt = len(indices)
 
     # -- per iteration ----------------------------------------------------------------------------------------
     def prepare_for_forward(self):
@@ -481,7 +570,7 @@ cdef class Reducer:
         memcpy(&self.used[0], &self.used_no_sync[0], self.n * sizeof(int))
         memset(&self.used_no_sync[0], 0, self.n * sizeof(int))
 
-    def autograd_hook(self, index):
+    def autograd_hook(self, Py_ssize_t index):
         """See :meth:`distlab.reference.reducer.Reducer.autograd_hook`."""
         if not 0 <= index < self.n:
             raise IndexError(f"parameter index {index} out of range (the reducer has {self.n} parameters)")
@@ -513,7 +602,9 @@ cdef class Reducer:
             if self.hook_counts_left[index] > 0:
                 return 0
         if (self.static_graph or not self.find_unused_parameters) and not self.has_rebuilt_bucket:
-            self.rebuilt_param_indices.append(index)
+            if self.n_rebuilt < self.n:  # a second arrival raises in _mark_variable_ready below
+                self.rebuilt[self.n_rebuilt] = index
+                self.n_rebuilt += 1
         self._mark_variable_ready(index)
         if self.next_bucket > 0:
             _comm.progress()
@@ -555,11 +646,11 @@ cdef class Reducer:
 
     cdef int _mark_dense(self, Py_ssize_t index, _Bucket bucket, Py_ssize_t position) except -1:
         cdef double scale
-        grad = self.params[index].grad
+        grad = _grad_of(self.params[index], self.direct[index])
         if grad is None:
             bucket.views_in[position][...] = 0
             return 0
-        data = grad.data
+        data = _data_of(grad)
         scale = 1.0 if self.comm_hook is not None else self._inv_div  # a hook divides by itself
         if self.kind[index] != KIND_OTHER and type(data) is _ndarray:
             if _scaled_copy(data, self.dst_ptr[index], self.dst_len[index], self.kind[index], scale):
@@ -673,18 +764,19 @@ cdef class Reducer:
                 continue
             view_in, view_out = views_in[position], views_out[position]
             param = self.params[index]
-            grad = param.grad
+            grad = _grad_of(param, self.direct[index])
+            data = _data_of(grad) if grad is not None else None
             if self.gradient_as_bucket_view:
                 if view_out is not view_in:
                     view_in[...] = view_out
-                if grad is None or grad.data is not view_in:
+                if data is not view_in:
                     param.grad = Tensor._wrap(view_in)
             elif grad is None:
                 param.grad = Tensor._wrap(view_out.astype(param.data.dtype, copy=True))
-            elif view_out is view_in and self.kind[index] != KIND_OTHER and type(grad.data) is _ndarray:
-                _copy_from_view(grad.data, self.dst_ptr[index], self.dst_len[index], self.kind[index], view_out)
+            elif view_out is view_in and self.kind[index] != KIND_OTHER:
+                _copy_from_view(data, self.dst_ptr[index], self.dst_len[index], self.kind[index], view_out)
             else:
-                _copy_into(grad.data, view_out)
+                _copy_into(data, view_out)
 
     cdef bint _globally_unused(self, Py_ssize_t index) except -1:
         if self.used[index]:

@@ -239,3 +239,106 @@ def test_training_converges(impl):
         opt.step()
         losses.append(float(loss.data))
     assert losses[-1] < 0.1 * losses[0]
+
+
+def in_backward(fn):
+    """Run ``fn`` inside a backward pass (the reducer queues finalize_backward as an engine callback)."""
+    from distlab.autograd import Node, run_backward
+
+    class Driver(Node):
+        def __init__(self):
+            super().__init__(())
+
+        def apply(self, grad):
+            fn()
+            return ()
+
+    run_backward([Driver()], [np.ones(1)])
+
+
+class GradProperty(nn.Parameter):
+    """A parameter whose ``grad`` is a property: the core may not read Tensor's slot directly for it."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.reads = 0
+
+    @property
+    def grad(self):
+        self.reads += 1
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        self._grad = value
+
+
+class TensorSubclass(distlab.Tensor):
+    """A gradient of a Tensor subclass whose ``data`` is a property (counted)."""
+
+    __slots__ = ()
+    reads = 0
+
+    @property
+    def data(self):
+        TensorSubclass.reads += 1
+        return distlab.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        distlab.Tensor.data.__set__(self, value)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed", "strided", "float64", "tensor subclass"])
+@pytest.mark.parametrize("hook", [None, noop_hook])
+def test_gradients_of_every_layout_reach_the_bucket(impl, group, kind, hook):
+    """The core's C copies take only plain C-contiguous arrays; anything else must give the same result via numpy."""
+    module = distlab._backend.load("reducer", impl)
+    dtype = np.float64 if kind == "float64" else np.float32
+    plain = nn.Parameter(np.zeros((3, 4), dtype=dtype))
+    special = GradProperty(np.zeros((4, 3), dtype=dtype))
+    reducer = module.Reducer([plain, special], [[1, 0]], group, param_names=["plain", "special"])
+    if hook is not None:
+        reducer.register_comm_hook(None, hook)
+    source = np.arange(12, dtype=dtype).reshape(3, 4)
+    grads = {"contiguous": (source, source.reshape(4, 3)), "transposed": (source, source.T),
+             "strided": (np.arange(24, dtype=dtype).reshape(3, 8)[:, ::2], source.reshape(4, 3)),
+             "float64": (source, source.reshape(4, 3)), "tensor subclass": (source, source.reshape(4, 3))}[kind]
+    wrap = TensorSubclass if kind == "tensor subclass" else distlab.tensor
+    expected = [np.array(g, copy=True) for g in grads]
+    for _ in range(2):  # twice: the second iteration runs with rebuilt buckets
+        reducer.prepare_for_forward()
+        reducer.prepare_for_backward([])
+        plain.grad, special.grad = wrap(np.array(grads[0])), wrap(np.array(grads[1]))
+        reads, data_reads = special.reads, TensorSubclass.reads
+        in_backward(lambda: (reducer.autograd_hook(1), reducer.autograd_hook(0)))
+        assert special.reads > reads  # the properties were honoured, not bypassed
+        assert (TensorSubclass.reads > data_reads) == (kind == "tensor subclass")
+        for p, want in zip((plain, special), expected):
+            assert np.array_equal(distlab.Tensor.data.__get__(p.grad), want)
+        reducer.rebuild_buckets()
+
+
+def test_reducer_grad_bucket_lists_its_parameters(impl, group):
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    seen = []
+
+    def recording_hook(state, bucket):
+        seen.append((bucket.index(), bucket.parameters(), bucket.offsets(), bucket.lengths(), bucket.sizes(),
+                     repr(bucket)))
+        bucket.offsets().append(99)  # the accessors hand out copies
+        return noop_hook(state, bucket)
+
+    reducer = module.Reducer(params, [[1, 0]], group)
+    reducer.register_comm_hook(None, recording_hook)
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([])
+    for p in params:
+        p.grad = distlab.tensor(np.ones_like(p.data))
+    in_backward(lambda: (reducer.autograd_hook(1), reducer.autograd_hook(0)))
+    (index, parameters, offsets, lengths, sizes, text), = seen
+    assert index == 0 and parameters[0] is params[1] and parameters[1] is params[0]
+    assert (offsets, lengths, sizes) == ([0, 2], [2, 3], [(2,), (3,)])
+    assert text == "<GradBucket 0/1 2 params>"
+    assert reducer.rebuilt_param_indices == [1, 0]
