@@ -327,3 +327,32 @@ def test_random_patterns_identical_across_twins_and_mixed(data):
     assert a == mixed
     event(f"fast path taken: {a[2][0]['fast_path'] > 0}")
     event(f"requeued: {a[2][0]['requeued'] > 0}; invalid: {a[2][0]['invalid'] > 0}")
+
+
+def test_repeated_hit_cycles_follow_threshold_and_cache_changes(negotiation):
+    """A fast-path cycle that repeats the last one's hits must still see a new fusion threshold, a changed entry,
+    and never hand out a response that a caller's change to an earlier result could have altered."""
+    m = negotiation
+    world, cs, ts = make_world([m, m], fusion_threshold=1 << 20)
+
+    def cycle(shape=(4,)):
+        for c in cs:
+            for name in ("a", "b", "c"):
+                submit(m, c, name, shape=shape)
+        return run_cycle(cs, ts)
+
+    cycle()
+    first = cycle()
+    assert names_of(first[0]) == [["a", "b", "c"]]
+    first[0].responses[0].tensor_names.append("tampered")   # a caller editing its result ...
+    assert names_of(cycle()[0]) == [["a", "b", "c"]]          # ... does not reach the next cycle
+    for c in cs:
+        c.fusion_threshold = 16                              # one 4-float tensor per fused response
+    assert names_of(cycle()[0]) == [["a"], ["b"], ["c"]]
+    for c in cs:
+        c.fusion_threshold = 1 << 20
+    assert names_of(cycle()[0]) == [["a", "b", "c"]]
+    cycle(shape=(8,))                                         # changed shape: invalidated, renegotiated
+    again = cycle(shape=(8,))
+    assert names_of(again[0]) == [["a", "b", "c"]] and again[0].responses[0].tensor_sizes == [8, 8, 8]
+    assert all(c.counters["fast_path"] >= 5 for c in cs)
