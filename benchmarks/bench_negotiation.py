@@ -12,8 +12,7 @@ and 1000 tensors submitted per cycle:
 - **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication.
 
 Each cycle starts after a barrier; a figure is the median over iterations of the slowest rank (for the hit path
-and the floors, the lowest of three such medians, measured in interleaved blocks). Within a round the
-configurations run in an order rotated from round to round, so none of them always runs first. Prints a table and
+and the floors, the lowest of three such medians, measured in interleaved blocks). Prints a table and
 writes ``benchmarks/results/bench_negotiation.json``. Timings on a shared 2-core machine are noisy: compare
 within one run.
 """
@@ -79,17 +78,6 @@ def bookkeeping(repeat=200):
     return out
 
 
-def rotated(names, i):
-    """The round's order: each configuration takes every position in turn (the same on every rank).
-
-    With more ranks than cores, where a measurement falls in the round matters (measured on 4 ranks over 2 cores:
-    the allreduce run second in a round took 54 us where the same call run first took 30 us); rotating gives
-    every configuration the same mix of positions instead of a fixed advantage.
-    """
-    k = i % len(names)
-    return names[k:] + names[:k]
-
-
 def worker(out_path):
     """Runs on every rank under MPI. Configurations are measured interleaved, round by round, so that a burst of
     load from other processes hits them all alike and the ratios stay meaningful."""
@@ -143,12 +131,10 @@ def worker(out_path):
         for _block in range(BLOCKS):
             times = {name: [] for name in cases}
             gc.collect()        # garbage from earlier configurations must not be collected during these
-            names = list(cases)
             for i in range(rounds):
-                for name in rotated(names, i):
+                for name, (fn, prepare) in cases.items():
                     if name == "hit-reference" and count == 1000 and i % 3:
                         continue
-                    fn, prepare = cases[name]
                     times[name].append(once(fn, prepare))
             for name in cases:
                 best[name] = min(best[name], slowest_median(times[name]))
@@ -178,8 +164,7 @@ def worker(out_path):
         times = {name: [] for name in miss_cases}
         gc.collect()
         for i in range(8 if count == 1000 else 30):
-            for name in rotated(list(miss_cases), i):
-                fn, prepare = miss_cases[name]
+            for name, (fn, prepare) in miss_cases.items():
                 times[name].append(once(fn, prepare))
         for name in miss_cases:
             results[f"{name}/{count}"] = slowest_median(times[name])
