@@ -25,6 +25,7 @@ cdef extern from "structmember.h":
 cdef extern from "Python.h":
     ctypedef struct PyMemberDescrObject:
         PyMemberDef* d_member
+    void* Py_TYPE(object obj)
 
 from distlab import _reducer_support as support
 from distlab import comm as _comm
@@ -66,9 +67,9 @@ cdef bint _reads_tensor_slots(object param):
             and cls.__getattribute__ is Tensor.__getattribute__)
 
 
-cdef inline object _grad_of(object param, bint direct):
-    """``param.grad``, read from the slot when ``direct``."""
-    if direct:
+cdef inline object _grad_of(object param, void* slot_type):
+    """``param.grad``, read from the slot when ``param`` is still of the class checked at construction."""
+    if slot_type != NULL and <void*>Py_TYPE(param) == slot_type:
         return PyMember_GetOne(<const char*><void*>param, _GRAD_MEMBER)
     return param.grad
 
@@ -375,7 +376,8 @@ cdef class Reducer:
     cdef int* loc_bucket
     cdef int* loc_pos
     cdef char* ready
-    cdef char* direct  # direct[i]: params[i].grad may be read from Tensor's slot (_reads_tensor_slots)
+    cdef void** slot_type  # params[i]'s class if its grad may be read from Tensor's slot, else NULL
+    cdef list _slot_types  # keeps those classes alive
     cdef int* hook_counts
     cdef int* hook_counts_left
     cdef int* pending
@@ -393,7 +395,7 @@ cdef class Reducer:
         self.n = 0
         self.loc_bucket = self.loc_pos = self.hook_counts = self.hook_counts_left = self.pending = NULL
         self.ready = NULL
-        self.direct = NULL
+        self.slot_type = NULL
         self.rebuilt = NULL
         self.n_rebuilt = 0
         self.dst_ptr = NULL
@@ -403,7 +405,7 @@ cdef class Reducer:
     def __dealloc__(self):
         free(self.loc_bucket); free(self.loc_pos); free(self.ready); free(self.hook_counts)
         free(self.hook_counts_left); free(self.pending); free(self.dst_ptr); free(self.dst_len); free(self.kind)
-        free(self.rebuilt); free(self.direct)
+        free(self.rebuilt); free(self.slot_type)
 
     def __init__(self, params, bucket_indices, process_group, expect_sparse_gradients=None,
                  bucket_bytes_cap=25 * MiB, find_unused_parameters=False, gradient_as_bucket_view=False,
@@ -448,13 +450,16 @@ cdef class Reducer:
         self.dst_len = <Py_ssize_t*>calloc(n, sizeof(Py_ssize_t))
         self.kind = <int*>calloc(n, sizeof(int))
         self.rebuilt = <int*>calloc(n, sizeof(int))
-        self.direct = <char*>calloc(n, sizeof(char))
-        if not (self.rebuilt and self.direct and self.loc_bucket and self.loc_pos and self.ready and self.hook_counts and self.hook_counts_left
+        self.slot_type = <void**>calloc(n, sizeof(void*))
+        if not (self.rebuilt and self.slot_type and self.loc_bucket and self.loc_pos and self.ready
+                and self.hook_counts and self.hook_counts_left
                 and self.dst_ptr and self.dst_len and self.kind):
             raise MemoryError()
         self._param_dtypes = [p.data.dtype for p in self.params]
+        self._slot_types = [type(p) for p in self.params]
         for i in range(n):
-            self.direct[i] = _reads_tensor_slots(self.params[i])
+            if _reads_tensor_slots(self.params[i]):
+                self.slot_type[i] = <void*>self._slot_types[i]
         self.div_factor = None
         self.forward_work = None
         self.forward_work_static_world = True
@@ -646,7 +651,7 @@ cdef class Reducer:
 
     cdef int _mark_dense(self, Py_ssize_t index, _Bucket bucket, Py_ssize_t position) except -1:
         cdef double scale
-        grad = _grad_of(self.params[index], self.direct[index])
+        grad = _grad_of(self.params[index], self.slot_type[index])
         if grad is None:
             bucket.views_in[position][...] = 0
             return 0
@@ -764,7 +769,7 @@ cdef class Reducer:
                 continue
             view_in, view_out = views_in[position], views_out[position]
             param = self.params[index]
-            grad = _grad_of(param, self.direct[index])
+            grad = _grad_of(param, self.slot_type[index])
             data = _data_of(grad) if grad is not None else None
             if self.gradient_as_bucket_view:
                 if view_out is not view_in:

@@ -342,3 +342,20 @@ def test_reducer_grad_bucket_lists_its_parameters(impl, group):
     assert (offsets, lengths, sizes) == ([0, 2], [2, 3], [(2,), (3,)])
     assert text == "<GradBucket 0/1 2 params>"
     assert reducer.rebuilt_param_indices == [1, 0]
+
+
+def test_a_parameter_replaced_after_construction_is_read_safely(impl, group):
+    """The core reads Tensor's slots only for objects of the class it checked; a swapped-in object of another
+    class must be read through its own attributes (and must not crash the process)."""
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.zeros(3, dtype=np.float32)), nn.Parameter(np.zeros(2, dtype=np.float32))]
+    reducer = module.Reducer(params, [[1, 0]], group)
+    swapped = GradProperty(np.zeros(3, dtype=np.float32))
+    reducer.params[0] = swapped
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([])
+    swapped.grad = distlab.tensor(np.full(3, 2.0, dtype=np.float32))
+    params[1].grad = distlab.tensor(np.ones(2, dtype=np.float32))
+    in_backward(lambda: (reducer.autograd_hook(1), reducer.autograd_hook(0)))
+    assert swapped.reads >= 2
+    assert np.array_equal(swapped.grad.data, np.full(3, 2.0, dtype=np.float32))
