@@ -48,6 +48,10 @@ def test_nonzero_exit_status_is_forwarded(mpirun):
     result = mpirun("comm_uncaught.py", np=2, args=["exit"], expect_failure=True, timeout=60)
     assert result.returncode == 3
     assert "[rank 1] exited with status 3" in result.stderr
+    # repeated by the launcher from the failure report, whatever mpiexec forwarded before the abort
+    summary = result.stderr.split("distlab: the job failed with exit status 3;", 1)[1]
+    assert summary.strip().splitlines() == ["what the failing ranks reported, first failure first:",
+                                            "[rank 1] exited with status 3"]
 
 
 def test_launcher_sets_rank_environment(mpirun):

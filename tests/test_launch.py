@@ -58,3 +58,23 @@ def test_command_line_launcher(tmp_path):
     bad = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "IndexError" in bad.stderr
+    # the launcher repeats each failing rank's error at the end, even if mpiexec lost the forwarded lines
+    # (one rank or both: the first abort may end the other rank before it reports)
+    tail = bad.stderr.rsplit("first failure first:\n", 1)[1].splitlines()
+    assert 1 <= len(tail) <= 2
+    assert {line.split("] ", 1)[1] for line in tail} == {"IndexError: list index out of range"}
+
+
+def test_failure_report_keeps_each_rank_s_error_in_order(tmp_path, monkeypatch):
+    from distlab import _bootstrap
+    from distlab.launch import FAILURE_REPORT_VAR, _failure_summary
+
+    report = tmp_path / "failures.log"
+    monkeypatch.setenv(FAILURE_REPORT_VAR, str(report))
+    _bootstrap._report_failure("[rank 2] Traceback (most recent call last):\n[rank 2] KeyError: 'x'\n")
+    _bootstrap._report_failure("[rank 0] exited with status 4\n")
+    summary = _failure_summary(report, 4)
+    assert summary.splitlines() == [
+        "distlab: the job failed with exit status 4; what the failing ranks reported, first failure first:",
+        "[rank 2] KeyError: 'x'", "[rank 0] exited with status 4"]
+    assert _failure_summary(report, 0) == "" and _failure_summary(tmp_path / "absent", 1) == ""

@@ -35,6 +35,7 @@ def abort(code: int, rank: int, message: str) -> None:
     tagged = "".join(f"[rank {rank}] {line}\n" for line in message.rstrip("\n").split("\n"))
     sys.stderr.write(tagged)
     sys.stderr.flush()
+    _report_failure(tagged)
     sys.stdout.flush()
     try:
         from .timeline import get_timeline
@@ -43,6 +44,27 @@ def abort(code: int, rank: int, message: str) -> None:
     except Exception:  # noqa: BLE001 - the abort matters more than the trace
         pass
     MPI.COMM_WORLD.Abort(code)
+
+
+def _report_failure(tagged: str) -> None:
+    """Append the message to the launcher's failure report, which the launcher prints after the job.
+
+    mpiexec forwards a rank's output through its proxy and may kill the job on MPI_Abort before the last lines
+    are through; the report file does not depend on that. One write per message (O_APPEND), NUL-separated.
+    """
+    from .launch import FAILURE_REPORT_VAR
+
+    path = os.environ.get(FAILURE_REPORT_VAR)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (tagged + "\0").encode(errors="replace"))
+        finally:
+            os.close(fd)
+    except OSError:  # another node without the launcher's /tmp: the forwarded stderr is all there is
+        pass
 
 
 def main(argv: list[str]) -> None:

@@ -3,7 +3,8 @@
 ``python -m distlab run -n 4 [--timeline out.json] [--timeout S] script.py args...`` runs ``script.py`` on 4
 ranks with the ``mpiexec`` of the environment distlab is installed in (the mpich wheel's, in a venv). Each rank
 gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; an uncaught exception on any rank prints
-that rank's traceback and aborts the whole job (no rank is left waiting); the job's exit status is forwarded.
+that rank's traceback and aborts the whole job (no rank is left waiting); the job's exit status is forwarded, and
+each failing rank's error is repeated in a summary at the end.
 
 ``distlab.run(fn, np=4)`` runs a function (from a notebook too: it travels by cloudpickle) on 4 ranks and returns
 the list of per-rank results; an exception on any rank is re-raised here as
@@ -114,18 +115,46 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
                   env: dict | None = None, capture: bool = False, cwd: str | None = None) -> JobResult:
-    """Run ``script`` on ``np`` ranks (see the module docstring); merges the timeline when asked for one."""
+    """Run ``script`` on ``np`` ranks (see the module docstring); merges the timeline when asked for one.
+
+    When the job fails, the message each failing rank printed before aborting is repeated at the end (in
+    ``stderr`` when captured): ``mpiexec`` may tear the job down before it has forwarded a rank's last output.
+    """
     extra = dict(env or {})
     if timeline:
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
     command = mpiexec_command(np, ["distlab._bootstrap", str(script), *map(str, args)])
-    result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd, np=np)
+    with tempfile.TemporaryDirectory(prefix="distlab-job-") as workdir:
+        report = Path(workdir) / "failures.log"
+        extra.setdefault(FAILURE_REPORT_VAR, str(report))
+        result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd, np=np)
+        summary = _failure_summary(report, result.returncode) if not result.timed_out else ""
+    if summary:
+        if capture:
+            result.stderr += summary
+        else:
+            sys.stderr.write(summary)
     if timeline:
         from .timeline import merge
 
         merge(timeline, expected_parts=np, wait=2.0)
     return result
+
+
+FAILURE_REPORT_VAR = "DISTLAB_FAILURE_REPORT"  # where _bootstrap.abort appends the message of a failing rank
+
+
+def _failure_summary(report: Path, returncode: int) -> str:
+    """The last line each failing rank reported (the error itself), in the order they failed; "" if none."""
+    if returncode == 0 or not report.exists():
+        return ""
+    blocks = [b for b in report.read_text(errors="replace").split("\0") if b.strip()]
+    if not blocks:
+        return ""
+    lines = [block.rstrip("\n").rsplit("\n", 1)[-1] for block in blocks]
+    return (f"distlab: the job failed with exit status {returncode}; what the failing ranks reported, first "
+            "failure first:\n" + "\n".join(lines) + "\n")
 
 
 def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None):
