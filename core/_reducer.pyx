@@ -8,7 +8,7 @@ its ``data`` are read from Tensor's slots, and a float32/float64 gradient is cop
 a C loop over the array's memory, found through numpy's C API (no numpy call, no buffer export, no temporary).
 Launching a bucket builds no per-parameter Python object: the GradBucket shares the bucket's lists.
 """
-from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
