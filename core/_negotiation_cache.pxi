@@ -304,7 +304,7 @@ cdef class ResponseCache:
         else:
             slot = self._params.size()
             self._params.push_back(params)
-            self._info.push_back(_RespInfo())
+            self._info.push_back(_RespInfo(0, 0, 0, 0.0, 0.0, 0, 0))  # filled below
             self._names.push_back(cname)
             self._slot_bit.push_back(0)
             self._responses.append(None)
