@@ -276,6 +276,21 @@ def _check_gradient(out: Tensor, gradient):
     return grad
 
 
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """Reset the gradients of ``params``: to None (the default, as torch 2.x) or to zeros in place.
+
+    What ``Module.zero_grad`` and ``Optimizer.zero_grad`` both do; a sparse gradient is always dropped (it has no
+    dense storage to zero).
+    """
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none or getattr(p.grad, "is_sparse", False):
+            p.grad = None
+        else:
+            p.grad.data[...] = 0
+
+
 def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
     """Create a leaf tensor from ``data`` (copied, as ``torch.tensor`` does).
 

@@ -10,7 +10,7 @@ from collections import namedtuple
 
 from ..autograd._array import array_module, is_cupy, to_numpy
 from ..autograd.node import add_hook
-from ..autograd.tensor import Tensor
+from ..autograd.tensor import Tensor, zero_grads
 from .parameter import Parameter
 
 __all__ = ["Module", "IncompatibleKeys"]
@@ -148,13 +148,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients: to None (the default, as torch 2.x) or to zeros in place."""
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            if set_to_none or getattr(p.grad, "is_sparse", False):
-                p.grad = None
-            else:
-                p.grad.data[...] = 0
+        zero_grads(self.parameters(), set_to_none)
 
     def apply(self, fn):
         """Call ``fn(module)`` on every descendant (children first) and on self."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-from ..autograd.tensor import Tensor
+from ..autograd.tensor import Tensor, zero_grads
 
 __all__ = ["Optimizer", "required"]
 
@@ -56,14 +56,7 @@ class Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's gradient to None (default) or to zeros in place."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none or getattr(p.grad, "is_sparse", False):
-                    p.grad = None
-                else:
-                    p.grad.data[...] = 0
+        zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):
         raise NotImplementedError
