@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["JoinConfig", "skew_message", "exhausted_message", "early_termination_message"]
+__all__ = ["JoinConfig", "HostJoinable", "skew_message", "exhausted_message", "early_termination_message"]
 
 
 class JoinConfig(NamedTuple):
@@ -17,6 +17,19 @@ class JoinConfig(NamedTuple):
     def disabled() -> "JoinConfig":
         """The configuration outside any Join: nothing to notify."""
         return JoinConfig(enable=False, throw_on_early_termination=False, is_first_joinable=False)
+
+
+class HostJoinable:
+    """The two Joinable properties of an object whose collectives run on host memory over ``self.process_group``
+    (DistributedDataParallel, DistributedMean): Join runs its counting allreduce there, on the CPU."""
+
+    @property
+    def join_device(self):
+        return "cpu"
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
 
 def skew_message(rank: int, threshold: int) -> str:

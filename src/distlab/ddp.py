@@ -19,7 +19,7 @@ import inspect
 import numpy as np
 
 from . import _backend, comm
-from ._join_support import JoinConfig
+from ._join_support import HostJoinable, JoinConfig
 from .autograd import Tensor, is_grad_enabled
 from .nn import Module
 
@@ -40,7 +40,7 @@ def _find_tensors(obj):
     return []
 
 
-class DistributedDataParallel(Module):
+class DistributedDataParallel(HostJoinable, Module):
     """Wrap ``module`` so that ``backward`` averages its gradients over the ranks of ``process_group``.
 
     Parameters
@@ -217,14 +217,6 @@ class DistributedDataParallel(Module):
     def join_hook(self, **kwargs):
         """DDP's join hook: shadows one iteration's collectives; the post hook syncs the final model."""
         return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self):
-        return "cpu"
-
-    @property
-    def join_process_group(self):
-        return self.process_group
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
         """Tell joined ranks whether this iteration syncs gradients (no_sync does not)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import comm
-from ._join_support import JoinConfig
+from ._join_support import HostJoinable, JoinConfig
 
 __all__ = ["DistributedMean"]
 
@@ -35,7 +35,7 @@ class _MeanJoinHook:
         pass
 
 
-class DistributedMean:
+class DistributedMean(HostJoinable):
     """The running mean of values reported by every rank, kept identical on every rank.
 
     Parameters
@@ -73,11 +73,3 @@ class DistributedMean:
 
     def join_hook(self, **kwargs) -> _MeanJoinHook:
         return _MeanJoinHook(self)
-
-    @property
-    def join_device(self):
-        return "cpu"
-
-    @property
-    def join_process_group(self):
-        return self.process_group
