@@ -232,22 +232,12 @@ class RequestList:
 
     def to_bytes(self) -> bytes:
         """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
-        head = LIST_HEADER.pack(REQUEST_MAGIC, WIRE_VERSION, FLAG_SHUTDOWN if self.shutdown else 0,
-                                len(self.requests))
-        return head + b"".join(r.to_bytes() for r in self.requests)
+        return _pack_list(REQUEST_MAGIC, self.shutdown, self.requests)
 
     @classmethod
     def from_bytes(cls, data) -> "RequestList":
         """Parse bytes written by either twin; raises MessageFormatError on malformed input."""
-        data = bytes(data)
-        count, flags = _parse_header(data, REQUEST_MAGIC, "request list")
-        offset = LIST_HEADER.size
-        requests = []
-        for _ in range(count):
-            request, offset = Request._parse(data, offset)
-            requests.append(request)
-        _no_trailing(data, offset, "request list")
-        return cls(requests, bool(flags & FLAG_SHUTDOWN))
+        return cls(*_parse_list(bytes(data), REQUEST_MAGIC, "request list", Request._parse))
 
     def __eq__(self, other):
         return isinstance(other, RequestList) and (self.requests, self.shutdown) == (other.requests, other.shutdown)
@@ -269,22 +259,12 @@ class ResponseList:
 
     def to_bytes(self) -> bytes:
         """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
-        head = LIST_HEADER.pack(RESPONSE_MAGIC, WIRE_VERSION, FLAG_SHUTDOWN if self.shutdown else 0,
-                                len(self.responses))
-        return head + b"".join(r.to_bytes() for r in self.responses)
+        return _pack_list(RESPONSE_MAGIC, self.shutdown, self.responses)
 
     @classmethod
     def from_bytes(cls, data) -> "ResponseList":
         """Parse bytes written by either twin; raises MessageFormatError on malformed input."""
-        data = bytes(data)
-        count, flags = _parse_header(data, RESPONSE_MAGIC, "response list")
-        offset = LIST_HEADER.size
-        responses = []
-        for _ in range(count):
-            response, offset = Response._parse(data, offset)
-            responses.append(response)
-        _no_trailing(data, offset, "response list")
-        return cls(responses, bool(flags & FLAG_SHUTDOWN))
+        return cls(*_parse_list(bytes(data), RESPONSE_MAGIC, "response list", Response._parse))
 
     def __eq__(self, other):
         return (isinstance(other, ResponseList)
@@ -297,6 +277,24 @@ class ResponseList:
 
 
 # -- parsing helpers -----------------------------------------------------------------------------------------
+def _pack_list(magic: bytes, shutdown: bool, items) -> bytes:
+    """A request or response list: the header (magic, version, flags, count), then each item's bytes."""
+    head = LIST_HEADER.pack(magic, WIRE_VERSION, FLAG_SHUTDOWN if shutdown else 0, len(items))
+    return head + b"".join(item.to_bytes() for item in items)
+
+
+def _parse_list(data: bytes, magic: bytes, what: str, parse_item):
+    """The items and the shutdown flag of a list written by :func:`_pack_list` (either twin's)."""
+    count, flags = _parse_header(data, magic, what)
+    offset = LIST_HEADER.size
+    items = []
+    for _ in range(count):
+        item, offset = parse_item(data, offset)
+        items.append(item)
+    _no_trailing(data, offset, what)
+    return items, bool(flags & FLAG_SHUTDOWN)
+
+
 def _parse_header(data: bytes, magic: bytes, what: str):
     if len(data) < LIST_HEADER.size:
         raise MessageFormatError(f"{what} is truncated: {len(data)} bytes, the header alone needs "
