@@ -657,7 +657,7 @@ cdef class Reducer:
             return 0
         data = _data_of(grad)
         scale = 1.0 if self.comm_hook is not None else self._inv_div  # a hook divides by itself
-        if self.kind[index] != KIND_OTHER and type(data) is _ndarray:
+        if self.kind[index] != KIND_OTHER:  # _scaled_copy checks the array itself
             if _scaled_copy(data, self.dst_ptr[index], self.dst_len[index], self.kind[index], scale):
                 return 0
         # Slow path: device arrays, reduce dtypes, non-contiguous or wrong-dtype gradients.
