@@ -1,0 +1,261 @@
+"""Measurements of the repository's shape, used by tests/test_architecture.py and runnable by hand.
+
+``python tests/_architecture.py`` prints every measurement: the share of each core twin's substantive lines
+copied word for word from reference/, whether the names both twins of a component define appear in the same
+order, the import cycles among distlab's modules, and the modules over their line limit.
+
+The rules they check (CONTRIBUTING.md, "The twin rule"):
+
+- a core module compiles, typed, the hot path of its reference twin; everything else lives once, in a module both
+  twins import, so at most :data:`MAX_VERBATIM_SHARE` of a core twin's substantive lines (25+ characters, not a
+  comment, not a docstring opening) appear verbatim in reference/;
+- the names both twins define (top-level functions and classes, and methods as ``Class.method``) appear in the
+  same order, so a reader can hold them side by side; C helpers that only the core needs sit after the marker
+  :data:`CORE_ONLY_MARKER` and are not compared;
+- no import cycle anywhere in src/distlab, reference/ or core/ (every import statement counts, also inside
+  functions, except under ``if TYPE_CHECKING:``);
+- no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src" / "distlab"
+REFERENCE = REPO / "reference"
+CORE = REPO / "core"
+
+MAX_VERBATIM_SHARE = 0.15
+MAX_SRC_LINES = 500
+MAX_REFERENCE_LINES = 450
+CORE_ONLY_MARKER = "# --- core-only helpers"
+
+#: component -> (reference modules in reading order, core module). The core module's ``include``d .pxi files are
+#: read in place.
+TWINS: dict[str, tuple[tuple[str, ...], str]] = {
+    "fingerprint": (("fingerprint.py",), "_fingerprint.pyx"),
+    "reducer": (("bucketing.py", "grad_bucket.py", "reducer.py", "reducer_join.py"), "_reducer.pyx"),
+    "join": (("join.py",), "_join.pyx"),
+    "negotiation": (("messages.py", "response_cache.py", "negotiation.py"), "_negotiation.pyx"),
+    "rref": (("rref.py", "rref_context.py"), "_rref.pyx"),
+    "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
+}
+
+
+# ---------------------------------------------------------------------------------------------- core sources
+def core_source(core_file: str) -> str:
+    """The text of a core module with its ``include "x.pxi"`` lines replaced by the included files."""
+    out = []
+    for line in (CORE / core_file).read_text(encoding="utf-8").splitlines():
+        match = re.match(r'\s*include\s+"([^"]+)"', line)
+        out.extend(core_source(match.group(1)).splitlines() if match else [line])
+    return "\n".join(out)
+
+
+def _substantive(text: str) -> list[str]:
+    quote = chr(34) * 3
+    lines = (line.strip() for line in text.splitlines())
+    return [s for s in lines if len(s) >= 25 and not s.startswith(("#", quote, "'''"))]
+
+
+def verbatim_share(component: str) -> tuple[int, int]:
+    """(substantive core lines, how many of them appear word for word in any reference/ module)."""
+    reference_lines = {s for p in REFERENCE.glob("*.py") for s in _substantive(p.read_text(encoding="utf-8"))}
+    core_lines = _substantive(core_source(TWINS[component][1]))
+    return len(core_lines), sum(line in reference_lines for line in core_lines)
+
+
+# --------------------------------------------------------------------------------------------------- outline
+_CLASS = re.compile(r"^(\s*)(?:cdef\s+|cpdef\s+)?class\s+(\w+)")
+_FUNC = re.compile(r"^(\s*)(?:async\s+)?(?:def|cdef|cpdef)\s+(?:[\w\[\],\.\*]+\s+)*?\*?(\w+)\s*\(")
+
+
+def outline(text: str) -> list[str]:
+    """Names defined at module level and in classes (``Class.method``), in order of definition.
+
+    Stops at :data:`CORE_ONLY_MARKER`. Nested functions and ``cdef extern`` declarations are skipped.
+    """
+    names: list[str] = []
+    class_stack: list[tuple[int, str]] = []
+    extern_indent = None
+    for line in text.splitlines():
+        if line.strip().startswith(CORE_ONLY_MARKER):
+            break
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if extern_indent is not None:
+            if indent > extern_indent:
+                continue
+            extern_indent = None
+        if re.match(r"\s*cdef\s+extern\b", line):
+            extern_indent = indent
+            continue
+        while class_stack and indent <= class_stack[-1][0]:
+            class_stack.pop()
+        match = _CLASS.match(line)
+        if match:
+            if indent == 0:
+                names.append(match.group(2))
+                class_stack = [(0, match.group(2))]
+            continue
+        match = _FUNC.match(line)
+        if match:
+            if indent == 0:
+                names.append(match.group(2))
+            elif class_stack and indent > class_stack[-1][0] and len(class_stack) == 1:
+                names.append(f"{class_stack[-1][1]}.{match.group(2)}")
+    return names
+
+
+def outline_disorder(component: str) -> list[tuple[str, str]]:
+    """Pairs (a, b) of names both twins define where the core has a before b and the reference b before a.
+
+    Only adjacent pairs of the core's shared names are reported, so one misplaced name shows up once or twice.
+    """
+    reference_files, core_file = TWINS[component]
+    reference_names: list[str] = []
+    for name in reference_files:
+        reference_names += outline((REFERENCE / name).read_text(encoding="utf-8"))
+    position = {}
+    for index, name in enumerate(reference_names):
+        position.setdefault(name, index)
+    shared = [name for name in outline(core_source(core_file)) if name in position]
+    return [(a, b) for a, b in zip(shared, shared[1:]) if position[a] > position[b]]
+
+
+# ---------------------------------------------------------------------------------------------------- imports
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for folder, package in ((REFERENCE, "distlab.reference"), (CORE, "distlab.core")):
+        for path in list(folder.glob("*.py")) + list(folder.glob("*.pyx")):
+            stem = path.stem
+            files[package if stem == "__init__" else f"{package}.{stem}"] = path
+    return files
+
+
+def _import_targets(module: str, path: Path, known: set[str]) -> set[str]:
+    """The distlab modules ``module`` imports (the named module, not its parent packages)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".pyx":
+        # Cython is not Python: keep only the (possibly parenthesised, multi-line) Python import statements.
+        statements = re.findall(r"^[ \t]*((?:from[ \t]+[\w.]+[ \t]+)?import[ \t]+(?:\([^)]*\)|[^\n]*))",
+                                core_source(path.name), flags=re.M)
+        text = "\n".join(" ".join(s.split()) for s in statements)
+    tree = ast.parse(text)
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    targets = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    targets.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    targets.add(f"{source}.{alias.name}")
+                elif source in known:
+                    targets.add(source)
+    targets.discard(module)
+    return targets
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = _module_files()
+    known = set(files)
+    return {module: _import_targets(module, path, known) for module, path in files.items()}
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ line counts
+def oversized_modules() -> list[tuple[str, int, int]]:
+    """(path, lines, limit) of each module over its limit."""
+    out = []
+    for folder, limit in ((SRC, MAX_SRC_LINES), (REFERENCE, MAX_REFERENCE_LINES)):
+        for path in sorted(folder.rglob("*.py")):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > limit:
+                out.append((str(path.relative_to(REPO)), lines, limit))
+    return out
+
+
+def main() -> int:
+    total = copied = 0
+    print("verbatim share of core lines found in reference/ (target <= 15% per component):")
+    for component in TWINS:
+        lines, dup = verbatim_share(component)
+        total, copied = total + lines, copied + dup
+        print(f"  {component:20} {dup:4} of {lines:4}  {100 * dup / max(lines, 1):5.1f}%")
+    print(f"  {'all':20} {copied:4} of {total:4}  {100 * copied / max(total, 1):5.1f}%")
+    print("twin outline order (pairs in a different order in core than in reference):")
+    for component in TWINS:
+        bad = outline_disorder(component)
+        print(f"  {component:20} {'ok' if not bad else bad}")
+    print("import cycles:")
+    for cycle in import_cycles():
+        print("  " + " <-> ".join(cycle))
+    print("modules over their line limit:")
+    for path, lines, limit in oversized_modules():
+        print(f"  {path}: {lines} > {limit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
