@@ -19,7 +19,8 @@ CORE_MODULES = [
 # numpy's headers: the reducer reads gradient arrays through numpy's C API (`cimport numpy`). Built against numpy
 # 2.x, the extension runs with numpy 1.x and 2.x alike.
 extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"], include_dirs=[numpy.get_include()],
-                        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+                        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                        extra_compile_args=["-Wall"])
               for stem in CORE_MODULES]
 
 setup(
@@ -31,13 +32,11 @@ setup(
     package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},
     ext_modules=cythonize(
         extensions,
+        # Module-wide directives only; boundscheck/wraparound/cdivision are set per hot function in core/.
         compiler_directives={
             "language_level": 3,
             "binding": True,
             "embedsignature": True,
-            "boundscheck": False,
-            "wraparound": False,
-            "cdivision": True,
         },
     ),
     zip_safe=False,
