@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distlab import _backend
-from distlab._autograd_shared import AUTO_INCREMENT_MASK, INVALID_CONTEXT_ID, worker_of
+from distlab._common.autograd_container import AUTO_INCREMENT_MASK, INVALID_CONTEXT_ID, worker_of
 from distlab.autograd import SparseGrad, Tensor
 from distlab.errors import AutogradContextNotFoundError, AutogradIdOverflowError, DistAutogradError
 from distlab.futures import Future

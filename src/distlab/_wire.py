@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION",
-           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE"]
+           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE", "DIST_AUTOGRAD_KIND_CODES",
+           "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -41,3 +42,11 @@ RPC_USER_KIND_BASE = 64
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
 RFD_TUPLE_SIZE = 6
+
+#: RPC message kinds of distributed autograd (at or above RPC_USER_KIND_BASE). Codes travel: never change them.
+#: Payloads: backward = (context id, message id, pass id, retain_graph, [gradient or None per tensor]);
+#: prepare = (context id, pass id, retain_graph); cleanup = context id.
+DIST_AUTOGRAD_KIND_CODES = {"dist_autograd_backward": 80, "dist_autograd_prepare": 81, "dist_autograd_cleanup": 82}
+#: The autograd metadata an RPC made inside a context carries ahead of its function (mirrors
+#: rpc_with_autograd.h: autogradMetadata + fromWorkerId): a tuple of these fields, in this order.
+AUTOGRAD_METADATA_FIELDS = ("context_id", "message_id", "from_worker")

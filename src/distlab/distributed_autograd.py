@@ -30,7 +30,7 @@ import warnings
 
 from distlab import _backend
 from distlab import _dist_engine as engine
-from distlab._autograd_shared import K_BACKWARD, K_CLEANUP, K_PREPARE
+from distlab._wire import DIST_AUTOGRAD_KIND_CODES
 from distlab.autograd import array_module, grad_mode
 from distlab.autograd.tensor import Tensor
 from distlab.errors import (
@@ -49,6 +49,9 @@ from distlab.timeline import get_timeline, now_us
 __all__ = ["context", "backward", "get_gradients", "init", "get_container", "cleanup_timeout", "debug_info"]
 
 log = logging.getLogger("distlab.distributed_autograd")
+K_BACKWARD = DIST_AUTOGRAD_KIND_CODES["dist_autograd_backward"]
+K_PREPARE = DIST_AUTOGRAD_KIND_CODES["dist_autograd_prepare"]
+K_CLEANUP = DIST_AUTOGRAD_KIND_CODES["dist_autograd_cleanup"]
 
 #: Seconds each attempt to release a context on a known worker may take, and how many attempts are made.
 cleanup_timeout = 10.0

@@ -18,7 +18,7 @@ from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
 from distlab.autograd import Function, Tensor
 from distlab.distributed_optim import DistributedOptimizer
-from distlab._autograd_shared import K_CLEANUP
+from distlab.distributed_autograd import K_CLEANUP
 from distlab._wire import RPC_KIND_CODES
 from distlab.rpc.api import _call_payload
 from distlab.futures import Future
