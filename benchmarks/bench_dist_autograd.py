@@ -39,14 +39,9 @@ def _identity(x):
 
 def _use_impl(impl):
     """Switch this worker's container twin (no context may be alive)."""
-    from distlab import _backend
-    from distlab import distributed_autograd as dist_autograd
-    from distlab import rpc
+    from distlab.distributed_autograd import _state
 
-    dist_autograd._impl.shutdown()
-    dist_autograd._impl = _backend.load("autograd_container", impl)
-    dist_autograd._impl.init(rpc.get_agent().rank)
-    dist_autograd._forget_released()  # the new container's ids start again
+    _state.use_twin(impl)
 
 
 class _Stage:
@@ -85,7 +80,7 @@ def driver(world, rounds):
     from distlab import distributed_autograd as dist_autograd
     from distlab import nn, optim, rpc
     from distlab.autograd import Tensor
-    from distlab.distributed_optim import DistributedOptimizer
+    from distlab.distributed_autograd import DistributedOptimizer
 
     peer = 1
     x_small = Tensor(np.ones(16), requires_grad=True)
@@ -170,7 +165,7 @@ def driver(world, rounds):
 def worker(out_path, rounds):
     import threading
 
-    from distlab import distributed_autograd as dist_autograd  # noqa: F401 - registers the RPC hook
+    from distlab import distributed_autograd as dist_autograd  # noqa: F401 - the handlers of its calls
     from distlab import rpc
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
