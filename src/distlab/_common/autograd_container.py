@@ -158,18 +158,19 @@ def first_error_future(futures, context_id) -> Future:
     if not futures:
         result.set_result(None)
         return result
-    remaining = [len(futures)]
+    remaining = len(futures)
     lock = threading.Lock()
 
     def one_done(fut):
+        nonlocal remaining
         exc = fut.exception()
         with lock:
             if result.done():
                 return
-            remaining[0] -= 1
+            remaining -= 1
             if exc is not None:
                 result.set_exception(exc)
-            elif remaining[0] == 0:
+            elif remaining == 0:
                 result.set_result(None)
 
     for fut in futures:
