@@ -131,7 +131,7 @@ cdef class DistAutogradContext:
     cdef _add_function(self, dict table, str what, func, message_id):
         if func is None:
             raise _shared.function_error(self._context_id, what, None)
-        key = check_id(message_id, "message id")
+        key = _id_of(message_id, "message id")
         cdef bint taken
         _acquire(self._lock)
         try:
@@ -329,7 +329,7 @@ cdef class DistAutogradContainer:
 
     cpdef DistAutogradContext get_or_create_context(self, context_id):
         """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.get_or_create_context`."""
-        cdef uint64_t key = check_id(context_id)
+        cdef uint64_t key = _id_of(context_id, "context id")
         cdef Py_ssize_t shard = self._shard(key)
         cdef dict contexts = _shard_dict(self._shards, shard)
         _acquire(self._shard_locks[shard])
@@ -343,7 +343,7 @@ cdef class DistAutogradContainer:
 
     cpdef DistAutogradContext retrieve_context(self, context_id):
         """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.retrieve_context`."""
-        cdef uint64_t key = check_id(context_id)
+        cdef uint64_t key = _id_of(context_id, "context id")
         cdef Py_ssize_t shard = self._shard(key)
         _acquire(self._shard_locks[shard])
         context = _shard_dict(self._shards, shard).get(key)
@@ -354,14 +354,14 @@ cdef class DistAutogradContainer:
 
     cpdef set release_context(self, context_id):
         """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.release_context`."""
-        context = self._erase(check_id(context_id))
+        context = self._erase(_id_of(context_id, "context id"))
         if context is None:
             raise _shared.context_not_found(context_id, self._worker_id)
         return (<DistAutogradContext>context).known_worker_ids()
 
     cpdef set release_context_if_present(self, context_id):
         """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.release_context_if_present`."""
-        context = self._erase(check_id(context_id))
+        context = self._erase(_id_of(context_id, "context id"))
         return set() if context is None else (<DistAutogradContext>context).known_worker_ids()
 
     cdef object _erase(self, uint64_t context_id):
@@ -475,3 +475,14 @@ cdef inline void _acquire(PyThread_type_lock lock) noexcept:
 cdef inline dict _shard_dict(list shards, Py_ssize_t shard):
     """The context dict of ``shard`` (an index the id mask keeps in range)."""
     return <dict>shards[shard]
+
+
+cdef inline uint64_t _id_of(value, str what) except? 0:
+    """An id as a C integer: Python ints convert directly; anything else (or out of range) goes through the shared
+    check_id, which converts it as the reference does or raises its ValueError."""
+    if type(value) is int and value >= 0:
+        try:
+            return value
+        except OverflowError:
+            pass
+    return check_id(value, what)
