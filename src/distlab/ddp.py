@@ -19,7 +19,7 @@ import inspect
 import numpy as np
 
 from . import _backend, comm
-from ._join_support import HostJoinable, JoinConfig
+from ._common.join import HostJoinable, JoinConfig
 from .autograd import Tensor, is_grad_enabled
 from .nn import Module
 
@@ -77,7 +77,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
-        self._join_config = JoinConfig.disabled()  # DDP is a Joinable (distlab.join registers it)
+        self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
