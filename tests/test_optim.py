@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distlab
 from distlab import nn, optim
@@ -303,3 +305,97 @@ def test_adaptive_optimizers_resume_from_state_dict_and_keep_float32(opt_cls, kw
     assert p.data.dtype == np.float32
     assert all(v.dtype == np.float32 for v in opt.state[p].values() if isinstance(v, np.ndarray))
 
+
+# -- ZeroRedundancyOptimizer in one process (the MPI scenarios are in tests/mpi/join_zero.py) ----------------------
+class FakeGroup:
+    """Enough of a process group to build a ZeroRedundancyOptimizer of ``size`` ranks (no collective runs)."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+
+def params_of(*sizes):
+    return [nn.Parameter(np.zeros(n, np.float32)) for n in sizes]
+
+
+def owners(zero):
+    return [[[id(p) for p in group["params"]] for group in groups] for groups in zero._partition_parameters()]
+
+
+def test_zero_partition_is_torchs_greedy_by_hand():
+    first, second = params_of(1, 5, 3, 3, 2), params_of(4)
+    zero = optim.ZeroRedundancyOptimizer(first, optim.SGD, process_group=FakeGroup(3), lr=0.1)
+    zero.add_param_group({"params": second})
+    # largest first, each to the least loaded rank (the lowest on ties); the loads carry over to the next group:
+    # 5 -> r0 (5,0,0); 3 -> r1 (5,3,0); 3 -> r2 (5,3,3); 2 -> r1 (5,5,3); 1 -> r2 (5,5,4); then 4 -> r2
+    ids = [id(p) for p in first]
+    assert owners(zero) == [[[ids[1]], []], [[ids[2], ids[4]], []], [[ids[3], ids[0]], [id(second[0])]]]
+    assert [len(g["params"]) for g in zero.optim.param_groups] == [1, 0]  # rank 0's local optimizer
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=12), min_size=1, max_size=3),
+       st.integers(1, 5))
+def test_zero_partition_properties(group_sizes, world_size):
+    groups = [params_of(*sizes) for sizes in group_sizes]
+    zero = optim.ZeroRedundancyOptimizer(groups[0], optim.SGD, process_group=FakeGroup(world_size), lr=0.1)
+    for group in groups[1:]:
+        zero.add_param_group({"params": group})
+    partition = zero._partition_parameters()
+    loads = [0] * world_size
+    for g, group in enumerate(groups):
+        assigned = {id(p): rank for rank in range(world_size) for p in partition[rank][g]["params"]}
+        assert sorted(assigned) == sorted(id(p) for p in group)  # every parameter exactly once
+        for p in sorted(group, key=lambda p: -p.data.size):  # replay: each went to a least-loaded rank
+            assert loads[assigned[id(p)]] == min(loads)
+            loads[assigned[id(p)]] += p.data.size
+    everything = [n for sizes in group_sizes for n in sizes]
+    assert max(loads) - min(loads) <= max(everything)  # greedy's balance bound
+
+
+def test_zero_on_one_rank_equals_the_plain_optimizer_and_refuses_clearly():
+    def train(make):
+        distlab.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4, seed=1), nn.Tanh(), nn.Linear(4, 1, seed=2))
+        opt = make(model.parameters())
+        for i in range(3):
+            x = np.random.default_rng(i).standard_normal((5, 3)).astype(np.float32)
+            opt.zero_grad()
+            (model(distlab.tensor(x)) ** 2).mean().backward()
+            opt.step()
+        return [p.data for p in model.parameters()], opt
+
+    plain, _ = train(lambda ps: optim.Adam(ps, lr=0.1))
+    zero_params, zero = train(lambda ps: optim.ZeroRedundancyOptimizer(ps, optim.Adam, lr=0.1,
+                                                                      parameters_as_bucket_view=True))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, zero_params))
+    assert zero.param_groups[0]["betas"] == (0.9, 0.999)  # the local optimizer's defaults, synced back
+    with pytest.raises(RuntimeError, match=r"not been consolidated on this rank\. Call consolidate_state_dict\(to=0\)"):
+        zero.state_dict()
+    zero.consolidate_state_dict()
+    assert sorted(zero.state_dict()["state"]) == [0, 1, 2, 3]
+
+    p = params_of(2)
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp=True.*is not supported.*call step"):
+        optim.ZeroRedundancyOptimizer(p, optim.Adam, overlap_with_ddp=True)
+    with pytest.raises(TypeError, match="optimizer_class must be a distlab.optim.Optimizer subclass"):
+        optim.ZeroRedundancyOptimizer(p, "Adam")
+    with pytest.raises(TypeError, match="iterable of Tensors, but got a Tensor"):
+        optim.ZeroRedundancyOptimizer(p[0], optim.Adam)
+    with pytest.raises(TypeError, match="parameter groups as dicts are added with add_param_group"):
+        optim.ZeroRedundancyOptimizer([{"params": p}], optim.Adam)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        optim.ZeroRedundancyOptimizer([], optim.Adam)
+    with pytest.raises(ValueError, match="every parameter of one dtype, got float32, float64"):
+        optim.ZeroRedundancyOptimizer(p + [nn.Parameter(np.zeros(2))], optim.Adam)
+
+
+def test_zero_rebuilds_its_buckets_when_trainability_changes():
+    a, b = params_of(3, 2)
+    zero = optim.ZeroRedundancyOptimizer([a, b], optim.SGD, lr=1.0, parameters_as_bucket_view=True)
+    assert np.shares_memory(a.data, zero._buckets[0]) and np.shares_memory(b.data, zero._buckets[0])
+    b.requires_grad = False
+    a.grad = distlab.Tensor(np.ones(3, np.float32))
+    zero.step()
+    assert not np.shares_memory(b.data, zero._buckets[0]) and zero._buckets[0].size == 3
+    np.testing.assert_array_equal(a.data, -1.0)

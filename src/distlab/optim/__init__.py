@@ -1,4 +1,4 @@
-"""distlab.optim: optimizers over distlab parameters (mirrors torch.optim)."""
+"""distlab.optim: optimizers over distlab parameters (mirrors torch.optim), and ZeroRedundancyOptimizer."""
 from __future__ import annotations
 
 from .adadelta import Adadelta
@@ -9,5 +9,7 @@ from .optimizer import Optimizer, required
 from .rmsprop import RMSprop
 from .rprop import Rprop
 from .sgd import SGD
+from .zero_redundancy import ZeroRedundancyOptimizer
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "Rprop", "required"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "Rprop",
+           "ZeroRedundancyOptimizer", "required"]
