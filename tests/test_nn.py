@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distlab
 from distlab import autograd as ag
@@ -339,3 +341,22 @@ def test_replacing_a_submodule_or_parameter_keeps_its_place():
     lin = nn.Linear(2, 3)
     lin.weight = nn.Parameter(np.zeros((3, 2), np.float32))
     assert [name for name, _ in lin.named_parameters()] == ["weight", "bias"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 5), st.one_of(st.none(), st.integers(1, 4)), st.booleans(),
+       st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_batchnorm1d_matches_torchs_formula_for_any_shape(n, channels, length, affine, momentum, seed):
+    rng = np.random.default_rng(seed)
+    shape = (n, channels) if length is None else (n, channels, length)
+    x = rng.standard_normal(shape) * rng.uniform(0.1, 10) + rng.uniform(-5, 5)
+    bn = nn.BatchNorm1d(channels, momentum=momentum, affine=affine, dtype=np.float64)
+    if affine:
+        bn.weight.data[...], bn.bias.data[...] = rng.standard_normal(channels), rng.standard_normal(channels)
+    expected, mean, var = bn_reference(x, bn.weight.data if affine else np.ones(channels),
+                                       bn.bias.data if affine else np.zeros(channels))
+    np.testing.assert_allclose(bn(distlab.tensor(x)).data, expected, rtol=1e-9, atol=1e-9)
+    count = x.size // channels
+    np.testing.assert_allclose(bn.running_mean.data, momentum * mean, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(bn.running_var.data, (1 - momentum) + momentum * var * count / (count - 1),
+                               rtol=1e-9)

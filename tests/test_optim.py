@@ -399,3 +399,11 @@ def test_zero_rebuilds_its_buckets_when_trainability_changes():
     zero.step()
     assert not np.shares_memory(b.data, zero._buckets[0]) and zero._buckets[0].size == 3
     np.testing.assert_array_equal(a.data, -1.0)
+
+
+@pytest.mark.mpi
+def test_optimizers_under_distributed_optimizer(mpirun):
+    """Adagrad, RMSprop, Adadelta, Adamax, Rprop (and Adam) step remote parameters as they step local ones."""
+    job = mpirun("optim_distributed.py", np=2, timeout=180)
+    assert job.stdout.count("under DistributedOptimizer OK") == 2
+    assert "DistributedOptimizer(Rprop) OK" in job.stdout
