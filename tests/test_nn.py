@@ -360,3 +360,14 @@ def test_batchnorm1d_matches_torchs_formula_for_any_shape(n, channels, length, a
     np.testing.assert_allclose(bn.running_mean.data, momentum * mean, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(bn.running_var.data, (1 - momentum) + momentum * var * count / (count - 1),
                                rtol=1e-9)
+
+
+def test_importing_nn_and_optim_starts_no_mpi():
+    """SyncBatchNorm and ZeroRedundancyOptimizer reach MPI only when one is built (a local model needs no MPI)."""
+    import subprocess
+    import sys
+
+    code = "import sys, distlab.nn, distlab.optim; print('mpi4py.MPI' in sys.modules)"
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _backend, comm
+from .. import _backend
 from .._common.join import HostJoinable, Joinable, JoinHook
 from ..autograd.tensor import Tensor
 from ._batchnorm_function import BatchNormFunction, StatsPlan
@@ -164,6 +164,8 @@ class SyncBatchNorm(_BatchNorm, HostJoinable):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group=None, dtype=np.float32):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype)
+        from .. import comm  # here, not at the top: importing distlab.nn starts no MPI
+
         Joinable.__init__(self)
         self.process_group = process_group if process_group is not None else comm.world()
         self._join = _backend.load("join").Join

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from .. import _backend, comm
+from .. import _backend
 from .._common.join import HostJoinable, Joinable, JoinHook
 from ..autograd._array import array_module
 from ..autograd.tensor import Tensor
@@ -92,6 +92,8 @@ class ZeroRedundancyOptimizer(Optimizer, HostJoinable):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"optimizer_class must be a distlab.optim.Optimizer subclass (Adam, SGD, ...), got "
                             f"{optimizer_class!r}")
+        from .. import comm  # here, not at the top: importing distlab.optim starts no MPI
+
         self.initialized = False  # add_param_group partitions only once the constructor is done
         Optimizer.__init__(self, self._all_params, defaults)
         Joinable.__init__(self)
