@@ -61,26 +61,31 @@ def test_exception_in_forward_inside_join_propagates_without_a_hang(mpirun, impl
     assert job.elapsed < 60
 
 
-def test_uneven_inputs_example(mpirun):
+@pytest.mark.parametrize("np_,args,batches", [(2, ["--base", "4"], "[4, 14]"),
+                                               (4, ["--base", "4", "--divide-by-active"], "[4, 14, 24, 34]")])
+def test_uneven_inputs_example(mpirun, np_, args, batches):
+    """SyncBatchNorm + DDP + ZeroRedundancyOptimizer under one Join; the example checks the models are equal."""
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "uneven_inputs.py"
-    job = mpirun(str(example), np=4, args=["--base", "4", "--divide-by-active"], timeout=120)
-    assert "ranks had [4, 14, 24, 34] batches" in job.stdout
+    job = mpirun(str(example), np=np_, args=args, timeout=180)
+    assert f"ranks had {batches} batches; every rank ends with the same model" in job.stdout
 
 
 # -- More joinables: ZeroRedundancyOptimizer and SyncBatchNorm (both twins on 2 ranks, a mixed world on 4) ----------
 JOINABLE_RUNS = [(2, "reference"), (2, "core"), (4, "mixed")]
 
 
-def _run_all(script, tmp_path_factory, done_line):
+def _run_all(script, tmp_path_factory, done_line, detail_for=None):
+    """Every run of JOINABLE_RUNS; the one named by ``detail_for`` under DISTLAB_DEBUG=DETAIL."""
     from _mpi import run_scenario
 
     out = tmp_path_factory.mktemp(script.split(".")[0])
     results = {}
     for np_, impl in JOINABLE_RUNS:
         prefix = str(out / f"{impl}{np_}")
-        job = run_scenario(script, np=np_, args=[impl, prefix], timeout=300)
+        env = {"DISTLAB_DEBUG": "DETAIL"} if (np_, impl) == detail_for else None
+        job = run_scenario(script, np=np_, args=[impl, prefix], timeout=300, env=env)
         assert job.stdout.count(done_line) == np_, job.stdout
         results[np_, impl] = [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
     return results
@@ -93,7 +98,9 @@ def zero_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def syncbn_runs(tmp_path_factory):
-    return _run_all("join_syncbn.py", tmp_path_factory, "syncbn scenarios OK")
+    # DETAIL on one run: its blocking fingerprint checks must not reach the layers' own communicators, or a
+    # joined rank's posted-ahead shadows would wait for the training ranks (and time out)
+    return _run_all("join_syncbn.py", tmp_path_factory, "syncbn scenarios OK", detail_for=(2, "core"))
 
 
 @pytest.mark.parametrize("runs_fixture", ["zero_runs", "syncbn_runs"])
