@@ -1,1 +1,1 @@
-"""Code each twinned component shares between its reference and core twins (one module per component)."""
+"""Code that both twins of a component share, defined once: one module per component (never copied into core/)."""
