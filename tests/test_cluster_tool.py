@@ -262,3 +262,20 @@ def test_not_root_is_a_clear_error_on_the_command_line(names):
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)" in done.stderr
     assert "sudo .venv/bin/python -m distlab cluster up" in done.stderr
     assert leftovers(name) == []
+
+
+@pytest.mark.cluster
+def test_added_delay_needs_netem_and_says_so_when_missing(names):
+    """--delay uses the netem qdisc where the kernel has it; elsewhere a clear error (and down still cleans)."""
+    from distlab.cluster import down, status, up
+
+    name = names("f")
+    try:
+        info = up(2, "1gbit", name, delay_ms=2)
+    except ClusterError as exc:
+        assert "the netem qdisc is not available on this kernel" in str(exc) and "Leave out --delay" in str(exc)
+        assert f"is half built: `python -m distlab cluster down --name {name}` removes" in str(exc)
+    else:
+        assert [h["delay_ms"] for h in info["hosts"]] == [2, 2] and status(name)["delay_ms"] == 2
+    down(name)
+    assert leftovers(name) == []

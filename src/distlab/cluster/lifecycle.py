@@ -53,6 +53,18 @@ def up(hosts: int = 2, rate=None, name: str = DEFAULT_NAME, delay_ms: float | No
     # whatever was made, and `up` again finishes the job.
     write_state(name, hosts=len(plan.hosts), rate_bps=rate_bps, delay_ms=delay_ms, phase="building",
                 namespaces=plan.namespaces, subnet=plan.subnet)
+    try:
+        _build(plan, rate_bps, delay_ms)
+    except ClusterError as exc:
+        raise ClusterError(f"{exc}\n(cluster {name!r} is half built: `python -m distlab cluster down --name {name}` "
+                           "removes what was made)") from exc
+    write_exec_script(work_dir(name) / "nsexec", plan.hosts)
+    write_state(name, phase="up")
+    return status(name)
+
+
+def _build(plan: Layout, rate_bps, delay_ms) -> None:
+    """Make each missing piece of ``plan``: namespaces, veth pairs, the bridge, addresses, shaping."""
     for host in plan.hosts:
         netlink.create_namespace(host, plan.hosts_file())
     if plan.switch:
@@ -66,9 +78,6 @@ def up(hosts: int = 2, rate=None, name: str = DEFAULT_NAME, delay_ms: float | No
         netlink.configure(link.b_ns, link.b, None if link.to_bridge else plan.addresses.get(link.b_ns))
     for namespace, ifname in plan.interfaces():
         netlink.shape(namespace, ifname, rate_bps, delay_ms)
-    write_exec_script(work_dir(name) / "nsexec", plan.hosts)
-    write_state(name, phase="up")
-    return status(name)
 
 
 def down(name: str = DEFAULT_NAME) -> list[str]:
