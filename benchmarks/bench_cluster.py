@@ -40,10 +40,10 @@ def _tx_bytes() -> int:
 
 
 def _plan(seconds_per_call: float) -> tuple[int, int]:
-    """(rounds, calls per timed batch): about 1.5 s of measuring per method and size, 3 to 30 rounds."""
+    """(rounds, calls per timed batch): about 4 s of measuring per method and size, 5 to 40 rounds."""
     batch = max(1, int(0.002 / seconds_per_call))
-    rounds = int(1.5 / (batch * seconds_per_call))
-    return min(30, max(3, rounds)), batch
+    rounds = int(4.0 / (batch * seconds_per_call))
+    return min(40, max(5, rounds)), batch
 
 
 def allreduce_rows(pg, raw_comm, sizes, rate_bps):
