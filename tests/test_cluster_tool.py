@@ -279,3 +279,26 @@ def test_added_delay_needs_netem_and_says_so_when_missing(names):
         assert [h["delay_ms"] for h in info["hosts"]] == [2, 2] and status(name)["delay_ms"] == 2
     down(name)
     assert leftovers(name) == []
+
+
+@pytest.mark.cluster
+def test_a_killed_test_session_s_cluster_is_swept_by_the_next(names):
+    """A session killed outright (no teardown) leaves its cluster; the next session's sweep takes it down."""
+    import json as json_
+
+    from conftest import sweep_dead_test_clusters
+
+    from distlab.cluster import up
+    from distlab.cluster.state import read_state, state_path
+
+    name = names("g")
+    up(2, None, name)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state = read_state(name)
+    state["owner_pid"] = dead.pid           # as if the session that made it had been killed
+    state_path(name).write_text(json_.dumps(state))
+    alive = names("h")
+    up(2, None, alive)                      # a live session's cluster (ours) is left alone
+    sweep_dead_test_clusters()
+    assert leftovers(name) == [] and leftovers(alive) != []
