@@ -34,7 +34,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _requests(module, count, prefix, rank):
-    from distlab._negotiation_shared import RequestType, dtype_code
+    from distlab._common.negotiation import dtype_code
+    from distlab._wire import RequestType
 
     return [module.Request(f"{prefix}.{i}", RequestType.ALLREDUCE, dtype_code("float32"), (64,), request_rank=rank,
                            reduce_op=1) for i in range(count)]
@@ -85,7 +86,7 @@ def worker(out_path):
     from mpi4py import MPI
 
     from distlab import _backend, comm
-    from distlab.collectives import _MPITransport
+    from distlab.collectives._engine import _MPITransport
 
     raw = MPI.COMM_WORLD.Dup()
     group = comm.ProcessGroup(name="bench")

@@ -1,76 +1,5 @@
-# Included by _negotiation.pyx: core twin of distlab.reference.messages (same classes, same bytes).
-
-cdef extern from "Python.h":
-    const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
-    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
-    object PyBytes_FromStringAndSize(const char* v, Py_ssize_t n)
-
-if sys.byteorder != "little":  # the wire format is little-endian and written with memcpy
-    raise ImportError("the distlab core negotiation twin needs a little-endian machine; use DISTLAB_IMPL=reference")
-
-cdef bytes _MAGIC_RQ = REQUEST_MAGIC
-cdef bytes _MAGIC_RS = RESPONSE_MAGIC
-cdef int _VERSION = WIRE_VERSION
-
-
-cdef inline void _w(string& buf, const void* p, size_t n):
-    buf.append(<const char*>p, n)
-
-
-cdef inline string _utf8(object text) except *:
-    cdef Py_ssize_t n
-    cdef const char* p = PyUnicode_AsUTF8AndSize(text, &n)
-    return string(p, <size_t>n)
-
-
-cdef struct _Reader:
-    const char* p
-    Py_ssize_t n
-    Py_ssize_t pos
-
-
-cdef int _need(_Reader* r, Py_ssize_t k, str what) except -1:
-    if r.pos + k > r.n:
-        raise MessageFormatError(what)
-    return 0
-
-
-cdef object _read_text(_Reader* r, Py_ssize_t k, str what):
-    _need(r, k, what)
-    try:
-        text = PyUnicode_DecodeUTF8(r.p + r.pos, k, NULL)
-    except UnicodeDecodeError as exc:
-        raise MessageFormatError(f"a name in the message is not valid UTF-8: {exc}") from None
-    r.pos += k
-    return text
-
-
-cdef int _write_list_header(string& buf, bytes magic, bint shutdown, uint32_t count) except -1:
-    cdef uint8_t version = _VERSION
-    cdef uint8_t flags = FLAG_SHUTDOWN if shutdown else 0
-    _w(buf, <const char*>magic, 4)
-    _w(buf, &version, 1)
-    _w(buf, &flags, 1)
-    _w(buf, &count, 4)
-    return 0
-
-
-cdef int _read_list_header(_Reader* r, bytes magic, str what, uint32_t* count, uint8_t* flags) except -1:
-    cdef uint8_t version
-    if r.n < 10:
-        raise MessageFormatError(f"{what} is truncated: {r.n} bytes, the header alone needs 10")
-    got = PyBytes_FromStringAndSize(r.p, 4)
-    if got != magic:
-        raise MessageFormatError(f"not a distlab {what}: magic {got!r}, expected {magic!r}")
-    version = <uint8_t>r.p[4]
-    if version != _VERSION:
-        raise MessageFormatError(f"{what} has wire version {version}, this distlab speaks version {_VERSION}: "
-                                 "every rank must run the same distlab version")
-    flags[0] = <uint8_t>r.p[5]
-    memcpy(count, r.p + 6, 4)
-    r.pos = 10
-    return 0
-
+# Included by _negotiation.pyx: core twin of distlab.reference.messages (same classes, same bytes). Messages are
+# written with memcpy into one C++ string and parsed by a cursor over the bytes (_Reader); no struct module.
 
 cdef class Request:
     """See :class:`distlab.reference.messages.Request`."""
@@ -117,13 +46,68 @@ cdef class Request:
 
     @tensor_shape.setter
     def tensor_shape(self, value):
-        self._shape = tuple(int(d) for d in value)
+        cdef int i
+        self._shape = tuple([int(d) for d in value])
         self._cshape.clear()
         for d in self._shape:
             self._cshape.push_back(d)
         self._ndim = len(self._shape)
         for i in range(min(self._ndim, 8)):
-            self._dims[i] = self._shape[i]
+            self._dims[i] = self._cshape[i]
+
+    def to_bytes(self):
+        """See :meth:`distlab.reference.messages.Request.to_bytes`."""
+        cdef string buf
+        self._write(buf)
+        return PyBytes_FromStringAndSize(buf.data(), buf.size())
+
+    @staticmethod
+    cdef Request _parse(_Reader* r):
+        # the layout of REQUEST_HEAD, field by field (offsets checked against the struct at import)
+        cdef Request out = Request.__new__(Request)
+        cdef int32_t i32
+        cdef uint16_t name_len
+        cdef int64_t dim
+        cdef int k, ndim
+        cdef const char* p
+        _need(r, _REQUEST_HEAD_SIZE, "request_head")
+        p = r.p + r.pos
+        memcpy(&i32, p, 4); out.request_rank = i32
+        out.request_type = <uint8_t>p[4]
+        out.tensor_type = <uint8_t>p[5]
+        out.reduce_op = <uint8_t>p[6]
+        ndim = <uint8_t>p[7]
+        memcpy(&i32, p + 8, 4); out.root_rank = i32
+        memcpy(&i32, p + 12, 4); out.device = i32
+        memcpy(&out.prescale_factor, p + 16, 8)
+        memcpy(&out.postscale_factor, p + 24, 8)
+        memcpy(&name_len, p + 32, 2)
+        r.pos += _REQUEST_HEAD_SIZE
+        _need(r, name_len + 8 * ndim, "request_body")
+        out._name = _decode_name(r, name_len)
+        out._cname = string(r.p + r.pos - name_len, name_len)
+        out._ndim = ndim
+        for k in range(ndim):
+            memcpy(&dim, r.p + r.pos, 8)
+            r.pos += 8
+            out._cshape.push_back(dim)
+            if k < 8:
+                out._dims[k] = dim
+        out._shape = tuple(out._cshape)
+        return out
+
+    def _key(self):
+        return (self._name, self.request_type, self.tensor_type, self._shape, self.request_rank, self.root_rank,
+                self.device, self.reduce_op, self.prescale_factor, self.postscale_factor)
+
+    def __eq__(self, other):
+        return type(other) is Request and self._key() == (<Request>other)._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return request_repr(self)
 
     cdef int _write(self, string& buf) except -1:
         cdef int32_t i32
@@ -149,50 +133,6 @@ cdef class Request:
         for dim in self._cshape:
             _w(buf, &dim, 8)
         return 0
-
-    def to_bytes(self):
-        """See :meth:`distlab.reference.messages.Request.to_bytes`."""
-        cdef string buf
-        self._write(buf)
-        return PyBytes_FromStringAndSize(buf.data(), buf.size())
-
-    def _key(self):
-        return (self._name, self.request_type, self.tensor_type, self._shape, self.request_rank, self.root_rank,
-                self.device, self.reduce_op, self.prescale_factor, self.postscale_factor)
-
-    def __eq__(self, other):
-        return isinstance(other, Request) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __repr__(self):
-        kind = REQUEST_TYPE_NAMES[self.request_type] if 0 <= self.request_type < len(REQUEST_TYPE_NAMES) else "?"
-        return (f"Request({self._name!r}, {kind}, rank={self.request_rank}, dtype={self.tensor_type}, "
-                f"shape={self._shape})")
-
-
-cdef Request _parse_request(_Reader* r):
-    cdef int32_t rank, root, device
-    cdef uint8_t rtype, dtype, op, ndim
-    cdef double pre, post
-    cdef uint16_t name_len
-    cdef int64_t dim
-    cdef Py_ssize_t i
-    _need(r, 34, "request list is truncated inside a request header")
-    cdef const char* p = r.p + r.pos
-    memcpy(&rank, p, 4); rtype = <uint8_t>p[4]; dtype = <uint8_t>p[5]; op = <uint8_t>p[6]; ndim = <uint8_t>p[7]
-    memcpy(&root, p + 8, 4); memcpy(&device, p + 12, 4); memcpy(&pre, p + 16, 8); memcpy(&post, p + 24, 8)
-    memcpy(&name_len, p + 32, 2)
-    r.pos += 34
-    _need(r, name_len + 8 * ndim, "request list is truncated inside a request's name or shape")
-    name = _read_text(r, name_len, "")
-    shape = []
-    for i in range(ndim):
-        memcpy(&dim, r.p + r.pos, 8)
-        r.pos += 8
-        shape.append(dim)
-    return Request(name, rtype, dtype, shape, rank, root, device, op, pre, post)
 
 
 cdef class Response:
@@ -232,6 +172,69 @@ cdef class Response:
         out.last_joined_rank = self.last_joined_rank
         return out
 
+    def to_bytes(self):
+        """See :meth:`distlab.reference.messages.Response.to_bytes`."""
+        cdef string buf
+        self._write(buf)
+        return PyBytes_FromStringAndSize(buf.data(), buf.size())
+
+    @staticmethod
+    cdef Response _parse(_Reader* r):
+        # the layout of RESPONSE_HEAD, then the counted lists (each count checked against the bytes left before
+        # anything is allocated)
+        cdef Response out = Response.__new__(Response)
+        cdef int32_t i32
+        cdef uint32_t count, k
+        cdef uint16_t u16
+        cdef int64_t i64
+        cdef const char* p
+        _need(r, _RESPONSE_HEAD_SIZE, "response_head")
+        p = r.p + r.pos
+        out.response_type = <uint8_t>p[0]
+        out.tensor_type = <uint8_t>p[1]
+        out.reduce_op = <uint8_t>p[2]
+        memcpy(&i32, p + 4, 4); out.last_joined_rank = i32
+        memcpy(&out.prescale_factor, p + 8, 8)
+        memcpy(&out.postscale_factor, p + 16, 8)
+        memcpy(&count, p + 24, 4)
+        r.pos += _RESPONSE_HEAD_SIZE
+        out.tensor_names = []
+        for k in range(count):
+            u16 = <uint16_t>_read_uint(r, 2)
+            _need(r, u16, "response_body")
+            out.tensor_names.append(_decode_name(r, u16))
+        count = <uint32_t>_read_uint(r, 4)
+        _need(r, 4 * <Py_ssize_t>count, "response_body")
+        out.devices = []
+        for k in range(count):
+            memcpy(&i32, r.p + r.pos, 4)
+            r.pos += 4
+            out.devices.append(i32)
+        count = <uint32_t>_read_uint(r, 4)
+        _need(r, 8 * <Py_ssize_t>count, "response_body")
+        out.tensor_sizes = []
+        for k in range(count):
+            memcpy(&i64, r.p + r.pos, 8)
+            r.pos += 8
+            out.tensor_sizes.append(i64)
+        count = <uint32_t>_read_uint(r, 4)
+        _need(r, count, "response_body")
+        out.error_message = _decode_name(r, count)
+        return out
+
+    def _key(self):
+        return (self.response_type, self.tensor_names, self.tensor_type, self.error_message, self.devices,
+                self.tensor_sizes, self.prescale_factor, self.postscale_factor, self.reduce_op,
+                self.last_joined_rank)
+
+    def __eq__(self, other):
+        return type(other) is Response and self._key() == (<Response>other)._key()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return response_repr(self)
+
     cdef int _write(self, string& buf) except -1:
         cdef uint8_t u8
         cdef int32_t i32
@@ -265,82 +268,6 @@ cdef class Response:
         buf.append(s)
         return 0
 
-    def to_bytes(self):
-        """See :meth:`distlab.reference.messages.Response.to_bytes`."""
-        cdef string buf
-        self._write(buf)
-        return PyBytes_FromStringAndSize(buf.data(), buf.size())
-
-    def _key(self):
-        return (self.response_type, self.tensor_names, self.tensor_type, self.error_message, self.devices,
-                self.tensor_sizes, self.prescale_factor, self.postscale_factor, self.reduce_op,
-                self.last_joined_rank)
-
-    def __eq__(self, other):
-        return isinstance(other, Response) and self._key() == other._key()
-
-    __hash__ = None
-
-    def __repr__(self):
-        kind = (RESPONSE_TYPE_NAMES[self.response_type] if 0 <= self.response_type < len(RESPONSE_TYPE_NAMES)
-                else "?")
-        return f"Response({kind}, {self.tensor_names!r}, sizes={self.tensor_sizes})"
-
-
-cdef uint32_t _read_u32(_Reader* r) except? 0xFFFFFFFF:
-    cdef uint32_t v
-    _need(r, 4, "response list is truncated inside a response")
-    memcpy(&v, r.p + r.pos, 4)
-    r.pos += 4
-    return v
-
-
-cdef Response _parse_response(_Reader* r):
-    cdef Response out = Response.__new__(Response)
-    cdef int32_t i32
-    cdef uint32_t count, k
-    cdef uint16_t u16
-    cdef int64_t i64
-    cdef const char* p
-    _need(r, 28, "response list is truncated inside a response header")
-    p = r.p + r.pos
-    out.response_type = <uint8_t>p[0]
-    out.tensor_type = <uint8_t>p[1]
-    out.reduce_op = <uint8_t>p[2]
-    memcpy(&i32, p + 4, 4); out.last_joined_rank = i32
-    memcpy(&out.prescale_factor, p + 8, 8)
-    memcpy(&out.postscale_factor, p + 16, 8)
-    memcpy(&count, p + 24, 4)
-    r.pos += 28
-    names = []
-    for k in range(count):
-        _need(r, 2, "response list is truncated inside a response")
-        memcpy(&u16, r.p + r.pos, 2)
-        r.pos += 2
-        _need(r, u16, "response list is truncated inside a response")
-        names.append(_read_text(r, u16, ""))
-    out.tensor_names = names
-    count = _read_u32(r)
-    _need(r, 4 * <Py_ssize_t>count, "response list is truncated inside a response")
-    devices = []
-    for k in range(count):
-        memcpy(&i32, r.p + r.pos, 4)
-        r.pos += 4
-        devices.append(i32)
-    out.devices = devices
-    count = _read_u32(r)
-    _need(r, 8 * <Py_ssize_t>count, "response list is truncated inside a response")
-    sizes = []
-    for k in range(count):
-        memcpy(&i64, r.p + r.pos, 8)
-        r.pos += 8
-        sizes.append(i64)
-    out.tensor_sizes = sizes
-    count = _read_u32(r)
-    _need(r, count, "response list is truncated inside a response")
-    out.error_message = _read_text(r, count, "")
-    return out
-
 
 cdef class RequestList:
     """See :class:`distlab.reference.messages.RequestList`."""
@@ -356,7 +283,7 @@ cdef class RequestList:
         """See :meth:`distlab.reference.messages.RequestList.to_bytes`."""
         cdef string buf
         cdef Request request
-        _write_list_header(buf, _MAGIC_RQ, self.shutdown, len(self.requests))
+        _pack_list(buf, _MAGIC_RQ, self.shutdown, len(self.requests))
         for request in self.requests:
             request._write(buf)
         return PyBytes_FromStringAndSize(buf.data(), buf.size())
@@ -368,24 +295,23 @@ cdef class RequestList:
         cdef _Reader r
         cdef uint32_t count, k
         cdef uint8_t flags
-        r.p = raw
-        r.n = len(raw)
-        r.pos = 0
-        _read_list_header(&r, _MAGIC_RQ, "request list", &count, &flags)
-        requests = []
+        cdef RequestList out = RequestList.__new__(RequestList)
+        _parse_list(&r, raw, _MAGIC_RQ, "request list", &count, &flags)
+        out.requests = []
         for k in range(count):
-            requests.append(_parse_request(&r))
-        if r.pos != r.n:
-            raise MessageFormatError(f"request list has {r.n - r.pos} unexpected trailing bytes")
-        return RequestList(requests, bool(flags & FLAG_SHUTDOWN))
+            out.requests.append(Request._parse(&r))
+        _no_trailing(&r, "request list")
+        out.shutdown = flags & FLAG_SHUTDOWN
+        return out
 
     def __eq__(self, other):
-        return isinstance(other, RequestList) and (self.requests, self.shutdown) == (other.requests, other.shutdown)
+        return (type(other) is RequestList and self.shutdown == (<RequestList>other).shutdown
+                and self.requests == (<RequestList>other).requests)
 
     __hash__ = None
 
     def __repr__(self):
-        return f"RequestList({self.requests!r}, shutdown={self.shutdown})"
+        return list_repr(self)
 
 
 cdef class ResponseList:
@@ -402,7 +328,7 @@ cdef class ResponseList:
         """See :meth:`distlab.reference.messages.ResponseList.to_bytes`."""
         cdef string buf
         cdef Response response
-        _write_list_header(buf, _MAGIC_RS, self.shutdown, len(self.responses))
+        _pack_list(buf, _MAGIC_RS, self.shutdown, len(self.responses))
         for response in self.responses:
             response._write(buf)
         return PyBytes_FromStringAndSize(buf.data(), buf.size())
@@ -414,22 +340,88 @@ cdef class ResponseList:
         cdef _Reader r
         cdef uint32_t count, k
         cdef uint8_t flags
-        r.p = raw
-        r.n = len(raw)
-        r.pos = 0
-        _read_list_header(&r, _MAGIC_RS, "response list", &count, &flags)
-        responses = []
+        cdef ResponseList out = ResponseList.__new__(ResponseList)
+        _parse_list(&r, raw, _MAGIC_RS, "response list", &count, &flags)
+        out.responses = []
         for k in range(count):
-            responses.append(_parse_response(&r))
-        if r.pos != r.n:
-            raise MessageFormatError(f"response list has {r.n - r.pos} unexpected trailing bytes")
-        return ResponseList(responses, bool(flags & FLAG_SHUTDOWN))
+            out.responses.append(Response._parse(&r))
+        _no_trailing(&r, "response list")
+        out.shutdown = flags & FLAG_SHUTDOWN
+        return out
 
     def __eq__(self, other):
-        return (isinstance(other, ResponseList)
-                and (self.responses, self.shutdown) == (other.responses, other.shutdown))
+        return (type(other) is ResponseList and self.shutdown == (<ResponseList>other).shutdown
+                and self.responses == (<ResponseList>other).responses)
 
     __hash__ = None
 
     def __repr__(self):
-        return f"ResponseList({self.responses!r}, shutdown={self.shutdown})"
+        return list_repr(self)
+
+
+# -- packing and parsing helpers (the reference's, over a C cursor) ----------------------------------------------
+cdef int _pack_list(string& buf, bytes magic, bint shutdown, uint32_t count) except -1:
+    """The list header: magic, version, flags, count (the items follow)."""
+    cdef uint8_t version = NEGOTIATION_WIRE_VERSION
+    cdef uint8_t flags = FLAG_SHUTDOWN if shutdown else 0
+    _w(buf, <const char*>magic, 4)
+    _w(buf, &version, 1)
+    _w(buf, &flags, 1)
+    _w(buf, &count, 4)
+    return 0
+
+
+cdef int _parse_list(_Reader* r, bytes raw, bytes magic, str what, uint32_t* count, uint8_t* flags) except -1:
+    """Point the cursor at ``raw`` and read the list header (both lists' items are parsed by their class)."""
+    r.p = raw
+    r.n = len(raw)
+    r.pos = 0
+    _parse_header(r, magic, what, count, flags)
+    return 0
+
+
+cdef int _parse_header(_Reader* r, bytes magic, str what, uint32_t* count, uint8_t* flags) except -1:
+    cdef uint8_t version
+    if r.n < _LIST_HEADER_SIZE:
+        raise format_error("short_header", what=what, got=r.n, need=_LIST_HEADER_SIZE)
+    got = PyBytes_FromStringAndSize(r.p, 4)
+    if got != magic:
+        raise format_error("magic", what=what, got=got, expected=magic)
+    version = <uint8_t>r.p[4]
+    if version != NEGOTIATION_WIRE_VERSION:
+        raise format_error("version", what=what, got=version, expected=NEGOTIATION_WIRE_VERSION)
+    flags[0] = <uint8_t>r.p[5]
+    memcpy(count, r.p + 6, 4)
+    r.pos = _LIST_HEADER_SIZE
+    return 0
+
+
+cdef inline int _need(_Reader* r, Py_ssize_t k, str where) except -1:
+    if k > r.n - r.pos:
+        raise format_error(where)
+    return 0
+
+
+cdef inline uint64_t _read_uint(_Reader* r, int width) except? 0xFFFFFFFFFFFFFFFF:
+    # little-endian unsigned of 2 or 4 bytes (the machine is little-endian: checked at import)
+    cdef uint64_t value = 0
+    _need(r, width, "response_body")
+    memcpy(&value, r.p + r.pos, width)
+    r.pos += width
+    return value
+
+
+cdef object _decode_name(_Reader* r, Py_ssize_t k):
+    # k bytes at the cursor, already checked by _need
+    try:
+        text = PyUnicode_DecodeUTF8(r.p + r.pos, k, NULL)
+    except UnicodeDecodeError as exc:
+        raise format_error("utf8", reason=exc) from None
+    r.pos += k
+    return text
+
+
+cdef int _no_trailing(_Reader* r, str what) except -1:
+    if r.pos != r.n:
+        raise format_error("trailing", what=what, count=r.n - r.pos)
+    return 0

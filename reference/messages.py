@@ -5,23 +5,28 @@ Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_
 Mirrors horovod/common/message.h and message.cc. A rank describes each collective it wants to run as a
 ``Request`` (name, type, dtype, shape, root, device, reduce op, scale factors); the coordinator answers with
 ``Response`` objects that say which tensors to run now, possibly several fused into one. Horovod serialises these
-with FlatBuffers; we use a small fixed layout described in :mod:`distlab._negotiation_shared`, written with
+with FlatBuffers; we use a small fixed layout described in :mod:`distlab._wire`, written with
 :mod:`struct`. The core twin writes the same bytes with C code; tests compare them byte for byte.
 """
 from __future__ import annotations
 
-from distlab._negotiation_shared import (
+from distlab._common.negotiation import (
+    REQUEST_FIELDS,
+    RESPONSE_FIELDS,
+    format_error,
+    list_repr,
+    request_repr,
+    response_repr,
+)
+from distlab._wire import (
     CPU_DEVICE_ID,
     FLAG_SHUTDOWN,
     LIST_HEADER,
+    NEGOTIATION_WIRE_VERSION,
     REQUEST_HEAD,
     REQUEST_MAGIC,
-    REQUEST_TYPE_NAMES,
     RESPONSE_HEAD,
     RESPONSE_MAGIC,
-    RESPONSE_TYPE_NAMES,
-    WIRE_VERSION,
-    MessageFormatError,
     RequestType,
     ResponseType,
 )
@@ -37,9 +42,9 @@ class Request:
     tensor_name : str
         The name every rank uses for this tensor.
     request_type : int
-        A :class:`~distlab._negotiation_shared.RequestType` code.
+        A :class:`~distlab._wire.RequestType` code.
     tensor_type : int
-        The dtype's wire code (:func:`~distlab._negotiation_shared.dtype_code`).
+        The dtype's wire code (:func:`~distlab._common.negotiation.dtype_code`).
     tensor_shape : tuple of int
     request_rank : int
         The submitting rank.
@@ -48,7 +53,7 @@ class Request:
     device : int
         ``CPU_DEVICE_ID`` (-1) or a GPU ordinal.
     reduce_op : int
-        Index into :data:`~distlab._negotiation_shared.REDUCE_OPS` (0 = not a reduction).
+        Index into :data:`~distlab._wire.REDUCE_OPS` (0 = not a reduction).
     prescale_factor, postscale_factor : float
     """
 
@@ -83,14 +88,12 @@ class Request:
 
     @classmethod
     def _parse(cls, data, offset: int):
-        if offset + REQUEST_HEAD.size > len(data):
-            raise MessageFormatError("request list is truncated inside a request header")
+        _need(data, offset + REQUEST_HEAD.size, "request_head")
         (rank, rtype, dtype, op, ndim, root, device, pre, post,
          name_len) = REQUEST_HEAD.unpack_from(data, offset)
         offset += REQUEST_HEAD.size
         end = offset + name_len + 8 * ndim
-        if end > len(data):
-            raise MessageFormatError("request list is truncated inside a request's name or shape")
+        _need(data, end, "request_body")
         name = _decode_name(data[offset:offset + name_len])
         offset += name_len
         shape = tuple(int.from_bytes(data[offset + 8 * i: offset + 8 * i + 8], "little", signed=True)
@@ -98,7 +101,7 @@ class Request:
         return cls(name, rtype, dtype, shape, rank, root, device, op, pre, post), end
 
     def _key(self):
-        return tuple(getattr(self, slot) for slot in self.__slots__)
+        return tuple(getattr(self, field) for field in REQUEST_FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, Request) and self._key() == other._key()
@@ -107,9 +110,7 @@ class Request:
         return hash(self._key())
 
     def __repr__(self):
-        kind = REQUEST_TYPE_NAMES[self.request_type] if 0 <= self.request_type < len(REQUEST_TYPE_NAMES) else "?"
-        return (f"Request({self.tensor_name!r}, {kind}, rank={self.request_rank}, dtype={self.tensor_type}, "
-                f"shape={self.tensor_shape})")
+        return request_repr(self)
 
 
 class Response:
@@ -118,7 +119,7 @@ class Response:
     Parameters
     ----------
     response_type : int
-        A :class:`~distlab._negotiation_shared.ResponseType` code.
+        A :class:`~distlab._wire.ResponseType` code.
     tensor_names : list of str
         More than one name means a fused response.
     tensor_type : int
@@ -177,8 +178,7 @@ class Response:
 
     @classmethod
     def _parse(cls, data, offset: int):
-        if offset + RESPONSE_HEAD.size > len(data):
-            raise MessageFormatError("response list is truncated inside a response header")
+        _need(data, offset + RESPONSE_HEAD.size, "response_head")
         rtype, dtype, op, _pad, last_joined, pre, post, n_names = RESPONSE_HEAD.unpack_from(data, offset)
         offset += RESPONSE_HEAD.size
         names = []
@@ -208,7 +208,7 @@ class Response:
         return cls(rtype, names, dtype, error, devices, sizes, pre, post, op, last_joined), offset
 
     def _key(self):
-        return tuple(getattr(self, slot) for slot in self.__slots__)
+        return tuple(getattr(self, field) for field in RESPONSE_FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, Response) and self._key() == other._key()
@@ -216,9 +216,7 @@ class Response:
     __hash__ = None
 
     def __repr__(self):
-        kind = (RESPONSE_TYPE_NAMES[self.response_type] if 0 <= self.response_type < len(RESPONSE_TYPE_NAMES)
-                else "?")
-        return f"Response({kind}, {self.tensor_names!r}, sizes={self.tensor_sizes})"
+        return response_repr(self)
 
 
 class RequestList:
@@ -231,7 +229,7 @@ class RequestList:
         self.shutdown = bool(shutdown)
 
     def to_bytes(self) -> bytes:
-        """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
+        """Serialise (see the layout in :mod:`distlab._wire`)."""
         return _pack_list(REQUEST_MAGIC, self.shutdown, self.requests)
 
     @classmethod
@@ -245,7 +243,7 @@ class RequestList:
     __hash__ = None
 
     def __repr__(self):
-        return f"RequestList({self.requests!r}, shutdown={self.shutdown})"
+        return list_repr(self)
 
 
 class ResponseList:
@@ -258,7 +256,7 @@ class ResponseList:
         self.shutdown = bool(shutdown)
 
     def to_bytes(self) -> bytes:
-        """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
+        """Serialise (see the layout in :mod:`distlab._wire`)."""
         return _pack_list(RESPONSE_MAGIC, self.shutdown, self.responses)
 
     @classmethod
@@ -273,13 +271,13 @@ class ResponseList:
     __hash__ = None
 
     def __repr__(self):
-        return f"ResponseList({self.responses!r}, shutdown={self.shutdown})"
+        return list_repr(self)
 
 
 # -- parsing helpers -----------------------------------------------------------------------------------------
 def _pack_list(magic: bytes, shutdown: bool, items) -> bytes:
     """A request or response list: the header (magic, version, flags, count), then each item's bytes."""
-    head = LIST_HEADER.pack(magic, WIRE_VERSION, FLAG_SHUTDOWN if shutdown else 0, len(items))
+    head = LIST_HEADER.pack(magic, NEGOTIATION_WIRE_VERSION, FLAG_SHUTDOWN if shutdown else 0, len(items))
     return head + b"".join(item.to_bytes() for item in items)
 
 
@@ -297,20 +295,19 @@ def _parse_list(data: bytes, magic: bytes, what: str, parse_item):
 
 def _parse_header(data: bytes, magic: bytes, what: str):
     if len(data) < LIST_HEADER.size:
-        raise MessageFormatError(f"{what} is truncated: {len(data)} bytes, the header alone needs "
-                                 f"{LIST_HEADER.size}")
+        raise format_error("short_header", what=what, got=len(data), need=LIST_HEADER.size)
     got_magic, version, flags, count = LIST_HEADER.unpack_from(data, 0)
     if got_magic != magic:
-        raise MessageFormatError(f"not a distlab {what}: magic {got_magic!r}, expected {magic!r}")
-    if version != WIRE_VERSION:
-        raise MessageFormatError(f"{what} has wire version {version}, this distlab speaks version {WIRE_VERSION}: "
-                                 "every rank must run the same distlab version")
+        raise format_error("magic", what=what, got=got_magic, expected=magic)
+    if version != NEGOTIATION_WIRE_VERSION:
+        raise format_error("version", what=what, got=version, expected=NEGOTIATION_WIRE_VERSION)
     return count, flags
 
 
-def _need(data: bytes, end: int) -> None:
+def _need(data: bytes, end: int, where: str = "response_body") -> None:
+    """Refuse to read past the end of ``data`` (``where`` names the part being read, for the message)."""
     if end > len(data):
-        raise MessageFormatError("response list is truncated inside a response")
+        raise format_error(where)
 
 
 def _read_uint(data: bytes, offset: int, width: int) -> int:
@@ -322,9 +319,9 @@ def _decode_name(raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MessageFormatError(f"a name in the message is not valid UTF-8: {exc}") from None
+        raise format_error("utf8", reason=exc) from None
 
 
 def _no_trailing(data: bytes, offset: int, what: str) -> None:
     if offset != len(data):
-        raise MessageFormatError(f"{what} has {len(data) - offset} unexpected trailing bytes")
+        raise format_error("trailing", what=what, count=len(data) - offset)

@@ -27,31 +27,22 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 
-from distlab._negotiation_shared import (
+from distlab._common.negotiation import (
     CACHEABLE_RESPONSE_TYPES,
-    CPU_DEVICE_ID,
-    DTYPE_SIZES,
+    COUNTERS,
     HIT,
     INVALID,
-    JOIN_TENSOR_NAME,
     MISS,
-    REDUCE_OPS,
-    REQUEST_TYPE_NAMES,
-    RequestType,
-    ResponseType,
-    dtype_name,
-    joined_phrase,
+    response_error,
+    trace_negotiation_start,
 )
+from distlab._wire import DTYPE_SIZES, JOIN_TENSOR_NAME, RequestType, ResponseType
 from distlab._stall import StallInspector
 from distlab.reference.messages import Request, RequestList, Response, ResponseList
 from distlab.reference.response_cache import CacheCoordinator, ResponseCache, request_params
 
 __all__ = ["Request", "Response", "RequestList", "ResponseList", "ResponseCache", "CacheCoordinator",
            "Controller", "fuse_responses", "request_params", "MISS", "HIT", "INVALID"]
-
-_COUNTERS = ("cycles", "fast_path", "slow_path", "idle", "hits", "misses", "invalid", "requeued", "responses",
-             "fused_tensors")
-
 
 def _size_bytes(response) -> int:
     return response.tensor_sizes[0] * DTYPE_SIZES[response.tensor_type] if response.tensor_sizes else 0
@@ -126,7 +117,7 @@ class Controller:
         self.stall = StallInspector(self.size, stall_check_time, stall_shutdown_time,
                                     **({"clock": clock} if clock else {}))
         self.joined = False
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._pending: dict[str, Request] = {}             # popped requests still waiting for a response
@@ -306,9 +297,7 @@ class Controller:
         requests = self._message_table.get(name)
         if requests is None:
             requests = self._message_table[name] = []
-            if self.timeline is not None:
-                self.timeline.instant(f"negotiate {name}", lane="negotiation",
-                                      args={"type": REQUEST_TYPE_NAMES[request.request_type]})
+            trace_negotiation_start(self.timeline, name, request.request_type)
         requests.append(request)
         self.stall.record_uncached(name, request.request_rank, request.request_type)
         return len(requests) == self.size - len(self._joined_ranks)
@@ -318,73 +307,23 @@ class Controller:
         requests = sorted(self._message_table.pop(name), key=lambda r: r.request_rank)
         self.stall.remove_uncached(name)
         first = requests[0]
-        kind = first.request_type
-        kind_name = REQUEST_TYPE_NAMES[kind]
-        error = _first_mismatch(name, requests, [
-            ("operations", lambda r: REQUEST_TYPE_NAMES[r.request_type]),
-            ("data types", lambda r: dtype_name(r.tensor_type)),
-        ])
-        if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST):
-            error = _first_mismatch(name, requests, [("shapes", lambda r: _shape(r.tensor_shape))])
-        if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
-            error = _first_mismatch(name, requests, [
-                ("reduce ops", lambda r: REDUCE_OPS[r.reduce_op] or "none"),
-                ("prescale/postscale factors", lambda r: f"({r.prescale_factor:g}, {r.postscale_factor:g})"),
-            ])
-        sizes: list[int] = []
-        if error is None and kind in (RequestType.ALLGATHER, RequestType.ALLTOALL):
-            if joined_size > 0:
-                error = (f"{kind_name} of {name!r} is not supported once a rank has joined "
-                         f"({joined_phrase(self._joined_ranks)}); only allreduce works with join")
-            elif len(first.tensor_shape) == 0:
-                error = f"rank {first.request_rank} tried to {kind_name} {name!r}, a 0-dimensional array"
-            else:
-                error = _first_mismatch(name, requests, [
-                    ("shapes beyond the first dimension",
-                     lambda r: f"[*, {', '.join(map(str, r.tensor_shape[1:]))}]")])
-            if error is None:
-                sizes = [0] * self.size
-                for r in requests:
-                    sizes[r.request_rank] = r.tensor_shape[0]
-        if error is None and kind == RequestType.BROADCAST:
-            if joined_size > 0:
-                error = (f"broadcast of {name!r} is not supported once a rank has joined "
-                         f"({joined_phrase(self._joined_ranks)})")
-            else:
-                error = _first_mismatch(name, requests, [("root ranks", lambda r: f"root {r.root_rank}")])
-        if error is None:
-            error = _first_mismatch(name, requests, [
-                ("devices", lambda r: "CPU" if r.device == CPU_DEVICE_ID else f"GPU {r.device}")])
+        error = response_error(name, requests, self._joined_ranks)
         if error is not None:
             return Response(ResponseType.ERROR, [name], first.tensor_type, error_message=error,
                             devices=[r.device for r in requests])
         # By rank when every rank took part; shorter when some joined (then the response is not cached).
         devices = [r.device for r in requests]
-        if kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
-            count = 1
+        kind = first.request_type
+        sizes = []
+        if kind in (RequestType.ALLGATHER, RequestType.ALLTOALL):
+            sizes = [0] * self.size             # allgather: each rank's first dimension, by rank
+            for r in requests:
+                sizes[r.request_rank] = r.tensor_shape[0]
+        elif kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
+            count = 1                           # allreduce: the element count
             for d in first.tensor_shape:
                 count *= d
             sizes = [count]
         return Response(kind, [name], first.tensor_type, devices=devices, tensor_sizes=sizes,
                         prescale_factor=first.prescale_factor, postscale_factor=first.postscale_factor,
                         reduce_op=first.reduce_op)
-
-
-def _shape(shape) -> str:
-    return f"[{', '.join(map(str, shape))}]"
-
-
-def _first_mismatch(name, requests, checks):
-    """The first check (label, describe) on which the ranks disagree, as a message naming who sent what."""
-    for label, describe in checks:
-        groups: dict[str, list[int]] = {}
-        for r in requests:
-            groups.setdefault(describe(r), []).append(r.request_rank)
-        if len(groups) > 1:
-            parts = []
-            for value, ranks in groups.items():
-                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-                parts.append(f"{who} sent {value}")
-            kind = REQUEST_TYPE_NAMES[requests[0].request_type]
-            return f"Mismatched {label} for tensor {name!r} ({kind}): " + "; ".join(parts) + "."
-    return None

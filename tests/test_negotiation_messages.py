@@ -8,15 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend
-from distlab._negotiation_shared import (
+from distlab._wire import (
     LIST_HEADER,
+    NEGOTIATION_WIRE_VERSION as WIRE_VERSION,
     REQUEST_MAGIC,
     RESPONSE_MAGIC,
-    WIRE_VERSION,
-    MessageFormatError,
     RequestType,
     ResponseType,
 )
+from distlab.errors import MessageFormatError
 
 names = st.text(min_size=0, max_size=12)
 i32 = st.integers(-(2**31), 2**31 - 1)

@@ -10,13 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend
-from distlab._negotiation_shared import (
-    CacheEvictionWarning,
-    CacheStateError,
-    RequestType,
-    ResponseType,
-    dtype_code,
-)
+from distlab._common.negotiation import dtype_code
+from distlab._wire import RequestType, ResponseType
+from distlab.errors import CacheEvictionWarning, CacheStateError
 
 F32 = dtype_code("float32")
 F64 = dtype_code("float64")

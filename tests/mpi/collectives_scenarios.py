@@ -14,7 +14,7 @@ if "mixed" in sys.argv[1:]:
     os.environ["DISTLAB_IMPL"] = "reference" if int(os.environ["RANK"]) % 2 == 0 else "core"
 
 from distlab import _backend, collectives as hvd  # noqa: E402
-from distlab._negotiation_shared import StallWarning  # noqa: E402
+from distlab.errors import StallWarning  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
