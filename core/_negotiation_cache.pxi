@@ -4,7 +4,8 @@
 def request_params(request):
     """See :func:`distlab.reference.response_cache.request_params`."""
     cdef Request r = <Request?>request
-    return (r.request_type, r.tensor_type, r._shape, r.device, r.reduce_op, r.prescale_factor, r.postscale_factor)
+    return (r.request_type, r.tensor_type, r._shape, r.device, r.reduce_op, r.prescale_factor, r.postscale_factor,
+            r.group_id, r.group_size)
 
 
 cdef class ResponseCache:

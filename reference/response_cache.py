@@ -35,13 +35,15 @@ JOINED = ("joined",)
 
 
 def request_params(request) -> tuple:
-    """The parameters that must match for a cache HIT: type, dtype, shape, device, reduce op, scale factors.
+    """The parameters that must match for a cache HIT: type, dtype, shape, device, reduce op, scale factors, group.
 
     Mirrors response_cache.h ``TensorParams`` (Horovod compares device, dtype and shape; we also compare the
-    op and the scale factors, so a changed ``op`` cannot silently reuse a stale response).
+    op and the scale factors, so a changed ``op`` cannot silently reuse a stale response, and the group, so a
+    tensor that moves in or out of a group, or a group that changes size, is negotiated again).
     """
     return (request.request_type, request.tensor_type, tuple(request.tensor_shape), request.device,
-            request.reduce_op, request.prescale_factor, request.postscale_factor)
+            request.reduce_op, request.prescale_factor, request.postscale_factor, request.group_id,
+            request.group_size)
 
 
 class ResponseCache:
@@ -156,7 +158,7 @@ class ResponseCache:
             sizes = [response.tensor_sizes[i]] if fused else response.tensor_sizes
             single = Response(response.response_type, [name], response.tensor_type, response.error_message,
                               response.devices, sizes, response.prescale_factor, response.postscale_factor,
-                              response.reduce_op, response.last_joined_rank)
+                              response.reduce_op, response.last_joined_rank, response.group_id)
             if joined:
                 params = JOINED
             else:

@@ -43,7 +43,7 @@ def test_miss_hit_and_invalid_on_changed_params(negotiation):
                     {"kind": RequestType.ALLGATHER}):
         assert cache.cached(req(m, "a", **changed)) == m.INVALID, changed
     assert cache.cached(req(m, "b")) == m.MISS
-    assert m.request_params(req(m, "a")) == (0, F32, (4,), -1, 1, 1.0, 1.0)
+    assert m.request_params(req(m, "a")) == (0, F32, (4,), -1, 1, 1.0, 1.0, -1, 0)
 
 
 def test_lru_order_get_moves_peek_does_not(negotiation):
