@@ -69,11 +69,14 @@ def fuse_responses(responses, threshold: int) -> list:
         response = queue.popleft()
         if response.group_id != NO_GROUP:
             # a group is all or nothing: every member of it in this list joins its first member
-            members = [r for r in queue if r.group_id == response.group_id]
-            for member in members:
-                queue.remove(member)
-                response.tensor_names.extend(member.tensor_names)
-                response.tensor_sizes.extend(member.tensor_sizes)
+            rest = deque()
+            for candidate in queue:
+                if candidate.group_id == response.group_id:
+                    response.tensor_names.extend(candidate.tensor_names)
+                    response.tensor_sizes.extend(candidate.tensor_sizes)
+                else:
+                    rest.append(candidate)
+            queue = rest
         elif response.response_type in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             size = _size_bytes(response)
             skipped = []

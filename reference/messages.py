@@ -182,7 +182,9 @@ class Response:
 
     def copy(self) -> "Response":
         """A deep copy (lists are copied)."""
-        return Response(*(getattr(self, field) for field in RESPONSE_FIELDS))
+        return Response(self.response_type, self.tensor_names, self.tensor_type, self.error_message, self.devices,
+                        self.tensor_sizes, self.prescale_factor, self.postscale_factor, self.reduce_op,
+                        self.last_joined_rank, self.group_id)
 
     def to_bytes(self) -> bytes:
         """This response alone, in the wire layout of one list element."""
