@@ -24,8 +24,9 @@ def broadcast_parameters(params, root_rank=0, process_set=global_process_set) ->
 
     Parameters
     ----------
-    params : dict, or list of (name, tensor) pairs, or list of tensors
-        Typically ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``; a dict is
+    params : dict or list
+        A dict of arrays or tensors, a list of ``(name, tensor)`` pairs, or a list of tensors: typically
+        ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``; a dict is
         broadcast in sorted name order, so every rank submits the same names. Tensors and numpy arrays are
         written in place.
     root_rank : int

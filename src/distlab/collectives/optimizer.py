@@ -61,17 +61,18 @@ class DistributedOptimizer:
     ----------
     optimizer : distlab.optim.Optimizer
         The local optimizer; its ``param_groups`` and ``state`` are this object's.
-    named_parameters : iterable of (str, Tensor), optional
-        Gives each gradient its name (every rank must use the same names); default ``allreduce.noname.<i>`` in
+    named_parameters : iterable, optional
+        ``(name, parameter)`` pairs: they give each gradient its name (every rank must use the same names); default ``allreduce.noname.<i>`` in
         parameter order. Every optimized parameter must be named, each name once.
-    compression : Compression.none or Compression.fp16
+    compression : type
+        ``Compression.none`` or ``Compression.fp16``.
     backward_passes_per_step : int
         Backward passes accumulated locally between two allreduces (and steps).
-    op : Average or Sum
-        The reduction; Adasum is not implemented.
+    op : ReduceOp
+        ``Average`` or ``Sum``; Adasum is not implemented.
     gradient_predivide_factor : float
         With ``op=Average``, scale by ``1/f`` before the sum and ``f/size`` after it.
-    process_set : ProcessSet
+    process_set : distlab.collectives.ProcessSet
         The ranks the gradients are averaged over.
     """
 
