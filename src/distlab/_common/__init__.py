@@ -1,1 +1,1 @@
-"""Code each twinned component shares between its two twins (one module per component)."""
+"""Code that both twins of a component share, defined once: one module per component (never copied into core/)."""
