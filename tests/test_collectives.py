@@ -74,10 +74,14 @@ def test_coordinator_sync_over_mpi(mpirun, np_, args):
     assert result.stdout.count("sync OK") == np_
 
 
+TWIN_RUNS = [(2, (), None), (2, (), {"DISTLAB_IMPL": "reference"}), (4, ("mixed",), None)]
+TWIN_IDS = ["2ranks-core", "2ranks-reference", "4ranks-mixed-twins"]
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_,args", [(2, ()), (4, ("mixed",))], ids=["2ranks", "4ranks-mixed-twins"])
-def test_horovod_front_ops_and_process_sets(mpirun, np_, args):
-    result = mpirun("collectives_front.py", np=np_, args=args, timeout=200)
+@pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
+def test_horovod_front_ops_and_process_sets(mpirun, np_, args, env):
+    result = mpirun("collectives_front.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("front OK") == np_
     if args:
         assert result.stdout.count("impl=reference") == np_ // 2
@@ -91,7 +95,7 @@ def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_,args", [(2, ()), (4, ("mixed",))], ids=["2ranks", "4ranks-mixed-twins"])
-def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args):
-    result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200)
+@pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
+def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args, env):
+    result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("optimizer OK") == np_
