@@ -31,6 +31,8 @@ __all__ = [
     "StallShutdownError",
     "CacheEvictionWarning",
     "StallWarning",
+    "ClusterError",
+    "ClusterPermissionError",
 ]
 
 
@@ -237,3 +239,12 @@ class CacheEvictionWarning(RuntimeWarning):
 
 class StallWarning(RuntimeWarning):
     """Some ranks submitted a tensor and others have not, for longer than ``DISTLAB_STALL_CHECK_TIME``."""
+
+
+# -- the virtual cluster (distlab.cluster) ----------------------------------------------------------------------
+class ClusterError(DistlabError):
+    """The virtual cluster could not be built, inspected or removed (a bad name, a missing tool, a netlink error)."""
+
+
+class ClusterPermissionError(ClusterError, PermissionError):
+    """Building network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); the message says how to run it."""
