@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION",
-           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE"]
+           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE",
+           "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
+           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -41,3 +43,19 @@ RPC_USER_KIND_BASE = 64
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
 RFD_TUPLE_SIZE = 6
+
+#: Tags the comm layer reserves on every communicator it is given or creates: the top of the range every MPI
+#: supports (0..32767). ProcessGroup.send/recv refuse them.
+COMM_RESERVED_TAGS = range(32760, 32768)
+#: Bounded setup (comm.bounded_barrier/bounded_dup): one notice from each rank to each peer, two int64 words
+#: [sender rank, check word] (the check word lets the ranks compare an argument, e.g. new_group's rank list).
+COMM_SETUP_TAG = 32767
+#: The missing-rank side channel between nodes: a note is COMM_NOTE_HEADER int64 words, then ``count`` triples
+#: (group rank, last collective seq it entered, that collective's op code) read from the sender's node board.
+COMM_NOTE_TAG = 32766
+COMM_NOTE_VERSION = 1
+COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
+COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index
+COMM_NOTE_STATES = ("elsewhere", "waiting", "gave_up")  # the sender, in this group, at seq: codes: index
+#: A rank's slot on its node's arrival board: int64 words [last collective seq entered, its op code].
+COMM_SLOT_WORDS = 2
