@@ -273,13 +273,15 @@ def _release(comm, side) -> None:
 
     Freeing a communicator is local in practice (MPICH and Open MPI release it without talking to peers), so a
     dropped group never waits for anyone; the board is a mapped file, unmapped with its last view. A finalizer may
-    run in any thread: without ``MPI_THREAD_MULTIPLE`` only the main thread may call MPI, so the free waits for the
-    next group the main thread creates.
+    run in any thread, and in the middle of the group's own side-channel listen: without ``MPI_THREAD_MULTIPLE``
+    (only the main thread may call MPI), or while the communicator is in use, the free waits for the next group
+    the main thread creates.
     """
-    side.close()
+    closed = side.close()
     if MPI.Is_finalized():
         return
-    if threading.current_thread() is threading.main_thread() or MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+    if closed and (threading.current_thread() is threading.main_thread()
+                   or MPI.Query_thread() == MPI.THREAD_MULTIPLE):
         comm.Free()
     else:
         _deferred_frees.append(comm)

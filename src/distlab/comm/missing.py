@@ -80,10 +80,20 @@ class SideChannel:
         if self.remote:
             _listening.add(self)
 
-    def close(self) -> None:
-        """Stop listening (the group is being released)."""
+    def close(self) -> bool:
+        """Stop listening (the group is being released); False if a listen is under way (free the comm later).
+
+        Called from a finalizer, which may run in the middle of this channel's own ``listen`` (garbage collection
+        strikes at any allocation): the lock is only tried, never waited for.
+        """
         _listening.discard(self)
-        self.comm = None
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self.comm = None
+        finally:
+            self._lock.release()
+        return True
 
     # -- sending --------------------------------------------------------------------------------------------
     def _note(self, kind: int, state: int, seq: int) -> np.ndarray:
@@ -99,9 +109,11 @@ class SideChannel:
 
     def ask(self, seq: int) -> None:
         """Tell every rank off this node that this rank waits on ``seq`` (with this node's board); they answer."""
-        if self.comm is None or not self.remote:
+        if not self.remote:
             return
         with self._lock:
+            if self.comm is None:
+                return
             self.asked_at = time.monotonic()
             note = self._note(_ASK, _WAITING, seq)
             for rank in self.remote:
@@ -110,9 +122,11 @@ class SideChannel:
     def gave_up(self, seq: int) -> None:
         """This rank timed out in ``seq``: tell the other nodes, so their own reports can say so."""
         self.gave_up_seq = seq
-        if self.comm is None or not self.remote:
+        if not self.remote:
             return
         with self._lock:
+            if self.comm is None:
+                return
             note = self._note(_ANSWER, _GAVE_UP, seq)
             for rank in self.remote:
                 self._send(note, rank)
@@ -120,10 +134,8 @@ class SideChannel:
     # -- receiving ------------------------------------------------------------------------------------------
     def listen(self) -> None:
         """Take every note that arrived; answer each ask once with this node's board and this rank's state."""
-        if self.comm is None:
-            return
         with self._lock:
-            while True:
+            while self.comm is not None:
                 message = self.comm.Improbe(MPI.ANY_SOURCE, COMM_NOTE_TAG)
                 if message is None:
                     return
