@@ -130,3 +130,40 @@ def test_spin_checks_the_deadline_on_every_poll():
     with pytest.raises(DistTimeoutError):
         spin(group, slow_test, deadline[0], 0.2, "allreduce", 1, None, 0, None)
     assert len(polls_after_deadline) <= 1, len(polls_after_deadline)
+
+
+def test_non_native_byte_order_is_refused(pg):
+    with pytest.raises(TypeError, match="non-native byte order"):
+        pg.allreduce(np.zeros(2, dtype=">f8"), name="swapped")
+    with pytest.raises(TypeError, match="non-native byte order"):
+        pg.broadcast(np.zeros(2, dtype=">i4"))
+
+
+def test_setup_helpers_refuse_a_null_communicator_and_bad_timeouts():
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        comm.bounded_barrier(MPI.COMM_NULL, "init_rpc")
+    with pytest.raises(ValueError, match="init_rpc: timeout"):
+        comm.bounded_dup(MPI.COMM_WORLD, "init_rpc", float("nan"))
+    dup = comm.bounded_dup(MPI.COMM_WORLD, "init_rpc", 5)
+    assert dup.Get_size() == 1 and comm.bounded_barrier(dup, "x", 5, check=7) == [7]
+    dup.Free()
+
+
+def test_fake_nodes_setting_is_checked(monkeypatch, pg):
+    # Read where a group asks MPI for its node layout: over a communicator of its own (groups over COMM_WORLD
+    # reuse the layout found by the first one).
+    monkeypatch.setenv("DISTLAB_RANKS_PER_NODE", "two")
+    with pytest.raises(ValueError, match="DISTLAB_RANKS_PER_NODE='two'"):
+        comm.ProcessGroup(pg.comm, name="fake", timeout=5)
+
+
+def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
+    # No /dev/shm file (full, or another mount namespace): the rank keeps a private slot; peers would be asked.
+    from distlab.comm import board
+
+    monkeypatch.setattr(board, "_create", lambda nbytes: None)
+    with comm.ProcessGroup(name="private", timeout=5) as group:
+        group.allreduce(np.ones(2))
+        assert list(group._side.board.readable) == [0] and group._my_slot[0] == 1
