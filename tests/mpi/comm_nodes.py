@@ -1,5 +1,7 @@
-"""The missing-rank side channel between nodes, on one host: DISTLAB_RANKS_PER_NODE splits the ranks into fake
-nodes, each with its own arrival board, so ranks on other "nodes" can only be learnt through notes.
+"""The missing-rank side channel between nodes: ranks on other nodes can only be learnt through notes.
+
+On one host DISTLAB_RANKS_PER_NODE splits the ranks into fake nodes, each with its own arrival board; on a
+virtual cluster (hosts in blocks of ranks) the argument says how many ranks each host runs.
 
 4 ranks. With 2 ranks per node ({0, 1} and {2, 3}):
   A. rank 3 is late: 0 and 1 learn it from rank 2, which waits and reads rank 3's slot on its own board;
@@ -8,6 +10,7 @@ nodes, each with its own arrival board, so ranks on other "nodes" can only be le
 With 1 rank per node, case A leaves rank 3 without anyone to answer for it.
 """
 import os
+import sys
 import time
 
 import numpy as np
@@ -15,7 +18,7 @@ import numpy as np
 from distlab import comm
 from distlab.errors import DistTimeoutError
 
-per_node = int(os.environ["DISTLAB_RANKS_PER_NODE"])
+per_node = int(os.environ.get("DISTLAB_RANKS_PER_NODE") or sys.argv[1])
 world = comm.world()
 r, n = world.rank, world.size
 assert n == 4
