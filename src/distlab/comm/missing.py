@@ -199,7 +199,7 @@ class SideChannel:
                          "called it with a different size or op)")
         if gave_up:
             parts.append(f"ranks {gave_up} timed out in it before this rank and gave up")
-        return behind + silent, "; ".join(parts)
+        return sorted(behind + silent), "; ".join(parts)
 
 
 def _last_entered(rank: int, last: int, code: int, via) -> str:
