@@ -194,7 +194,12 @@ if rank == 0:
     rpc.rpc_sync(1, reset_stalls)
     with dist_autograd.context() as cid:
         fut = rpc.rpc_async(1, stall_forward, (Tensor(X.data, requires_grad=True),))
-        try:
+        try:  # a wait shorter than the RPC timeout: its own timeout, naming the worker
+            fut.wait(T / 4)
+            raise AssertionError("stalled rpc_async returned")
+        except DistTimeoutError as exc:
+            assert "worker1" in str(exc) and "not completed yet" not in str(exc), exc
+        try:  # waiting on: the RPC's timeout, with the missing worker
             fut.wait()
             raise AssertionError("stalled rpc_async returned")
         except DistTimeoutError as exc:
