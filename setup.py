@@ -4,7 +4,7 @@ Cython extensions are named explicitly (globbing infers wrong module names under
 To add a core module, add its stem to CORE_MODULES; its source is core/<stem>.pyx.
 """
 import numpy
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from Cython.Build import cythonize
 
 CORE_MODULES = [
@@ -25,10 +25,8 @@ extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"], include_di
 
 setup(
     package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},
-    packages=[
-        "distlab", "distlab.reference", "distlab.core",
-        "distlab.autograd", "distlab.nn", "distlab.optim", "distlab.rpc",
-    ],
+    # every package under src/ (found, not listed: a new subpackage cannot be forgotten), plus the two twins
+    packages=find_packages("src") + ["distlab.reference", "distlab.core"],
     package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},
     ext_modules=cythonize(
         extensions,
