@@ -26,7 +26,7 @@ extensions = [Extension(f"distlab.core.{stem}", [f"core/{stem}.pyx"], include_di
 setup(
     package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},
     packages=[
-        "distlab", "distlab.reference", "distlab.core",
+        "distlab", "distlab._common", "distlab.reference", "distlab.core",
         "distlab.autograd", "distlab.nn", "distlab.optim", "distlab.rpc",
     ],
     package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},

@@ -146,6 +146,26 @@ def test_bad_bucket_layouts(impl, group, buckets, expect_sparse, message):
         module.Reducer(params, buckets, group, expect_sparse, param_names=["a", "b"])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(expect_sparse_gradients=[False]), "expect_sparse_gradients has 1 entries for 2 parameters"),
+    (dict(param_names=["a"]), "param_names has 1 names for 2 parameters"),
+])
+def test_per_parameter_lists_must_match_the_parameters(impl, group, kwargs, message):
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    with pytest.raises(ValueError, match=message):
+        module.Reducer(params, [[1, 0]], group, **kwargs)
+
+
+def test_the_ddp_module_is_the_one_public_home():
+    import distlab.ddp as ddp
+
+    assert ddp.Reducer is distlab._backend.load("reducer").Reducer
+    assert {"DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"} <= set(ddp.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        ddp.Nothing  # noqa: B018
+
+
 def test_mixed_dtypes_in_a_bucket(impl, group):
     module = distlab._backend.load("reducer", impl)
     params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float64))]

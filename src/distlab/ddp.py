@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: data-parallel training of a distlab module over MPI.
+"""``distlab.ddp``: data-parallel training of a distlab module over MPI (``DistributedDataParallel``).
 
 Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank holds the same model, copies rank
 0's parameters and buffers to every rank, buckets the parameters, and hands them to the active twin's
@@ -9,7 +9,11 @@ Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank hol
     loss.backward()          # gradients are averaged over ranks when backward returns
     opt.step()
 
-Shared by both twins (it is plumbing around the reducer, not a twinned protocol).
+This module is the one public home of DDP: ``DistributedDataParallel``, the active twin's ``Reducer`` (chosen by
+``DISTLAB_IMPL``), :class:`GradBucket` (what a communication hook receives) and
+:func:`compute_bucket_assignment_by_size`. The hooks themselves are in :mod:`distlab.ddp_comm_hooks`, as
+PyTorch keeps them in ``torch.distributed.algorithms.ddp_comm_hooks``. Shared by both twins (it is plumbing around
+the reducer, not a twinned protocol).
 """
 from __future__ import annotations
 
@@ -19,14 +23,19 @@ import inspect
 import numpy as np
 
 from . import _backend, comm
+from ._common.reducer import DEFAULT_FIRST_BUCKET_BYTES, MiB, GradBucket, compute_bucket_assignment_by_size
 from ._join_support import HostJoinable, JoinConfig
 from .autograd import Tensor, is_grad_enabled
 from .nn import Module
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"]
 
-MiB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+def __getattr__(name):
+    """``distlab.ddp.Reducer``: the active twin's reducer, loaded on first use (PEP 562)."""
+    if name == "Reducer":
+        return _backend.load("reducer").Reducer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _find_tensors(obj):
@@ -91,8 +100,7 @@ class DistributedDataParallel(HostJoinable, Module):
         expect_sparse = self._sparse_flags(params)
         reducer_module = _backend.load("reducer", impl)
         self.impl = impl or _backend.active_impl()
-        bucket_indices, _limits = reducer_module.compute_bucket_assignment_by_size(
-            params, [self.bucket_bytes_cap], expect_sparse)
+        bucket_indices, _limits = compute_bucket_assignment_by_size(params, [self.bucket_bytes_cap], expect_sparse)
         # Reverse: parameters registered last are used last in forward, so their gradients come first.
         self.reducer = reducer_module.Reducer(
             params, list(reversed(bucket_indices)), self.process_group, expect_sparse, self.bucket_bytes_cap,
