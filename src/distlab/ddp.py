@@ -49,6 +49,11 @@ def _find_tensors(obj):
     return []
 
 
+def _array_of(tensor):
+    """The array behind a parameter or buffer (a buffer may be a Tensor or a plain array)."""
+    return tensor.data if isinstance(tensor, Tensor) else tensor
+
+
 class DistributedDataParallel(HostJoinable, Module):
     """Wrap ``module`` so that ``backward`` averages its gradients over the ranks of ``process_group``.
 
@@ -90,9 +95,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
-        # Buffers are listed once, as torch's DDP does (``modules_buffers``): walking 500 modules per forward
-        # would cost more than the whole reducer.
-        self._buffers = list(self.module.named_buffers())
+        self._module_buffers = list(self.module.named_buffers())  # re-read at every sync (_sync_buffers)
         self._verify_model_across_ranks(named)
         self._sync_module_states()
         names = [name for name, _ in named]
@@ -141,7 +144,7 @@ class DistributedDataParallel(HostJoinable, Module):
     def _sync_module_states(self):
         """Every rank starts from rank 0's parameters and buffers (``_sync_module_states``)."""
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-            self.process_group.broadcast(tensor.data, src=0, name=f"init {name}")
+            self.process_group.broadcast(_array_of(tensor), src=0, name=f"init {name}")
 
     def _sparse_flags(self, params):
         sparse_ids = {id(m.weight) for m in self.module.modules() if getattr(m, "sparse", False)
@@ -182,11 +185,16 @@ class DistributedDataParallel(HostJoinable, Module):
         return output
 
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers)
+        """A model with no buffer at construction never walks its modules for them (torch: ``modules_buffers``)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._module_buffers)
 
     def _sync_buffers(self, src: int = 0):
-        for name, buffer in self._buffers:
-            self.process_group.broadcast(buffer.data, src=src, name=f"buffer {name}")
+        """Broadcast ``src``'s buffers, read afresh: a module may have reassigned one since the last forward
+        (``self.buf = self.buf + 1``), and the old object would be broadcast in vain (torch re-reads them too,
+        ``_assign_modules_buffers``)."""
+        self._module_buffers = list(self.module.named_buffers())
+        for name, buffer in self._module_buffers:
+            self.process_group.broadcast(_array_of(buffer), src=src, name=f"buffer {name}")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -264,7 +272,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self._wait_grad_sync_flag()
         self._authoritative_rank = self._find_common_rank(self.process_group.rank, is_last_joiner)
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-            self.process_group.broadcast(tensor.data, src=self._authoritative_rank, name=f"final {name}")
+            self.process_group.broadcast(_array_of(tensor), src=self._authoritative_rank, name=f"final {name}")
 
     def state_dict(self, prefix: str = "") -> dict:
         return self.module.state_dict(prefix)
