@@ -80,6 +80,25 @@ def test_gradient_as_bucket_view(impl):
         assert np.allclose(p.grad.data, q.grad.data), name
 
 
+@pytest.mark.parametrize("mode", ["find_unused_parameters", "static_graph"])
+def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad(impl, mode):
+    """As torch: a grad becomes a bucket view when first reduced; an unused parameter keeps None (no zero grad
+    that weight decay would then move)."""
+    model = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl, **{mode: True})
+    assert all(p.grad is None for p in model.parameters())  # construction gives no parameter a grad
+    opt = optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    before = model.module.fc2.weight.data.copy()
+    for _ in range(3):
+        opt.zero_grad()
+        model(x(), use_fc2=False).backward()
+        assert model.module.fc2.weight.grad is None and model.module.fc2.bias.grad is None
+        assert model.module.fc1.weight.grad is not None
+        opt.step()
+    assert np.array_equal(model.module.fc2.weight.data, before)
+    buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+    assert any(np.shares_memory(model.module.fc1.weight.grad.data, buf) for buf in buffers)
+
+
 def test_no_sync_accumulates_then_syncs(impl):
     model, plain = DDP(TwoBranch(), find_unused_parameters=True, impl=impl), TwoBranch()
     with model.no_sync():

@@ -230,8 +230,10 @@ def build_buckets(bucket_indices, params, names, expect_sparse, reduce_dtype, gr
     """Allocate every bucket's flat buffer and views, checking what may share a bucket.
 
     Mirrors ``initialize_buckets`` and ``initialize_bucket_views`` in reducer.cpp. Every check names the
-    parameters involved (the anchor names them only in debug mode). With ``gradient_as_bucket_view``, every
-    parameter's ``.grad`` becomes its view (an existing gradient is copied into it first).
+    parameters involved (the anchor names them only in debug mode). With ``gradient_as_bucket_view``, a parameter
+    that already has a gradient gets it copied into its view, and the view becomes its ``.grad``; a parameter
+    without one keeps ``None`` until a reduced gradient is written back (as the anchor: a parameter unused on
+    every rank must end backward with no gradient, not a zero one that weight decay would then apply).
     """
     flat = sorted(i for bucket in bucket_indices for i in bucket)
     if flat != list(range(len(params))):
@@ -284,12 +286,12 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
 
 
 def _point_grads_at_views(bucket, params) -> None:
-    """gradient_as_bucket_view: each ``.grad`` becomes its view (an existing gradient is copied in first)."""
+    """gradient_as_bucket_view: an existing ``.grad`` moves into its view, which becomes the ``.grad``."""
     for view, i in zip(bucket.views_in, bucket.variable_indices):
         grad = params[i].grad
-        if grad is not None:
+        if grad is not None and grad.data is not view:
             view[...] = grad.data
-        params[i].grad = Tensor._wrap(view)
+            params[i].grad = Tensor._wrap(view)
 
 
 # -- sparse gradients -----------------------------------------------------------------------------------------
