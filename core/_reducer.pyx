@@ -34,6 +34,7 @@ from distlab._common.reducer import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     ReducerBase,
+    check_hook_result,
     grad_mismatch,
     marked_twice,
     sparse_allreduce,
@@ -277,7 +278,7 @@ cdef class Reducer:
         _check_index(b, self.nbuckets)
         bucket = self.buckets[b]
         if self.comm_hook is not None:
-            future = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
+            future = check_hook_result(self.comm_hook, self.comm_hook(self.comm_hook_state, self._grad_bucket(b)))
         elif self.bucket_sparse[b]:
             future = sparse_allreduce(self.process_group, bucket.gradients, name=self._bucket_names[b])
         else:

@@ -34,6 +34,7 @@ from distlab._common.reducer import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     ReducerBase,
+    check_hook_result,
     grad_mismatch,
     marked_twice,
     sparse_allreduce,
@@ -201,7 +202,8 @@ class Reducer(ReducerBase):
         """Start bucket ``b``'s reduction through the comm hook (``all_reduce_bucket`` + ``run_comm_hook``)."""
         bucket = self.buckets[b]
         if self.comm_hook is not None:
-            bucket.future = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
+            bucket.future = check_hook_result(self.comm_hook, self.comm_hook(self.comm_hook_state,
+                                                                             self._grad_bucket(b)))
         elif bucket.expect_sparse_gradient:
             bucket.future = sparse_allreduce(self.process_group, bucket.gradients, name=f"bucket{b}")
         else:

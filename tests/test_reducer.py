@@ -242,6 +242,33 @@ def test_comm_hooks(impl):
         fresh.register_comm_hook(None, lambda bucket: bucket)
 
 
+def not_a_future_hook(state, bucket):
+    return 1
+
+
+def a_future_of_nothing_hook(state, bucket):
+    from distlab.futures import Future
+
+    future = Future()
+    future.set_result(None)
+    return future
+
+
+def test_a_comm_hook_breaking_the_contract_is_named_at_the_first_backward(impl):
+    model = DDP(TwoBranch(), impl=impl)
+    model.register_comm_hook(None, not_a_future_hook)
+    with pytest.raises(TypeError, match=r"a comm hook must return a distlab.futures.Future whose value is the "
+                                        r"reduced bucket buffer; hook 'not_a_future_hook' returned int"):
+        model(x()).backward()
+    with pytest.raises(TypeError, match="hook 'not_a_future_hook' returned int"):  # Join's shadow path too
+        model.reducer._run_comm_hook(model.reducer._get_zeros_like_grad_buckets()[0])
+    model = DDP(TwoBranch(), impl=impl)
+    model.register_comm_hook(None, a_future_of_nothing_hook)
+    with pytest.raises(TypeError, match=r"hook 'a_future_of_nothing_hook' completed with NoneType, expected an "
+                                        r"array of 27 float32 elements \(the bucket's size\)"):
+        model(x()).backward()
+
+
 def test_module_without_trainable_parameters(impl):
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires a gradient"):

@@ -29,7 +29,7 @@ from .reducer_stats import ReducerStats
 __all__ = ["MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
            "build_buckets", "compute_bucket_assignment_by_size", "empty_sparse_grad", "sparse_allreduce",
            "NO_SIZE_LIMIT", "ReducerStats", "marked_twice", "prior_reduction_unfinished", "static_graph_changed",
-           "grad_mismatch", "check_hook_result"]
+           "grad_mismatch", "check_hook_result", "check_hook_value"]
 
 MiB = 1024 * 1024
 #: The anchor's defaults: buckets of 25 MiB, and a first bucket of 1 MiB after the rebuild.
@@ -259,6 +259,7 @@ class ReducerBase:
                 self.params[bucket.variable_indices[0]].grad = result
                 continue
             if result is not bucket.gradients:  # a hook handed back another array: copy back from it
+                check_hook_value(self.comm_hook, bucket, result)
                 bucket.views_out = [result[o:o + n].reshape(s)
                                     for o, n, s in zip(bucket.offsets, bucket.lengths, bucket.sizes)]
             self.finalize_bucket_dense(bucket)
@@ -366,7 +367,7 @@ class ReducerBase:
         """Reduce one bucket as ``all_reduce_bucket`` would (same collective, same name)."""
         b = grad_bucket.index()
         if self.comm_hook is not None:
-            return self.comm_hook(self.comm_hook_state, grad_bucket)
+            return check_hook_result(self.comm_hook, self.comm_hook(self.comm_hook_state, grad_bucket))
         if self.buckets[b].expect_sparse_gradient:
             return sparse_allreduce(self.process_group, grad_bucket.buffer(), name=f"bucket{b}")
         return self.process_group.allreduce(grad_bucket.buffer(), async_op=True, name=f"bucket{b}").get_future()
@@ -391,3 +392,13 @@ def check_hook_result(hook, result):
         raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
                         f"buffer; hook {_hook_name(hook)!r} returned {type(result).__name__}")
     return result
+
+
+def check_hook_value(hook, bucket, value):
+    """The value a hook's Future completed with must be an array of the bucket's size (any array type)."""
+    expected = bucket.gradients
+    if getattr(value, "size", None) != expected.size or getattr(value, "ndim", None) != 1:
+        raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
+                        f"buffer; hook {_hook_name(hook)!r} completed with {type(value).__name__}, expected an "
+                        f"array of {expected.size} {expected.dtype} elements (the bucket's size)")
+    return value
