@@ -64,7 +64,8 @@ cdef class Reducer:
     cdef public long long bucket_bytes_cap, first_bucket_bytes_cap, num_iterations
     cdef public bint find_unused_parameters, gradient_as_bucket_view, static_graph, expect_autograd_hooks
     cdef public bint require_finalize, has_rebuilt_bucket, has_marked_unused_parameters, local_used_map_reduced
-    cdef public bint forward_work_static_world, _finalize_queued
+    cdef public bint forward_work_static_world, _finalize_queued, auto_bucket_cap
+    cdef public object auto_choice
     cdef public Py_ssize_t next_bucket
     # Per parameter (n entries).
     cdef Py_ssize_t n
@@ -110,6 +111,7 @@ cdef class Reducer:
     finalize_backward = ReducerBase.finalize_backward
     _set_divide_factor = ReducerBase._set_divide_factor
     rebuild_buckets = ReducerBase.rebuild_buckets
+    _choose_bucket_caps = ReducerBase._choose_bucket_caps
     ensure_prior_reduction_finished = ReducerBase.ensure_prior_reduction_finished
     set_static_graph = ReducerBase.set_static_graph
     register_comm_hook = ReducerBase.register_comm_hook
@@ -326,7 +328,8 @@ cdef class Reducer:
     # -- predicates -------------------------------------------------------------------------------------------
     cpdef bint _should_rebuild_buckets(self):
         """See :meth:`distlab.reference.reducer.Reducer._should_rebuild_buckets`."""
-        return (self.static_graph or not self.find_unused_parameters) and not self.has_rebuilt_bucket
+        return ((self.static_graph or not self.find_unused_parameters or self.auto_bucket_cap)
+                and not self.has_rebuilt_bucket)
 
     cdef inline bint _dynamic_graph_find_unused(self):
         return self.find_unused_parameters and not self.static_graph

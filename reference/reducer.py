@@ -60,7 +60,8 @@ class Reducer(ReducerBase):
     expect_sparse_gradients : sequence of bool, optional
         Per parameter, whether its gradient is sparse (sparse embeddings).
     bucket_bytes_cap, first_bucket_bytes_cap : int
-        Byte caps used when the buckets are rebuilt after the first iteration.
+        Byte caps used when the buckets are rebuilt after the first iteration. ``bucket_bytes_cap="auto"``
+        chooses both at the rebuild from measurements (:mod:`distlab._common.reducer_autocap`).
     find_unused_parameters : bool
         Walk the graph each iteration to find parameters that get no gradient.
     gradient_as_bucket_view : bool
@@ -237,8 +238,10 @@ class Reducer(ReducerBase):
 
     # -- predicates -------------------------------------------------------------------------------------------
     def _should_rebuild_buckets(self):
-        """Record arrivals and rebuild once, unless the used set may change (``should_rebuild_buckets``)."""
-        return (self.static_graph or not self.find_unused_parameters) and not self.has_rebuilt_bucket
+        """Record arrivals and rebuild once, unless the used set may change (``should_rebuild_buckets``); the
+        automatic bucket size needs the rebuild, so it rebuilds also with ``find_unused_parameters``."""
+        return ((self.static_graph or not self.find_unused_parameters or self.auto_bucket_cap)
+                and not self.has_rebuilt_bucket)
 
     def _dynamic_graph_find_unused(self):
         return not self.static_graph and self.find_unused_parameters

@@ -23,7 +23,14 @@ import inspect
 import numpy as np
 
 from . import _backend, comm
-from ._common.reducer import DEFAULT_FIRST_BUCKET_BYTES, MiB, GradBucket, compute_bucket_assignment_by_size
+from ._common.reducer import (
+    AUTO,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    MiB,
+    GradBucket,
+    compute_bucket_assignment_by_size,
+)
 from ._join_support import HostJoinable, JoinConfig
 from .autograd import Tensor, is_grad_enabled
 from .nn import Module
@@ -63,8 +70,10 @@ class DistributedDataParallel(HostJoinable, Module):
         The model; every rank must build the same one (checked).
     process_group : distlab.comm.ProcessGroup, optional
         Default: :func:`distlab.comm.world`.
-    bucket_cap_mb : float
-        Bucket size in MiB (default 25, as PyTorch).
+    bucket_cap_mb : float or "auto"
+        Bucket size in MiB (default 25, as PyTorch). ``"auto"`` measures the first iteration's backward pass and
+        the group's allreduce, and chooses the size at the bucket rebuild after it (see the reducer's docs page:
+        it pays off across slow links, where the default's last bucket cannot overlap with backward).
     find_unused_parameters : bool
         Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
     gradient_as_bucket_view : bool
@@ -90,7 +99,13 @@ class DistributedDataParallel(HostJoinable, Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
+        auto = isinstance(bucket_cap_mb, str)
+        if auto and bucket_cap_mb != AUTO:
+            raise ValueError(f"bucket_cap_mb must be a number of MiB or {AUTO!r}, got {bucket_cap_mb!r}")
+        if not auto and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        # "auto" starts from the default layout; the reducer chooses the caps when it rebuilds the buckets.
+        self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if auto else int(bucket_cap_mb * MiB)
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (distlab.join registers it)
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
@@ -106,7 +121,8 @@ class DistributedDataParallel(HostJoinable, Module):
         bucket_indices, _limits = compute_bucket_assignment_by_size(params, [self.bucket_bytes_cap], expect_sparse)
         # Reverse: parameters registered last are used last in forward, so their gradients come first.
         self.reducer = reducer_module.Reducer(
-            params, list(reversed(bucket_indices)), self.process_group, expect_sparse, self.bucket_bytes_cap,
+            params, list(reversed(bucket_indices)), self.process_group, expect_sparse,
+            AUTO if auto else self.bucket_bytes_cap,
             find_unused_parameters, gradient_as_bucket_view, names,
             min(DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap),  # a small bucket_cap_mb stays small on rebuild
             reduce_dtype)

@@ -1,20 +1,20 @@
-"""What both DDP reducer twins share: construction, the one-time bucket rebuild, registration, Join, logging and
-every error message.
+"""What both DDP reducer twins share: construction, the one-time bucket rebuild, registration, Join and logging.
 
 :class:`ReducerBase` holds the reducer's methods that run at construction, once per training run or once per
 iteration at most (never once per gradient): the reference twin (:class:`distlab.reference.reducer.Reducer`)
 inherits them and the core twin (``distlab.core._reducer.Reducer``, a compiled class) binds the same functions, so
 both run this one copy. Each twin defines only the per-gradient, per-bucket and per-iteration path.
 
-The error messages name parameters by default (the anchor, reducer.cpp, names them only under
-``TORCH_DISTRIBUTED_DEBUG``), since a list of indices sends users hunting through ``named_parameters()``.
+The error messages are in :mod:`distlab._common.reducer_messages`, bucket assignment and :class:`GradBucket` in
+:mod:`distlab._common.reducer_buckets`, the automatic bucket size in :mod:`distlab._common.reducer_autocap`,
+runtime statistics in :mod:`distlab._common.reducer_stats`; this module re-exports what the twins import.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..autograd import SparseGrad, graph_leaves, queue_callback
-from ..futures import Future
+from .reducer_autocap import AUTO, choose_bucket_caps, measure_link
 from .reducer_buckets import (
     NO_SIZE_LIMIT,
     Bucket,
@@ -24,9 +24,18 @@ from .reducer_buckets import (
     empty_sparse_grad,
     sparse_allreduce,
 )
+from .reducer_messages import (
+    check_hook_result,
+    check_hook_value,
+    grad_mismatch,
+    hook_name,
+    marked_twice,
+    prior_reduction_unfinished,
+    static_graph_changed,
+)
 from .reducer_stats import ReducerStats
 
-__all__ = ["MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
+__all__ = ["AUTO", "MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
            "build_buckets", "compute_bucket_assignment_by_size", "empty_sparse_grad", "sparse_allreduce",
            "NO_SIZE_LIMIT", "ReducerStats", "marked_twice", "prior_reduction_unfinished", "static_graph_changed",
            "grad_mismatch", "check_hook_result", "check_hook_value"]
@@ -35,58 +44,6 @@ MiB = 1024 * 1024
 #: The anchor's defaults: buckets of 25 MiB, and a first bucket of 1 MiB after the rebuild.
 DEFAULT_BUCKET_BYTES = 25 * MiB
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
-
-
-def _named(names, indices) -> str:
-    return ", ".join(f"{names[i]!r} (index {i})" for i in indices)
-
-
-def marked_twice(names, index, static_graph: bool, find_unused: bool) -> str:
-    """``mark_variable_ready`` saw ``index`` twice in one iteration (``checkAndRaiseMarkedTwiceError``)."""
-    causes = [
-        "it is used in several reentrant backward passes (for example activation checkpointing); DDP supports "
-        "that only with static_graph=True",
-        "it is shared by several modules and used more than once, while the graph changes between iterations; "
-        "try static_graph=True",
-        "two DDP wrappers (or a DDP wrapper and a manual allreduce hook) reduce the same parameter",
-    ]
-    if find_unused:
-        causes.append("find_unused_parameters=True marked it unused, yet a gradient reached it later in the same "
-                      "backward pass (its use is hidden from the graph walk)")
-    listed = "".join(f"\n  {n}) {c}" for n, c in enumerate(causes, 1))
-    return (f"parameter {names[index]!r} (index {index}) was marked ready twice in one backward pass; the DDP "
-            f"reducer expects one gradient per parameter per iteration. Likely causes:{listed}")
-
-
-def prior_reduction_unfinished(rank, names, unmarked, static_graph: bool, find_unused: bool) -> str:
-    """A new iteration started before the last one's gradients were all reduced (``ensure_prior_reduction...``)."""
-    head = ("expected the reduction of the previous iteration to finish before a new one starts. ")
-    if static_graph:
-        why = ("The training graph changed: with static_graph=True every iteration must use the same parameters "
-               "as the first one.")
-    elif not find_unused:
-        why = ("This happens when the module has parameters that were not used in producing the loss. Pass "
-               "find_unused_parameters=True to DistributedDataParallel, and make sure every output of forward "
-               "takes part in the loss.")
-    else:
-        why = ("find_unused_parameters=True is set, so some outputs of forward likely did not take part in the "
-               "loss; make sure they all do.")
-    return (head + why + f"\nParameters that received no gradient on rank {rank}: {_named(names, unmarked)}")
-
-
-def static_graph_changed(names, index) -> str:
-    """A static graph produced more gradient hooks for a parameter than in its first iteration."""
-    return (f"the training graph changed in this iteration: parameter {names[index]!r} (index {index}) received "
-            "more gradients than in the first iteration, which static_graph=True does not allow (the set of used "
-            "parameters and how often each is used must stay the same)")
-
-
-def grad_mismatch(names, index, param_dtype, grad) -> str:
-    """A gradient of the wrong dtype or layout reached the reducer."""
-    kind = "sparse" if getattr(grad, "is_sparse", False) else f"{grad.dtype}"
-    return (f"parameter {names[index]!r} (index {index}) has dtype {param_dtype} but its gradient is {kind}; the "
-            "reducer needs a dense gradient of the parameter's dtype (a sparse gradient only for parameters "
-            "declared sparse, such as Embedding(sparse=True))")
 
 
 # -- the shared part of the reducer ---------------------------------------------------------------------------
@@ -123,8 +80,12 @@ class ReducerBase:
         if len(self.expect_sparse_gradients) != n:
             raise ValueError(f"expect_sparse_gradients has {len(self.expect_sparse_gradients)} entries for {n} "
                              "parameters")
-        self.bucket_bytes_cap = int(bucket_bytes_cap)
+        self.auto_bucket_cap = isinstance(bucket_bytes_cap, str) and bucket_bytes_cap == AUTO
+        if isinstance(bucket_bytes_cap, str) and not self.auto_bucket_cap:
+            raise ValueError(f"bucket_bytes_cap must be a number of bytes or {AUTO!r}, got {bucket_bytes_cap!r}")
+        self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if self.auto_bucket_cap else int(bucket_bytes_cap)
         self.first_bucket_bytes_cap = int(first_bucket_bytes_cap)
+        self.auto_choice = None  # with "auto": what was measured and chosen at the rebuild
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.param_names = list(param_names) if param_names is not None else [f"param{i}" for i in range(n)]
@@ -151,6 +112,8 @@ class ReducerBase:
         self.forward_work = None  # Join: the allreduce counting ranks that have not joined
         self.forward_work_static_world = True
         self.stats = ReducerStats(process_group.rank)
+        if self.auto_bucket_cap:
+            self.stats.record_arrivals(n)
         self._finalize_queued = False
         self._init_per_parameter_state()
         self.initialize_buckets(bucket_indices)
@@ -287,18 +250,42 @@ class ReducerBase:
         if not self._should_rebuild_buckets() or not self.rebuilt_param_indices:
             return False
         order = list(self.rebuilt_param_indices)
-        if self.static_graph:
-            order = order + [i for i in self.unused_parameters if i not in order]
+        if self.static_graph or self.auto_bucket_cap:
+            arrived = set(order)
+            order += [i for i in range(len(self.params)) if i not in arrived]  # never used: last
         if sorted(order) != list(range(len(self.params))):
             return False  # not every gradient arrived (unused parameters): keep the buckets
+        if self.auto_bucket_cap:
+            self._choose_bucket_caps(order)
         tensors = [self.params[i] for i in order]
         indices, _limits = compute_bucket_assignment_by_size(
             tensors, [self.first_bucket_bytes_cap, self.bucket_bytes_cap], self.expect_sparse_gradients, order)
-        indices = self.process_group.broadcast_object(indices, src=0, name="rebuild_buckets")
+        if self.auto_bucket_cap:  # rank 0's caps go with its layout, so every rank reports the same choice
+            indices, self.auto_choice = self.process_group.broadcast_object((indices, self.auto_choice), src=0,
+                                                                            name="rebuild_buckets")
+            self.first_bucket_bytes_cap = self.auto_choice["first_cap_bytes"]
+            self.bucket_bytes_cap = self.auto_choice["cap_bytes"]
+        else:
+            indices = self.process_group.broadcast_object(indices, src=0, name="rebuild_buckets")
         self.has_rebuilt_bucket = True
         self.rebuilt_param_indices = []
         self.initialize_buckets(indices)
         return True
+
+    def _choose_bucket_caps(self, order):
+        """``bucket_cap_mb="auto"``: probe the group's allreduce and choose the caps (see reducer_autocap)."""
+        n = len(self.params)
+        arrivals = self.stats.arrivals if self.stats.arrivals is not None else np.full(n, np.nan)
+        finite = arrivals[np.isfinite(arrivals)]
+        arrivals = np.where(np.isfinite(arrivals), arrivals, finite.max() if finite.size else 0.0)
+        itemsizes = [(p.data.dtype if self.reduce_dtype is None else self.reduce_dtype).itemsize
+                     for p in self.params]
+        wire = [int(p.data.size) * size for p, size in zip(self.params, itemsizes)]
+        dense = sum(w for w, sparse in zip(wire, self.expect_sparse_gradients) if not sparse)
+        model, arrivals = measure_link(self.process_group, dense, arrivals)
+        choice = choose_bucket_caps(order, self.params, arrivals, model, self.expect_sparse_gradients, wire)
+        self.first_bucket_bytes_cap, self.bucket_bytes_cap = choice.first_cap, choice.cap
+        self.auto_choice = choice.as_dict()
 
     def ensure_prior_reduction_finished(self):
         """Refuse to start an iteration while the last one's reduction never ran (G4: names the parameters)."""
@@ -321,7 +308,7 @@ class ReducerBase:
             raise TypeError(f"the communication hook must be callable, got {type(hook).__name__}")
         if self.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once: a communication hook is already "
-                               f"registered ({_hook_name(self.comm_hook)!r})")
+                               f"registered ({hook_name(self.comm_hook)!r})")
         self.comm_hook, self.comm_hook_state = hook, state
 
     def set_forward_pass_work_handle(self, work, use_static_world_size):
@@ -338,7 +325,8 @@ class ReducerBase:
             "find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "bucket_cap_bytes": self.bucket_bytes_cap, "first_bucket_cap_bytes": self.first_bucket_bytes_cap,
-            "comm_hook": None if self.comm_hook is None else _hook_name(self.comm_hook),
+            "bucket_cap_auto": self.auto_bucket_cap, "auto_bucket_cap": self.auto_choice,
+            "comm_hook": None if self.comm_hook is None else hook_name(self.comm_hook),
             "impl": self.IMPL})
 
     def remove_hooks(self):
@@ -380,25 +368,3 @@ class ReducerBase:
         """A joined rank records every parameter, so its next shadowed rebuild broadcasts like the others'."""
         if self._should_rebuild_buckets():
             self.rebuilt_param_indices = list(range(len(self.params)))
-
-
-def _hook_name(hook) -> str:
-    return getattr(hook, "__name__", None) or repr(hook)
-
-
-def check_hook_result(hook, result):
-    """A communication hook must return a Future; anything else is refused here, naming the hook."""
-    if not isinstance(result, Future):
-        raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
-                        f"buffer; hook {_hook_name(hook)!r} returned {type(result).__name__}")
-    return result
-
-
-def check_hook_value(hook, bucket, value):
-    """The value a hook's Future completed with must be an array of the bucket's size (any array type)."""
-    expected = bucket.gradients
-    if getattr(value, "size", None) != expected.size or getattr(value, "ndim", None) != 1:
-        raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
-                        f"buffer; hook {_hook_name(hook)!r} completed with {type(value).__name__}, expected an "
-                        f"array of {expected.size} {expected.dtype} elements (the bucket's size)")
-    return value

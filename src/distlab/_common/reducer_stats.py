@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..timeline import get_timeline, now_us
 
 __all__ = ["ReducerStats"]
@@ -28,12 +30,17 @@ class ReducerStats:
         self.sampling = False
         self.events = {}
         self.samples = []
-        self.launch_us = {}
+        self.arrivals = None  # with record_arrivals: seconds from a sampled iteration's first gradient to each
+        self._arrivals_of = 0  # the iteration they belong to
 
     def start_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.sampling = _sampled(iteration)
         self.events = {}
+
+    def record_arrivals(self, count: int) -> None:
+        """Keep each gradient's arrival time in the latest sampled iteration (``bucket_cap_mb="auto"`` uses them)."""
+        self.arrivals = np.full(count, np.nan)
 
     def mark(self, event: str) -> None:
         if self.sampling:
@@ -42,8 +49,13 @@ class ReducerStats:
     def grad_arrived(self, index: int, name: str) -> None:
         if self.sampling:
             now = time.perf_counter()
-            self.events.setdefault("first_grad", now)
+            first = self.events.setdefault("first_grad", now)
             self.events["last_grad"] = now
+            if self.arrivals is not None:
+                if self._arrivals_of != self.iteration:
+                    self.arrivals[:] = np.nan
+                    self._arrivals_of = self.iteration
+                self.arrivals[index] = now - first
         if self.timeline.enabled:
             self.timeline.instant(f"grad {name}", cat="reducer", lane="reducer grads", args={"index": index})
 

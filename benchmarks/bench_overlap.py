@@ -1,0 +1,236 @@
+"""DDP's overlap of communication with backward, on one host and across a link of a given rate.
+
+Run (the cluster rates need root and the virtual cluster, ``python -m distlab cluster``)::
+
+    python -P benchmarks/bench_overlap.py --rates local                    # one host (shared memory)
+    sudo .venv/bin/python -P benchmarks/bench_overlap.py                   # local, 1gbit, 2.5gbit, 10gbit
+    sudo .venv/bin/python -P benchmarks/bench_overlap.py --quick           # a smoke run
+
+Model: 100 x Linear(256, 256) (26 MB of fp32 gradients in 200 tensors), batch 32, MSE loss, SGD, one rank per
+host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over ``--rounds`` rounds:
+
+- ``local``: the plain model's step (zero_grad, forward, loss, backward, SGD) and its backward alone;
+- ``allreduce``: one blocking allreduce of the model's bytes through distlab (the wire's share of a step);
+- ``ddp``: DistributedDataParallel's step for each bucket cap (``auto``, 25, 4, 1 MB), with and without
+  ``gradient_as_bucket_view``, for each twin.
+
+The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be
+hidden behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu``
+each row also reports the rank's CPU time per step (user and system): the MPI library
+busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done; the split
+between user and system time is (system time is the kernel's TCP work; from ``getrusage``). Prints a table and writes
+``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records one trace of the core twin with
+the automatic bucket size at that rate (``benchmarks/results/overlap_timeline.json``, drawn by
+``docs/_scripts/overlap_timeline_figure.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYERS, WIDTH, BATCH = 100, 256, 32
+CAPS = ("auto", 25, 4, 1)
+RATES = ("local", "1gbit", "2.5gbit", "10gbit")
+CLUSTER = "dloverlap"
+
+
+def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: int) -> None:
+    """Runs on every rank: builds the models, times them round-robin, writes rank 0's (worst-rank) rows."""
+    import numpy as np
+
+    import distlab
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+
+    pg = comm.world()
+
+    def mlp():
+        distlab.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+    class Step:
+        def __init__(self, model):
+            self.model = model
+            self.opt = optim.SGD(model.parameters(), lr=1e-4)
+            rng = np.random.default_rng(pg.rank)
+            self.x = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+            self.y = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+            self.loss_fn = nn.MSELoss()
+
+        def __call__(self):
+            self.opt.zero_grad()
+            self.loss_fn(self.model(self.x), self.y).backward()
+            self.opt.step()
+
+        def backward_only(self):
+            self.opt.zero_grad()
+            loss = self.loss_fn(self.model(self.x), self.y)
+            start = time.perf_counter()
+            loss.backward()
+            return time.perf_counter() - start
+
+    nbytes = sum(p.data.nbytes for p in mlp().parameters())
+    buffer = np.ones(nbytes // 4, dtype=np.float32)
+
+    def allreduce():
+        pg.allreduce(buffer, name="allreduce alone")
+
+    steps = {"local": Step(mlp()), "allreduce": allreduce}
+    for impl in twins:
+        for view in views:
+            for cap in caps:
+                key = f"ddp {impl} cap={cap} view={int(view)}"
+                model = DistributedDataParallel(mlp(), bucket_cap_mb=cap, gradient_as_bucket_view=view, impl=impl)
+                steps[key] = Step(model)
+    for step in steps.values():  # warm-up; DDP rebuilds its buckets (and chooses "auto" caps) after iteration 1
+        for _ in range(3):
+            step()
+    if trace_steps:
+        _trace(steps, trace_steps, pg)
+    samples = {key: [] for key in steps}
+    cpu_samples = {key: [] for key in steps}
+    backward = []
+    for _ in range(rounds):
+        for key, step in steps.items():
+            pg.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
+            step()
+            samples[key].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_samples[key].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
+        pg.barrier()
+        backward.append(steps["local"].backward_only())
+    row = {"ranks": pg.size, "megabytes": nbytes / 1e6, "params": 2 * LAYERS,
+           "backward ms": statistics.median(backward) * 1e3}
+    for key in steps:
+        row[f"{key} ms"] = statistics.median(samples[key]) * 1e3
+        if cpu:
+            row[f"{key} user ms"] = statistics.median(u for u, _ in cpu_samples[key]) * 1e3
+            row[f"{key} sys ms"] = statistics.median(s for _, s in cpu_samples[key]) * 1e3
+        if key.startswith("ddp"):
+            data = steps[key].model.reducer.get_logging_data()
+            row[f"{key} buckets"] = len(data["bucket_indices"])
+            row[f"{key} cap MB"] = data["bucket_cap_bytes"] / 2**20
+            row[f"{key} first cap MB"] = data["first_bucket_cap_bytes"] / 2**20
+    gathered = pg.allgather_object(row)
+    if pg.rank == 0:  # a step is as slow as its slowest rank
+        worst = {k: (max(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in row.items()}
+        Path(out).write_text(json.dumps(worst))
+
+
+def _trace(steps, count, pg) -> None:
+    """A few steps of the auto-capped core DDP with the timeline on (the timeline is written at exit)."""
+    from distlab.timeline import get_timeline
+
+    key = next((k for k in steps if k.startswith("ddp core cap=auto view=0")), None)
+    if key is None or not get_timeline().enabled:
+        return
+    for _ in range(count):
+        pg.barrier()
+        steps[key]()
+
+
+def table(rows) -> str:
+    """One line per (rate, twin, gradient_as_bucket_view, cap)."""
+    head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
+            f"{'step/floor':>10}   {'local step':>10} {'backward':>8} {'allreduce':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        floor = max(r["local ms"], r["allreduce ms"])
+        for key in [k[:-3] for k in r if k.startswith("ddp") and k.endswith(" ms") and "user" not in k
+                    and "sys" not in k]:
+            _, impl, cap, view = key.split()
+            cap_text = cap.split("=")[1]
+            if cap_text == "auto":
+                cap_text = f"a{r[key + ' cap MB']:.1f}"
+            lines.append(f"{r['rate']:>8} {impl:>9} {view.split('=')[1]:>4} {cap_text:>5} "
+                         f"{r[key + ' buckets']:>7} {r[key + ' ms']:>7.1f}ms {floor:>5.1f}ms "
+                         f"{r[key + ' ms'] / floor:>10.2f}   {r['local ms']:>8.1f}ms {r['backward ms']:>6.1f}ms "
+                         f"{r['allreduce ms']:>7.1f}ms")
+    return "\n".join(lines)
+
+
+def _run_rate(rate: str, options, part: Path, timeline: str | None):
+    from distlab.launch import launch_script
+
+    args = ["--worker", str(part), "--rounds", str(options.rounds), "--caps", *map(str, options.caps),
+            "--twins", *options.twins, "--views", *map(str, options.views)]
+    if options.cpu:
+        args.append("--cpu")
+    if timeline:
+        args += ["--trace-steps", "3"]
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if rate == "local":
+        return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline)
+    import importlib.util
+
+    if importlib.util.find_spec("distlab.cluster") is None:
+        sys.exit(f"bench_overlap: the rate {rate} needs the virtual cluster (distlab.cluster), which this "
+                 "installation lacks; run with --rates local")
+    from distlab import cluster  # the virtual cluster (root)
+
+    cluster.up(2, rate, options.cluster)
+    return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline,
+                         cluster=options.cluster)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=list(RATES), help="local and/or tc rates (default: all)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="3 rounds, core twin, caps auto and 25: a smoke run")
+    parser.add_argument("--caps", nargs="+", default=list(CAPS), type=lambda c: c if c == "auto" else float(c))
+    parser.add_argument("--twins", nargs="+", default=["core", "reference"])
+    parser.add_argument("--views", nargs="+", default=[0, 1], type=int, help="gradient_as_bucket_view values")
+    parser.add_argument("--cpu", action="store_true", help="CPU time per step (user, system)")
+    parser.add_argument("--timeline", metavar="RATE", help="also record a trace of one auto-capped step here")
+    parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
+    parser.add_argument("--keep", action="store_true", help="leave the virtual cluster up")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-steps", type=int, default=0, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.quick:
+        options.rounds, options.twins, options.caps = 3, ["core"], ["auto", 25]
+    if options.worker:
+        worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
+               options.cpu, options.trace_steps)
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    part = RESULTS / "bench_overlap.part.json"
+    rows = []
+    try:
+        for rate in options.rates:
+            timeline = str(RESULTS / "overlap_timeline.json") if options.timeline == rate else None
+            job = _run_rate(rate, options, part, timeline)
+            if job.returncode != 0:
+                sys.exit(f"bench_overlap at {rate} failed (exit {job.returncode})")
+            row = json.loads(part.read_text())
+            part.unlink()
+            rows.append({"rate": rate, **row})
+            print(table(rows[-1:]), flush=True)
+    finally:
+        if not options.keep and any(rate != "local" for rate in options.rates):
+            import importlib.util
+
+            if importlib.util.find_spec("distlab.cluster") is not None:
+                from distlab import cluster
+
+                cluster.down(options.cluster)
+    report = {"benchmark": "bench_overlap", "command": " ".join(["python -P"] + sys.argv), "rounds": options.rounds,
+              "host_cores": os.cpu_count(), "rows": rows}
+    (RESULTS / "bench_overlap.json").write_text(json.dumps(report, indent=1))
+    print()
+    print(table(rows))
+    print(f"\nwritten to {RESULTS / 'bench_overlap.json'}")
+
+
+if __name__ == "__main__":
+    main()
