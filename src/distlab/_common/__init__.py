@@ -1,1 +1,1 @@
-"""Code that both twins of a component share, one module (or a few ``<component>_*`` modules) per component."""
+"""Code that both twins of a component share, defined once: one module per component (never copied into core/)."""
