@@ -19,9 +19,9 @@ hidden behind the other completely. Each DDP row reports its step and the step o
 each row also reports the rank's CPU time per step (user and system): the MPI library
 busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done; the split
 between user and system time is (system time is the kernel's TCP work; from ``getrusage``). Prints a table and writes
-``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records one trace of the core twin with
-the automatic bucket size at that rate (``benchmarks/results/overlap_timeline.json``, drawn by
-``docs/_scripts/overlap_timeline_figure.py``).
+``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
+few steps of the core twin with the automatic bucket size at that rate
+(``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``).
 """
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
             loss.backward()
             return time.perf_counter() - start
 
+    if trace_steps:  # a separate job, with the timeline on: a few steps of the auto-capped core twin only
+        step = Step(DistributedDataParallel(mlp(), bucket_cap_mb="auto", impl="core"))
+        for _ in range(trace_steps):
+            pg.barrier()
+            step()
+        return
     nbytes = sum(p.data.nbytes for p in mlp().parameters())
     buffer = np.ones(nbytes // 4, dtype=np.float32)
 
@@ -92,8 +98,6 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
     for step in steps.values():  # warm-up; DDP rebuilds its buckets (and chooses "auto" caps) after iteration 1
         for _ in range(3):
             step()
-    if trace_steps:
-        _trace(steps, trace_steps, pg)
     samples = {key: [] for key in steps}
     cpu_samples = {key: [] for key in steps}
     backward = []
@@ -126,18 +130,6 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
         Path(out).write_text(json.dumps(worst))
 
 
-def _trace(steps, count, pg) -> None:
-    """A few steps of the auto-capped core DDP with the timeline on (the timeline is written at exit)."""
-    from distlab.timeline import get_timeline
-
-    key = next((k for k in steps if k.startswith("ddp core cap=auto view=0")), None)
-    if key is None or not get_timeline().enabled:
-        return
-    for _ in range(count):
-        pg.barrier()
-        steps[key]()
-
-
 def table(rows) -> str:
     """One line per (rate, twin, gradient_as_bucket_view, cap)."""
     head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
@@ -158,7 +150,8 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def _run_rate(rate: str, options, part: Path, timeline: str | None):
+def _run_rate(rate: str, options, part: Path, timeline: str | None = None):
+    """One job at ``rate``: the measurements into ``part``, or with ``timeline`` a few traced steps."""
     from distlab.launch import launch_script
 
     args = ["--worker", str(part), "--rounds", str(options.rounds), "--caps", *map(str, options.caps),
@@ -166,7 +159,7 @@ def _run_rate(rate: str, options, part: Path, timeline: str | None):
     if options.cpu:
         args.append("--cpu")
     if timeline:
-        args += ["--trace-steps", "3"]
+        args += ["--trace-steps", "6"]
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if rate == "local":
         return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline)
@@ -208,14 +201,18 @@ def main() -> None:
     rows = []
     try:
         for rate in options.rates:
-            timeline = str(RESULTS / "overlap_timeline.json") if options.timeline == rate else None
-            job = _run_rate(rate, options, part, timeline)
+            job = _run_rate(rate, options, part)
             if job.returncode != 0:
                 sys.exit(f"bench_overlap at {rate} failed (exit {job.returncode})")
             row = json.loads(part.read_text())
             part.unlink()
             rows.append({"rate": rate, **row})
             print(table(rows[-1:]), flush=True)
+            if options.timeline == rate:
+                trace = RESULTS / "overlap_timeline.json"
+                if _run_rate(rate, options, part, str(trace)).returncode != 0:
+                    sys.exit(f"bench_overlap: the traced job at {rate} failed")
+                print(f"trace of 6 auto-capped core steps at {rate}: {trace}", flush=True)
     finally:
         if not options.keep and any(rate != "local" for rate in options.rates):
             import importlib.util
