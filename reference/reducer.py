@@ -6,15 +6,18 @@ construction, the one-time bucket rebuild, registration, Join support and the er
 :mod:`distlab._common.reducer` (:class:`~distlab._common.reducer.ReducerBase`, inherited here), bucket
 assignment and :class:`~distlab.ddp.GradBucket` in :mod:`distlab._common.reducer_buckets`. One iteration:
 
-1. ``prepare_for_forward`` counts iterations (runtime stats are sampled on iterations 1-10, then every 100th).
-2. ``prepare_for_backward(outputs)`` resets the per-iteration counts; with ``find_unused_parameters`` it walks
-   the autograd graph back from ``outputs`` and notes the parameters it cannot reach.
+1. ``prepare_for_forward`` (shared) counts iterations (runtime stats are sampled on iterations 1-10, then every
+   100th); at the second forward, ``rebuild_buckets`` (shared) re-buckets once in gradient-arrival order.
+2. ``prepare_for_backward(outputs)`` resets the per-iteration counts; with ``find_unused_parameters``,
+   ``search_unused_parameters`` (shared) walks the autograd graph back from ``outputs`` and notes the parameters
+   it cannot reach.
 3. Backward runs. Each parameter's post-accumulate-grad hook calls ``autograd_hook(index)``, which marks the
    parameter ready: its gradient is copied (divided by the world size) into its bucket's view. When a bucket's
    last gradient is in, the bucket is launched, strictly in bucket order, as one asynchronous allreduce that
    overlaps with the rest of backward. After the last bucket, ``finalize_backward`` is queued to run when
    backward ends.
-4. ``finalize_backward`` waits for each bucket and writes the averaged gradients back into ``.grad``.
+4. ``finalize_backward`` (shared) waits for each bucket, and ``finalize_bucket_dense`` writes the averaged
+   gradients back into ``.grad``.
 
 Guarantees kept (named as on the reducer's docs page): G1, every rank issues the same collectives in the same
 order (buckets strictly in order, the used-parameter map last, rank 0's rebuilt layout broadcast); G2, when
