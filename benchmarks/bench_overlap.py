@@ -124,9 +124,12 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
             row[f"{key} buckets"] = len(data["bucket_indices"])
             row[f"{key} cap MB"] = data["bucket_cap_bytes"] / 2**20
             row[f"{key} first cap MB"] = data["first_bucket_cap_bytes"] / 2**20
+            if data["auto_bucket_cap"]:
+                row[f"{key} auto"] = {k: v for k, v in data["auto_bucket_cap"].items() if k != "predicted_s"}
     gathered = pg.allgather_object(row)
     if pg.rank == 0:  # a step is as slow as its slowest rank
         worst = {k: (max(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in row.items()}
+        # (the auto choice is the same on every rank: rank 0's travels with its bucket layout)
         Path(out).write_text(json.dumps(worst))
 
 
