@@ -219,6 +219,8 @@ cdef class Reducer:
         if self.next_bucket > 0:
             _progress()
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     cpdef mark_variable_ready(self, Py_ssize_t index):
         """See :meth:`distlab.reference.reducer.Reducer.mark_variable_ready`."""
         cdef Py_ssize_t b
@@ -232,7 +234,7 @@ cdef class Reducer:
         b = self.loc_bucket[index]
         if self.bucket_sparse[b]:
             self.mark_variable_ready_sparse(index, self.buckets[b])
-        else:
+        elif not self._copy_into_view(index):  # the C copy needs no bucket object; anything else does
             self.mark_variable_ready_dense(index, self.buckets[b], self.loc_pos[index])
         self.pending[b] -= 1
         if self.pending[b] == 0:
@@ -242,23 +244,20 @@ cdef class Reducer:
 
     cpdef mark_variable_ready_dense(self, Py_ssize_t index, bucket, Py_ssize_t position):
         """See :meth:`distlab.reference.reducer.Reducer.mark_variable_ready_dense`."""
-        cdef int kind = self.kind[index]
         cdef double scale
-        grad = _grad_of(self.params[index], self.slot_type[index])
-        if grad is None:
-            if kind == KIND_OTHER:
-                bucket.views_in[position][...] = 0
-            else:
-                memset(self.dst_ptr[index], 0, self.dst_len[index] * _itemsize(kind))
-            return
-        data = _data_of(grad)
-        scale = 1.0 if self.comm_hook is not None else self._inverse_divide_factor()  # a hook divides by itself
-        if kind != KIND_OTHER and _scaled_copy(data, self.dst_ptr[index], self.dst_len[index], kind, scale):
+        _check_index(index, self.n)
+        if self._copy_into_view(index):
             return
         # Device arrays, reduce dtypes, non-contiguous or foreign gradients: numpy does the (casting) copy.
+        grad = _grad_of(self.params[index], self.slot_type[index])
+        view = bucket.views_in[position]
+        if grad is None:
+            view[...] = 0
+            return
+        data = _data_of(grad)
         if isinstance(data, SparseGrad) or data.dtype != self._param_dtypes[index]:
             raise TypeError(grad_mismatch(self.param_names, index, self._param_dtypes[index], data))
-        view = bucket.views_in[position]
+        scale = 1.0 if self.comm_hook is not None else self._inverse_divide_factor()  # a hook divides by itself
         if data is view:
             if scale != 1.0:
                 view *= scale
@@ -342,6 +341,19 @@ cdef class Reducer:
         return [i for i in range(self.n) if not self.ready[i]]
 
     # --- core-only helpers ---------------------------------------------------------------------------------
+    cdef inline bint _copy_into_view(self, Py_ssize_t index) except -1:
+        """``mark_variable_ready_dense`` by C: zeros or ``grad * scale`` into a float32/float64 host view; False
+        (nothing done) when the view or the gradient does not qualify."""
+        cdef int kind = self.kind[index]
+        if kind == KIND_OTHER:
+            return False
+        grad = _grad_of(self.params[index], self.slot_type[index])
+        if grad is None:
+            memset(self.dst_ptr[index], 0, self.dst_len[index] * _itemsize(kind))
+            return True
+        return _scaled_copy(_data_of(grad), self.dst_ptr[index], self.dst_len[index], kind,
+                            1.0 if self.comm_hook is not None else self._inverse_divide_factor())
+
     cdef inline double _inverse_divide_factor(self) except? -1.0:
         """``1 / div_factor``, recomputed only when ReducerBase._set_divide_factor set a new factor."""
         if self._inv_of is not self.div_factor:
