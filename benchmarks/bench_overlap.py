@@ -21,7 +21,8 @@ busy-polls, so CPU time during a wait equals its wall time and is no measure of 
 between user and system time is (system time is the kernel's TCP work; from ``getrusage``). Prints a table and writes
 ``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
 few steps of the core twin with the automatic bucket size at that rate
-(``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``).
+(``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
+Python computes, and what moves it (:func:`progress_probe`).
 """
 from __future__ import annotations
 
@@ -133,6 +134,78 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
         Path(out).write_text(json.dumps(worst))
 
 
+def progress_probe(out: str, rounds: int, mib: float = 8.0) -> None:
+    """Does an allreduce move while Python computes? (``--progress``; runs on every rank.)
+
+    An allreduce of ``mib`` MiB is started, then the rank computes matrix products for as long as the allreduce
+    takes alone, then waits. Three ways of computing: no MPI call until the wait; the request tested after every
+    product (as the reducer's gradient hooks do); a thread testing it every 100 us. Each result is the time over
+    max(allreduce alone, compute alone): 1 is perfect overlap, 2 none.
+    """
+    import threading
+
+    import numpy as np
+
+    from distlab import comm
+
+    pg = comm.world()
+    buffer = np.ones(int(mib * 2**20) // 4, dtype=np.float32)
+    a, w = np.full((32, WIDTH), 0.5, dtype=np.float32), np.full((WIDTH, WIDTH), 0.5, dtype=np.float32)
+
+    def compute(seconds, work=None):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ w
+            if work is not None:
+                work.is_completed()
+
+    def timed(fn):
+        pg.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def overlapped(how, seconds):
+        work = pg.allreduce(buffer, async_op=True, name="progress probe")
+        if how == "thread":
+            stop = threading.Event()
+
+            def poll():
+                while not stop.is_set() and not work.is_completed():
+                    time.sleep(1e-4)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            compute(seconds)
+            stop.set()
+            poller.join()
+        else:
+            compute(seconds, work if how == "test" else None)
+        work.wait()
+
+    samples = {k: [] for k in ("alone", "compute", "wait", "test", "thread")}
+    for _ in range(rounds):
+        alone = timed(lambda: pg.allreduce(buffer, name="progress probe"))
+        samples["alone"].append(alone)
+        samples["compute"].append(timed(lambda: compute(alone)))
+        for how in ("wait", "test", "thread"):
+            samples[how].append(timed(lambda: overlapped(how, alone)))
+    mine = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    gathered = pg.allgather_object(mine)
+    if pg.rank == 0:
+        Path(out).write_text(json.dumps({k: max(g[k] for g in gathered) for k in mine}))
+
+
+def progress_table(rows) -> str:
+    lines = [f"{'link':>8} {'allreduce':>9} {'compute':>8} {'no MPI call':>11} {'test per product':>16} "
+             f"{'thread':>7}"]
+    for r in rows:
+        floor = max(r["alone"], r["compute"])
+        lines.append(f"{r['rate']:>8} {r['alone']:>7.1f}ms {r['compute']:>6.1f}ms {r['wait'] / floor:>10.2f}x "
+                     f"{r['test'] / floor:>15.2f}x {r['thread'] / floor:>6.2f}x")
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     """One line per (rate, twin, gradient_as_bucket_view, cap)."""
     head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
@@ -159,6 +232,8 @@ def _run_rate(rate: str, options, part: Path, timeline: str | None = None):
 
     args = ["--worker", str(part), "--rounds", str(options.rounds), "--caps", *map(str, options.caps),
             "--twins", *options.twins, "--views", *map(str, options.views)]
+    if options.progress:
+        args.append("--progress")
     if options.cpu:
         args.append("--cpu")
     if timeline:
@@ -188,6 +263,8 @@ def main() -> None:
     parser.add_argument("--views", nargs="+", default=[0, 1], type=int, help="gradient_as_bucket_view values")
     parser.add_argument("--cpu", action="store_true", help="CPU time per step (user, system)")
     parser.add_argument("--timeline", metavar="RATE", help="also record a trace of one auto-capped step here")
+    parser.add_argument("--progress", action="store_true",
+                        help="instead: does an 8 MiB allreduce move while Python computes (progress_probe)")
     parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
     parser.add_argument("--keep", action="store_true", help="leave the virtual cluster up")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -196,8 +273,11 @@ def main() -> None:
     if options.quick:
         options.rounds, options.twins, options.caps = 3, ["core"], ["auto", 25]
     if options.worker:
-        worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
-               options.cpu, options.trace_steps)
+        if options.progress:
+            progress_probe(options.worker, options.rounds)
+        else:
+            worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
+                   options.cpu, options.trace_steps)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     part = RESULTS / "bench_overlap.part.json"
@@ -210,7 +290,7 @@ def main() -> None:
             row = json.loads(part.read_text())
             part.unlink()
             rows.append({"rate": rate, **row})
-            print(table(rows[-1:]), flush=True)
+            print((progress_table if options.progress else table)(rows[-1:]), flush=True)
             if options.timeline == rate:
                 trace = RESULTS / "overlap_timeline.json"
                 if _run_rate(rate, options, part, str(trace)).returncode != 0:
@@ -226,10 +306,11 @@ def main() -> None:
                 cluster.down(options.cluster)
     report = {"benchmark": "bench_overlap", "command": " ".join(["python -P"] + sys.argv), "rounds": options.rounds,
               "host_cores": os.cpu_count(), "rows": rows}
-    (RESULTS / "bench_overlap.json").write_text(json.dumps(report, indent=1))
+    name = "bench_overlap_progress.json" if options.progress else "bench_overlap.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1))
     print()
-    print(table(rows))
-    print(f"\nwritten to {RESULTS / 'bench_overlap.json'}")
+    print((progress_table if options.progress else table)(rows))
+    print(f"\nwritten to {RESULTS / name}")
 
 
 if __name__ == "__main__":
