@@ -132,6 +132,20 @@ def test_ddp_auto_rebuilds_also_with_find_unused_parameters(impl, fixed_link):
     assert model.module.spare.weight.grad is None  # unused everywhere: untouched
 
 
+def test_ddp_auto_with_a_static_graph(impl, fixed_link):
+    model, plain = DDP(mlp(), bucket_cap_mb="auto", static_graph=True, impl=impl), mlp()
+    x = distlab.tensor(np.ones((4, 128), dtype=np.float32))
+    for _ in range(4):  # a static graph records arrivals in iteration 2 and rebuilds before iteration 3
+        model.zero_grad()
+        plain.zero_grad()
+        model(x).sum().backward()
+        plain(x).sum().backward()
+    data = model.reducer.get_logging_data()
+    assert data["has_rebuilt_buckets"] and data["auto_bucket_cap"] is not None and len(data["bucket_indices"]) > 1
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert np.allclose(p.grad.data, q.grad.data), name
+
+
 @pytest.mark.parametrize("value, message", [("big", "bucket_cap_mb must be a number of MiB or 'auto'"),
                                             (0, "bucket_cap_mb must be positive")])
 def test_bad_bucket_cap(impl, value, message):
