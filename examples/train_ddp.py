@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.01, help="small buckets show overlap clearly")
+    parser.add_argument("--bucket-cap-mb", type=lambda v: v if v == "auto" else float(v), default=0.01,
+                        help="small buckets show overlap clearly; 'auto' lets the reducer choose after one step")
     parser.add_argument("--target", type=float, default=0.9, help="exit 1 if the final accuracy is below this")
     options = parser.parse_args()
 

@@ -37,7 +37,7 @@ CORE_ONLY_MARKER = "# --- core-only helpers"
 #: read in place.
 TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     "fingerprint": (("fingerprint.py",), "_fingerprint.pyx"),
-    "reducer": (("bucketing.py", "grad_bucket.py", "reducer.py", "reducer_join.py"), "_reducer.pyx"),
+    "reducer": (("reducer.py",), "_reducer.pyx"),
     "join": (("join.py",), "_join.pyx"),
     "negotiation": (("messages.py", "response_cache.py", "coordinator.py", "negotiation.py"), "_negotiation.pyx"),
     "rref": (("rref.py", "rref_context.py"), "_rref.pyx"),

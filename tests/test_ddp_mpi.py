@@ -76,3 +76,14 @@ def test_training_example_reaches_its_accuracy_and_writes_a_timeline(mpirun, tmp
     assert {"reducer grads", "reducer buckets", "comm world"} <= lanes
     spans = [e for e in events if e["ph"] == "X" and e["name"].startswith("bucket")]
     assert spans and all(e["args"]["bytes"] > 0 for e in spans)
+
+
+def test_buffers_are_broadcast_from_rank_0_before_each_forward_only_when_asked(mpirun):
+    job = mpirun("ddp_buffers.py", np=2)
+    assert job.stdout.count("DDP buffer checks OK") == 2
+
+
+@pytest.mark.parametrize("np_, impl", [(2, "reference"), (2, "core"), (4, "mixed")])
+def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl):
+    job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300)
+    assert job.stdout.count("agreed") == np_ and job.stdout.count("uneven inputs with auto caps OK") == np_

@@ -80,6 +80,25 @@ def test_gradient_as_bucket_view(impl):
         assert np.allclose(p.grad.data, q.grad.data), name
 
 
+@pytest.mark.parametrize("mode", ["find_unused_parameters", "static_graph"])
+def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad(impl, mode):
+    """As torch: a grad becomes a bucket view when first reduced; an unused parameter keeps None (no zero grad
+    that weight decay would then move)."""
+    model = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl, **{mode: True})
+    assert all(p.grad is None for p in model.parameters())  # construction gives no parameter a grad
+    opt = optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    before = model.module.fc2.weight.data.copy()
+    for _ in range(3):
+        opt.zero_grad()
+        model(x(), use_fc2=False).backward()
+        assert model.module.fc2.weight.grad is None and model.module.fc2.bias.grad is None
+        assert model.module.fc1.weight.grad is not None
+        opt.step()
+    assert np.array_equal(model.module.fc2.weight.data, before)
+    buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+    assert any(np.shares_memory(model.module.fc1.weight.grad.data, buf) for buf in buffers)
+
+
 def test_no_sync_accumulates_then_syncs(impl):
     model, plain = DDP(TwoBranch(), find_unused_parameters=True, impl=impl), TwoBranch()
     with model.no_sync():
@@ -146,6 +165,26 @@ def test_bad_bucket_layouts(impl, group, buckets, expect_sparse, message):
         module.Reducer(params, buckets, group, expect_sparse, param_names=["a", "b"])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(expect_sparse_gradients=[False]), "expect_sparse_gradients has 1 entries for 2 parameters"),
+    (dict(param_names=["a"]), "param_names has 1 names for 2 parameters"),
+])
+def test_per_parameter_lists_must_match_the_parameters(impl, group, kwargs, message):
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    with pytest.raises(ValueError, match=message):
+        module.Reducer(params, [[1, 0]], group, **kwargs)
+
+
+def test_the_ddp_module_is_the_one_public_home():
+    import distlab.ddp as ddp
+
+    assert ddp.Reducer is distlab._backend.load("reducer").Reducer
+    assert {"DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"} <= set(ddp.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        ddp.Nothing  # noqa: B018
+
+
 def test_mixed_dtypes_in_a_bucket(impl, group):
     module = distlab._backend.load("reducer", impl)
     params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float64))]
@@ -201,6 +240,33 @@ def test_comm_hooks(impl):
         fresh.register_comm_hook(None, 42)
     with pytest.raises(TypeError, match=r"takes \(state, bucket\)"):
         fresh.register_comm_hook(None, lambda bucket: bucket)
+
+
+def not_a_future_hook(state, bucket):
+    return 1
+
+
+def a_future_of_nothing_hook(state, bucket):
+    from distlab.futures import Future
+
+    future = Future()
+    future.set_result(None)
+    return future
+
+
+def test_a_comm_hook_breaking_the_contract_is_named_at_the_first_backward(impl):
+    model = DDP(TwoBranch(), impl=impl)
+    model.register_comm_hook(None, not_a_future_hook)
+    with pytest.raises(TypeError, match=r"a comm hook must return a distlab.futures.Future whose value is the "
+                                        r"reduced bucket buffer; hook 'not_a_future_hook' returned int"):
+        model(x()).backward()
+    with pytest.raises(TypeError, match="hook 'not_a_future_hook' returned int"):  # Join's shadow path too
+        model.reducer._run_comm_hook(model.reducer._get_zeros_like_grad_buckets()[0])
+    model = DDP(TwoBranch(), impl=impl)
+    model.register_comm_hook(None, a_future_of_nothing_hook)
+    with pytest.raises(TypeError, match=r"hook 'a_future_of_nothing_hook' completed with NoneType, expected an "
+                                        r"array of 27 float32 elements \(the bucket's size\)"):
+        model(x()).backward()
 
 
 def test_module_without_trainable_parameters(impl):

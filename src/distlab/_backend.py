@@ -11,7 +11,7 @@
     the readable pure-Python twin.
 
 Each twinned component is listed in :data:`COMPONENTS` with its reference module and its core module; both
-define the same ``__all__``. Facade modules (``distlab.reducer``, ...) call :func:`load` to get the active one.
+define the same ``__all__``. Facade modules (``distlab.ddp``, ...) call :func:`load` to get the active one.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: data-parallel training of a distlab module over MPI.
+"""``distlab.ddp``: data-parallel training of a distlab module over MPI (``DistributedDataParallel``).
 
 Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank holds the same model, copies rank
 0's parameters and buffers to every rank, buckets the parameters, and hands them to the active twin's
@@ -9,7 +9,11 @@ Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank hol
     loss.backward()          # gradients are averaged over ranks when backward returns
     opt.step()
 
-Shared by both twins (it is plumbing around the reducer, not a twinned protocol).
+This module is the one public home of DDP: ``DistributedDataParallel``, the active twin's ``Reducer`` (chosen by
+``DISTLAB_IMPL``), :class:`GradBucket` (what a communication hook receives) and
+:func:`compute_bucket_assignment_by_size`. The hooks themselves are in :mod:`distlab.ddp_comm_hooks`, as
+PyTorch keeps them in ``torch.distributed.algorithms.ddp_comm_hooks``. Shared by both twins (it is plumbing around
+the reducer, not a twinned protocol).
 """
 from __future__ import annotations
 
@@ -20,13 +24,25 @@ import numpy as np
 
 from . import _backend, comm
 from ._common.join import HostJoinable, JoinConfig
+from ._common.reducer import (
+    AUTO,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    MiB,
+    GradBucket,
+    compute_bucket_assignment_by_size,
+)
 from .autograd import SparseGrad, Tensor, is_grad_enabled
 from .nn import Module
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"]
 
-MiB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+def __getattr__(name):
+    """``distlab.ddp.Reducer``: the active twin's reducer, loaded on first use (PEP 562)."""
+    if name == "Reducer":
+        return _backend.load("reducer").Reducer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _find_tensors(obj):
@@ -40,6 +56,11 @@ def _find_tensors(obj):
     return []
 
 
+def _array_of(tensor):
+    """The array behind a parameter or buffer (a buffer may be a Tensor or a plain array)."""
+    return tensor.data if isinstance(tensor, Tensor) else tensor
+
+
 class DistributedDataParallel(HostJoinable, Module):
     """Wrap ``module`` so that ``backward`` averages its gradients over the ranks of ``process_group``.
 
@@ -49,8 +70,10 @@ class DistributedDataParallel(HostJoinable, Module):
         The model; every rank must build the same one (checked).
     process_group : distlab.comm.ProcessGroup, optional
         Default: :func:`distlab.comm.world`.
-    bucket_cap_mb : float
-        Bucket size in MiB (default 25, as PyTorch).
+    bucket_cap_mb : float or "auto"
+        Bucket size in MiB (default 25, as PyTorch). ``"auto"`` measures the first iteration's backward pass and
+        the group's allreduce, and chooses the size at the bucket rebuild after it (see the reducer's docs page:
+        it pays off across slow links, where the default's last bucket cannot overlap with backward).
     find_unused_parameters : bool
         Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
     gradient_as_bucket_view : bool
@@ -76,14 +99,18 @@ class DistributedDataParallel(HostJoinable, Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
+        auto = isinstance(bucket_cap_mb, str)
+        if auto and bucket_cap_mb != AUTO:
+            raise ValueError(f"bucket_cap_mb must be a number of MiB or {AUTO!r}, got {bucket_cap_mb!r}")
+        if not auto and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        # "auto" starts from the default layout; the reducer chooses the caps when it rebuilds the buckets.
+        self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if auto else int(bucket_cap_mb * MiB)
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
-        # Buffers are listed once, as torch's DDP does (``modules_buffers``): walking 500 modules per forward
-        # would cost more than the whole reducer.
-        self._buffers = list(self.module.named_buffers())
+        self._module_buffers = list(self.module.named_buffers())  # re-read at every sync (_sync_buffers)
         self._verify_model_across_ranks(named)
         self._sync_module_states()
         names = [name for name, _ in named]
@@ -91,11 +118,11 @@ class DistributedDataParallel(HostJoinable, Module):
         expect_sparse = self._sparse_flags(params)
         reducer_module = _backend.load("reducer", impl)
         self.impl = impl or _backend.active_impl()
-        bucket_indices, _limits = reducer_module.compute_bucket_assignment_by_size(
-            params, [self.bucket_bytes_cap], expect_sparse)
+        bucket_indices, _limits = compute_bucket_assignment_by_size(params, [self.bucket_bytes_cap], expect_sparse)
         # Reverse: parameters registered last are used last in forward, so their gradients come first.
         self.reducer = reducer_module.Reducer(
-            params, list(reversed(bucket_indices)), self.process_group, expect_sparse, self.bucket_bytes_cap,
+            params, list(reversed(bucket_indices)), self.process_group, expect_sparse,
+            AUTO if auto else self.bucket_bytes_cap,
             find_unused_parameters, gradient_as_bucket_view, names,
             min(DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap),  # a small bucket_cap_mb stays small on rebuild
             reduce_dtype)
@@ -133,7 +160,7 @@ class DistributedDataParallel(HostJoinable, Module):
     def _sync_module_states(self):
         """Every rank starts from rank 0's parameters and buffers (``_sync_module_states``)."""
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-            self.process_group.broadcast(tensor.data, src=0, name=f"init {name}")
+            self.process_group.broadcast(_array_of(tensor), src=0, name=f"init {name}")
 
     def _sparse_flags(self, params):
         sparse_ids = {id(m.weight) for m in self.module.modules() if getattr(m, "sparse", False)
@@ -174,11 +201,16 @@ class DistributedDataParallel(HostJoinable, Module):
         return output
 
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers)
+        """A model with no buffer at construction never walks its modules for them (torch: ``modules_buffers``)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._module_buffers)
 
     def _sync_buffers(self, src: int = 0):
-        for name, buffer in self._buffers:
-            self.process_group.broadcast(buffer.data, src=src, name=f"buffer {name}")
+        """Broadcast ``src``'s buffers, read afresh: a module may have reassigned one since the last forward
+        (``self.buf = self.buf + 1``), and the old object would be broadcast in vain (torch re-reads them too,
+        ``_assign_modules_buffers``)."""
+        self._module_buffers = list(self.module.named_buffers())
+        for name, buffer in self._module_buffers:
+            self.process_group.broadcast(_array_of(buffer), src=src, name=f"buffer {name}")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -263,7 +295,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self._wait_grad_sync_flag()
         self._authoritative_rank = self._find_common_rank(self.process_group.rank, is_last_joiner)
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-            self.process_group.broadcast(tensor.data, src=self._authoritative_rank, name=f"final {name}")
+            self.process_group.broadcast(_array_of(tensor), src=self._authoritative_rank, name=f"final {name}")
 
     def state_dict(self, prefix: str = "") -> dict:
         return self.module.state_dict(prefix)

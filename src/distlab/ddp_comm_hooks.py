@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .autograd import SparseGrad
+from ._common.reducer_buckets import sparse_allreduce
 from .futures import Future
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "sparse_allreduce", "noop_hook"]
@@ -64,20 +64,3 @@ def noop_hook(_state, bucket) -> Future:
     future = Future(description="noop hook")
     future.set_result(bucket.buffer())
     return future
-
-
-def sparse_allreduce(process_group, grad: SparseGrad, name=None) -> Future:
-    """Sum a row-sparse gradient over ranks: gather every rank's rows, concatenate, coalesce.
-
-    Sparse gradients cannot be summed in place (ranks touch different rows), so, as gloo does for sparse
-    allreduce, every rank gathers all (indices, values) pairs and sums them itself.
-    """
-    work = process_group.allgather_object((grad.indices, grad.values), async_op=True, name=name)
-
-    def combine(fut: Future) -> SparseGrad:
-        parts = fut.value()
-        indices = np.concatenate([np.asarray(i) for i, _ in parts])
-        values = np.concatenate([np.asarray(v) for _, v in parts])
-        return SparseGrad(indices, values, grad.shape).coalesce()
-
-    return work.get_future().then(combine)

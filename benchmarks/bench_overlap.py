@@ -1,0 +1,317 @@
+"""DDP's overlap of communication with backward, on one host and across a link of a given rate.
+
+Run (the cluster rates need root and the virtual cluster, ``python -m distlab cluster``)::
+
+    python -P benchmarks/bench_overlap.py --rates local                    # one host (shared memory)
+    sudo .venv/bin/python -P benchmarks/bench_overlap.py                   # local, 1gbit, 2.5gbit, 10gbit
+    sudo .venv/bin/python -P benchmarks/bench_overlap.py --quick           # a smoke run
+
+Model: 100 x Linear(256, 256) (26 MB of fp32 gradients in 200 tensors), batch 32, MSE loss, SGD, one rank per
+host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over ``--rounds`` rounds:
+
+- ``local``: the plain model's step (zero_grad, forward, loss, backward, SGD) and its backward alone;
+- ``allreduce``: one blocking allreduce of the model's bytes through distlab (the wire's share of a step);
+- ``ddp``: DistributedDataParallel's step for each bucket cap (``auto``, 25, 4, 1 MB), with and without
+  ``gradient_as_bucket_view``, for each twin.
+
+The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be
+hidden behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu``
+each row also reports the rank's CPU time per step (user and system): the MPI library
+busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done; the split
+between user and system time is (system time is the kernel's TCP work; from ``getrusage``). Prints a table and writes
+``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
+few steps of the core twin with the automatic bucket size at that rate
+(``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
+Python computes, and what moves it (:func:`progress_probe`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYERS, WIDTH, BATCH = 100, 256, 32
+CAPS = ("auto", 25, 4, 1)
+RATES = ("local", "1gbit", "2.5gbit", "10gbit")
+CLUSTER = "dloverlap"
+
+
+def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: int) -> None:
+    """Runs on every rank: builds the models, times them round-robin, writes rank 0's (worst-rank) rows."""
+    import numpy as np
+
+    import distlab
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+
+    pg = comm.world()
+
+    def mlp():
+        distlab.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+    class Step:
+        def __init__(self, model):
+            self.model = model
+            self.opt = optim.SGD(model.parameters(), lr=1e-4)
+            rng = np.random.default_rng(pg.rank)
+            self.x = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+            self.y = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+            self.loss_fn = nn.MSELoss()
+
+        def __call__(self):
+            self.opt.zero_grad()
+            self.loss_fn(self.model(self.x), self.y).backward()
+            self.opt.step()
+
+        def backward_only(self):
+            self.opt.zero_grad()
+            loss = self.loss_fn(self.model(self.x), self.y)
+            start = time.perf_counter()
+            loss.backward()
+            return time.perf_counter() - start
+
+    if trace_steps:  # a separate job, with the timeline on: a few steps of the auto-capped core twin only
+        step = Step(DistributedDataParallel(mlp(), bucket_cap_mb="auto", impl="core"))
+        for _ in range(trace_steps):
+            pg.barrier()
+            step()
+        return
+    nbytes = sum(p.data.nbytes for p in mlp().parameters())
+    buffer = np.ones(nbytes // 4, dtype=np.float32)
+
+    def allreduce():
+        pg.allreduce(buffer, name="allreduce alone")
+
+    steps = {"local": Step(mlp()), "allreduce": allreduce}
+    for impl in twins:
+        for view in views:
+            for cap in caps:
+                key = f"ddp {impl} cap={cap} view={int(view)}"
+                model = DistributedDataParallel(mlp(), bucket_cap_mb=cap, gradient_as_bucket_view=view, impl=impl)
+                steps[key] = Step(model)
+    for step in steps.values():  # warm-up; DDP rebuilds its buckets (and chooses "auto" caps) after iteration 1
+        for _ in range(3):
+            step()
+    samples = {key: [] for key in steps}
+    cpu_samples = {key: [] for key in steps}
+    backward = []
+    for _ in range(rounds):
+        for key, step in steps.items():
+            pg.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
+            step()
+            samples[key].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_samples[key].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
+        pg.barrier()
+        backward.append(steps["local"].backward_only())
+    row = {"ranks": pg.size, "megabytes": nbytes / 1e6, "params": 2 * LAYERS,
+           "backward ms": statistics.median(backward) * 1e3}
+    for key in steps:
+        row[f"{key} ms"] = statistics.median(samples[key]) * 1e3
+        if cpu:
+            row[f"{key} user ms"] = statistics.median(u for u, _ in cpu_samples[key]) * 1e3
+            row[f"{key} sys ms"] = statistics.median(s for _, s in cpu_samples[key]) * 1e3
+        if key.startswith("ddp"):
+            data = steps[key].model.reducer.get_logging_data()
+            row[f"{key} buckets"] = len(data["bucket_indices"])
+            row[f"{key} cap MB"] = data["bucket_cap_bytes"] / 2**20
+            row[f"{key} first cap MB"] = data["first_bucket_cap_bytes"] / 2**20
+            if data["auto_bucket_cap"]:
+                row[f"{key} auto"] = {k: v for k, v in data["auto_bucket_cap"].items() if k != "predicted_s"}
+    gathered = pg.allgather_object(row)
+    if pg.rank == 0:  # a step is as slow as its slowest rank
+        worst = {k: (max(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in row.items()}
+        # (the auto choice is the same on every rank: rank 0's travels with its bucket layout)
+        Path(out).write_text(json.dumps(worst))
+
+
+def progress_probe(out: str, rounds: int, mib: float = 8.0) -> None:
+    """Does an allreduce move while Python computes? (``--progress``; runs on every rank.)
+
+    An allreduce of ``mib`` MiB is started, then the rank computes matrix products for as long as the allreduce
+    takes alone, then waits. Three ways of computing: no MPI call until the wait; the request tested after every
+    product (as the reducer's gradient hooks do); a thread testing it every 100 us. Each result is the time over
+    max(allreduce alone, compute alone): 1 is perfect overlap, 2 none.
+    """
+    import threading
+
+    import numpy as np
+
+    from distlab import comm
+
+    pg = comm.world()
+    buffer = np.ones(int(mib * 2**20) // 4, dtype=np.float32)
+    a, w = np.full((32, WIDTH), 0.5, dtype=np.float32), np.full((WIDTH, WIDTH), 0.5, dtype=np.float32)
+
+    def compute(seconds, work=None):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ w
+            if work is not None:
+                work.is_completed()
+
+    def timed(fn):
+        pg.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def overlapped(how, seconds):
+        work = pg.allreduce(buffer, async_op=True, name="progress probe")
+        if how == "thread":
+            stop = threading.Event()
+
+            def poll():
+                while not stop.is_set() and not work.is_completed():
+                    time.sleep(1e-4)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            compute(seconds)
+            stop.set()
+            poller.join()
+        else:
+            compute(seconds, work if how == "test" else None)
+        work.wait()
+
+    samples = {k: [] for k in ("alone", "compute", "wait", "test", "thread")}
+    for _ in range(rounds):
+        alone = timed(lambda: pg.allreduce(buffer, name="progress probe"))
+        samples["alone"].append(alone)
+        samples["compute"].append(timed(lambda: compute(alone)))
+        for how in ("wait", "test", "thread"):
+            samples[how].append(timed(lambda: overlapped(how, alone)))
+    mine = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    gathered = pg.allgather_object(mine)
+    if pg.rank == 0:
+        Path(out).write_text(json.dumps({k: max(g[k] for g in gathered) for k in mine}))
+
+
+def progress_table(rows) -> str:
+    lines = [f"{'link':>8} {'allreduce':>9} {'compute':>8} {'no MPI call':>11} {'test per product':>16} "
+             f"{'thread':>7}"]
+    for r in rows:
+        floor = max(r["alone"], r["compute"])
+        lines.append(f"{r['rate']:>8} {r['alone']:>7.1f}ms {r['compute']:>6.1f}ms {r['wait'] / floor:>10.2f}x "
+                     f"{r['test'] / floor:>15.2f}x {r['thread'] / floor:>6.2f}x")
+    return "\n".join(lines)
+
+
+def table(rows) -> str:
+    """One line per (rate, twin, gradient_as_bucket_view, cap)."""
+    head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
+            f"{'step/floor':>10}   {'local step':>10} {'backward':>8} {'allreduce':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        floor = max(r["local ms"], r["allreduce ms"])
+        for key in [k[:-3] for k in r if k.startswith("ddp") and k.endswith(" ms") and "user" not in k
+                    and "sys" not in k]:
+            _, impl, cap, view = key.split()
+            cap_text = cap.split("=")[1]
+            if cap_text == "auto":
+                cap_text = f"a{r[key + ' cap MB']:.1f}"
+            lines.append(f"{r['rate']:>8} {impl:>9} {view.split('=')[1]:>4} {cap_text:>5} "
+                         f"{r[key + ' buckets']:>7} {r[key + ' ms']:>7.1f}ms {floor:>5.1f}ms "
+                         f"{r[key + ' ms'] / floor:>10.2f}   {r['local ms']:>8.1f}ms {r['backward ms']:>6.1f}ms "
+                         f"{r['allreduce ms']:>7.1f}ms")
+    return "\n".join(lines)
+
+
+def _run_rate(rate: str, options, part: Path, timeline: str | None = None):
+    """One job at ``rate``: the measurements into ``part``, or with ``timeline`` a few traced steps."""
+    from distlab.launch import launch_script
+
+    args = ["--worker", str(part), "--rounds", str(options.rounds), "--caps", *map(str, options.caps),
+            "--twins", *options.twins, "--views", *map(str, options.views)]
+    if options.progress:
+        args.append("--progress")
+    if options.cpu:
+        args.append("--cpu")
+    if timeline:
+        args += ["--trace-steps", "6"]
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if rate == "local":
+        return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline)
+    import importlib.util
+
+    if importlib.util.find_spec("distlab.cluster") is None:
+        sys.exit(f"bench_overlap: the rate {rate} needs the virtual cluster (distlab.cluster), which this "
+                 "installation lacks; run with --rates local")
+    from distlab import cluster  # the virtual cluster (root)
+
+    cluster.up(2, rate, options.cluster)
+    return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline,
+                         cluster=options.cluster)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=list(RATES), help="local and/or tc rates (default: all)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="3 rounds, core twin, caps auto and 25: a smoke run")
+    parser.add_argument("--caps", nargs="+", default=list(CAPS), type=lambda c: c if c == "auto" else float(c))
+    parser.add_argument("--twins", nargs="+", default=["core", "reference"])
+    parser.add_argument("--views", nargs="+", default=[0, 1], type=int, help="gradient_as_bucket_view values")
+    parser.add_argument("--cpu", action="store_true", help="CPU time per step (user, system)")
+    parser.add_argument("--timeline", metavar="RATE", help="also record a trace of one auto-capped step here")
+    parser.add_argument("--progress", action="store_true",
+                        help="instead: does an 8 MiB allreduce move while Python computes (progress_probe)")
+    parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
+    parser.add_argument("--keep", action="store_true", help="leave the virtual cluster up")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-steps", type=int, default=0, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.quick:
+        options.rounds, options.twins, options.caps = 3, ["core"], ["auto", 25]
+    if options.worker:
+        if options.progress:
+            progress_probe(options.worker, options.rounds)
+        else:
+            worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
+                   options.cpu, options.trace_steps)
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    part = RESULTS / "bench_overlap.part.json"
+    rows = []
+    try:
+        for rate in options.rates:
+            job = _run_rate(rate, options, part)
+            if job.returncode != 0:
+                sys.exit(f"bench_overlap at {rate} failed (exit {job.returncode})")
+            row = json.loads(part.read_text())
+            part.unlink()
+            rows.append({"rate": rate, **row})
+            print((progress_table if options.progress else table)(rows[-1:]), flush=True)
+            if options.timeline == rate:
+                trace = RESULTS / "overlap_timeline.json"
+                if _run_rate(rate, options, part, str(trace)).returncode != 0:
+                    sys.exit(f"bench_overlap: the traced job at {rate} failed")
+                print(f"trace of 6 auto-capped core steps at {rate}: {trace}", flush=True)
+    finally:
+        if not options.keep and any(rate != "local" for rate in options.rates):
+            import importlib.util
+
+            if importlib.util.find_spec("distlab.cluster") is not None:
+                from distlab import cluster
+
+                cluster.down(options.cluster)
+    report = {"benchmark": "bench_overlap", "command": " ".join(["python -P"] + sys.argv), "rounds": options.rounds,
+              "host_cores": os.cpu_count(), "rows": rows}
+    name = "bench_overlap_progress.json" if options.progress else "bench_overlap.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1))
+    print()
+    print((progress_table if options.progress else table)(rows))
+    print(f"\nwritten to {RESULTS / name}")
+
+
+if __name__ == "__main__":
+    main()

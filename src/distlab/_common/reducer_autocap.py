@@ -1,0 +1,209 @@
+"""``bucket_cap_mb="auto"``: the reducer chooses its bucket size from what it measured (shared by both twins).
+
+PyTorch has no such thing: its users tune ``bucket_cap_mb`` by hand. The trade-off it settles is the reducer's
+central one. A bucket's allreduce can start only once its last gradient exists, so the last bucket's
+communication always comes *after* backward and cannot be hidden: big buckets leave a long tail. Every bucket
+pays a fixed cost (the collective's latency, the reducer's work per bucket), so many small buckets add up. Which
+side wins depends on the link: across a 1 Gbit/s link the wire time of a 26 MB model is ten times its backward
+pass and buckets of a few MB keep the wire busy from the first gradient on; on one host the allreduce is a
+memory copy done by the same cores that compute backward, so overlapping it saves little and small buckets only
+add latency.
+
+**What is measured.** During the first synchronised iteration each gradient's arrival time (since the
+iteration's first gradient) is recorded. At the one-time bucket rebuild that follows (``rebuild_buckets``),
+three probes run on every rank (:func:`measure_link`): the latency of a tiny allreduce, the time of one allreduce
+of a few MB alone (the bandwidth), and the same allreduce started while the rank computes matrix products,
+driving MPI between them as the reducer's hooks do (the *contention*: 0 when the two overlap perfectly, as when
+a NIC or the kernel moves the bytes; 1 when they share one core and take turns). One ``allreduce(max)`` of
+everything makes every rank decide on the same numbers, so every rank picks the same caps.
+
+**The cost model** (:func:`predict_end`). Backward delivers gradients at the recorded times; a bucket is ready
+with its last gradient and its allreduce starts when it is ready and the previous bucket's is done (buckets go
+strictly in order); an allreduce takes ``latency + bytes / bandwidth``. While backward and communication run
+at the same time, each progresses at ``1 / (1 + contention)`` of its speed. The predicted cost of a bucket size
+is the time from the first gradient until the last allreduce ends. :func:`choose_bucket_caps` evaluates the
+candidate sizes and keeps the largest whose cost is within 3% of the best (fewer buckets when it hardly
+matters: the model is only a model). The first bucket's cap is ``min(1 MiB, cap)``, as the anchor's.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .reducer_buckets import compute_bucket_assignment_by_size
+
+__all__ = ["AUTO", "CANDIDATE_CAPS", "LinkModel", "AutoCapChoice", "predict_end", "choose_bucket_caps",
+           "measure_link"]
+
+MiB = 1024 * 1024
+#: The value of ``bucket_cap_mb`` (and of the reducer's ``bucket_bytes_cap``) that asks for the choice.
+AUTO = "auto"
+#: Bucket sizes considered, in bytes.
+CANDIDATE_CAPS = tuple(int(m * MiB) for m in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16, 25, 32, 64))
+FIRST_BUCKET_CAP = 1 * MiB
+#: A cost within this fraction of the best counts as a tie, which the larger cap wins.
+TIE = 0.03
+#: The bandwidth probe's size is the model's gradient bytes, clamped to this range.
+PROBE_BYTES = (64 * 1024, 8 * MiB)
+LATENCY_PROBE_ELEMENTS = 256
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """What the cost model knows of the group's allreduce.
+
+    Attributes
+    ----------
+    latency : float
+        Seconds of fixed cost per allreduce.
+    bandwidth : float
+        Bytes per second of one allreduce running alone.
+    contention : float
+        In [0, 1]: how much backward and a concurrent allreduce slow each other (0: not at all).
+    """
+
+    latency: float
+    bandwidth: float
+    contention: float
+
+
+@dataclass(frozen=True)
+class AutoCapChoice:
+    """The caps chosen, and why: the predicted cost of every candidate and the measurements behind them."""
+
+    first_cap: int
+    cap: int
+    predicted: dict  # cap (bytes) -> predicted seconds from the first gradient to the last allreduce's end
+    backward: float
+    model: LinkModel
+
+    def as_dict(self) -> dict:
+        return {"first_cap_bytes": self.first_cap, "cap_bytes": self.cap, "backward_s": self.backward,
+                "latency_s": self.model.latency, "bandwidth_Bps": self.model.bandwidth,
+                "contention": self.model.contention,
+                "predicted_s": {str(cap): seconds for cap, seconds in self.predicted.items()}}
+
+
+def predict_end(bucket_bytes, bucket_ready, model: LinkModel) -> float:
+    """Seconds from the first gradient until the last bucket's allreduce ends (the cost model above).
+
+    Parameters
+    ----------
+    bucket_bytes : sequence of int
+        Each bucket's bytes, in reduction order.
+    bucket_ready : sequence of float
+        When each bucket's last gradient arrives, in seconds of backward computation since the first gradient
+        (nondecreasing: buckets are filled in arrival order). The last is the backward pass's length.
+    model : LinkModel
+    """
+    backward = max(bucket_ready) if len(bucket_ready) else 0.0
+    share = 1.0 / (1.0 + model.contention)
+    now = computed = 0.0  # wall time; backward seconds done
+    for nbytes, ready in zip(bucket_bytes, bucket_ready):
+        work = model.latency + nbytes / model.bandwidth  # this allreduce's seconds, alone
+        if computed < ready:  # wait for the bucket's last gradient; nothing is in flight meanwhile
+            now += ready - computed
+            computed = ready
+        # The allreduce runs; backward (if not done) runs beside it at the shared speed until one of them ends.
+        left = backward - computed
+        if left > 0:
+            together = min(work, left) / share  # wall time until the first of the two finishes
+            now += together
+            computed += together * share
+            work -= together * share
+        now += work  # the rest of the allreduce, alone
+    return max(now, backward)
+
+
+def _bucket_times(order, tensors, wire_bytes, arrivals, expect_sparse, first_cap, cap):
+    """Each bucket's wire bytes and ready time, for the layout the rebuild would build with these caps."""
+    buckets, _limits = compute_bucket_assignment_by_size([tensors[i] for i in order], [first_cap, cap],
+                                                         expect_sparse, order)
+    nbytes = [0 if expect_sparse is not None and expect_sparse[b[0]] else sum(int(wire_bytes[i]) for i in b)
+              for b in buckets]
+    ready = np.maximum.accumulate([max(float(arrivals[i]) for i in b) for b in buckets]).tolist()
+    return nbytes, ready
+
+
+def choose_bucket_caps(order, tensors, arrivals, model: LinkModel, expect_sparse=None,
+                       wire_bytes=None) -> AutoCapChoice:
+    """The caps of the candidate that the cost model predicts fastest (see the module docstring).
+
+    Parameters
+    ----------
+    order : sequence of int
+        Parameter indices in gradient arrival order (the order the rebuild buckets them in).
+    tensors : sequence of Tensor or ndarray
+        The parameters, by index (the layout is computed from them exactly as the rebuild does).
+    arrivals : sequence of float
+        Seconds from the iteration's first gradient to each parameter's, by parameter index.
+    model : LinkModel
+    expect_sparse : sequence of bool, optional
+        Sparse parameters get buckets of their own, counted as latency only.
+    wire_bytes : sequence of int, optional
+        Bytes each parameter's gradient takes in its bucket (differs from the parameter's with a reduce dtype).
+    """
+    param_bytes = [int(np.asarray(getattr(t, "data", t)).nbytes) for t in tensors]
+    wire_bytes = param_bytes if wire_bytes is None else wire_bytes
+    dense = [i for i in order if expect_sparse is None or not expect_sparse[i]]
+    dense_total = max(sum(param_bytes[i] for i in dense), 1)  # caps count parameter bytes, as the rebuild's
+    candidates = sorted({c for c in CANDIDATE_CAPS if c < dense_total} | {dense_total})
+    predicted = {}
+    for cap in candidates:
+        nbytes, ready = _bucket_times(order, tensors, wire_bytes, arrivals, expect_sparse,
+                                      min(FIRST_BUCKET_CAP, cap), cap)
+        predicted[cap] = predict_end(nbytes, ready, model)
+    best = min(predicted.values())
+    cap = max(c for c, seconds in predicted.items() if seconds <= best * (1 + TIE))
+    backward = float(max((float(arrivals[i]) for i in order), default=0.0))
+    return AutoCapChoice(min(FIRST_BUCKET_CAP, cap), cap, predicted, backward, model)
+
+
+def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.ndarray]:
+    """Probe the group's allreduce and agree on the measurements (every rank calls this at the same point).
+
+    Returns the :class:`LinkModel` and ``arrivals`` with every value the maximum over ranks. The collectives
+    issued (in order): 3 tiny allreduces, 2 allreduces of the probe size, one more started while computing,
+    then one ``allreduce(max)`` of the measurements, all named ``auto bucket cap ...``.
+    """
+    probe = np.zeros(int(np.clip(gradient_bytes, *PROBE_BYTES)) // 4, dtype=np.float32)
+    tiny = np.zeros(LATENCY_PROBE_ELEMENTS, dtype=np.float32)
+    latency = min(_timed(group, lambda: group.allreduce(tiny, name="auto bucket cap: latency")) for _ in range(3))
+    alone = min(_timed(group, lambda: group.allreduce(probe, name="auto bucket cap: bandwidth")) for _ in range(2))
+    compute_alone = _timed(group, lambda: _compute_for(alone, None))
+
+    def overlapped():
+        work = group.allreduce(probe, async_op=True, name="auto bucket cap: contention")
+        _compute_for(alone, work)
+        work.wait()
+
+    together = _timed(group, overlapped)
+    mine = np.concatenate([[latency, alone, compute_alone, together], np.nan_to_num(np.asarray(arrivals, float))])
+    group.allreduce(mine, op="max", name="auto bucket cap: measurements")
+    latency, alone, compute_alone, together = mine[:4]
+    bandwidth = probe.nbytes / max(alone - latency, 1e-9)
+    shorter = min(alone, compute_alone)
+    contention = float(np.clip((together - max(alone, compute_alone)) / max(shorter, 1e-9), 0.0, 1.0))
+    return LinkModel(float(latency), float(bandwidth), contention), mine[4:]
+
+
+def _timed(group, fn) -> float:
+    group.barrier(name="auto bucket cap: sync")
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+_A = np.full((32, 256), 0.5, dtype=np.float32)
+_W = np.full((256, 256), 0.5, dtype=np.float32)
+
+
+def _compute_for(seconds: float, work) -> None:
+    """Matrix products like a layer's backward for ``seconds``, testing ``work`` between them as the hooks do."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        _A @ _W
+        if work is not None:
+            work.is_completed()

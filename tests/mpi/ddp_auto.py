@@ -1,0 +1,72 @@
+"""bucket_cap_mb="auto" on several ranks: every rank chooses the same caps and layout (also in a mixed world),
+training equals local training on the whole batch, and a rank that joined early shadows the probes (Join).
+
+argv: impl ("reference", "core" or "mixed": even ranks reference, odd ranks core).
+"""
+import sys
+
+import numpy as np
+
+import distlab
+from distlab import comm, nn, optim
+from distlab.ddp import DistributedDataParallel as DDP
+
+impl_arg = sys.argv[1]
+world = comm.world()
+rank, size = world.rank, world.size
+impl = impl_arg if impl_arg != "mixed" else ("reference" if rank % 2 == 0 else "core")
+SHARD, WIDTH = 4, 128
+
+
+def mlp():
+    distlab.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+
+
+def batch(step, rows):
+    rng = np.random.default_rng(step)
+    x = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
+    y = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
+    return distlab.tensor(x[rows]), distlab.tensor(y[rows])
+
+
+# Every rank agrees, and DDP equals one process training on the whole batch.
+model, local = DDP(mlp(), bucket_cap_mb="auto", impl=impl), mlp()
+opt, local_opt = optim.SGD(model.parameters(), lr=0.05), optim.SGD(local.parameters(), lr=0.05)
+loss_fn = nn.MSELoss()
+for step in range(4):
+    opt.zero_grad()
+    local_opt.zero_grad()
+    x, y = batch(step, np.arange(rank * SHARD, (rank + 1) * SHARD))
+    loss_fn(model(x), y).backward()
+    x, y = batch(step, np.arange(SHARD * size))
+    loss_fn(local(x), y).backward()
+    opt.step()
+    local_opt.step()
+for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
+    assert np.allclose(a.data, b.data, atol=1e-5, rtol=1e-5), (name, np.abs(a.data - b.data).max())
+data = model.reducer.get_logging_data()
+choice = data["auto_bucket_cap"]
+assert data["has_rebuilt_buckets"] and choice is not None
+assert data["bucket_cap_bytes"] == choice["cap_bytes"] and data["first_bucket_cap_bytes"] == choice["first_cap_bytes"]
+agreed = world.allgather_object((data["bucket_indices"], choice))
+assert all(a == agreed[0] for a in agreed), agreed
+print(f"rank {rank} ({impl}): caps {choice['cap_bytes']} B / first {choice['first_cap_bytes']} B, "
+      f"{len(data['bucket_indices'])} buckets, contention {choice['contention']:.2f}, agreed", flush=True)
+
+# Uneven inputs: the last rank trains 3 steps, the others 1; the joined ranks shadow the rebuild and its probes.
+model = DDP(mlp(), bucket_cap_mb="auto", impl=impl)
+opt = optim.SGD(model.parameters(), lr=0.05)
+steps = 3 if rank == size - 1 else 1
+with model.join():
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, np.arange(rank * SHARD, (rank + 1) * SHARD))
+        loss_fn(model(x), y).backward()
+        opt.step()
+final = world.allgather_object([p.data for p in model.module.parameters()])
+assert all(np.array_equal(a, b) for other in final for a, b in zip(other, final[0]))
+data = model.reducer.get_logging_data()
+agreed = world.allgather_object((data["has_rebuilt_buckets"], data["bucket_cap_bytes"], data["bucket_indices"]))
+assert all(a == agreed[0] for a in agreed) and agreed[0][0], agreed
+print(f"rank {rank} ({impl}): uneven inputs with auto caps OK", flush=True)

@@ -1,0 +1,161 @@
+"""bucket_cap_mb="auto": the cost model, the choice, and DDP using it on both twins (one process).
+
+Several ranks (every rank choosing the same caps, a mixed world, Join) are covered by tests/test_ddp_mpi.py.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distlab
+from distlab import nn
+from distlab._common import reducer_autocap
+from distlab._common.reducer_autocap import MiB, LinkModel, choose_bucket_caps, predict_end
+from distlab.ddp import DistributedDataParallel as DDP
+
+
+def test_predict_end_overlaps_fully_without_contention_and_not_at_all_with_full_contention():
+    # Two 2-byte buckets ready at 1 s and 3 s, 1 byte/s, no latency.
+    assert predict_end([2, 2], [1.0, 3.0], LinkModel(0.0, 1.0, 0.0)) == pytest.approx(5.0)  # 1-3 hidden, 3-5
+    assert predict_end([2, 2], [1.0, 3.0], LinkModel(0.0, 1.0, 1.0)) == pytest.approx(7.0)  # 3 + 4, in turns
+    assert predict_end([4], [3.0], LinkModel(0.5, 1.0, 0.3)) == pytest.approx(7.5)  # the last bucket is never hidden
+
+
+buckets = st.lists(st.tuples(st.integers(0, 10_000), st.floats(0, 1)), min_size=1, max_size=20)
+models = st.tuples(st.floats(0, 1e-3), st.floats(1e3, 1e9), st.floats(0, 1))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(buckets, models)
+def test_predicted_end_bounds_and_monotonic_in_contention(spec, model):
+    nbytes = [b for b, _ in spec]
+    ready = np.maximum.accumulate([r for _, r in spec]).tolist()
+    latency, bandwidth, contention = model
+    comm = sum(latency + b / bandwidth for b in nbytes)
+    end = predict_end(nbytes, ready, LinkModel(latency, bandwidth, contention))
+    assert end >= max(ready[-1], comm) - 1e-9
+    assert end <= ready[-1] + comm * 2 + 1e-9
+    assert predict_end(nbytes, ready, LinkModel(latency, bandwidth, 1.0)) >= ready[-1] + comm - 1e-9
+    assert predict_end(nbytes, ready, LinkModel(latency, bandwidth, 0.0)) <= end + 1e-9
+
+
+def _layers(count=8, mib=1):
+    params = [np.zeros(int(mib * MiB) // 4, dtype=np.float32) for _ in range(count)]
+    order = list(range(count))[::-1]
+    arrivals = np.zeros(count)
+    arrivals[order] = np.linspace(0, 70e-3, count)  # one layer's gradient every 10 ms
+    return order, params, arrivals
+
+
+def test_a_slow_link_gets_small_buckets_one_host_gets_one_bucket():
+    order, params, arrivals = _layers()
+    # 100 MB/s (10 ms per layer, as long as its backward), overlapping freely: keep the wire busy from the start
+    slow = choose_bucket_caps(order, params, arrivals, LinkModel(1e-4, 1e8, 0.0))
+    assert slow.cap <= 2 * MiB and slow.first_cap == min(MiB, slow.cap)
+    assert slow.predicted[slow.cap] < 0.7 * slow.predicted[8 * MiB]
+    one_host = choose_bucket_caps(order, params, arrivals, LinkModel(5e-5, 3e9, 1.0))  # a copy by the same core
+    assert one_host.cap == 8 * MiB  # overlap gains nothing, every bucket costs latency
+    assert set(one_host.predicted) == {2 ** k for k in range(16, 24)}
+    as_dict = one_host.as_dict()
+    assert as_dict["cap_bytes"] == 8 * MiB and as_dict["contention"] == 1.0 and len(as_dict["predicted_s"]) == 8
+
+
+def test_near_ties_go_to_the_larger_cap():
+    order, params, arrivals = _layers()
+    free = choose_bucket_caps(order, params, arrivals, LinkModel(0.0, 1e15, 0.0))  # communication costs nothing
+    assert free.cap == 8 * MiB
+
+
+def test_sparse_parameters_count_as_latency_only():
+    order, params, arrivals = _layers(count=4)
+    sparse = [False, True, False, False]
+    choice = choose_bucket_caps(order, params, arrivals, LinkModel(1e-4, 1e8, 0.0), sparse)
+    assert max(choice.predicted) == 3 * MiB  # the dense bytes only
+
+
+@pytest.fixture
+def fixed_link(monkeypatch):
+    """measure_link with a slow link's figures and a 5 ms backward per parameter, so that the choice does not
+    depend on this machine (the real probes still run, on one rank)."""
+    real = reducer_autocap.measure_link
+
+    def measure(group, gradient_bytes, arrivals):
+        real(group, gradient_bytes, arrivals)
+        n = len(arrivals)
+        return LinkModel(1e-4, 1e7, 0.0), 5e-3 * (n - 1 - np.arange(n))  # registered last, arrived first
+
+    monkeypatch.setattr(reducer_autocap, "measure_link", measure)
+    monkeypatch.setattr("distlab._common.reducer.measure_link", measure)
+
+
+def mlp():
+    distlab.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])  # 6 x 66 KB
+
+
+def test_ddp_auto_chooses_at_the_rebuild_and_trains_like_the_plain_model(impl, fixed_link):
+    model, plain = DDP(mlp(), bucket_cap_mb="auto", impl=impl), mlp()
+    data = model.reducer.get_logging_data()
+    assert data["bucket_cap_auto"] and data["auto_bucket_cap"] is None and data["bucket_cap_bytes"] == 25 * MiB
+    x = distlab.tensor(np.ones((4, 128), dtype=np.float32))
+    for _ in range(3):
+        model.zero_grad()
+        plain.zero_grad()
+        model(x).sum().backward()
+        plain(x).sum().backward()
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            assert np.allclose(p.grad.data, q.grad.data), name
+    data = model.reducer.get_logging_data()
+    choice = data["auto_bucket_cap"]
+    assert data["has_rebuilt_buckets"] and choice["bandwidth_Bps"] == 1e7
+    assert data["bucket_cap_bytes"] == choice["cap_bytes"] < 25 * MiB  # 10 MB/s: small buckets
+    assert data["first_bucket_cap_bytes"] == choice["first_cap_bytes"]
+    assert len(data["bucket_indices"]) > 1 and 0 < choice["backward_s"] < 60
+
+
+def test_ddp_auto_rebuilds_also_with_find_unused_parameters(impl, fixed_link):
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare = mlp(), nn.Linear(128, 128)
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = DDP(Branchy(), bucket_cap_mb="auto", find_unused_parameters=True, impl=impl)
+    x = distlab.tensor(np.ones((4, 128), dtype=np.float32))
+    for _ in range(3):
+        model(x).sum().backward()
+    data = model.reducer.get_logging_data()
+    assert data["has_rebuilt_buckets"] and data["auto_bucket_cap"] is not None
+    assert sorted(i for b in data["bucket_indices"] for i in b) == list(range(14))
+    assert model.module.spare.weight.grad is None  # unused everywhere: untouched
+
+
+def test_ddp_auto_with_a_static_graph(impl, fixed_link):
+    model, plain = DDP(mlp(), bucket_cap_mb="auto", static_graph=True, impl=impl), mlp()
+    x = distlab.tensor(np.ones((4, 128), dtype=np.float32))
+    for _ in range(4):  # a static graph records arrivals in iteration 2 and rebuilds before iteration 3
+        model.zero_grad()
+        plain.zero_grad()
+        model(x).sum().backward()
+        plain(x).sum().backward()
+    data = model.reducer.get_logging_data()
+    assert data["has_rebuilt_buckets"] and data["auto_bucket_cap"] is not None and len(data["bucket_indices"]) > 1
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert np.allclose(p.grad.data, q.grad.data), name
+
+
+@pytest.mark.parametrize("value, message", [("big", "bucket_cap_mb must be a number of MiB or 'auto'"),
+                                            (0, "bucket_cap_mb must be positive")])
+def test_bad_bucket_cap(impl, value, message):
+    with pytest.raises(ValueError, match=message):
+        DDP(mlp(), bucket_cap_mb=value, impl=impl)
+
+
+def test_bad_reducer_cap(impl):
+    from distlab import _backend, comm
+
+    with pytest.raises(ValueError, match="bucket_bytes_cap must be a number of bytes or 'auto', got 'big'"):
+        _backend.load("reducer", impl).Reducer([nn.Parameter(np.ones(2, np.float32))], [[0]], comm.world(),
+                                                bucket_bytes_cap="big")
