@@ -40,7 +40,7 @@ TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     "reducer": (("bucketing.py", "grad_bucket.py", "reducer.py", "reducer_join.py"), "_reducer.pyx"),
     "join": (("join.py",), "_join.pyx"),
     "negotiation": (("messages.py", "response_cache.py", "negotiation.py"), "_negotiation.pyx"),
-    "rref": (("rref.py", "rref_context.py"), "_rref.pyx"),
+    "rref": (("rref_impl.py", "rref_context.py"), "_rref.pyx"),
     "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
 }
 
