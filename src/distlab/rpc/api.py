@@ -21,6 +21,14 @@ K_CALL = RPC_KIND_CODES["call"]
 
 _state_lock = threading.Lock()
 _agent: RpcAgent | None = None
+#: The RRef layer (attach, graceful_delete, detach, remote), installed by distlab.rpc.rref when it is imported:
+#: rref builds on this module, so this module never imports it.
+_rref_layer = None
+
+
+def _install_rref_layer(layer) -> None:
+    global _rref_layer
+    _rref_layer = layer
 
 
 def cheap(fn):
@@ -62,8 +70,6 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
     global _agent
     from mpi4py import MPI
 
-    from . import rref as _rref_glue
-
     with _state_lock:
         if _agent is not None and _agent.running:
             raise RpcError(f"init_rpc was already called on this worker (as {_agent.info.name!r})")
@@ -75,7 +81,7 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
         check_thread_level()
         agent = RpcAgent(name, world.Dup(), rpc_timeout=rpc_timeout, num_threads=num_threads)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
-        _rref_glue.attach(agent)
+        _rref_layer.attach(agent)
         _agent = agent  # before the listener starts: handlers may call get_agent() at once
         agent.start()
     return agent.info
@@ -130,12 +136,10 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
 
 def remote(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func`` on worker ``to`` and return an RRef to its result (see :mod:`distlab.rpc.rref`)."""
-    from .rref import remote as _remote
-
     wrapped = autograd_hook and _autograd_wrap(get_agent(), to, func, args, kwargs, remote=True)
     if wrapped:
         func, args, kwargs, _unwrap = wrapped
-    return _remote(to, func, args, kwargs, timeout)
+    return _rref_layer.remote(to, func, args, kwargs, timeout)
 
 
 def shutdown(graceful=True, timeout=None):
@@ -143,8 +147,6 @@ def shutdown(graceful=True, timeout=None):
     every UserRRef, wait until no OwnerRRef remains, wait until every worker is done sending, then stop; raises
     RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout)."""
     global _agent
-    from . import rref as _rref_glue
-
     with _state_lock:
         agent = _agent
         if agent is None or not agent.running:
@@ -156,12 +158,12 @@ def shutdown(graceful=True, timeout=None):
                 # work), then UserRRefs are deleted and owners drained, then every worker is done sending.
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
-                _rref_glue.graceful_delete(agent, timeout)
+                _rref_layer.graceful_delete(agent, timeout)
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
         finally:
             agent.stop(graceful=graceful, timeout=timeout)
-            leaks = _rref_glue.detach(agent, check_leaks=graceful)
+            leaks = _rref_layer.detach(agent, check_leaks=graceful)
             _agent = None
         if leaks is not None:
             raise leaks

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import pickle
 import time
+import types
 
 from distlab import _backend
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import DistTimeoutError, RpcError, RRefError
 from distlab.futures import Future
 
-from . import framing
+from . import api, framing
+from .agent import current_call
 
 __all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
 
@@ -71,9 +73,7 @@ class RRef:
 
     def owner(self):
         """The owner's WorkerInfo."""
-        from .api import get_agent
-
-        return get_agent().worker_info(self._r.owner())
+        return api.get_agent().worker_info(self._r.owner())
 
     def owner_name(self) -> str:
         """The owner's worker name."""
@@ -98,8 +98,6 @@ class RRef:
         if not r.confirmed_by_owner() and self._deadline is not None and time.monotonic() > self._deadline:
             r.timed_out = True
         r.check_usable("to_here()")
-        from . import api
-
         if api.autograd_hook is not None:  # inside a distributed autograd context the fetch carries its metadata
             wrapped = api._autograd_wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
             if wrapped:  # (torch: to_here records a send function on the owner, a recv function here; issue 8)
@@ -110,19 +108,15 @@ class RRef:
 
     def rpc_sync(self, timeout=None):
         """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``."""
-        from .api import rpc_sync
-
-        return _Proxy(self, rpc_sync, timeout)
+        return _Proxy(self, api.rpc_sync, timeout)
 
     def rpc_async(self, timeout=None):
         """Proxy like :meth:`rpc_sync` returning Futures."""
-        from .api import rpc_async
-
-        return _Proxy(self, rpc_async, timeout)
+        return _Proxy(self, api.rpc_async, timeout)
 
     def remote(self, timeout=None):
         """Proxy like :meth:`rpc_sync` returning RRefs."""
-        return _Proxy(self, remote, timeout)
+        return _Proxy(self, api.remote, timeout)
 
     def __reduce__(self):
         hook = framing.fork_hook()
@@ -213,8 +207,6 @@ def _handle_fetch(src, payload, meta):
 
 
 def _handle_control(src, payload, meta):
-    from .agent import current_call
-
     return _ctx.handle(src, current_call().kind, payload)
 
 
@@ -246,12 +238,10 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     If the owner has not acknowledged the creation within ``timeout`` seconds (default the RPC timeout),
     ``to_here`` raises RRefCreationTimeoutError.
     """
-    from .api import _call_payload, get_agent
-
-    agent = get_agent()
+    agent = api.get_agent()
     ctx = _ctx
     dst = agent.worker_info(to).id
-    func_v, args, kwargs = _call_payload(func, args, kwargs)
+    func_v, args, kwargs = api._call_payload(func, args, kwargs)
     r, rid, fid = ctx.create_remote(dst)
     timeout = agent.rpc_timeout if timeout is None else timeout
     rref = RRef._wrap(r, time.monotonic() + timeout if timeout and timeout > 0 else None)
@@ -318,3 +308,8 @@ def detach(agent, check_leaks=True):
     if ctx is None or not check_leaks:
         return None
     return ctx.check_leaks()
+
+
+# api builds on nothing of this module; it reaches the RRef layer through what is installed here.
+api._install_rref_layer(types.SimpleNamespace(attach=attach, graceful_delete=graceful_delete, detach=detach,
+                                              remote=remote))
