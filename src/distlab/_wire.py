@@ -4,7 +4,7 @@ from __future__ import annotations
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION",
            "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RPC_WIRE_MAGIC", "RPC_WIRE_VERSION",
            "RPC_HEADER_FORMAT", "RPC_FLAG_ERROR", "RPC_FLAG_INLINE", "RPC_FLAG_NOREPLY", "RPC_TAG_HEADER",
-           "RPC_TAG_BUFFER", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS", "RREF_LOCAL_ID_BITS"]
+           "RPC_TAG_BUFFER", "RPC_TAG_HELLO", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS", "RREF_LOCAL_ID_BITS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -53,6 +53,9 @@ RPC_FLAG_NOREPLY = 4    # request: no response expected
 #: MPI tags on the agent's own communicator: header messages, then each out-of-band buffer.
 RPC_TAG_HEADER = 17
 RPC_TAG_BUFFER = 18
+#: MPI tag on COMM_WORLD of the "I have called init_rpc, my name is ..." message each worker sends every other
+#: worker while the agent's communicator is being made (how a timed-out init_rpc names the missing workers).
+RPC_TAG_HELLO = 21590
 
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)

@@ -52,9 +52,12 @@ class RpcAgent:
         Default timeout of requests, in seconds.
     num_threads : int
         Threads running requests that are not marked cheap.
+    names : list of str, optional
+        Every worker's name by id, when already known (``init_rpc`` learns them while it makes ``comm``);
+        otherwise gathered over ``comm``.
     """
 
-    def __init__(self, name: str, comm, rpc_timeout: float = 60.0, num_threads: int = 4):
+    def __init__(self, name: str, comm, rpc_timeout: float = 60.0, num_threads: int = 4, names=None):
         from distlab.timeline import get_timeline, now_us
 
         check_thread_level()
@@ -63,7 +66,7 @@ class RpcAgent:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rpc_timeout = float(rpc_timeout)
-        self._registry = WorkerRegistry(comm.allgather(name), self.rank)
+        self._registry = WorkerRegistry(comm.allgather(name) if names is None else names, self.rank)
         self.workers = self._registry.workers
         self.info = self._registry.info
         self._pending: dict[int, tuple] = {}  # mid -> (future, dst, kind, start_us)

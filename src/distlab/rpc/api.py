@@ -5,14 +5,16 @@ Shared plumbing over :class:`distlab.rpc.agent.RpcAgent`; the RRef protocol stat
 """
 from __future__ import annotations
 
+import atexit
 import threading
 
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import RpcError
-from distlab.futures import Future
+from distlab.futures import Future, default_timeout
 
 from . import framing
 from .agent import RpcAgent, WorkerInfo, check_thread_level
+from .workers import check_name, join_workers
 
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
            "is_initialized"]
@@ -21,6 +23,7 @@ K_CALL = RPC_KIND_CODES["call"]
 
 _state_lock = threading.Lock()
 _agent: RpcAgent | None = None
+_atexit_registered = False
 #: The RRef layer (attach, graceful_delete, detach, remote), installed by distlab.rpc.rref when it is imported:
 #: rref builds on this module, so this module never imports it.
 _rref_layer = None
@@ -55,7 +58,7 @@ def _handle_call(src, payload, meta):
     return func(*args, **kwargs) if kwargs else func(*args)
 
 
-def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
+def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
     """Start this worker's RPC agent (collective over COMM_WORLD: every rank calls it).
 
     Parameters
@@ -64,10 +67,15 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
         Unique worker name.
     rank, world_size : int, optional
         Checked against MPI's COMM_WORLD when given.
-    rpc_timeout : float
-        Default per-call timeout in seconds (``0`` disables it).
+    rpc_timeout : float, optional
+        Default timeout of every RPC and RRef wait, in seconds; ``None`` (the default) takes ``DISTLAB_TIMEOUT``
+        (300 s unless set), the bound on every wait in distlab; ``0`` disables it. ``init_rpc`` itself waits at
+        most this long (``DISTLAB_TIMEOUT`` when disabled) for every rank to call it, then raises
+        :class:`~distlab.errors.DistTimeoutError` naming the ranks that did not.
+    num_threads : int
+        Threads running the requests this worker receives.
     """
-    global _agent
+    global _agent, _atexit_registered
     from mpi4py import MPI
 
     with _state_lock:
@@ -78,13 +86,39 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
         if world_size is not None and world_size != world.Get_size():
             raise ValueError(f"init_rpc(world_size={world_size}) but MPI has {world.Get_size()} ranks")
+        rpc_timeout = _check_timeout(default_timeout() if rpc_timeout is None else rpc_timeout)
         check_thread_level()
-        agent = RpcAgent(name, world.Dup(), rpc_timeout=rpc_timeout, num_threads=num_threads)
+        check_name(name)
+        comm, names = join_workers(world, name, rpc_timeout or default_timeout())
+        agent = RpcAgent(name, comm, rpc_timeout=rpc_timeout, num_threads=num_threads, names=names)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
         _rref_layer.attach(agent)
         _agent = agent  # before the listener starts: handlers may call get_agent() at once
         agent.start()
+        if not _atexit_registered:
+            atexit.register(_stop_at_exit)
+            _atexit_registered = True
     return agent.info
+
+
+def _check_timeout(seconds) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"an RPC timeout is a number of seconds >= 0 (0: none), got {seconds!r}")
+    return float(seconds)
+
+
+def _stop_at_exit() -> None:
+    """atexit: a program that ends without ``shutdown()`` (an uncaught error, or simply forgotten) must not
+    leave the listener thread inside MPI when mpi4py finalizes MPI, which then crashed (segmentation fault).
+    Registered after mpi4py initialised MPI, so it runs first. Non-graceful: the other workers may be gone."""
+    agent = _agent
+    if agent is None or not agent.running:
+        return
+    try:
+        agent.stop(graceful=False, timeout=5.0)
+        _rref_layer.detach(agent, check_leaks=False)
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
 
 
 def get_worker_info(name=None) -> WorkerInfo:
@@ -145,13 +179,14 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
 def shutdown(graceful=True, timeout=None):
     """Stop RPC on this worker. ``graceful`` (collective): wait until every worker has called shutdown, delete
     every UserRRef, wait until no OwnerRRef remains, wait until every worker is done sending, then stop; raises
-    RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout)."""
+    RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout, or
+    ``DISTLAB_TIMEOUT`` when that is disabled)."""
     global _agent
     with _state_lock:
         agent = _agent
         if agent is None or not agent.running:
             raise RpcError("shutdown: distlab.rpc is not initialized on this worker")
-        timeout = agent.rpc_timeout if timeout is None else timeout
+        timeout = (agent.rpc_timeout or default_timeout()) if timeout is None else timeout
         try:
             if graceful:
                 # mirrors torch.distributed.rpc.shutdown: first every worker agrees it is done (no new user

@@ -27,6 +27,7 @@ one ``batch`` message (at most ``BATCH_MAX_FRAMES`` messages or ``EAGER_MAX`` by
 """
 from __future__ import annotations
 
+import collections
 import os
 import struct
 import threading
@@ -107,6 +108,7 @@ class Transport:
         self._sync_threads = set()      # threads blocked in call_sync (they want the lowest latency)
         self._streaming = False         # listener polling with pauses while other threads stream sends
         self.on_leave_idle: Callable = lambda: None  # set by the agent: the timeout thread resumes idle checks
+        self._local = collections.deque()  # messages the listener sent to its own worker: (header, buffers)
         self._listener_ident = None
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
@@ -124,6 +126,12 @@ class Transport:
         header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body)
         MPI = self._MPI
         comm = self.comm
+        if dst == self.rank and threading.get_ident() == self._listener_ident:
+            # A send to one's own rank completes only when the listener receives it, so from the listener it
+            # would never complete (a 1-rank job then hung). Deliver it after the current message, as the same
+            # bytes (buffers copied, as MPI would).
+            self._local.append((header, [bytearray(b) for b in buffers]))
+            return
         if not buffers and len(header) <= EAGER_MAX:
             if threading.get_ident() == self._listener_ident:
                 self._queue_frame(dst, header)
@@ -199,6 +207,10 @@ class Transport:
         handled = 0
         while True:
             try:
+                if self._local:
+                    header, buffers = self._local.popleft()
+                    self._handle(self.rank, header, buffers)
+                    continue
                 if self._outbox and handled >= BATCH_MAX_FRAMES // 4:
                     # Bound how long a held message waits while traffic from other workers keeps coming.
                     self._flush_outbox()
@@ -220,33 +232,40 @@ class Transport:
                 src = status.Get_source()
                 data = bytearray(status.Get_count(MPI.BYTE))
                 message.Recv([data, MPI.BYTE])
-                try:
-                    kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data)
-                except Exception as exc:  # noqa: BLE001 - a malformed message must not kill the listener
-                    self._record_error(f"dropped a malformed message from worker {src}: {exc}")
-                    continue
-                buffers = []
-                for size in sizes:
-                    buf = bytearray(size)
-                    comm.Recv([buf, MPI.BYTE], src, TAG_BUFFER)
-                    buffers.append(buf)
-                if kind == K_STOP and src == self.rank:
+                if self._handle(src, data, None):
                     self._flush_outbox()
                     return
-                if kind == K_WAKE and src == self.rank:
-                    # the timeout thread saw no traffic for IDLE_AFTER: go idle unless something is awaited
-                    self._wake_sent = False
-                    if not self._busy() and time.monotonic() - self._last_activity >= IDLE_AFTER:
-                        self.idle = True
-                    continue
-                self._last_activity = time.monotonic()
                 handled += 1
-                if kind == K_BATCH:
-                    self._on_batch(src, body)
-                else:
-                    self._deliver(src, kind, flags, mid, meta, forks, body, buffers)
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
                 self._record_error(f"listener error: {traceback.format_exc()}")
+
+    def _handle(self, src, data, buffers) -> bool:
+        """Parse and dispatch one header message (its buffers come over MPI unless given); True for a stop."""
+        try:
+            kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data)
+        except Exception as exc:  # noqa: BLE001 - a malformed message must not kill the listener
+            self._record_error(f"dropped a malformed message from worker {src}: {exc}")
+            return False
+        if buffers is None:
+            buffers = []
+            for size in sizes:
+                buf = bytearray(size)
+                self.comm.Recv([buf, self._MPI.BYTE], src, TAG_BUFFER)
+                buffers.append(buf)
+        if kind == K_STOP and src == self.rank:
+            return True
+        if kind == K_WAKE and src == self.rank:
+            # the timeout thread saw no traffic for IDLE_AFTER: go idle unless something is awaited
+            self._wake_sent = False
+            if not self._busy() and time.monotonic() - self._last_activity >= IDLE_AFTER:
+                self.idle = True
+            return False
+        self._last_activity = time.monotonic()
+        if kind == K_BATCH:
+            self._on_batch(src, body)
+        else:
+            self._deliver(src, kind, flags, mid, meta, forks, body, buffers)
+        return False
 
     def _on_batch(self, src, data) -> None:
         """Dispatch each small message of a batch, in order."""
