@@ -41,6 +41,7 @@ TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     "join": (("join.py",), "_join.pyx"),
     "negotiation": (("messages.py", "response_cache.py", "negotiation.py"), "_negotiation.pyx"),
     "rref": (("rref_impl.py", "rref_context.py"), "_rref.pyx"),
+    "rpc_framing": (("rpc_framing.py",), "_rpc_framing.pyx"),
     "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
 }
 

@@ -10,6 +10,11 @@ def test_agent(mpirun, np_):
     assert result.stdout.count("rpc agent OK") == np_
 
 
+def test_malformed_messages_are_refused_and_answered(mpirun):
+    result = mpirun("rpc_malformed.py", np=2, timeout=120, env={"DISTLAB_RPC_MAX_MESSAGE_BYTES": "4000000"})
+    assert result.stdout.count("rpc malformed OK") == 2
+
+
 def test_agent_mixed_world(mpirun):
     result = mpirun("rpc_agent.py", np=2, args=["mixed"], timeout=120)
     assert result.stdout.count("rpc agent OK") == 2

@@ -40,13 +40,13 @@ RPC_KINDS = (
 RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
 RPC_USER_KIND_BASE = 64
 
-#: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, a reserved byte, the
-#: CRC-32 of every byte after this field, then kind, flags, message id, number of out-of-band buffers, number
-#: of RRef fork records, length of the pickled metadata. Bump the version whenever the layout changes: a
-#: worker refuses messages of another version with a clear error.
+#: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, a reserved byte (0),
+#: kind, flags, message id, number of out-of-band buffers, number of RRef fork records, length of the pickled
+#: metadata. Bump the version whenever the layout changes: a worker refuses messages of another version with a
+#: clear error.
 RPC_WIRE_MAGIC = b"dR"
 RPC_WIRE_VERSION = 2
-RPC_HEADER_FORMAT = "<2sBBIiiqiii"
+RPC_HEADER_FORMAT = "<2sBBiiqiii"
 RPC_FLAG_ERROR = 1      # response: the body is a remote exception description
 RPC_FLAG_INLINE = 2     # request: cheap, run on the listener thread
 RPC_FLAG_NOREPLY = 4    # request: no response expected

@@ -25,18 +25,21 @@ import time
 from typing import Callable
 
 from distlab.errors import DistTimeoutError, RpcError
-from distlab.futures import Future
+from distlab.futures import Future, default_timeout
 
 from . import framing
 from .deadlines import DeadlineWatcher
 from .dispatch import CallInfo, Dispatcher, current_call
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
-from .transport import K_RESPONSE, TAG_BUFFER, TAG_HEADER, Transport, kind_name
+from .transport import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Transport, kind_name
 from .workers import WorkerInfo, WorkerRegistry, check_name, check_thread_level
 
 __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_level", "TAG_HEADER", "TAG_BUFFER"]
 
 log = logging.getLogger("distlab.rpc")
+
+#: The longest the listener waits for a message's out-of-band buffers (seconds; less when rpc_timeout is less).
+BUFFER_TIMEOUT_MAX = 30.0
 
 
 class RpcAgent:
@@ -77,7 +80,11 @@ class RpcAgent:
         self._timeline = get_timeline()
         self._tl_on = self._timeline.enabled  # checked on the hot path: no timeline cost when disabled
         self._now_us = now_us
-        self._transport = Transport(comm, name, self._deliver, self._has_pending, self._record_error)
+        # The listener waits at most this long for a message's buffers after its header (they are sent right
+        # after it, so only a broken or stalled sender makes it wait at all).
+        buffer_timeout = min(self.rpc_timeout or default_timeout(), BUFFER_TIMEOUT_MAX)
+        self._transport = Transport(comm, name, self._deliver, self._has_pending, self._record_error,
+                                    self._on_malformed, buffer_timeout)
         self._dispatch = Dispatcher(self.info, self._transport.transmit, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of)
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid,
@@ -220,6 +227,20 @@ class RpcAgent:
             return
         self._dispatch.with_forks(forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved)),
                                   fut.set_exception, run_in_pool=False)
+
+    def _on_malformed(self, src, exc) -> None:
+        """A message from ``src`` was refused: log it, and fail whoever waits for it. A malformed response fails
+        the request it answers here; a malformed request is answered with the error, so its sender learns why
+        instead of waiting for its timeout."""
+        self._record_error(f"refused a message from worker {src}: {exc}")
+        if exc.mid is None or exc.kind in (K_STOP, K_WAKE, K_BATCH):
+            return
+        if exc.kind == K_RESPONSE:
+            entry = self._pending.pop(exc.mid, None)
+            if entry is not None:
+                entry[0].set_exception(exc)
+        elif not exc.flags & FLAG_NOREPLY:
+            self._dispatch.reply_error(src, exc.mid, exc.flags, exc)
 
     def _has_pending(self) -> bool:
         return bool(self._pending)

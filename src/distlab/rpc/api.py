@@ -126,10 +126,7 @@ def get_worker_info(name=None) -> WorkerInfo:
     return get_agent().worker_info(name)
 
 
-def _call_payload(func, args, kwargs):
-    if not callable(func):
-        raise TypeError(f"rpc: func must be callable, got {type(func).__name__}")
-    return (framing.by_value(func), tuple(args), dict(kwargs) if kwargs else None)
+_call_payload = framing.call_payload
 
 
 # -- distributed autograd hook (set by distlab.distributed_autograd; issue 8) ---------------------------------------

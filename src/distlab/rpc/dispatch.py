@@ -246,14 +246,14 @@ class Dispatcher:
     def remote_error(body) -> RemoteError:
         """The RemoteError an error response describes."""
         try:
-            exc_type, text, tb, worker, exc_bytes = pickle.loads(body)
+            exc_type, text, tb, worker, exc_bytes = framing.loads(body)
         except Exception as exc:  # noqa: BLE001
             return RemoteError(f"malformed error response: {exc}")
         remote_exc = None
         if exc_bytes is not None:
             try:
-                remote_exc = pickle.loads(exc_bytes)
-            except Exception:  # noqa: BLE001
+                remote_exc = framing.loads(exc_bytes)
+            except Exception:  # noqa: BLE001 - e.g. its class does not exist here: the text still tells
                 remote_exc = None
         return RemoteError(
             f"{exc_type}: {text}\n(raised on RPC worker {worker!r}; remote traceback follows)\n{tb}",

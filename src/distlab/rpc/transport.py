@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import collections
 import os
-import struct
 import threading
 import time
 import traceback
 from typing import Callable
 
-from distlab._wire import RPC_KIND_CODES, RPC_KINDS
+from distlab._common.rpc_framing import FRAME_LEN
+from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
+from distlab.errors import RpcMessageError
 
 from . import framing
 
@@ -45,8 +46,8 @@ IDLE_AFTER = 0.05        # adaptive wait: no message and nothing awaited for thi
 IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest pause between polls when idle (incoming wake-up latency bound)
 STREAM_WINDOW = 0.001    # adaptive wait: another thread sent within this -> poll with pauses (streaming mode)
 STREAM_PAUSE = 5e-5      # adaptive wait: pause between polls in streaming mode
-TAG_HEADER = 17
-TAG_BUFFER = 18
+TAG_HEADER = RPC_TAG_HEADER
+TAG_BUFFER = RPC_TAG_BUFFER
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
 BATCH_MAX_FRAMES = 64
 
@@ -54,7 +55,6 @@ K_RESPONSE = RPC_KIND_CODES["response"]
 K_STOP = RPC_KIND_CODES["stop"]
 K_WAKE = RPC_KIND_CODES["wake"]
 K_BATCH = RPC_KIND_CODES["batch"]
-_FRAME_LEN = struct.Struct("<I")
 
 
 def kind_name(kind: int) -> str:
@@ -78,9 +78,15 @@ class Transport:
         ``busy() -> bool``: this worker awaits answers (the listener then never goes idle).
     record_error : callable
         ``record_error(text)``: log a problem the listener survived.
+    on_malformed : callable
+        ``on_malformed(src, error)``: a message from ``src`` was refused (an RpcMessageError); the agent logs it
+        and, when the header could be read, answers the sender's request with the error.
+    buffer_timeout : float
+        How long the listener waits for a message's out-of-band buffers after its header (seconds).
     """
 
-    def __init__(self, comm, name: str, deliver: Callable, busy: Callable, record_error: Callable):
+    def __init__(self, comm, name: str, deliver: Callable, busy: Callable, record_error: Callable,
+                 on_malformed: Callable, buffer_timeout: float):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -89,6 +95,9 @@ class Transport:
         self._deliver = deliver
         self._busy = busy
         self._record_error = record_error
+        self._on_malformed = on_malformed
+        self.buffer_timeout = buffer_timeout
+        self._max_bytes = framing.MAX_MESSAGE_BYTES
         self.wait_mode = os.environ.get("DISTLAB_RPC_WAIT", "adaptive").strip().lower()
         if self.wait_mode not in ("adaptive", "block"):
             raise ValueError(f"DISTLAB_RPC_WAIT={self.wait_mode!r} is not one of adaptive, block")
@@ -176,7 +185,7 @@ class Transport:
             box = self._outbox[dst] = []
             self._outbox_bytes[dst] = 0
         box.append(header)
-        self._outbox_bytes[dst] += len(header) + _FRAME_LEN.size
+        self._outbox_bytes[dst] += len(header) + FRAME_LEN.size
         if len(box) >= BATCH_MAX_FRAMES or self._outbox_bytes[dst] > EAGER_MAX - 64:
             self._flush_to(dst)
 
@@ -189,8 +198,7 @@ class Transport:
         if len(box) == 1:
             data = box[0]
         else:
-            body = b"".join(_FRAME_LEN.pack(len(frame)) + frame for frame in box)
-            data = framing.pack_header(K_BATCH, 0, 0, [], None, (), body)
+            data = framing.pack_header(K_BATCH, 0, 0, [], None, (), framing.pack_batch(box))
         self.comm.Send([data, MPI.BYTE], dst, TAG_HEADER)
 
     def _flush_outbox(self) -> None:
@@ -230,7 +238,14 @@ class Transport:
                 else:
                     message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
                 src = status.Get_source()
-                data = bytearray(status.Get_count(MPI.BYTE))
+                count = status.Get_count(MPI.BYTE)
+                if count > self._max_bytes:
+                    self._drop(message)
+                    self._on_malformed(src, RpcMessageError(
+                        f"dropped a {count}-byte RPC message: larger than DISTLAB_RPC_MAX_MESSAGE_BYTES "
+                        f"({self._max_bytes})"))
+                    continue
+                data = bytearray(count)
                 message.Recv([data, MPI.BYTE])
                 if self._handle(src, data, None):
                     self._flush_outbox()
@@ -240,21 +255,21 @@ class Transport:
                 self._record_error(f"listener error: {traceback.format_exc()}")
 
     def _handle(self, src, data, buffers) -> bool:
-        """Parse and dispatch one header message (its buffers come over MPI unless given); True for a stop."""
+        """Parse and dispatch one header message (its buffers come over MPI unless given); True for a stop.
+
+        A malformed message (RpcMessageError: bad header, sizes out of bounds, buffers that do not come) is
+        refused and reported; the listener goes on with the next one.
+        """
         try:
             kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data)
-        except Exception as exc:  # noqa: BLE001 - a malformed message must not kill the listener
-            self._record_error(f"dropped a malformed message from worker {src}: {exc}")
+            if buffers is None:
+                buffers = self._receive_buffers(src, sizes, kind, flags, mid) if sizes else []
+        except RpcMessageError as exc:
+            self._on_malformed(src, exc)
             return False
-        if buffers is None:
-            buffers = []
-            for size in sizes:
-                buf = bytearray(size)
-                self.comm.Recv([buf, self._MPI.BYTE], src, TAG_BUFFER)
-                buffers.append(buf)
-        if kind == K_STOP and src == self.rank:
-            return True
-        if kind == K_WAKE and src == self.rank:
+        if src == self.rank and (kind == K_STOP or kind == K_WAKE):
+            if kind == K_STOP:
+                return True
             # the timeout thread saw no traffic for IDLE_AFTER: go idle unless something is awaited
             self._wake_sent = False
             if not self._busy() and time.monotonic() - self._last_activity >= IDLE_AFTER:
@@ -267,27 +282,62 @@ class Transport:
             self._deliver(src, kind, flags, mid, meta, forks, body, buffers)
         return False
 
+    def _receive_buffers(self, src, sizes, kind, flags, mid) -> list:
+        """Receive a message's out-of-band buffers from ``src``: each one matched by a probe (``Improbe``),
+        checked against the size its header announced, then received (``Mrecv``); all within
+        ``buffer_timeout``. A buffer that does not come, or has another size, is an RpcMessageError."""
+        MPI = self._MPI
+        comm = self.comm
+        status = MPI.Status()
+        deadline = time.monotonic() + self.buffer_timeout
+        buffers = []
+        for index, size in enumerate(sizes):
+            message = comm.Improbe(src, TAG_BUFFER, status)
+            delay = 1e-5
+            while message is None:
+                if time.monotonic() > deadline:
+                    raise RpcMessageError(
+                        f"out-of-band buffer {index + 1} of {len(sizes)} ({size} bytes) of message #{mid} "
+                        f"({kind_name(kind)}) from worker {src} did not arrive within {self.buffer_timeout:g} s",
+                        kind=kind, flags=flags, mid=mid)
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+                message = comm.Improbe(src, TAG_BUFFER, status)
+            count = status.Get_count(MPI.BYTE)
+            if count != size:
+                self._drop(message)
+                raise RpcMessageError(
+                    f"out-of-band buffer {index + 1} of {len(sizes)} of message #{mid} ({kind_name(kind)}) from "
+                    f"worker {src} has {count} bytes, its header said {size}", kind=kind, flags=flags, mid=mid)
+            buf = bytearray(size)
+            message.Recv([buf, MPI.BYTE])
+            buffers.append(buf)
+        return buffers
+
+    def _drop(self, message) -> None:
+        """Receive a matched message into nothing: MPI truncates it and reports an error, and it is gone."""
+        try:
+            message.Recv([bytearray(0), self._MPI.BYTE])
+        except self._MPI.Exception:
+            pass
+
     def _on_batch(self, src, data) -> None:
         """Dispatch each small message of a batch, in order."""
-        pos, end = 0, len(data)
-        while pos < end:
-            if pos + _FRAME_LEN.size > end:
-                self._record_error(f"dropped a malformed batch from worker {src}: truncated frame length")
-                return
-            (size,) = _FRAME_LEN.unpack_from(data, pos)
-            pos += _FRAME_LEN.size
-            if pos + size > end:
-                self._record_error(f"dropped a malformed batch from worker {src}: frame of {size} bytes overruns")
-                return
+        try:
+            frames = framing.split_batch(data)
+        except RpcMessageError as exc:
+            self._on_malformed(src, exc)
+            return
+        for frame in frames:
             try:
-                kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data[pos:pos + size])
+                kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(frame)
                 if sizes or kind in (K_BATCH, K_STOP, K_WAKE):
-                    raise ValueError(f"kind {kind} with {len(sizes)} buffers cannot be batched")
-            except Exception as exc:  # noqa: BLE001
-                self._record_error(f"dropped a malformed message in a batch from worker {src}: {exc}")
+                    raise RpcMessageError(f"a message of kind {kind_name(kind)} with {len(sizes)} out-of-band "
+                                          "buffers cannot travel in a batch", kind=kind, flags=flags, mid=mid)
+            except RpcMessageError as exc:
+                self._on_malformed(src, exc)
             else:
                 self._deliver(src, kind, flags, mid, meta, forks, body, [])
-            pos += size
 
     def _probe_streaming(self, comm, status):
         """Streaming mode: another thread is sending a stream of requests (rpc_async, remote). A listener
