@@ -1,1 +1,1 @@
-"""Code shared by the two twins of each component (one module per component), imported by both, never copied."""
+"""Code that both twins of a component share, defined once: one module per component (never copied into core/)."""
