@@ -10,6 +10,13 @@ def test_agent(mpirun, np_):
     assert result.stdout.count("rpc agent OK") == np_
 
 
+def test_torch_rpc_api(mpirun, impl):
+    # worker infos, get/_set_rpc_timeout, functions.async_execution, proxies that check the method at the call,
+    # RRef.backward (local and distributed)
+    result = mpirun("rpc_api.py", np=2, timeout=120, env={"DISTLAB_IMPL": impl, "DISTLAB_TIMEOUT": "77"})
+    assert result.stdout.count("rpc api OK") == 2
+
+
 def test_malformed_messages_are_refused_and_answered(mpirun):
     result = mpirun("rpc_malformed.py", np=2, timeout=120, env={"DISTLAB_RPC_MAX_MESSAGE_BYTES": "4000000"})
     assert result.stdout.count("rpc malformed OK") == 2

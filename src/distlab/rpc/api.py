@@ -12,12 +12,13 @@ from distlab._wire import RPC_KIND_CODES
 from distlab.errors import RpcError
 from distlab.futures import Future, default_timeout
 
-from . import framing
+from . import framing, functions
 from .agent import RpcAgent, WorkerInfo, check_thread_level
+from .functions import is_async_execution
 from .workers import check_name, join_workers
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
-           "is_initialized"]
+__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
+           "rpc_async", "remote", "cheap", "get_agent", "is_initialized"]
 
 K_CALL = RPC_KIND_CODES["call"]
 
@@ -55,7 +56,10 @@ def is_initialized() -> bool:
 
 def _handle_call(src, payload, meta):
     func, args, kwargs = payload
-    return func(*args, **kwargs) if kwargs else func(*args)
+    result = func(*args, **kwargs) if kwargs else func(*args)
+    if isinstance(result, Future) or is_async_execution(func):  # a Future answers later, with @async_execution only
+        return functions.check_result(func, result, Future)
+    return result
 
 
 def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
@@ -121,9 +125,26 @@ def _stop_at_exit() -> None:
         pass
 
 
-def get_worker_info(name=None) -> WorkerInfo:
-    """``WorkerInfo(name, id)`` of worker ``name`` (this worker when None)."""
-    return get_agent().worker_info(name)
+def get_worker_info(worker_name=None) -> WorkerInfo:
+    """``WorkerInfo(name, id)`` of the worker named ``worker_name`` (this worker when None); as PyTorch's, it also
+    takes an id or a WorkerInfo. ValueError for an unknown worker."""
+    return get_agent().worker_info(worker_name)
+
+
+def get_worker_infos() -> list:
+    """Every worker's ``WorkerInfo``, by id (PyTorch has it on the agent only: ``_get_current_rpc_agent()``)."""
+    return list(get_agent().workers)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of RPC calls on this worker, in seconds (0: none); see :func:`_set_rpc_timeout`."""
+    return get_agent().rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout) -> None:
+    """Set the default timeout of the calls this worker makes from now on (seconds; 0: none), as PyTorch's
+    ``rpc._set_rpc_timeout``; calls already in flight keep theirs."""
+    get_agent().rpc_timeout = _check_timeout(rpc_timeout)
 
 
 _call_payload = framing.call_payload
