@@ -21,9 +21,8 @@ Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
     not resurrect them (control messages are idempotent).
 
 Every control message (``user_delete``, ``fork_request``, ``child_accept``) goes through the injected
-``send(dst, kind, payload) -> Future`` and is retried when its acknowledgement times out
-(:class:`~distlab.errors.DistTimeoutError`); receivers apply each at most once. No message order is assumed.
-Errors, string forms and the shutdown report come from ``distlab._common.rref``, shared with the core twin.
+``send(dst, kind, payload) -> Future`` and is retried when its acknowledgement times out; receivers apply each at
+most once. No message order is assumed. Errors and reports come from ``distlab._common.rref`` (shared).
 """
 from __future__ import annotations
 

@@ -88,9 +88,10 @@ class RpcAgent:
         self._dispatch = Dispatcher(self.info, self._transport.transmit, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of)
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid,
-                                        self._transport.idle_interval, self._transport.maybe_go_idle)
-        self._transport.on_leave_idle = self._watcher.notify
-        self.wait_mode = self._transport.wait_mode
+                                        self._transport.waiting.idle_interval,
+                                        self._transport.waiting.maybe_go_idle)
+        self._transport.waiting.on_leave_idle = self._watcher.notify
+        self.wait_mode = self._transport.waiting.mode
         self.running = True
 
     def start(self) -> None:
@@ -102,7 +103,7 @@ class RpcAgent:
     @property
     def _idle(self) -> bool:
         """The listener polls with pauses (adaptive wait, no traffic)."""
-        return self._transport.idle
+        return self._transport.waiting.idle
 
     # The RRef layer's hooks into the framing (set by distlab.rpc.rref when it attaches).
     @property
@@ -180,7 +181,7 @@ class RpcAgent:
         except BaseException:
             self._pending.pop(mid, None)
             raise
-        self._transport.after_send()
+        self._transport.waiting.after_send()
         return fut
 
     def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
@@ -191,7 +192,7 @@ class RpcAgent:
                 "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
                 f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
                 "(only the listener could receive the answer); drop @cheap or use rpc_async")
-        ident = self._transport.sync_begin()
+        ident = self._transport.waiting.sync_begin()
         try:
             fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
             try:
@@ -202,7 +203,7 @@ class RpcAgent:
                 self._expire(fut, timeout)
                 return fut.value()
         finally:
-            self._transport.sync_end(ident)
+            self._transport.waiting.sync_end(ident)
 
     # -- receiving (listener thread) --------------------------------------------------------------------------
     def _deliver(self, src, kind, flags, mid, meta, forks, body, buffers) -> None:
@@ -311,7 +312,7 @@ class RpcAgent:
             return
         self.running = False
         self._dispatch.running = False
-        self._transport.running = False  # first: the timeout thread then sends the listener no more wake-ups
+        self._transport.running = self._transport.waiting.running = False  # first: no more wake-ups sent
         self._watcher.stop()
         stopped = self._transport.stop(timeout)
         if not stopped:

@@ -1,34 +1,19 @@
 """The RPC agent's transport: MPI point-to-point sends, and the listener thread that receives (not twinned).
 
-How it waits (measured on this 2-core machine, MPICH wheel, 2 ranks; ``benchmarks/bench_rpc.py``): a listener
-thread blocked in ``MPI_Mprobe`` (GIL released, MPICH's progress engine polls in C) gave a 36-50 us round trip
-on an idle machine; ``MPI_Improbe`` polling from Python with ``sleep(0)``/back-off gave 190-240 us, and spinning
-on ``Improbe`` from Python made the caller wait for the GIL (0.7-1.3 ms per round trip under load): the poller
-re-takes the GIL before the woken caller can. But a blocking ``Mprobe`` busy-polls inside MPICH, so an idle
-worker burnt a whole core. Hence the *adaptive* wait (default; ``DISTLAB_RPC_WAIT=block`` keeps the blocking
-probe): the listener blocks in ``Mprobe`` while there is traffic; after ``IDLE_AFTER`` with no message and no
-answer awaited, the timeout thread sends it a ``wake`` message, and it switches to polling ``Improbe`` with
-pauses on an Event (no spinning, back-off up to ``IDLE_SLEEP_MAX``), which a send from this worker or any
-arriving message ends. And while other threads stream sends (rpc_async, remote) and nobody blocks in
-``call_sync``, the listener polls with 50 us pauses (*streaming* mode): a listener in ``Mprobe`` holds MPICH's
-lock while it polls, and each ``MPI_Send`` of the streaming thread waited ~100 us for it. The caller always
-waits on a condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
+How the listener waits for a message (the adaptive wait) is :mod:`distlab.rpc.waiting`.
 
 Sends: a header message (``TAG_HEADER``) then the out-of-band buffers (``TAG_BUFFER``), under a per-destination
-lock so the buffers of two messages never interleave (MPI keeps order per source, tag and communicator). Small
-messages use a blocking ``MPI_Send`` (eager: it never waits for the receiver); large ones ``MPI_Isend``, kept
-alive until complete, so a listener replying inline never blocks on a peer that is itself blocked sending
-(the progress engine completes them while the listener waits in ``Mprobe``).
+lock so the buffers of two messages never interleave. Small messages use a blocking ``MPI_Send`` (eager), large
+ones ``MPI_Isend`` kept alive until complete. Small messages the listener itself sends wait in a
+per-destination outbox while more messages are queued for it, and leave as one ``batch`` message. A message
+the listener sends to its own rank is delivered locally (such a send would wait for the listener forever).
 
-Batching: small messages the listener itself sends (inline replies, RRef control messages) wait in a
-per-destination outbox while more messages are already queued for the listener (``MPI_Improbe``), and leave as
-one ``batch`` message (at most ``BATCH_MAX_FRAMES`` messages or ``EAGER_MAX`` bytes, flushed at least every
-``BATCH_MAX_FRAMES // 4`` messages handled). A lone request is answered at once.
+Receives: nothing a message claims is trusted (see :mod:`distlab.rpc.framing`); buffers are matched by a probe
+and received within ``buffer_timeout``; a refused message is reported and the listener goes on.
 """
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 import traceback
@@ -39,13 +24,10 @@ from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEA
 from distlab.errors import RpcMessageError
 
 from . import framing
+from .waiting import AdaptiveWait
 
 __all__ = ["Transport", "TAG_HEADER", "TAG_BUFFER", "kind_name"]
 
-IDLE_AFTER = 0.05        # adaptive wait: no message and nothing awaited for this long -> idle mode
-IDLE_SLEEP_MAX = 0.002   # adaptive wait: longest pause between polls when idle (incoming wake-up latency bound)
-STREAM_WINDOW = 0.001    # adaptive wait: another thread sent within this -> poll with pauses (streaming mode)
-STREAM_PAUSE = 5e-5      # adaptive wait: pause between polls in streaming mode
 TAG_HEADER = RPC_TAG_HEADER
 TAG_BUFFER = RPC_TAG_BUFFER
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
@@ -93,14 +75,11 @@ class Transport:
         self.comm = comm
         self.rank = comm.Get_rank()
         self._deliver = deliver
-        self._busy = busy
         self._record_error = record_error
         self._on_malformed = on_malformed
         self.buffer_timeout = buffer_timeout
         self._max_bytes = framing.MAX_MESSAGE_BYTES
-        self.wait_mode = os.environ.get("DISTLAB_RPC_WAIT", "adaptive").strip().lower()
-        if self.wait_mode not in ("adaptive", "block"):
-            raise ValueError(f"DISTLAB_RPC_WAIT={self.wait_mode!r} is not one of adaptive, block")
+        self.waiting = AdaptiveWait(TAG_HEADER, busy, lambda: self._send_to_self(K_WAKE))
         self._send_locks = [threading.Lock() for _ in range(comm.Get_size())]
         self._isends: list = []
         self._self_sends: list = []  # (request, header) of wake/stop messages to this worker's own listener
@@ -109,14 +88,6 @@ class Transport:
         # messages are already queued for it, and go out together as one "batch" MPI message.
         self._outbox: dict[int, list] = {}
         self._outbox_bytes: dict[int, int] = {}
-        self._last_activity = time.monotonic()
-        self.idle = False               # listener in idle mode (polling with pauses), adaptive wait only
-        self._wake = threading.Event()  # set by a send to end an idle pause at once
-        self._wake_sent = False         # a K_WAKE to self is in flight
-        self._last_send = 0.0           # monotonic time of the last send by a thread other than the listener
-        self._sync_threads = set()      # threads blocked in call_sync (they want the lowest latency)
-        self._streaming = False         # listener polling with pauses while other threads stream sends
-        self.on_leave_idle: Callable = lambda: None  # set by the agent: the timeout thread resumes idle checks
         self._local = collections.deque()  # messages the listener sent to its own worker: (header, buffers)
         self._listener_ident = None
         self.running = True
@@ -127,7 +98,7 @@ class Transport:
 
     def on_listener(self) -> bool:
         """True on the listener thread."""
-        return threading.get_ident() == self._listener_ident
+        return threading.get_ident() == self.waiting.listener_ident
 
     # -- sending ----------------------------------------------------------------------------------------------
     def transmit(self, dst, kind, flags, mid, buffers, meta, forks, body) -> None:
@@ -135,14 +106,14 @@ class Transport:
         header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body)
         MPI = self._MPI
         comm = self.comm
-        if dst == self.rank and threading.get_ident() == self._listener_ident:
+        if dst == self.rank and threading.get_ident() == self.waiting.listener_ident:
             # A send to one's own rank completes only when the listener receives it, so from the listener it
             # would never complete (a 1-rank job then hung). Deliver it after the current message, as the same
             # bytes (buffers copied, as MPI would).
             self._local.append((header, [bytearray(b) for b in buffers]))
             return
         if not buffers and len(header) <= EAGER_MAX:
-            if threading.get_ident() == self._listener_ident:
+            if threading.get_ident() == self.waiting.listener_ident:
                 self._queue_frame(dst, header)
                 return
             comm.Send([header, MPI.BYTE], dst, TAG_HEADER)
@@ -159,24 +130,6 @@ class Transport:
             self._isends.append((requests, header, buffers))
             if len(self._isends) > 8:
                 self._isends = [entry for entry in self._isends if not MPI.Request.Testall(entry[0])]
-
-    def after_send(self) -> None:
-        """A thread sent a request: note it for the streaming mode, and end an idle pause at once."""
-        if threading.get_ident() != self._listener_ident:
-            self._last_send = time.monotonic()
-        if self.idle:
-            self._wake.set()
-
-    def sync_begin(self) -> int:
-        """This thread is about to block in ``call_sync``: the listener goes back to its blocking probe."""
-        ident = threading.get_ident()
-        self._sync_threads.add(ident)
-        if self._streaming:
-            self._wake.set()
-        return ident
-
-    def sync_end(self, ident: int) -> None:
-        self._sync_threads.discard(ident)
 
     def _queue_frame(self, dst, header) -> None:
         """Listener thread only: hold a small message for ``dst`` until the listener runs out of work."""
@@ -210,8 +163,8 @@ class Transport:
         MPI = self._MPI
         comm = self.comm
         status = MPI.Status()
-        adaptive = self.wait_mode == "adaptive"
-        self._listener_ident = threading.get_ident()
+        waiting = self.waiting
+        waiting.listener_ident = threading.get_ident()
         handled = 0
         while True:
             try:
@@ -230,13 +183,8 @@ class Transport:
                         self._flush_outbox()
                         handled = 0
                         continue
-                elif adaptive and self.idle:
-                    message = self._probe_idle(comm, status)
-                elif (adaptive and not self._sync_threads
-                      and time.monotonic() - self._last_send < STREAM_WINDOW):
-                    message = self._probe_streaming(comm, status)
                 else:
-                    message = comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
+                    message = waiting.probe(comm, status)
                 src = status.Get_source()
                 count = status.Get_count(MPI.BYTE)
                 if count > self._max_bytes:
@@ -268,14 +216,10 @@ class Transport:
             self._on_malformed(src, exc)
             return False
         if src == self.rank and (kind == K_STOP or kind == K_WAKE):
-            if kind == K_STOP:
-                return True
-            # the timeout thread saw no traffic for IDLE_AFTER: go idle unless something is awaited
-            self._wake_sent = False
-            if not self._busy() and time.monotonic() - self._last_activity >= IDLE_AFTER:
-                self.idle = True
-            return False
-        self._last_activity = time.monotonic()
+            if kind == K_WAKE:
+                self.waiting.woken()
+            return kind == K_STOP
+        self.waiting.activity()
         if kind == K_BATCH:
             self._on_batch(src, body)
         else:
@@ -339,62 +283,6 @@ class Transport:
             else:
                 self._deliver(src, kind, flags, mid, meta, forks, body, [])
 
-    def _probe_streaming(self, comm, status):
-        """Streaming mode: another thread is sending a stream of requests (rpc_async, remote). A listener
-        blocked in ``Mprobe`` holds MPICH's lock while it polls, and every send then waits for it (measured
-        ~100 us per MPI_Send under load), so poll with ``Improbe`` and short pauses instead; go back to the
-        blocking probe when the stream stops or a caller blocks in ``call_sync``."""
-        MPI = self._MPI
-        wake = self._wake
-        self._streaming = True
-        try:
-            while True:
-                message = comm.Improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
-                if message is not None:
-                    return message
-                if self._sync_threads or time.monotonic() - self._last_send >= STREAM_WINDOW or wake.is_set():
-                    wake.clear()
-                    return comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
-                wake.wait(STREAM_PAUSE)
-        finally:
-            self._streaming = False
-
-    def _probe_idle(self, comm, status):
-        """Idle mode: poll with ``MPI_Improbe``, pausing on an Event (GIL released, no spinning) with
-        exponential back-off up to ``IDLE_SLEEP_MAX``; a send from this worker ends the pause at once. Leaves
-        idle mode (back to the blocking ``Mprobe``) on the first message or send."""
-        MPI = self._MPI
-        delay = 0.0
-        wake = self._wake
-        while True:
-            message = comm.Improbe(MPI.ANY_SOURCE, TAG_HEADER, status)
-            if message is not None or self._busy() or wake.is_set():
-                wake.clear()
-                self.idle = False
-                self.on_leave_idle()
-                if message is not None:
-                    return message
-                return comm.Mprobe(MPI.ANY_SOURCE, TAG_HEADER, status)
-            delay = min(max(delay * 2.0, 5e-5), IDLE_SLEEP_MAX)
-            wake.wait(delay)
-
-    # -- idleness (asked by the timeout thread) ---------------------------------------------------------------
-    def idle_interval(self):
-        """How long the timeout thread may sleep before it checks idleness again (None: no check needed)."""
-        return IDLE_AFTER if self.wait_mode == "adaptive" and not self.idle else None
-
-    def maybe_go_idle(self) -> None:
-        """After IDLE_AFTER without traffic, break the listener out of its busy-polling ``Mprobe`` (a K_WAKE
-        message to self) so it can switch to idle polling."""
-        if (self.wait_mode != "adaptive" or self.idle or self._wake_sent or self._busy() or not self.running
-                or time.monotonic() - self._last_activity < IDLE_AFTER):
-            return
-        self._wake_sent = True
-        try:
-            self._send_to_self(K_WAKE)
-        except Exception:  # noqa: BLE001 - the agent is stopping
-            self._wake_sent = False
-
     def _send_to_self(self, kind):
         """A control message to this worker's own listener, sent without blocking: a send to one's own rank
         completes only when the listener receives it (MPICH matches it like any other send), so a blocking one
@@ -411,7 +299,7 @@ class Transport:
 
         ``running`` is already False (the agent clears it first, so the timeout thread sends no more wake-ups).
         """
-        self.running = False
+        self.running = self.waiting.running = False
         if self._listener.is_alive():
             self._send_to_self(K_STOP)
             self._listener.join(timeout)
