@@ -2,9 +2,10 @@
 """Core twin of :mod:`distlab.reference.rpc_framing` (read that): same names, same order, same errors.
 
 The header is read and written field by field in C (little-endian, whatever the machine), and the pickle check
-walks the opcodes over a typed view of the bytes: no Python object per opcode.
+walks the opcodes over the raw bytes (the buffer protocol, ``PyBUF_SIMPLE``: cheaper to take than a typed
+memoryview, which matters at a few hundred nanoseconds per message): no Python object per opcode.
 """
-cimport cython
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
@@ -56,83 +57,55 @@ cdef uint8_t OP_CLASSES[256]
 for _code in range(256):
     OP_CLASSES[_code] = _shared.OP_CLASSES[_code]
 cdef uint8_t MAGIC0 = RPC_WIRE_MAGIC[0], MAGIC1 = RPC_WIRE_MAGIC[1]
-cdef const uint8_t[::1] _EMPTY = b""
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body):
     """See :func:`distlab.reference.rpc_framing.pack_header`."""
-    cdef const uint8_t[::1] meta_v = meta if len(meta) else _EMPTY
-    cdef const uint8_t[::1] body_v = body if len(body) else _EMPTY
-    cdef Py_ssize_t nbuf = len(sizes), nforks = len(forks), i
-    cdef Py_ssize_t at = HEADER_SIZE + 8 * nbuf + 8 * FORK_INTS * nforks
-    cdef Py_ssize_t total = at + meta_v.shape[0] + body_v.shape[0]
-    out = PyBytes_FromStringAndSize(NULL, total)
-    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(out)
-    p[0], p[1], p[2], p[3] = MAGIC0, MAGIC1, VERSION, 0
-    _put(p + 4, kind, 4)
-    _put(p + 8, flags, 4)
-    _put(p + 12, mid, 8)
-    _put(p + 20, nbuf, 4)
-    _put(p + 24, nforks, 4)
-    _put(p + 28, meta_v.shape[0], 4)
-    for i in range(nbuf):
-        _put(p + HEADER_SIZE + 8 * i, sizes[i], 8)
-    i = HEADER_SIZE + 8 * nbuf
-    for fork in forks:
-        for value in fork:
-            _put(p + i, value, 8)
-            i += 8
-    if meta_v.shape[0]:
-        memcpy(p + at, &meta_v[0], meta_v.shape[0])
-    if body_v.shape[0]:
-        memcpy(p + at + meta_v.shape[0], &body_v[0], body_v.shape[0])
+    cdef Py_buffer meta_b, body_b
+    cdef Py_ssize_t nbuf = len(sizes), nforks = len(forks), i, at
+    cdef uint8_t* p
+    PyObject_GetBuffer(meta, &meta_b, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(body, &body_b, PyBUF_SIMPLE)
+        try:
+            at = HEADER_SIZE + 8 * nbuf + 8 * FORK_INTS * nforks
+            out = PyBytes_FromStringAndSize(NULL, at + meta_b.len + body_b.len)
+            p = <uint8_t*>PyBytes_AS_STRING(out)
+            p[0], p[1], p[2], p[3] = MAGIC0, MAGIC1, VERSION, 0
+            _put(p + 4, kind, 4)
+            _put(p + 8, flags, 4)
+            _put(p + 12, mid, 8)
+            _put(p + 20, nbuf, 4)
+            _put(p + 24, nforks, 4)
+            _put(p + 28, meta_b.len, 4)
+            for i in range(nbuf):
+                _put(p + HEADER_SIZE + 8 * i, sizes[i], 8)
+            i = HEADER_SIZE + 8 * nbuf
+            for fork in forks:
+                if len(fork) != FORK_INTS:
+                    raise ValueError(f"an RRef fork record has {FORK_INTS} ints, got {fork!r}")
+                for value in fork:
+                    _put(p + i, value, 8)
+                    i += 8
+            memcpy(p + at, meta_b.buf, meta_b.len)
+            memcpy(p + at + meta_b.len, body_b.buf, body_b.len)
+        finally:
+            PyBuffer_Release(&body_b)
+    finally:
+        PyBuffer_Release(&meta_b)
     return out
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def unpack_header(data, int64_t max_bytes):
     """See :func:`distlab.reference.rpc_framing.unpack_header`."""
-    cdef const uint8_t[::1] v = data
-    cdef Py_ssize_t n = v.shape[0], i, j, k, meta_at, body_at
-    cdef int32_t kind, flags, nbuf, nforks, nmeta
-    cdef int64_t mid, size, total = 0
-    cdef object value  # an object: PyTuple_SET_ITEM steals the reference Py_INCREF took on this very object
-    if n < HEADER_SIZE:
-        raise short_message(n)
-    if v[0] != MAGIC0 or v[1] != MAGIC1:
-        raise bad_magic(bytes(v[0:2]))
-    kind, flags, mid = <int32_t>_get(&v[4], 4), <int32_t>_get(&v[8], 4), <int64_t>_get(&v[12], 8)
-    if v[2] != VERSION:
-        raise bad_version(v[2], kind, flags, mid)
-    nbuf, nforks, nmeta = <int32_t>_get(&v[20], 4), <int32_t>_get(&v[24], 4), <int32_t>_get(&v[28], 4)
-    if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
-        raise bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
-    meta_at = HEADER_SIZE + 8 * <Py_ssize_t>nbuf + 8 * FORK_INTS * <Py_ssize_t>nforks
-    body_at = meta_at + nmeta
-    if body_at > n:
-        raise too_short(body_at, n, kind, flags, mid)
-    sizes = []
-    for i in range(nbuf):
-        size = <int64_t>_get(&v[HEADER_SIZE + 8 * i], 8)
-        total += size  # |size| < 2**63 and total stays <= max_bytes < 2**62 until then: no overflow
-        if size < 0 or total > max_bytes:
-            raise bad_buffer_size(i, size, total, max_bytes, kind, flags, mid)
-        sizes.append(size)
-    forks = []
-    j = HEADER_SIZE + 8 * nbuf
-    for i in range(nforks):
-        record = PyTuple_New(FORK_INTS)
-        for k in range(FORK_INTS):
-            value = <int64_t>_get(&v[j], 8)
-            Py_INCREF(value)
-            PyTuple_SET_ITEM(record, k, value)
-            j += 8
-        forks.append(record)
+    cdef Py_buffer b
+    PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
+    try:
+        kind, flags, mid, sizes, forks, meta_at, body_at = _parse_header(<const uint8_t*>b.buf, b.len, max_bytes)
+    finally:
+        PyBuffer_Release(&b)
     view = memoryview(data)
-    return kind, flags, mid, tuple(sizes), forks, view[meta_at:body_at], view[body_at:]
+    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
 
 
 def pack_batch(frames):
@@ -144,32 +117,86 @@ def pack_batch(frames):
     return b"".join(parts)
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def split_batch(data):
     """See :func:`distlab.reference.rpc_framing.split_batch`."""
-    cdef const uint8_t[::1] v = data
-    cdef Py_ssize_t end = v.shape[0], pos = 0
+    cdef Py_buffer b
+    cdef Py_ssize_t end, pos = 0
     cdef int64_t size
     frames = []
     view = memoryview(data)
-    while pos < end:
-        if pos + 4 > end:
-            raise bad_batch(pos, -1, end)
-        size = <int64_t>_get(&v[pos], 4)
-        if pos + 4 + size > end:
-            raise bad_batch(pos, size, end)
-        frames.append(view[pos + 4:pos + 4 + size])
-        pos += 4 + size
+    PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
+    try:
+        end = b.len
+        while pos < end:
+            if pos + 4 > end:
+                raise bad_batch(pos, -1, end)
+            size = <int64_t>_get(<const uint8_t*>b.buf + pos, 4)
+            if pos + 4 + size > end:
+                raise bad_batch(pos, size, end)
+            frames.append(view[pos + 4:pos + 4 + size])
+            pos += 4 + size
+    finally:
+        PyBuffer_Release(&b)
     return frames
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def check_pickle(data):
     """See :func:`distlab.reference.rpc_framing.check_pickle`."""
-    cdef const uint8_t[::1] v = data if len(data) else _EMPTY
-    cdef Py_ssize_t n = v.shape[0], pos = 0, at, width, lines, digits
+    cdef Py_buffer b
+    PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
+    try:
+        return _walk_pickle(<const uint8_t*>b.buf, b.len)
+    finally:
+        PyBuffer_Release(&b)
+
+
+# --- core-only helpers ---
+
+cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
+    """unpack_header on raw bytes: (kind, flags, mid, sizes, forks, meta offset, body offset)."""
+    cdef Py_ssize_t i, j, k, meta_at, body_at
+    cdef int32_t kind, flags, nbuf, nforks, nmeta
+    cdef int64_t mid, size, total = 0
+    cdef object value  # an object: PyTuple_SET_ITEM steals the reference Py_INCREF took on this very object
+    if n < HEADER_SIZE:
+        raise short_message(n)
+    if v[0] != MAGIC0 or v[1] != MAGIC1:
+        raise bad_magic(v[0:2])
+    kind, flags, mid = <int32_t>_get(v + 4, 4), <int32_t>_get(v + 8, 4), <int64_t>_get(v + 12, 8)
+    if v[2] != VERSION:
+        raise bad_version(v[2], kind, flags, mid)
+    nbuf, nforks, nmeta = <int32_t>_get(v + 20, 4), <int32_t>_get(v + 24, 4), <int32_t>_get(v + 28, 4)
+    if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
+        raise bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
+    meta_at = HEADER_SIZE + 8 * <Py_ssize_t>nbuf + 8 * FORK_INTS * <Py_ssize_t>nforks
+    body_at = meta_at + nmeta
+    if body_at > n:
+        raise too_short(body_at, n, kind, flags, mid)
+    sizes = PyTuple_New(nbuf)
+    for i in range(nbuf):
+        size = <int64_t>_get(v + HEADER_SIZE + 8 * i, 8)
+        total += size  # |size| < 2**63 and total stays <= max_bytes < 2**62 until then: no overflow
+        if size < 0 or total > max_bytes:
+            raise bad_buffer_size(i, size, total, max_bytes, kind, flags, mid)
+        value = size
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(sizes, i, value)
+    forks = []
+    j = HEADER_SIZE + 8 * nbuf
+    for i in range(nforks):
+        record = PyTuple_New(FORK_INTS)
+        for k in range(FORK_INTS):
+            value = <int64_t>_get(v + j, 8)
+            Py_INCREF(value)
+            PyTuple_SET_ITEM(record, k, value)
+            j += 8
+        forks.append(record)
+    return kind, flags, mid, sizes, forks, meta_at, body_at
+
+
+cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n) except -1:
+    """check_pickle on raw bytes."""
+    cdef Py_ssize_t pos = 0, at, width, lines, digits
     cdef Py_ssize_t opcodes = 0
     cdef uint8_t opcode, op
     cdef uint64_t count, index
@@ -191,7 +218,7 @@ def check_pickle(data):
             width = 1 if op == OP_COUNT1 else (4 if op == OP_COUNT4 else 8)
             if pos + width > n:
                 raise bad_pickle(at, opcode, "its byte count is cut off")
-            count = _get(&v[pos], width)
+            count = _get(v + pos, width)
             pos += width
             if count > <uint64_t>(n - pos):
                 raise bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain")
@@ -207,7 +234,7 @@ def check_pickle(data):
         elif op == OP_PUT4:
             if pos + 4 > n:
                 raise bad_pickle(at, opcode, "its argument is cut off")
-            index = _get(&v[pos], 4)
+            index = _get(v + pos, 4)
             pos += 4
             if index >= <uint64_t>opcodes:
                 raise bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
@@ -227,8 +254,6 @@ def check_pickle(data):
             raise bad_pickle(at, opcode, "not a pickle opcode")
     raise bad_pickle(n, -1, "no STOP opcode")
 
-
-# --- core-only helpers ---
 cdef inline void _put(uint8_t* p, int64_t value, int width) noexcept:
     """Store the low ``width`` bytes of ``value``, little-endian."""
     cdef int i
