@@ -9,6 +9,7 @@ fields. Errors, string forms and the shutdown report come from ``distlab._common
 """
 import threading
 
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int64_t
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
@@ -562,10 +563,17 @@ cdef class RRefContext:
 # --- core-only helpers ---
 cdef inline int64_t _pack(object created_on, object local_id):
     """The packed key of a valid id, or -1 (ids are ints in range: the same check as the reference's)."""
-    if (type(created_on) is int and type(local_id) is int
-            and 0 <= created_on < WORKER_LIMIT and 0 <= local_id < LOCAL_LIMIT):
-        return ((<int64_t>created_on) << LOCAL_BITS) | <int64_t>local_id
-    return -1
+    cdef int overflow = 0
+    cdef long long worker, local
+    if type(created_on) is not int or type(local_id) is not int:
+        return -1
+    worker = PyLong_AsLongLongAndOverflow(created_on, &overflow)  # no exception: overflow says out of range
+    if overflow or not 0 <= worker < WORKER_LIMIT:
+        return -1
+    local = PyLong_AsLongLongAndOverflow(local_id, &overflow)
+    if overflow or not 0 <= local < LOCAL_LIMIT:
+        return -1
+    return (<int64_t>worker << LOCAL_BITS) | <int64_t>local
 
 
 cdef inline GloballyUniqueId _gid(int64_t packed):
