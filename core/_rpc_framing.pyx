@@ -20,8 +20,6 @@ from distlab._wire import RFD_TUPLE_SIZE, RPC_WIRE_MAGIC
 __all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
 
 cdef enum:
-    HEADER_SIZE = 32
-    FORK_INTS = 6
     VERSION = 2
     MAX_BUFFERS = 65536
     MAX_FORKS = 65536
@@ -43,9 +41,11 @@ cdef enum:
     OP_FRAME = 14
 
 # The C constants above must be the shared ones (they describe bytes that travel between ranks).
-assert (HEADER_SIZE, FORK_INTS, VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS) == (
-    _shared.HEADER.size, RFD_TUPLE_SIZE, _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS,
-    _shared.MAX_PUT_DIGITS)
+# Sizes are read from the shared module (the header layout is the struct there); the codes are asserted equal.
+cdef Py_ssize_t HEADER_SIZE = _shared.HEADER.size
+cdef Py_ssize_t FORK_INTS = RFD_TUPLE_SIZE
+assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS) == (
+    _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS)
 assert (OP_UNKNOWN, OP_PLAIN, OP_STOP, OP_FIXED1, OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_COUNT1, OP_COUNT4, OP_COUNT8,
         OP_LINE, OP_LINE2, OP_PUT_LINE, OP_PUT4, OP_FRAME) == (
     _shared.OP_UNKNOWN, _shared.OP_PLAIN, _shared.OP_STOP, _shared.OP_FIXED1, _shared.OP_FIXED2, _shared.OP_FIXED4,

@@ -30,13 +30,13 @@ __all__ = ["GloballyUniqueId", "RRefForkData", "OwnerRRef", "UserRRef", "RRefCon
 cdef enum:
     LOCAL_BITS = 40
     WORKER_BITS = 16
-    FORK_DATA_LEN = 6
     K_USER_DELETE = 4
     K_FORK_REQUEST = 5
     K_CHILD_ACCEPT = 6
 
 # The C constants above must be the shared ones (they travel between ranks).
-assert (LOCAL_BITS, WORKER_BITS, FORK_DATA_LEN) == (RREF_LOCAL_ID_BITS, RREF_WORKER_ID_BITS, RFD_TUPLE_SIZE)
+assert (LOCAL_BITS, WORKER_BITS) == (RREF_LOCAL_ID_BITS, RREF_WORKER_ID_BITS)
+cdef Py_ssize_t FORK_DATA_LEN = RFD_TUPLE_SIZE  # read from the shared layout, not written here
 assert (K_USER_DELETE, K_FORK_REQUEST, K_CHILD_ACCEPT) == (
     _shared.K_USER_DELETE, _shared.K_FORK_REQUEST, _shared.K_CHILD_ACCEPT)
 
