@@ -105,7 +105,7 @@ class RRef:
         r.check_usable("to_here()")
         if api.autograd_hook is not None:  # inside a distributed autograd context the fetch carries its metadata
             wrapped = api._autograd_wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
-            if wrapped:  # (torch: to_here records a send function on the owner, a recv function here; issue 8)
+            if wrapped:  # (torch: to_here records a send function on the owner, a recv function here)
                 func, args, kwargs, unwrap = wrapped
                 return unwrap(api.get_agent().call_sync(r.owner(), api.K_CALL, api._call_payload(func, args, kwargs),
                                                         timeout=timeout))
