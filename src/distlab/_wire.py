@@ -6,12 +6,14 @@ import struct
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS",
            "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RPC_WIRE_MAGIC",
            "RPC_WIRE_VERSION", "RPC_HEADER_FORMAT", "RPC_FLAG_ERROR", "RPC_FLAG_INLINE", "RPC_FLAG_NOREPLY",
-           "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RPC_TAG_HELLO", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
+           "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
            "RREF_LOCAL_ID_BITS", "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN",
            "LIST_FLAGS", "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET", "LIST_HEADER", "REQUEST_HEAD",
            "RESPONSE_HEAD", "RequestType", "ResponseType", "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES",
            "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES", "DTYPE_CODES", "CPU_DEVICE_ID",
-           "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME"]
+           "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
+           "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
+           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -57,9 +59,6 @@ RPC_FLAG_NOREPLY = 4    # request: no response expected
 #: MPI tags on the agent's own communicator: header messages, then each out-of-band buffer.
 RPC_TAG_HEADER = 17
 RPC_TAG_BUFFER = 18
-#: MPI tag on COMM_WORLD of the "I have called init_rpc, my name is ..." message each worker sends every other
-#: worker while the agent's communicator is being made (how a timed-out init_rpc names the missing workers).
-RPC_TAG_HELLO = 21590
 
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
@@ -170,3 +169,20 @@ NUM_STATUS_BITS = 3
 
 #: The name a join request travels under.
 JOIN_TENSOR_NAME = "join.noname"
+
+# -- the comm layer's side channel and bounded set-up -------------------------------------------------------
+#: Tags the comm layer reserves on every communicator it is given or creates: the top of the range every MPI
+#: supports (0..32767). ProcessGroup.send/recv refuse them.
+COMM_RESERVED_TAGS = range(32760, 32768)
+#: Bounded setup (comm.bounded_barrier/bounded_dup): one notice from each rank to each peer, two int64 words
+#: [sender rank, check word] (the check word lets the ranks compare an argument, e.g. new_group's rank list).
+COMM_SETUP_TAG = 32767
+#: The missing-rank side channel between nodes: a note is COMM_NOTE_HEADER int64 words, then ``count`` triples
+#: (group rank, last collective seq it entered, that collective's op code) read from the sender's node board.
+COMM_NOTE_TAG = 32766
+COMM_NOTE_VERSION = 1
+COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
+COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index
+COMM_NOTE_STATES = ("elsewhere", "waiting", "gave_up")  # the sender, in this group, at seq: codes: index
+#: A rank's slot on its node's arrival board: int64 words [last collective seq entered, its op code].
+COMM_SLOT_WORDS = 2

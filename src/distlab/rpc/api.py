@@ -106,9 +106,10 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
 
 
 def _check_timeout(seconds) -> float:
+    """A timeout in seconds, 0 for none; ``inf`` (DISTLAB_TIMEOUT's "no deadline") is 0 too."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
         raise ValueError(f"an RPC timeout is a number of seconds >= 0 (0: none), got {seconds!r}")
-    return float(seconds)
+    return 0.0 if seconds == float("inf") else float(seconds)
 
 
 def _stop_at_exit() -> None:

@@ -4,11 +4,10 @@ Shared plumbing of :mod:`distlab.rpc` (not twinned). A worker's id is its rank i
 """
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
-from distlab._wire import RPC_TAG_HELLO, RREF_WORKER_ID_BITS
-from distlab.errors import DistTimeoutError, RpcThreadLevelError
+from distlab._wire import RREF_WORKER_ID_BITS
+from distlab.errors import RpcThreadLevelError
 
 __all__ = ["WorkerInfo", "WorkerRegistry", "check_thread_level", "check_name", "join_workers", "MAX_WORKERS"]
 
@@ -93,47 +92,15 @@ class WorkerRegistry:
 def join_workers(world, name: str, timeout: float):
     """Make the agent's communicator (a duplicate of ``world``) and learn every worker's name, bounded.
 
-    Collective over ``world``. Each worker first sends its name to every other worker (tag ``RPC_TAG_HELLO`` on
-    ``world``), then starts a non-blocking ``MPI_Comm_idup``; both are polled with back-off until every name
-    has arrived and the duplicate is made. After ``timeout`` seconds it raises DistTimeoutError naming the ranks
-    whose name never came: the ones that have not called ``init_rpc``. Returns ``(comm, names)``.
+    Collective over ``world``: :func:`distlab.comm.setup.bounded_dup` first (each rank sends every other a notice
+    and waits for theirs), so a rank that never calls ``init_rpc`` makes the others raise DistTimeoutError naming
+    it after ``timeout`` seconds instead of hanging in ``MPI_Comm_dup``; then, every rank being there, the names
+    are gathered on the new communicator. Returns ``(comm, names)``.
     """
-    from mpi4py import MPI
+    from distlab.comm.setup import bounded_dup
 
-    rank, size = world.Get_rank(), world.Get_size()
+    size = world.Get_size()
     if size > MAX_WORKERS:
         raise ValueError(f"distlab.rpc supports at most {MAX_WORKERS} workers, the world has {size} ranks")
-    hello = name.encode("utf-8")
-    sends = [world.Isend([hello, MPI.BYTE], dst, RPC_TAG_HELLO) for dst in range(size) if dst != rank]
-    comm, dup = world.Idup()
-    names: dict[int, str] = {rank: name}
-    status = MPI.Status()
-    deadline = time.monotonic() + timeout
-    delay = 1e-4
-    dup_done = False
-    while True:
-        # One hello per missing rank only: a fast peer's hello for its next init_rpc stays queued for that one.
-        for src in [r for r in range(size) if r not in names]:
-            message = world.Improbe(src, RPC_TAG_HELLO, status)
-            if message is not None:
-                data = bytearray(status.Get_count(MPI.BYTE))
-                message.Recv([data, MPI.BYTE])
-                names[src] = data.decode("utf-8", errors="replace")
-        dup_done = dup_done or dup.Test()
-        if dup_done and len(names) == size:
-            break
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(size)) - set(names))
-            for request in sends:  # unreceived hellos: the job is failing, leave nothing pending
-                request.Cancel()
-            raise DistTimeoutError(
-                f"init_rpc on worker {name!r} (rank {rank}): ranks {missing} did not call init_rpc within "
-                f"{timeout:g} s (every rank of the job must call it; raise the timeout with init_rpc(timeout=...) "
-                f"or DISTLAB_TIMEOUT)" if missing else
-                f"init_rpc on worker {name!r} (rank {rank}): every rank called init_rpc but the agent's "
-                f"communicator was not made within {timeout:g} s", op="init_rpc", missing_ranks=missing,
-                timeout=timeout)
-        time.sleep(delay)
-        delay = min(delay * 2, 5e-3)
-    MPI.Request.Waitall(sends)  # every peer received its hello: these are complete
-    return comm, [names[i] for i in range(size)]
+    comm = bounded_dup(world, f"init_rpc (worker {name!r})", timeout)
+    return comm, comm.allgather(name)
