@@ -14,6 +14,7 @@ CORE_MODULES = [
     "_rref",
     "_autograd_container",
     "_negotiation",
+    "_rpc_framing",
 ]
 
 # numpy's headers: the reducer reads gradient arrays through numpy's C API (`cimport numpy`). Built against numpy

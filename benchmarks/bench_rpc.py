@@ -5,7 +5,7 @@ process by ``DISTLAB_IMPL``); each job also measures a raw mpi4py ``Send``/``Rec
 payloads on its own communicator, so every ratio compares numbers from one launch. Rank 0 calls, rank 1 serves.
 Prints a table and writes ``benchmarks/results/bench_rpc.json``.
 
-Anchor figures (PyTorch RPC over TensorPipe on this 2-core machine, from issue 7): 393 us rpc_sync round trip,
+Anchor figures (PyTorch RPC over TensorPipe, measured on this 2-core machine): 393 us rpc_sync round trip,
 6,000 async calls/s, 171 us per remote RRef create+delete. Targets for the core: < 100 us, >= 25,000 calls/s,
 < 40 us.
 """
@@ -180,6 +180,23 @@ def protocol_cpu(impl: str, n: int = 20000) -> float:
     return per
 
 
+def codec_cpu(impl: str, n: int = 20000) -> float:
+    """CPU microseconds to encode and decode one no-op call message with the ``impl`` twin of the wire codec
+    (header, checks, the pickle walk; pickling itself excluded), in process: robust to machine load."""
+    from distlab import _backend
+    from distlab.rpc import framing
+
+    codec = _backend.load("rpc_framing", impl)
+    body = framing.dumps((framing.by_value(noop), (), None))[0]
+    limit = framing.MAX_MESSAGE_BYTES
+    t0 = time.process_time()
+    for _ in range(n):
+        data = codec.pack_header(1, 0, 7, (), (), b"", body)
+        _kind, _flags, _mid, _sizes, _forks, _meta, got = codec.unpack_header(data, limit)
+        codec.check_pickle(got)
+    return (time.process_time() - t0) / n * 1e6
+
+
 def table(runs: dict) -> str:
     metrics = list(next(iter(runs.values())).keys())
     impls = list(runs)
@@ -223,6 +240,7 @@ def main() -> None:
         part.unlink()
         runs[impl] = data["results"]
         runs[impl]["RRef protocol bookkeeping, CPU per lifecycle (in process)"] = protocol_cpu(impl)
+        runs[impl]["wire codec, CPU per no-op call, encode+decode (in process)"] = codec_cpu(impl)
     report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
               "ranks": 2, "throttle": options.throttle,
               "wait": options.wait or os.environ.get("DISTLAB_RPC_WAIT", "adaptive"),

@@ -1,75 +1,93 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Core twin of :mod:`distlab.reference.rref` and :mod:`distlab.reference.rref_context` (read those)."""
+"""Core twin of :mod:`distlab.reference.rref` (:mod:`~distlab.reference.rref_impl`, then
+:mod:`~distlab.reference.rref_context`): same names, same order; read those.
+
+An id is one ``int64_t`` here (``created_on << LOCAL_BITS | local_id``, one-to-one because both parts are
+range-checked first), the owner's fork counts are C++ sets of those keys, and a UserRRef's protocol state is C
+fields. Errors, string forms and the shutdown report come from ``distlab._common.rref``, shared with the reference.
+"""
 import threading
 
-from cython.operator cimport dereference as deref, preincrement as inc
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from libc.stdint cimport int64_t
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport sort as cpp_sort
+from cython.operator cimport dereference as deref, preincrement as inc
 
-from distlab._rref_shared import UNSET
-from distlab._wire import RFD_TUPLE_SIZE, RPC_KIND_CODES
-from distlab.errors import (DistTimeoutError, RRefCreationTimeoutError, RRefDeletedError, RRefLeakError,
-                            RRefProtocolError)
+from distlab._common import rref as _shared
+from distlab._common.rref import (UNSET, confirmation_description, control_failed, creation_timeout_error,
+                                  deleted_error, duplicate_child, duplicate_user, id_overflow, malformed_control,
+                                  malformed_fork_data, malformed_id, pending_owner_description, value_description)
+from distlab._wire import RFD_TUPLE_SIZE, RREF_LOCAL_ID_BITS, RREF_WORKER_ID_BITS
+from distlab.errors import DistTimeoutError
 from distlab.futures import Future
 
 __all__ = ["GloballyUniqueId", "RRefForkData", "OwnerRRef", "UserRRef", "RRefContext", "parse_fork_data"]
 
-cdef int K_USER_DELETE = RPC_KIND_CODES["user_delete"]
-cdef int K_FORK_REQUEST = RPC_KIND_CODES["fork_request"]
-cdef int K_CHILD_ACCEPT = RPC_KIND_CODES["child_accept"]
-cdef long long _LOCAL_BITS = 40
-cdef long long _LOCAL_MASK = (1LL << 40) - 1
+cdef enum:
+    LOCAL_BITS = 40
+    WORKER_BITS = 16
+    K_USER_DELETE = 4
+    K_FORK_REQUEST = 5
+    K_CHILD_ACCEPT = 6
 
+# The C constants above must be the shared ones (they travel between ranks).
+assert (LOCAL_BITS, WORKER_BITS) == (RREF_LOCAL_ID_BITS, RREF_WORKER_ID_BITS)
+cdef Py_ssize_t FORK_DATA_LEN = RFD_TUPLE_SIZE  # read from the shared layout, not written here
+assert (K_USER_DELETE, K_FORK_REQUEST, K_CHILD_ACCEPT) == (
+    _shared.K_USER_DELETE, _shared.K_FORK_REQUEST, _shared.K_CHILD_ACCEPT)
 
-cdef inline long long _pack(long long created_on, long long local_id):
-    return (created_on << _LOCAL_BITS) | local_id
+cdef int64_t LOCAL_LIMIT = (<int64_t>1) << LOCAL_BITS
+cdef int64_t LOCAL_MASK = LOCAL_LIMIT - 1
+cdef int64_t WORKER_LIMIT = (<int64_t>1) << WORKER_BITS
+assert (LOCAL_LIMIT, WORKER_LIMIT) == (_shared.LOCAL_ID_LIMIT, _shared.WORKER_ID_LIMIT)
 
-
-cdef inline tuple _unpack(long long key):
-    return (key >> _LOCAL_BITS, key & _LOCAL_MASK)
+ctypedef unordered_map[int64_t, unordered_set[int64_t]] ForkTable
 
 
 cdef class GloballyUniqueId:
-    """See distlab.reference.rref.GloballyUniqueId."""
-    cdef readonly long long created_on
-    cdef readonly long long local_id
+    """See :class:`distlab.reference.rref_impl.GloballyUniqueId`."""
+    cdef int64_t packed
 
     def __init__(self, created_on, local_id):
-        self.created_on = created_on
-        self.local_id = local_id
-
-    cdef inline long long packed(self):
-        return _pack(self.created_on, self.local_id)
+        self.packed = _pack(created_on, local_id)
+        if self.packed < 0:
+            raise malformed_id(created_on, local_id)
 
     def key(self):
-        """See the reference twin."""
-        return (self.created_on, self.local_id)
+        """See :meth:`distlab.reference.rref_impl.GloballyUniqueId.key`."""
+        return (self.packed >> LOCAL_BITS, self.packed & LOCAL_MASK)
 
     def __eq__(self, other):
-        return isinstance(other, GloballyUniqueId) and self.key() == other.key()
+        return isinstance(other, GloballyUniqueId) and (<GloballyUniqueId>other).packed == self.packed
 
     def __lt__(self, other):
-        return self.key() < other.key()
+        if not isinstance(other, GloballyUniqueId):
+            return NotImplemented
+        return self.packed < (<GloballyUniqueId>other).packed
 
     def __hash__(self):
-        return hash(self.key())
+        return hash(self.packed)
 
     def __repr__(self):
-        return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
+        return _shared.gid_repr(self.packed >> LOCAL_BITS, self.packed & LOCAL_MASK)
 
+    @property
+    def created_on(self):
+        """See :attr:`distlab.reference.rref_impl.GloballyUniqueId.created_on`."""
+        return self.packed >> LOCAL_BITS
 
-cdef GloballyUniqueId _gid_from_key(long long key):
-    cdef GloballyUniqueId g = GloballyUniqueId.__new__(GloballyUniqueId)
-    g.created_on = key >> _LOCAL_BITS
-    g.local_id = key & _LOCAL_MASK
-    return g
+    @property
+    def local_id(self):
+        """See :attr:`distlab.reference.rref_impl.GloballyUniqueId.local_id`."""
+        return self.packed & LOCAL_MASK
 
 
 cdef class RRefForkData:
-    """See distlab.reference.rref.RRefForkData."""
+    """See :class:`distlab.reference.rref_impl.RRefForkData`."""
     cdef public int owner
     cdef public GloballyUniqueId rref_id
     cdef public GloballyUniqueId fork_id
@@ -82,25 +100,34 @@ cdef class RRefForkData:
         self.parent = parent
 
     def to_tuple(self):
-        """See the reference twin."""
-        return (self.owner, self.rref_id.created_on, self.rref_id.local_id,
-                self.fork_id.created_on, self.fork_id.local_id, self.parent)
+        """See :meth:`distlab.reference.rref_impl.RRefForkData.to_tuple`."""
+        cdef int64_t r = self.rref_id.packed, f = self.fork_id.packed
+        return (self.owner, r >> LOCAL_BITS, r & LOCAL_MASK, f >> LOCAL_BITS, f & LOCAL_MASK, self.parent)
 
     def __repr__(self):
-        return (f"RRefForkData(owner={self.owner}, rref_id={self.rref_id!r}, fork_id={self.fork_id!r}, "
-                f"parent={self.parent})")
+        return _shared.fork_data_repr(self.owner, self.rref_id, self.fork_id, self.parent)
+
+
+cdef inline bint _is_worker(object value):
+    return type(value) is int and 0 <= value < WORKER_LIMIT
 
 
 def parse_fork_data(data):
-    """See distlab.reference.rref.parse_fork_data."""
-    if not isinstance(data, tuple) or len(data) != RFD_TUPLE_SIZE or not all(type(x) is int for x in data):
-        raise RRefProtocolError(f"malformed RRef fork data {data!r}: expected a tuple of {RFD_TUPLE_SIZE} ints")
-    owner, rc, rl, fc, fl, parent = data
-    return RRefForkData(owner, GloballyUniqueId(rc, rl), GloballyUniqueId(fc, fl), parent)
+    """See :func:`distlab.reference.rref_impl.parse_fork_data`."""
+    cdef tuple t
+    cdef int64_t r, f
+    if type(data) is not tuple or len(<tuple>data) != FORK_DATA_LEN:
+        raise malformed_fork_data(data)
+    t = <tuple>data
+    r = _pack(t[1], t[2])
+    f = _pack(t[3], t[4])
+    if r < 0 or f < 0 or not _is_worker(t[0]) or not _is_worker(t[5]):
+        raise malformed_fork_data(data)
+    return _new_fork_data(t[0], _gid(r), _gid(f), t[5])
 
 
 cdef class OwnerRRef:
-    """See distlab.reference.rref.OwnerRRef."""
+    """See :class:`distlab.reference.rref_impl.OwnerRRef`."""
     cdef public int owner_id
     cdef public GloballyUniqueId rref_id
     cdef public object future
@@ -109,52 +136,52 @@ cdef class OwnerRRef:
     def __init__(self, int owner_id, GloballyUniqueId rref_id, value=UNSET):
         self.owner_id = owner_id
         self.rref_id = rref_id
-        self.future = Future(description=f"value of OwnerRRef({rref_id!r})")
+        self.future = Future(description=value_description(rref_id))
         if value is not UNSET:
             self.future.set_result(value)
 
     def owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.owner`."""
         return self.owner_id
 
     def is_owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.is_owner`."""
         return True
 
     def confirmed_by_owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.confirmed_by_owner`."""
         return True
 
     def has_value(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.has_value`."""
         return self.future.done()
 
     def set_value(self, value):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.set_value`."""
         self.future.set_result(value)
 
     def set_error(self, exc):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.set_error`."""
         self.future.set_exception(exc)
 
     def get_value(self, timeout=None):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.get_value`."""
         return self.future.wait(timeout)
 
     def get_future(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.get_future`."""
         return self.future
 
     def fork(self, RRefContext ctx):
-        """See the reference twin."""
-        return RRefForkData(self.owner_id, self.rref_id, ctx.gen_id(), ctx.worker_id)
+        """See :meth:`distlab.reference.rref_impl.OwnerRRef.fork`."""
+        return _new_fork_data(self.owner_id, self.rref_id, ctx.gen_id(), ctx.worker_id)
 
     def __repr__(self):
-        return f"OwnerRRef(rref_id={self.rref_id!r})"
+        return _shared.owner_repr(self.rref_id)
 
 
 cdef class UserRRef:
-    """See distlab.reference.rref.UserRRef."""
+    """See :class:`distlab.reference.rref_impl.UserRRef`."""
     cdef public int owner_id
     cdef public GloballyUniqueId rref_id
     cdef public GloballyUniqueId fork_id
@@ -168,88 +195,65 @@ cdef class UserRRef:
     cdef object __weakref__
 
     def __init__(self, int owner_id, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
+        # C fields start zeroed (False, 0) and object fields None: only the ids need setting.
         self.owner_id = owner_id
         self.rref_id = rref_id
         self.fork_id = fork_id
-        self.confirmed = False
-        self.deleted_on_owner = False
-        self.released = False
-        self.timed_out = False
-        self.n_pending_children = 0
-        self.confirm_future = None
-        self.creation_error = None
 
     def owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.UserRRef.owner`."""
         return self.owner_id
 
     def is_owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.UserRRef.is_owner`."""
         return False
 
     def confirmed_by_owner(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.UserRRef.confirmed_by_owner`."""
         return self.confirmed
 
     def check_usable(self, what):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.UserRRef.check_usable`."""
         if self.creation_error is not None:
             raise self.creation_error
         if self.deleted_on_owner:
-            raise RRefDeletedError(
-                f"User RRef with RRefId={self.rref_id!r} and ForkId={self.fork_id!r} has been deleted. "
-                f"Cannot call {what} on it after deletion.")
+            raise deleted_error(self.rref_id, self.fork_id, what)
         if self.timed_out:
-            raise RRefCreationTimeoutError(
-                f"RRef creation via rpc.remote() timed out for RRefId={self.rref_id!r}, and it is possible that "
-                f"the RRef on the owner (worker {self.owner_id}) does not exist; cannot call {what}.")
+            raise creation_timeout_error(self.rref_id, self.owner_id, what)
 
     def fork(self, RRefContext ctx):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_impl.UserRRef.fork`."""
         if self.deleted_on_owner:
-            raise RRefDeletedError(
-                f"User RRef with RRefId={self.rref_id!r} and ForkId={self.fork_id!r} has been deleted. "
-                "Cannot call fork an UserRRef after deletion.")
-        return RRefForkData(self.owner_id, self.rref_id, ctx.gen_id(), ctx.worker_id)
+            raise deleted_error(self.rref_id, self.fork_id, "fork")
+        return _new_fork_data(self.owner_id, self.rref_id, ctx.gen_id(), ctx.worker_id)
 
     def __repr__(self):
-        return f"UserRRef(rref_id={self.rref_id!r}, fork_id={self.fork_id!r})"
-
-
-cdef GloballyUniqueId _gid(object created_on, object local_id):
-    if type(created_on) is not int or type(local_id) is not int:
-        raise RRefProtocolError(f"malformed id ({created_on!r}, {local_id!r}): expected two ints")
-    return GloballyUniqueId(created_on, local_id)
-
-
-cdef list _sorted_keys(dict d):
-    return sorted(d)
+        return _shared.user_repr(self.rref_id, self.fork_id)
 
 
 cdef class RRefContext:
-    """See distlab.reference.rref_context.RRefContext."""
+    """See :class:`distlab.reference.rref_context.RRefContext`."""
     cdef public int worker_id
     cdef public int max_retries
     cdef public object lock
     cdef public object trace
     cdef public list errors
     cdef object _send
-    cdef long long _next_local_id
-    # Python objects keyed by packed ids (int64); the fork counts are plain C++ sets.
+    cdef public int64_t next_local_id
+    # RRef objects in dicts keyed by packed ids; the owner's fork counts and deleted forks are C++ sets.
     cdef dict _owners
     cdef dict _pending_owners
     cdef dict _pending_users
     cdef dict _pending_children
     cdef dict _confirmed_users
-    cdef unordered_map[long long, unordered_set[long long]] _forks
-    cdef unordered_set[long long] _deleted_forks
+    cdef ForkTable _forks
+    cdef unordered_set[int64_t] _deleted_forks
 
-    def __init__(self, int worker_id, send, int max_retries=5, trace=False):
-        self.worker_id = worker_id
+    def __init__(self, worker_id, send, int max_retries=5, trace=False):
+        self.worker_id = _shared.check_worker_id(worker_id)
         self._send = send
         self.max_retries = max_retries
         self.lock = threading.RLock()
-        self._next_local_id = 0
         self._owners = {}
         self._pending_owners = {}
         self._pending_users = {}
@@ -259,277 +263,254 @@ cdef class RRefContext:
         self.errors = []
 
     # -- ids and creation
-    def gen_id(self):
-        """See the reference twin."""
-        cdef long long local_id
+    cpdef GloballyUniqueId gen_id(self):
+        """See :meth:`distlab.reference.rref_context.RRefContext.gen_id`."""
+        cdef int64_t local_id
         with self.lock:
-            local_id = self._next_local_id
-            self._next_local_id += 1
-        return GloballyUniqueId(self.worker_id, local_id)
+            local_id = self.next_local_id
+            if local_id >= LOCAL_LIMIT:
+                raise id_overflow(self.worker_id)
+            self.next_local_id = local_id + 1
+        return _gid((<int64_t>self.worker_id << LOCAL_BITS) | local_id)
 
     def create_owner_rref(self, value=UNSET):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.create_owner_rref`."""
         return OwnerRRef(self.worker_id, self.gen_id(), value)
 
     def create_remote(self, int owner):
-        """See the reference twin."""
-        cdef OwnerRRef rref
-        cdef long long key
+        """See :meth:`distlab.reference.rref_context.RRefContext.create_remote`."""
+        cdef OwnerRRef own
+        cdef UserRRef user
         if owner == self.worker_id:
-            rref = self.create_owner_rref()
-            key = rref.rref_id.packed()
+            own = OwnerRRef(self.worker_id, self.gen_id())
             with self.lock:
-                self._owners[key] = rref
-                self._forks[key].insert(key)
-            return rref, rref.rref_id, rref.rref_id
-        rref_id = self.gen_id()
-        fork_id = self.gen_id()
-        user = UserRRef(owner, rref_id, fork_id)
-        self.add_pending_user(fork_id, user)
-        return user, rref_id, fork_id
+                self._owners[own.rref_id.packed] = own
+                self._forks[own.rref_id.packed].insert(own.rref_id.packed)
+            return own, own.rref_id, own.rref_id
+        user = _new_user(owner, self.gen_id(), self.gen_id())
+        self.add_pending_user(user.fork_id, user)
+        return user, user.rref_id, user.fork_id
 
     def handle_remote_call(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
-        """See the reference twin."""
-        owner = self.get_or_create_owner_rref(rref_id)
-        if rref_id.packed() != fork_id.packed():
-            self.add_fork_of_owner_if_not_present(rref_id, fork_id)
+        """See :meth:`distlab.reference.rref_context.RRefContext.handle_remote_call`."""
+        own = self.get_or_create_owner_rref(rref_id)
+        if rref_id.packed == fork_id.packed:
+            self.del_fork_of_owner(rref_id, fork_id)  # a remote to self: its self fork is dropped here
         else:
-            self.del_fork_of_owner(rref_id, fork_id)
-        return owner
+            self.add_fork_of_owner_if_not_present(rref_id, fork_id)
+        return own
 
     def finish_remote(self, UserRRef user, error=None):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.finish_remote`."""
         if error is None:
             self.del_pending_user(user.fork_id)
             return
         with self.lock:
-            self._pending_users.pop(user.fork_id.packed(), None)
+            self._pending_users.pop(user.fork_id.packed, None)
             user.creation_error = error
             user.deleted_on_owner = True
-            fut = user.confirm_future
-        if fut is not None and not fut.done():
-            fut.set_exception(error)
+            waiting = user.confirm_future
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(error)
 
     # -- owners
-    def get_or_create_owner_rref(self, GloballyUniqueId rref_id):
-        """See the reference twin."""
-        cdef long long key = rref_id.packed()
+    cpdef get_or_create_owner_rref(self, GloballyUniqueId rref_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.get_or_create_owner_rref`."""
+        cdef int64_t key = rref_id.packed
         with self.lock:
-            owner = self._owners.get(key)
-            if owner is not None:
-                return owner
-            owner = OwnerRRef(self.worker_id, rref_id)
-            self._owners[key] = owner
-            pending = self._pending_owners.pop(key, None)
-        if pending is not None:
-            pending.set_result(owner)
-        return owner
+            own = self._owners.get(key)
+            if own is not None:
+                return own
+            own = self._owners[key] = OwnerRRef(self.worker_id, rref_id)
+            waiting = self._pending_owners.pop(key, None)
+        if waiting is not None:
+            waiting.set_result(own)
+        return own
 
-    def get_owner_rref(self, GloballyUniqueId rref_id):
-        """See the reference twin."""
-        cdef long long key = rref_id.packed()
+    cpdef get_owner_rref(self, GloballyUniqueId rref_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.get_owner_rref`."""
+        cdef int64_t key = rref_id.packed
         with self.lock:
-            owner = self._owners.get(key)
-            if owner is None:
-                fut = self._pending_owners.get(key)
-                if fut is None:
-                    fut = Future(description=f"OwnerRRef {rref_id!r} on worker {self.worker_id}")
-                    self._pending_owners[key] = fut
-                return fut
-        fut = Future(description=f"OwnerRRef {rref_id!r}")
-        fut.set_result(owner)
-        return fut
+            own = self._owners.get(key)
+            if own is None:
+                waiting = self._pending_owners.get(key)
+                if waiting is None:
+                    waiting = self._pending_owners[key] = Future(
+                        description=pending_owner_description(rref_id, self.worker_id))
+                return waiting
+        done = Future(description=_shared.owner_repr(rref_id))
+        done.set_result(own)
+        return done
 
     # -- forks
     def prepare_child_fork(self, rref):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.prepare_child_fork`."""
         cdef RRefForkData fd = rref.fork(self)
-        cdef long long key
-        if rref.is_owner():
-            key = fd.rref_id.packed()
+        if isinstance(rref, OwnerRRef):
             with self.lock:
-                self._forks[key].insert(fd.fork_id.packed())
-                self._owners[key] = rref
+                self._forks[fd.rref_id.packed].insert(fd.fork_id.packed)
+                self._owners[fd.rref_id.packed] = rref
         else:
             self.add_pending_child(fd.fork_id, rref)
         return fd.to_tuple()
 
     def receive_fork(self, data):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.receive_fork`."""
         cdef RRefForkData fd = parse_fork_data(data)
         cdef UserRRef user
         if fd.owner == self.worker_id:
-            fut = self.get_owner_rref(fd.rref_id)
+            own_future = self.get_owner_rref(fd.rref_id)
             if fd.parent == self.worker_id:
                 self.del_fork_of_owner(fd.rref_id, fd.fork_id)
             else:
                 self._send_control(fd.parent, K_CHILD_ACCEPT, fd.fork_id.key())
-            return None, fut
-        user = UserRRef(fd.owner, fd.rref_id, fd.fork_id)
+            return None, own_future
+        user = _new_user(fd.owner, fd.rref_id, fd.fork_id)
         if fd.parent == fd.owner:
             self.add_confirmed_user(user)
             return user, None
-        fut = Future(description=f"confirmation of {user!r}")
-        user.confirm_future = fut
+        user.confirm_future = Future(description=confirmation_description(user))
         self.add_pending_user(fd.fork_id, user)
-        parent = fd.parent
-        fork_id = user.fork_id
         self._send_control(fd.owner, K_FORK_REQUEST, fd.rref_id.key() + fd.fork_id.key(),
-                           lambda: self.finish_fork_request(fork_id, parent))
-        return user, fut
+                           _FinishForkRequest(self, fd.fork_id, fd.parent))
+        return user, user.confirm_future
 
     def finish_fork_request(self, GloballyUniqueId fork_id, int parent):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.finish_fork_request`."""
         self.del_pending_user(fork_id)
         self._send_control(parent, K_CHILD_ACCEPT, fork_id.key())
 
-    def add_pending_user(self, GloballyUniqueId fork_id, user):
-        """See the reference twin."""
-        cdef long long key = fork_id.packed()
+    cpdef add_pending_user(self, GloballyUniqueId fork_id, user):
+        """See :meth:`distlab.reference.rref_context.RRefContext.add_pending_user`."""
         with self.lock:
-            if key in self._pending_users:
-                raise RRefProtocolError(f"Inconsistent states: attempt to add the same UserRRef twice {fork_id!r}")
-            self._pending_users[key] = user
+            if fork_id.packed in self._pending_users:
+                raise duplicate_user(fork_id)
+            self._pending_users[fork_id.packed] = user
 
-    def del_pending_user(self, GloballyUniqueId fork_id):
-        """See the reference twin."""
-        cdef long long key = fork_id.packed()
+    cpdef del_pending_user(self, GloballyUniqueId fork_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.del_pending_user`."""
         cdef UserRRef user
         with self.lock:
-            user = self._pending_users.pop(key, None)
+            user = self._pending_users.pop(fork_id.packed, None)
             if user is None:
                 return
             user.confirmed = True
-            self._confirmed_users[key] = user
-            fut = user.confirm_future
-        if fut is not None and not fut.done():
-            fut.set_result(user)
+            self._confirmed_users[fork_id.packed] = user
+        if user.confirm_future is not None and not user.confirm_future.done():
+            user.confirm_future.set_result(user)
         self._maybe_delete(user)
 
-    def add_confirmed_user(self, UserRRef user):
-        """See the reference twin."""
+    cpdef add_confirmed_user(self, UserRRef user):
+        """See :meth:`distlab.reference.rref_context.RRefContext.add_confirmed_user`."""
         with self.lock:
             user.confirmed = True
-            self._confirmed_users[user.fork_id.packed()] = user
+            self._confirmed_users[user.fork_id.packed] = user
 
-    def add_pending_child(self, GloballyUniqueId fork_id, rref):
-        """See the reference twin."""
-        cdef long long key = fork_id.packed()
+    cpdef add_pending_child(self, GloballyUniqueId fork_id, rref):
+        """See :meth:`distlab.reference.rref_context.RRefContext.add_pending_child`."""
+        cdef UserRRef parent = rref
         with self.lock:
-            if key in self._pending_children:
-                raise RRefProtocolError(f"Inconsistent states: attempt to add the same child fork twice {fork_id!r}")
-            self._pending_children[key] = rref
-            rref.n_pending_children += 1
+            if fork_id.packed in self._pending_children:
+                raise duplicate_child(fork_id)
+            self._pending_children[fork_id.packed] = parent
+            parent.n_pending_children += 1
 
-    def del_pending_child(self, GloballyUniqueId fork_id):
-        """See the reference twin."""
+    cpdef del_pending_child(self, GloballyUniqueId fork_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.del_pending_child`."""
+        cdef UserRRef parent
         with self.lock:
-            parent = self._pending_children.pop(fork_id.packed(), None)
+            parent = self._pending_children.pop(fork_id.packed, None)
             if parent is None:
                 return
             parent.n_pending_children -= 1
         self._maybe_delete(parent)
 
-    def add_fork_of_owner_if_not_present(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
-        """See the reference twin."""
-        cdef long long fkey = fork_id.packed()
+    cpdef add_fork_of_owner_if_not_present(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.add_fork_of_owner_if_not_present`."""
         with self.lock:
-            if self._deleted_forks.count(fkey):
-                return
-            self._forks[rref_id.packed()].insert(fkey)
+            if not self._deleted_forks.count(fork_id.packed):
+                self._forks[rref_id.packed].insert(fork_id.packed)
 
-    def del_fork_of_owner(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
-        """See the reference twin."""
-        cdef long long rkey = rref_id.packed()
-        cdef long long fkey = fork_id.packed()
-        cdef unordered_map[long long, unordered_set[long long]].iterator it
+    cpdef del_fork_of_owner(self, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
+        """See :meth:`distlab.reference.rref_context.RRefContext.del_fork_of_owner`."""
+        cdef ForkTable.iterator it
         with self.lock:
-            self._deleted_forks.insert(fkey)
-            it = self._forks.find(rkey)
+            self._deleted_forks.insert(fork_id.packed)
+            it = self._forks.find(rref_id.packed)
             if it == self._forks.end():
                 return None
-            deref(it).second.erase(fkey)
+            deref(it).second.erase(fork_id.packed)
             if not deref(it).second.empty():
                 return None
             self._forks.erase(it)
-            deleted = self._owners.pop(rkey, None)
-            return deleted
+            return self._owners.pop(rref_id.packed, None)
 
     # -- control messages
-    def _send_control(self, int dst, int kind, tuple payload, on_ack=None, int attempt=0):
-        """See the reference twin."""
+    cdef _send_control(self, int dst, int kind, tuple payload, on_ack=None, int attempt=0):
         if self.trace is not None:
             with self.lock:
-                self.trace.append((self.worker_id, dst, kind, payload))
-        fut = self._send(dst, kind, payload)
+                (<list>self.trace).append((self.worker_id, dst, kind, payload))
+        self._send(dst, kind, payload).add_done_callback(_ControlAck(self, dst, kind, payload, on_ack, attempt))
 
-        def acked(f):
-            exc = f.exception()
-            if exc is None:
-                if on_ack is not None:
-                    on_ack()
-            elif isinstance(exc, DistTimeoutError) and attempt < self.max_retries:
-                self._send_control(dst, kind, payload, on_ack, attempt + 1)
-            else:
-                with self.lock:
-                    self.errors.append(f"control message {kind} {payload} to worker {dst} failed: {exc!r}")
-
-        fut.add_done_callback(acked)
-
-    def handle(self, int src, int kind, payload):
-        """See the reference twin."""
-        if not isinstance(payload, tuple):
-            raise RRefProtocolError(f"malformed RRef control message from worker {src}: payload {payload!r}")
-        if kind == K_USER_DELETE and len(payload) == 4:
-            self.del_fork_of_owner(_gid(payload[0], payload[1]), _gid(payload[2], payload[3]))
-        elif kind == K_FORK_REQUEST and len(payload) == 4:
-            self.add_fork_of_owner_if_not_present(_gid(payload[0], payload[1]), _gid(payload[2], payload[3]))
-        elif kind == K_CHILD_ACCEPT and len(payload) == 2:
-            self.del_pending_child(_gid(payload[0], payload[1]))
+    def handle(self, src, kind, payload):
+        """See :meth:`distlab.reference.rref_context.RRefContext.handle`."""
+        cdef Py_ssize_t n
+        cdef int64_t first, second = 0
+        if type(kind) is not int or type(payload) is not tuple:
+            raise malformed_control(src, kind, payload)
+        n = len(<tuple>payload)
+        if not ((n == 4 and (kind == K_USER_DELETE or kind == K_FORK_REQUEST)) or (n == 2 and kind == K_CHILD_ACCEPT)):
+            raise malformed_control(src, kind, payload)
+        first = _pack(payload[0], payload[1])
+        if n == 4:
+            second = _pack(payload[2], payload[3])
+        if first < 0 or second < 0:
+            raise malformed_control(src, kind, payload)
+        if kind == K_USER_DELETE:
+            self.del_fork_of_owner(_gid(first), _gid(second))
+        elif kind == K_FORK_REQUEST:
+            self.add_fork_of_owner_if_not_present(_gid(first), _gid(second))
         else:
-            raise RRefProtocolError(f"malformed RRef control message from worker {src}: kind {kind}, "
-                                    f"payload {payload!r}")
+            self.del_pending_child(_gid(first))
         return None
 
     # -- deletion
     def release_user(self, UserRRef user):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.release_user`."""
         with self.lock:
             if user.released:
                 return
             user.released = True
         self._maybe_delete(user)
 
-    def _maybe_delete(self, rref):
-        """See the reference twin."""
+    cdef _maybe_delete(self, rref):
         cdef UserRRef user
-        if rref.is_owner():
+        if not isinstance(rref, UserRRef):
             return
         user = rref
         with self.lock:
-            if (not user.released or user.deleted_on_owner or not user.confirmed
-                    or user.n_pending_children > 0):
+            if not user.released or user.deleted_on_owner or not user.confirmed or user.n_pending_children:
                 return
             user.deleted_on_owner = True
-            self._confirmed_users.pop(user.fork_id.packed(), None)
+            self._confirmed_users.pop(user.fork_id.packed, None)
         self._send_control(user.owner_id, K_USER_DELETE, user.rref_id.key() + user.fork_id.key())
 
     # -- shutdown and inspection
     def has_pending(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.has_pending`."""
         with self.lock:
-            return bool(self._pending_users or self._pending_children)
+            return len(self._pending_users) > 0 or len(self._pending_children) > 0
 
     def idle(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.idle`."""
         with self.lock:
             return not (self._owners or self._pending_users or self._pending_children or self._confirmed_users)
 
     def delete_all_users(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.delete_all_users`."""
         cdef UserRRef user
         with self.lock:
-            users = [self._confirmed_users[k] for k in _sorted_keys(self._confirmed_users)]
+            users = [self._confirmed_users[k] for k in sorted(self._confirmed_users)]
         for user in users:
             with self.lock:
                 user.released = True
@@ -537,9 +518,8 @@ cdef class RRefContext:
         return len(users)
 
     def drop_unforked_owners(self):
-        """See the reference twin."""
-        cdef long long key
-        cdef unordered_map[long long, unordered_set[long long]].iterator it
+        """See :meth:`distlab.reference.rref_context.RRefContext.drop_unforked_owners`."""
+        cdef ForkTable.iterator it
         with self.lock:
             unforked = []
             for key in self._owners:
@@ -550,63 +530,120 @@ cdef class RRefContext:
                 del self._owners[key]
             return len(unforked)
 
-    cdef list _fork_table(self):
-        # [(rref key, sorted fork keys)] sorted by rref key
-        cdef list table = []
-        cdef vector[long long] fks
-        cdef unordered_map[long long, unordered_set[long long]].iterator it = self._forks.begin()
-        cdef unordered_set[long long].iterator fit
-        while it != self._forks.end():
-            fks.clear()
-            fit = deref(it).second.begin()
-            while fit != deref(it).second.end():
-                fks.push_back(deref(fit))
-                inc(fit)
-            cpp_sort(fks.begin(), fks.end())
-            table.append((deref(it).first, [k for k in fks]))
-            inc(it)
-        table.sort()
-        return table
-
     def check_leaks(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.check_leaks`."""
         with self.lock:
-            lines = [f"Leaking RRef {_gid_from_key(rk)!r} with fork Id {_gid_from_key(fk)!r}"
-                     for rk, fks in self._fork_table() for fk in fks]
-            lines += [f"Leaking pending UserRRef {self._pending_users[f]!r}" for f in _sorted_keys(self._pending_users)]
-            lines += [f"Leaking pending child fork Id {_gid_from_key(f)!r} of {self._pending_children[f]!r}"
-                      for f in _sorted_keys(self._pending_children)]
-        if not lines:
-            return None
-        return RRefLeakError(f"worker {self.worker_id}: RRef leak at shutdown:\n" + "\n".join(lines))
+            forks = [(_gid(r), [_gid(f) for f in fs]) for r, fs in _fork_table(self)]
+            users = [self._pending_users[k] for k in sorted(self._pending_users)]
+            children = [(_gid(k), self._pending_children[k]) for k in sorted(self._pending_children)]
+        return _shared.leak_error(self.worker_id, forks, users, children)
 
     def debug_info(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.debug_info`."""
         cdef size_t nforks = 0
-        cdef unordered_map[long long, unordered_set[long long]].iterator it
+        cdef ForkTable.iterator it
         with self.lock:
             it = self._forks.begin()
             while it != self._forks.end():
                 nforks += deref(it).second.size()
                 inc(it)
-            return {
-                "num_owner_rrefs": len(self._owners),
-                "num_pending_futures": len(self._pending_owners),
-                "num_pending_users": len(self._pending_users),
-                "num_forks": nforks,
-                "num_pending_children": len(self._pending_children),
-                "num_confirmed_users": len(self._confirmed_users),
-            }
+            return _shared.debug_info(len(self._owners), len(self._pending_owners), len(self._pending_users),
+                                      nforks, len(self._pending_children), len(self._confirmed_users))
 
     def state(self):
-        """See the reference twin."""
+        """See :meth:`distlab.reference.rref_context.RRefContext.state`."""
         with self.lock:
-            return {
-                "owners": sorted(_unpack(k) for k in self._owners),
-                "pending_owners": sorted(_unpack(k) for k in self._pending_owners),
-                "forks": [(_unpack(rk), tuple(_unpack(f) for f in fks)) for rk, fks in self._fork_table()],
-                "pending_users": sorted(_unpack(k) for k in self._pending_users),
-                "pending_children": sorted(_unpack(k) for k in self._pending_children),
-                "confirmed_users": sorted(_unpack(k) for k in self._confirmed_users),
-                "next_local_id": self._next_local_id,
-            }
+            return _shared.state([_key(k) for k in self._owners], [_key(k) for k in self._pending_owners],
+                                 [(_key(r), [_key(f) for f in fs]) for r, fs in _fork_table(self)],
+                                 [_key(k) for k in self._pending_users], [_key(k) for k in self._pending_children],
+                                 [_key(k) for k in self._confirmed_users], self.next_local_id)
+
+
+
+# --- core-only helpers ---
+cdef inline int64_t _pack(object created_on, object local_id):
+    """The packed key of a valid id, or -1 (ids are ints in range: the same check as the reference's)."""
+    cdef int overflow = 0
+    cdef long long worker, local
+    if type(created_on) is not int or type(local_id) is not int:
+        return -1
+    worker = PyLong_AsLongLongAndOverflow(created_on, &overflow)  # no exception: overflow says out of range
+    if overflow or not 0 <= worker < WORKER_LIMIT:
+        return -1
+    local = PyLong_AsLongLongAndOverflow(local_id, &overflow)
+    if overflow or not 0 <= local < LOCAL_LIMIT:
+        return -1
+    return (<int64_t>worker << LOCAL_BITS) | <int64_t>local
+
+
+cdef inline GloballyUniqueId _gid(int64_t packed):
+    cdef GloballyUniqueId gid = GloballyUniqueId.__new__(GloballyUniqueId)
+    gid.packed = packed
+    return gid
+
+
+cdef inline RRefForkData _new_fork_data(int owner, GloballyUniqueId rref_id, GloballyUniqueId fork_id, int parent):
+    # no Python argument parsing: the fields are set directly (the ids are already valid)
+    cdef RRefForkData fd = RRefForkData.__new__(RRefForkData)
+    fd.owner, fd.rref_id, fd.fork_id, fd.parent = owner, rref_id, fork_id, parent
+    return fd
+
+
+cdef inline UserRRef _new_user(int owner_id, GloballyUniqueId rref_id, GloballyUniqueId fork_id):
+    cdef UserRRef user = UserRRef.__new__(UserRRef)
+    user.owner_id, user.rref_id, user.fork_id = owner_id, rref_id, fork_id
+    return user
+
+
+cdef inline tuple _key(int64_t packed):
+    return (packed >> LOCAL_BITS, packed & LOCAL_MASK)
+
+
+cdef list _fork_table(RRefContext ctx):
+    """[(rref key, [fork keys, sorted])] sorted by rref key (the caller holds ``ctx.lock``)."""
+    cdef list table = []
+    cdef vector[int64_t] keys
+    cdef ForkTable.iterator it = ctx._forks.begin()
+    while it != ctx._forks.end():
+        keys.assign(deref(it).second.begin(), deref(it).second.end())
+        cpp_sort(keys.begin(), keys.end())
+        table.append((deref(it).first, [k for k in keys]))
+        inc(it)
+    table.sort()
+    return table
+
+
+cdef class _ControlAck:
+    """The done-callback of a control message: run ``on_ack``, or re-send after a timeout (idempotent), or
+    record the failure (the reference's ``acked`` closure)."""
+    cdef RRefContext ctx
+    cdef int dst, kind, attempt
+    cdef tuple payload
+    cdef object on_ack
+
+    def __cinit__(self, RRefContext ctx, int dst, int kind, tuple payload, on_ack, int attempt):
+        self.ctx, self.dst, self.kind, self.payload, self.on_ack, self.attempt = ctx, dst, kind, payload, on_ack, attempt
+
+    def __call__(self, fut):
+        exc = fut.exception()
+        if exc is None:
+            if self.on_ack is not None:
+                self.on_ack()
+        elif isinstance(exc, DistTimeoutError) and self.attempt < self.ctx.max_retries:
+            self.ctx._send_control(self.dst, self.kind, self.payload, self.on_ack, self.attempt + 1)
+        else:
+            with self.ctx.lock:
+                self.ctx.errors.append(control_failed(self.kind, self.payload, self.dst, exc))
+
+
+cdef class _FinishForkRequest:
+    """``on_ack`` of a fork request: ``ctx.finish_fork_request(fork_id, parent)`` (the reference's lambda)."""
+    cdef RRefContext ctx
+    cdef GloballyUniqueId fork_id
+    cdef int parent
+
+    def __cinit__(self, RRefContext ctx, GloballyUniqueId fork_id, int parent):
+        self.ctx, self.fork_id, self.parent = ctx, fork_id, parent
+
+    def __call__(self):
+        self.ctx.finish_fork_request(self.fork_id, self.parent)

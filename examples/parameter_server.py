@@ -11,6 +11,7 @@ example exercises the RRef protocol's forks; ``rref_debug_info()`` shows the cou
 shutdown checks that no RRef leaked.
 """
 import os
+import sys
 import threading
 
 import numpy as np
@@ -71,6 +72,9 @@ def run_trainer(ps, trainer_rank):
 def main():
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        sys.exit(f"examples/parameter_server.py needs 2 or more ranks (a server and at least one trainer), got "
+                 f"{world}: python -m distlab run -n 3 examples/parameter_server.py")
     rpc.init_rpc(f"worker{rank}")
     if rank == 0:
         ps = RRef(ParameterServer(FEATURES))

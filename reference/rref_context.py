@@ -1,6 +1,6 @@
 """The RRef context: one per worker, the state of the RRef protocol (reference twin).
 
-Twinned with ``core/_rref.pyx`` (its ``RRefContext``).
+Part of the RRef component :mod:`distlab.reference.rref`. Twinned with ``core/_rref.pyx`` (its ``RRefContext``).
 
 Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
 
@@ -21,31 +21,21 @@ Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
     not resurrect them (control messages are idempotent).
 
 Every control message (``user_delete``, ``fork_request``, ``child_accept``) goes through the injected
-``send(dst, kind, payload) -> Future`` and is retried when its acknowledgement times out
-(:class:`~distlab.errors.DistTimeoutError`); receivers apply each at most once. No message order is assumed.
+``send(dst, kind, payload) -> Future`` and is retried when its acknowledgement times out; receivers apply each at
+most once. No message order is assumed. Errors and reports come from ``distlab._common.rref`` (shared).
 """
 from __future__ import annotations
 
 import threading
 
-from distlab._rref_shared import UNSET
-from distlab._wire import RPC_KIND_CODES
-from distlab.errors import DistTimeoutError, RRefLeakError, RRefProtocolError
+from distlab._common import rref as shared
+from distlab._common.rref import K_CHILD_ACCEPT, K_FORK_REQUEST, K_USER_DELETE, LOCAL_ID_LIMIT, UNSET
+from distlab.errors import DistTimeoutError, RRefProtocolError
 from distlab.futures import Future
 
-from . import rref as _r
+from .rref_impl import GloballyUniqueId, OwnerRRef, UserRRef, parse_fork_data
 
 __all__ = ["RRefContext"]
-
-K_USER_DELETE = RPC_KIND_CODES["user_delete"]
-K_FORK_REQUEST = RPC_KIND_CODES["fork_request"]
-K_CHILD_ACCEPT = RPC_KIND_CODES["child_accept"]
-
-
-def _gid(created_on, local_id):
-    if type(created_on) is not int or type(local_id) is not int:
-        raise RRefProtocolError(f"malformed id ({created_on!r}, {local_id!r}): expected two ints")
-    return _r.GloballyUniqueId(created_on, local_id)
 
 
 class RRefContext:
@@ -62,14 +52,19 @@ class RRefContext:
         How often a control message is re-sent after its acknowledgement timed out.
     trace : bool
         Record every control message sent in :attr:`trace` (for the twins' equivalence tests).
+
+    Attributes
+    ----------
+    next_local_id : int
+        The local part of the next id :meth:`gen_id` hands out (a counter below ``2**40``).
     """
 
     def __init__(self, /, worker_id: int, send, max_retries: int = 5, trace: bool = False):
-        self.worker_id = worker_id
+        self.worker_id = shared.check_worker_id(worker_id)
         self._send = send
         self.max_retries = max_retries
         self.lock = threading.RLock()
-        self._next_local_id = 0
+        self.next_local_id = 0
         self.owners = {}
         self.pending_owners = {}
         self.forks = {}
@@ -84,13 +79,15 @@ class RRefContext:
     def gen_id(self):
         """A new GloballyUniqueId(worker_id, counter) (mirrors RRefContext::genGloballyUniqueId)."""
         with self.lock:
-            local_id = self._next_local_id
-            self._next_local_id += 1
-        return _r.GloballyUniqueId(self.worker_id, local_id)
+            local_id = self.next_local_id
+            if local_id >= LOCAL_ID_LIMIT:
+                raise shared.id_overflow(self.worker_id)
+            self.next_local_id += 1
+        return GloballyUniqueId(self.worker_id, local_id)
 
     def create_owner_rref(self, value=UNSET):
         """A local OwnerRRef, not registered until it is forked (mirrors RRefContext::createOwnerRRef)."""
-        return _r.OwnerRRef(self.worker_id, self.gen_id(), value)
+        return OwnerRRef(self.worker_id, self.gen_id(), value)
 
     def create_remote(self, owner: int):
         """Make the caller's side of ``remote(owner, ...)``; return ``(rref, rref_id, fork_id)``.
@@ -107,7 +104,7 @@ class RRefContext:
             return rref, rref.rref_id, rref.rref_id
         rref_id = self.gen_id()
         fork_id = self.gen_id()
-        user = _r.UserRRef(owner, rref_id, fork_id)
+        user = UserRRef(owner, rref_id, fork_id)
         self.add_pending_user(fork_id, user)
         return user, rref_id, fork_id
 
@@ -144,7 +141,7 @@ class RRefContext:
             owner = self.owners.get(rref_id)
             if owner is not None:
                 return owner
-            owner = _r.OwnerRRef(self.worker_id, rref_id)
+            owner = OwnerRRef(self.worker_id, rref_id)
             self.owners[rref_id] = owner
             pending = self.pending_owners.pop(rref_id, None)
         if pending is not None:
@@ -158,7 +155,7 @@ class RRefContext:
             if owner is None:
                 fut = self.pending_owners.get(rref_id)
                 if fut is None:
-                    fut = Future(description=f"OwnerRRef {rref_id!r} on worker {self.worker_id}")
+                    fut = Future(description=shared.pending_owner_description(rref_id, self.worker_id))
                     self.pending_owners[rref_id] = fut
                 return fut
         fut = Future(description=f"OwnerRRef {rref_id!r}")
@@ -188,7 +185,7 @@ class RRefContext:
         new UserRRef and, when the owner must confirm it first, a future completed on confirmation (user
         functions run only after that). Mirrors RRefContext::getOrCreateRRef + notifyOwnerAndParentOfFork.
         """
-        fd = _r.parse_fork_data(data)
+        fd = parse_fork_data(data)
         if fd.owner == self.worker_id:
             fut = self.get_owner_rref(fd.rref_id)
             if fd.parent == self.worker_id:
@@ -198,12 +195,12 @@ class RRefContext:
                 # See Note [Useful Phantom Fork ID for User to Owner Call]: accept the parent's child (G2).
                 self._send_control(fd.parent, K_CHILD_ACCEPT, fd.fork_id.key())
             return None, fut
-        user = _r.UserRRef(fd.owner, fd.rref_id, fd.fork_id)
+        user = UserRRef(fd.owner, fd.rref_id, fd.fork_id)
         if fd.parent == fd.owner:
             # Early fork registration: the owner added this fork before sending it.
             self.add_confirmed_user(user)
             return user, None
-        fut = Future(description=f"confirmation of {user!r}")
+        fut = Future(description=shared.confirmation_description(user))
         user.confirm_future = fut
         self.add_pending_user(fd.fork_id, user)
         parent = fd.parent
@@ -220,7 +217,7 @@ class RRefContext:
         """Keep ``user`` alive until the owner confirms it (G2)."""
         with self.lock:
             if fork_id in self.pending_users:
-                raise RRefProtocolError(f"Inconsistent states: attempt to add the same UserRRef twice {fork_id!r}")
+                raise shared.duplicate_user(fork_id)
             self.pending_users[fork_id] = user
 
     def del_pending_user(self, fork_id) -> None:
@@ -249,7 +246,7 @@ class RRefContext:
         """Keep the parent ``rref`` alive until the owner confirms the child ``fork_id`` (G2)."""
         with self.lock:
             if fork_id in self.pending_children:
-                raise RRefProtocolError(f"Inconsistent states: attempt to add the same child fork twice {fork_id!r}")
+                raise shared.duplicate_child(fork_id)
             self.pending_children[fork_id] = rref
             rref.n_pending_children += 1
 
@@ -303,24 +300,31 @@ class RRefContext:
                 self._send_control(dst, kind, payload, on_ack, attempt + 1)
             else:
                 with self.lock:
-                    self.errors.append(f"control message {kind} {payload} to worker {dst} failed: {exc!r}")
+                    self.errors.append(shared.control_failed(kind, payload, dst, exc))
 
         fut.add_done_callback(acked)
 
     def handle(self, src: int, kind: int, payload) -> None:
-        """Apply a received control message (idempotent); the return value is the acknowledgement."""
-        if not isinstance(payload, tuple):
-            raise RRefProtocolError(f"malformed RRef control message from worker {src}: payload {payload!r}")
-        if kind == K_USER_DELETE and len(payload) == 4:
-            # G1: a user's deletion notice.
-            self.del_fork_of_owner(_gid(payload[0], payload[1]), _gid(payload[2], payload[3]))
-        elif kind == K_FORK_REQUEST and len(payload) == 4:
-            self.add_fork_of_owner_if_not_present(_gid(payload[0], payload[1]), _gid(payload[2], payload[3]))
-        elif kind == K_CHILD_ACCEPT and len(payload) == 2:
-            self.del_pending_child(_gid(payload[0], payload[1]))
+        """Apply a received control message (idempotent); the return value is the acknowledgement.
+
+        A payload that is not the kind's tuple of valid id ints is an RRefProtocolError (nothing is applied).
+        """
+        if not (type(kind) is int and type(payload) is tuple and len(payload) == shared.CONTROL_PAYLOAD_LEN.get(kind)):
+            raise shared.malformed_control(src, kind, payload)
+        try:
+            first = GloballyUniqueId(payload[0], payload[1])
+            second = GloballyUniqueId(payload[2], payload[3]) if len(payload) == 4 else None
+        except RRefProtocolError:
+            raise shared.malformed_control(src, kind, payload) from None
+        if kind == K_USER_DELETE:
+            # G1: a user's deletion notice (rref id, fork id).
+            self.del_fork_of_owner(first, second)
+        elif kind == K_FORK_REQUEST:
+            # A user forked to another user; the child asks to be counted (rref id, fork id).
+            self.add_fork_of_owner_if_not_present(first, second)
         else:
-            raise RRefProtocolError(f"malformed RRef control message from worker {src}: kind {kind}, "
-                                    f"payload {payload!r}")
+            # G2: the owner knows the child (fork id); the parent may be deleted now.
+            self.del_pending_child(first)
         return None
 
     # -- deletion ---------------------------------------------------------------------------------------------
@@ -375,36 +379,22 @@ class RRefContext:
     def check_leaks(self):
         """An RRefLeakError naming each leaked RRef and fork id, or None (mirrors checkRRefLeaks)."""
         with self.lock:
-            lines = [f"Leaking RRef {rid!r} with fork Id {fid!r}"
-                     for rid in sorted(self.forks) for fid in sorted(self.forks[rid])]
-            lines += [f"Leaking pending UserRRef {self.pending_users[f]!r}" for f in sorted(self.pending_users)]
-            lines += [f"Leaking pending child fork Id {f!r} of {self.pending_children[f]!r}"
-                      for f in sorted(self.pending_children)]
-        if not lines:
-            return None
-        return RRefLeakError(f"worker {self.worker_id}: RRef leak at shutdown:\n" + "\n".join(lines))
+            forks = [(rid, sorted(self.forks[rid])) for rid in sorted(self.forks)]
+            pending_users = [self.pending_users[f] for f in sorted(self.pending_users)]
+            pending_children = [(f, self.pending_children[f]) for f in sorted(self.pending_children)]
+        return shared.leak_error(self.worker_id, forks, pending_users, pending_children)
 
     def debug_info(self) -> dict:
         """Counts: owner RRefs, pending futures (owners), pending users, forks, pending children, confirmed."""
         with self.lock:
-            return {
-                "num_owner_rrefs": len(self.owners),
-                "num_pending_futures": len(self.pending_owners),
-                "num_pending_users": len(self.pending_users),
-                "num_forks": sum(len(v) for v in self.forks.values()),
-                "num_pending_children": len(self.pending_children),
-                "num_confirmed_users": len(self.confirmed_users),
-            }
+            return shared.debug_info(len(self.owners), len(self.pending_owners), len(self.pending_users),
+                                     sum(len(v) for v in self.forks.values()), len(self.pending_children),
+                                     len(self.confirmed_users))
 
     def state(self) -> dict:
         """The whole state as sorted plain tuples (equivalence tests compare the twins with it)."""
         with self.lock:
-            return {
-                "owners": sorted(k.key() for k in self.owners),
-                "pending_owners": sorted(k.key() for k in self.pending_owners),
-                "forks": sorted((k.key(), tuple(sorted(f.key() for f in v))) for k, v in self.forks.items()),
-                "pending_users": sorted(k.key() for k in self.pending_users),
-                "pending_children": sorted(k.key() for k in self.pending_children),
-                "confirmed_users": sorted(k.key() for k in self.confirmed_users),
-                "next_local_id": self._next_local_id,
-            }
+            return shared.state([k.key() for k in self.owners], [k.key() for k in self.pending_owners],
+                                [(k.key(), [f.key() for f in v]) for k, v in self.forks.items()],
+                                [k.key() for k in self.pending_users], [k.key() for k in self.pending_children],
+                                [k.key() for k in self.confirmed_users], self.next_local_id)

@@ -40,7 +40,8 @@ TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     "reducer": (("reducer.py",), "_reducer.pyx"),
     "join": (("join.py",), "_join.pyx"),
     "negotiation": (("messages.py", "response_cache.py", "coordinator.py", "negotiation.py"), "_negotiation.pyx"),
-    "rref": (("rref.py", "rref_context.py"), "_rref.pyx"),
+    "rref": (("rref_impl.py", "rref_context.py"), "_rref.pyx"),
+    "rpc_framing": (("rpc_framing.py",), "_rpc_framing.pyx"),
     "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
 }
 

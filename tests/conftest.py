@@ -52,6 +52,7 @@ def twin(component: str):
 
 fingerprint = twin("fingerprint")
 rref = twin("rref")
+rpc_framing = twin("rpc_framing")
 autograd_container = twin("autograd_container")
 negotiation = twin("negotiation")
 

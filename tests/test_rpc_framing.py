@@ -1,19 +1,37 @@
-"""RPC message framing without MPI: header layout, out-of-band buffers, functions by value, RRef placeholders."""
+"""RPC message framing without MPI: header layout, limits, the pickle check, functions by value, RRef placeholders;
+both twins of the wire codec, and hypothesis fuzzing of the decoder (only RpcMessageError, bounded allocation)."""
 import pickle
+import random
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from distlab import _backend
+from distlab._common.rpc_framing import HEADER, MAX_BUFFERS
+from distlab._wire import RPC_WIRE_MAGIC, RPC_WIRE_VERSION
+from distlab.errors import DistlabError, RpcMessageError
 from distlab.rpc import framing
+
+CODECS = (_backend.load_twins("rpc_framing") if _backend.core_available()
+          else {"reference": _backend.load("rpc_framing", "reference")})
+LIMIT = 1 << 20
+TERA_PICKLE = b"\x80\x05\x8e" + (1 << 40).to_bytes(8, "little") + b"."
+
+
+def header(kind=1, flags=0, mid=7, nbuf=0, nforks=0, nmeta=0, magic=RPC_WIRE_MAGIC, version=RPC_WIRE_VERSION):
+    return HEADER.pack(magic, version, 0, kind, flags, mid, nbuf, nforks, nmeta)
 
 
 def test_header_round_trip_with_meta_and_forks():
     body, buffers, forks = framing.dumps({"a": np.arange(1000, dtype=np.float64), "b": np.ones(3)})
     assert len(buffers) == 1 and buffers[0].nbytes == 8000   # the big array is out-of-band, the tiny one not
     assert len(body) < 1000                                 # ... and not copied into the pickle bytes
-    header = framing.pack_header(5, framing.FLAG_INLINE, 42, buffers, ("ctx", 7), [(0, 1, 2, 3, 4, 5)], body)
-    kind, flags, mid, sizes, meta, got_forks, got_body = framing.unpack_header(bytearray(header))
+    data = framing.pack_header(5, framing.FLAG_INLINE, 42, buffers, ("ctx", 7), [(0, 1, 2, 3, 4, 5)], body)
+    kind, flags, mid, sizes, meta, got_forks, got_body = framing.unpack_header(bytearray(data))
     assert (kind, flags, mid, sizes, meta) == (5, framing.FLAG_INLINE, 42, (8000,), ("ctx", 7))
     assert list(got_forks) == [(0, 1, 2, 3, 4, 5)]
     received = [bytearray(b) for b in buffers]
@@ -21,11 +39,85 @@ def test_header_round_trip_with_meta_and_forks():
     assert np.array_equal(out["a"], np.arange(1000.0)) and np.array_equal(out["b"], np.ones(3))
 
 
-@pytest.mark.parametrize("data", [b"", b"short", framing.HEADER.pack(1, 0, 1, 3, 0),
-                                  framing.HEADER.pack(1, 0, 1, 0, 99) + b"x", framing.HEADER.pack(1, 0, 1, -1, 0)])
-def test_malformed_headers_are_rejected(data):
-    with pytest.raises(ValueError, match="malformed RPC message"):
-        framing.unpack_header(data)
+def test_twins_write_the_same_bytes_and_read_them_alike():
+    args = (9, 3, -(2 ** 40), [1, 0, 2 ** 33], [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], b"meta", b"body...")
+    outputs = {impl: codec.pack_header(*args) for impl, codec in CODECS.items()}
+    assert len(set(outputs.values())) == 1
+    data = next(iter(outputs.values()))
+    assert data[:HEADER.size] == header(9, 3, -(2 ** 40), 3, 2, 4)
+    for codec in CODECS.values():
+        kind, flags, mid, sizes, forks, meta, body = codec.unpack_header(data, 1 << 40)
+        assert (kind, flags, mid, sizes, forks) == (9, 3, -(2 ** 40), (1, 0, 2 ** 33),
+                                                    [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)])
+        assert bytes(meta) == b"meta" and bytes(body) == b"body..."
+        frames = [b"one", b"", b"three"]
+        assert [bytes(f) for f in codec.split_batch(codec.pack_batch(frames))] == frames
+
+
+@pytest.mark.parametrize("data,words", [
+    (b"", "shorter than the 32-byte header"),
+    (b"short", "shorter than the 32-byte header"),
+    (header(magic=b"xx"), "does not start with distlab's magic"),
+    (header(version=RPC_WIRE_VERSION + 1), f"wire version {RPC_WIRE_VERSION + 1}"),
+    (header(nbuf=3), "needs 56 bytes but the message has 32"),
+    (header(nmeta=99) + b"x", "needs 131 bytes"),
+    (header(nbuf=-1), "-1 out-of-band buffers"),
+    (header(nbuf=MAX_BUFFERS + 1), f"{MAX_BUFFERS + 1} out-of-band buffers"),
+    (header(nforks=-2), "-2 RRef fork records"),
+    (header(nbuf=1) + struct.pack("<q", -5), "buffer 0 of -5 bytes"),
+    (header(nbuf=2) + struct.pack("<2q", LIMIT, 1), f"total so far {LIMIT + 1}"),
+])
+def test_malformed_headers_are_refused(rpc_framing, data, words):
+    with pytest.raises(RpcMessageError, match=words.replace("(", r"\(")):
+        rpc_framing.unpack_header(data, LIMIT)
+
+
+def test_refusals_carry_the_header_fields_once_readable(rpc_framing):
+    with pytest.raises(RpcMessageError) as info:
+        rpc_framing.unpack_header(header(kind=1, flags=4, mid=99, nbuf=-1), LIMIT)
+    assert (info.value.kind, info.value.flags, info.value.mid) == (1, 4, 99)
+    with pytest.raises(RpcMessageError) as info:
+        rpc_framing.unpack_header(header(magic=b"zz", mid=99), LIMIT)
+    assert info.value.mid is None
+
+
+@pytest.mark.parametrize("data,words", [
+    (TERA_PICKLE, "claims 1099511627776 bytes but only 1 remain"),
+    (b"\x80\x05\x96" + (1 << 33).to_bytes(8, "little") + b".", "claims 8589934592 bytes"),
+    (b"\x80\x05B\xff\xff\xff\x7f.", "claims 2147483647 bytes"),
+    (b"\x80\x05\x95" + (1 << 40).to_bytes(8, "little") + b"N.", "claims 1099511627776 bytes"),
+    (b"\x80\x05]r\xff\xff\xff\x7f.", "memo index 2147483647 but only 3 opcodes"),
+    (b"(lp99999999999\n.", "memo index 99999999999"),
+    (b"(lp+5\n.", "a PUT index is 1 to 18 decimal digits"),
+    (b"\x80\x05K\x01", "no STOP opcode"),
+    (b"\x80\x05\xff.", "not a pickle opcode"),
+    (b"\x80\x05J\x01", "its argument is cut off"),
+    (b"\x80\x05cbuiltins", "has no newline"),
+    (b"", "no STOP opcode"),
+])
+def test_pickle_check_refuses_what_would_make_pickle_allocate(rpc_framing, data, words):
+    with pytest.raises(RpcMessageError, match=words):
+        rpc_framing.check_pickle(data)
+
+
+def test_pickle_check_accepts_real_pickles(rpc_framing):
+    def square(x):
+        return x * x
+
+    for obj in [None, 1, 2 ** 100, -3.5, "x" * 300, b"y" * 70000, bytearray(b"z" * 300), (1, [2, {3: "4"}]),
+                {"a": np.arange(10)}, np.ones((3, 3)), {1, 2}, frozenset({3}), 1j]:
+        for protocol in range(6):
+            data = pickle.dumps(obj, protocol=protocol)
+            assert rpc_framing.check_pickle(data) == len(data), (obj, protocol)
+    data = framing.dumps((framing.by_value(square), (3,), None))[0]   # cloudpickled by value
+    assert rpc_framing.check_pickle(data) == len(data)
+
+
+def test_loads_refuses_a_terabyte_pickle_and_wraps_unpickling_errors():
+    with pytest.raises(RpcMessageError, match="claims 1099511627776 bytes"):
+        framing.loads(TERA_PICKLE)
+    with pytest.raises(RpcMessageError, match="could not unpickle the RPC payload: .*no_such_module"):
+        framing.loads(b"cno_such_module\nf\n.")
 
 
 def test_lambdas_travel_by_value_and_importable_functions_by_name():
@@ -39,9 +131,92 @@ def test_lambdas_travel_by_value_and_importable_functions_by_name():
 def test_rref_placeholders_need_the_framing():
     with pytest.raises(pickle.PicklingError, match="only be pickled by distlab.rpc"):
         framing.rref_reduce((0, 0, 0, 0, 1, 0))
-    with pytest.raises(pickle.UnpicklingError, match="outside distlab.rpc"):
-        framing._fork_placeholder(0)
+    class Placeholder:
+        def __reduce__(self):
+            return framing._fork_placeholder, (0,)
+
+    with pytest.raises(RpcMessageError, match="outside distlab.rpc"):
+        framing.loads(pickle.dumps(Placeholder()))
 
 
 def test_header_struct_is_fixed():
-    assert framing.HEADER.size == struct.calcsize("<iiqii") == 24
+    assert HEADER.size == struct.calcsize("<2sBBiiqiii") == 32
+
+
+# -- fuzzing ------------------------------------------------------------------------------------------------------
+objects = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20),
+              st.binary(max_size=300)),
+    lambda children: st.one_of(st.lists(children, max_size=4), st.tuples(children, children),
+                               st.dictionaries(st.text(max_size=5), children, max_size=3)),
+    max_leaves=12)
+
+
+def _outcomes(fn):
+    """Run ``fn(codec)`` on every twin under tracemalloc: (result or error words) per twin, and the peak."""
+    results = {}
+    tracemalloc.start()
+    try:
+        for impl, codec in CODECS.items():
+            try:
+                value = fn(codec)
+                results[impl] = ("ok", repr(value))
+            except RpcMessageError as exc:
+                results[impl] = ("error", str(exc), exc.kind, exc.flags, exc.mid)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len({v for v in results.values()}) == 1, results
+    return next(iter(results.values())), peak
+
+
+def _mutate(rng, data: bytes) -> bytes:
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.4 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif choice < 0.6 and len(data) >= 8:
+            at = rng.randrange(len(data) - 7)
+            data[at:at + 8] = rng.choice([2 ** 40, 2 ** 63 - 1, 2 ** 31, 1 << 33, 65537]).to_bytes(8, "little")
+        elif choice < 0.75 and data:
+            del data[rng.randrange(len(data)):]
+        elif choice < 0.9:
+            data.insert(rng.randint(0, len(data)), rng.choice(b"\x8e\x96Bpr\x95(.\n"))
+        else:
+            data += bytes(rng.randrange(16))
+    return bytes(data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(obj=objects, meta=objects, seed=st.integers(0, 2 ** 32 - 1))
+def test_fuzzed_messages_only_raise_message_errors_and_allocate_little(obj, meta, seed):
+    rng = random.Random(seed)
+    body, buffers, forks = framing.dumps(obj)
+    message = framing.pack_header(rng.randrange(70), rng.randrange(8), rng.randrange(-5, 2 ** 40), buffers,
+                                  meta, [(0, 0, 1, 0, 2, 1)] * rng.randrange(3), body)
+    for _ in range(40):  # 60 x 40 = 2,400 mutated messages (and as many pickles) per run
+        data = _mutate(rng, message)
+        outcome, peak = _outcomes(lambda codec: codec.unpack_header(data, LIMIT)[:5])
+        assert peak < (1 << 20) + 4 * len(data), peak
+        pickled = _mutate(rng, body)
+        _, peak = _outcomes(lambda codec: codec.check_pickle(pickled))
+        try:  # what the facade does with a message: the codec's checks, then pickle (meta and body)
+            tracemalloc.start()
+            kind, flags, mid, sizes, meta_out, _forks, got_body = framing.unpack_header(data)
+            framing.loads(got_body, [bytearray(s) for s in sizes] if sum(sizes) < LIMIT else [])
+        except DistlabError:
+            pass
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < (1 << 22) + 64 * len(data), (peak, data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1))
+def test_fuzzed_batches_agree(seed):
+    rng = random.Random(seed)
+    frames = [bytes(rng.randrange(40)) for _ in range(rng.randrange(5))]
+    data = _mutate(rng, CODECS["reference"].pack_batch(frames))
+    _outcomes(lambda codec: [bytes(f) for f in codec.split_batch(data)])

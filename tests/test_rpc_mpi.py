@@ -10,6 +10,18 @@ def test_agent(mpirun, np_):
     assert result.stdout.count("rpc agent OK") == np_
 
 
+def test_torch_rpc_api(mpirun, impl):
+    # worker infos, get/_set_rpc_timeout, functions.async_execution, proxies that check the method at the call,
+    # RRef.backward (local and distributed)
+    result = mpirun("rpc_api.py", np=2, timeout=120, env={"DISTLAB_IMPL": impl, "DISTLAB_TIMEOUT": "77"})
+    assert result.stdout.count("rpc api OK") == 2
+
+
+def test_malformed_messages_are_refused_and_answered(mpirun):
+    result = mpirun("rpc_malformed.py", np=2, timeout=120, env={"DISTLAB_RPC_MAX_MESSAGE_BYTES": "4000000"})
+    assert result.stdout.count("rpc malformed OK") == 2
+
+
 def test_agent_mixed_world(mpirun):
     result = mpirun("rpc_agent.py", np=2, args=["mixed"], timeout=120)
     assert result.stdout.count("rpc agent OK") == 2
@@ -34,6 +46,14 @@ def test_parameter_server_example(mpirun):
     example = Path(__file__).resolve().parent.parent / "examples" / "parameter_server.py"
     result = mpirun(str(example), np=3, timeout=120)
     assert "parameter server example OK" in result.stdout
+
+
+def test_parameter_server_example_needs_two_ranks(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "parameter_server.py"
+    result = mpirun(str(example), np=1, timeout=60, expect_failure=True)
+    assert "needs 2 or more ranks" in result.stdout + result.stderr
 
 
 def test_lifecycle_and_timeline(mpirun, tmp_path):

@@ -42,7 +42,7 @@ def test_rref_methods_match():
         assert callable(core_obj), name
         if not inspect.isclass(ref_obj):
             continue
-        for member in (m for m in vars(ref_obj) if not m.startswith("__")):
+        for member in (m for m in vars(ref_obj) if not m.startswith("_")):  # private ones are cdef in core
             ref_member = getattr(ref_obj, member)
             if callable(ref_member):
                 core_member = getattr(core_obj, member)

@@ -83,7 +83,7 @@ def test_owner_to_user_and_user_deletion(rref):
     assert owner_ctx.idle() and user_ctx.idle()
     with pytest.raises(RRefDeletedError, match="has been deleted"):
         user.check_usable("to_here()")
-    with pytest.raises(RRefDeletedError, match="Cannot call fork an UserRRef after deletion"):
+    with pytest.raises(RRefDeletedError, match="Cannot call fork on it after deletion"):
         user_ctx.prepare_child_fork(user)
 
 

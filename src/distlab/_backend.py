@@ -36,6 +36,7 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "rref": ("distlab.reference.rref", "distlab.core._rref"),
     "autograd_container": ("distlab.reference.autograd_container", "distlab.core._autograd_container"),
     "negotiation": ("distlab.reference.negotiation", "distlab.core._negotiation"),
+    "rpc_framing": ("distlab.reference.rpc_framing", "distlab.core._rpc_framing"),
 }
 
 BUILD_HINT = (

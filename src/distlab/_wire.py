@@ -4,13 +4,14 @@ from __future__ import annotations
 import struct
 
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS",
-           "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE",
-           "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN", "LIST_FLAGS",
-           "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET",
-           "LIST_HEADER", "REQUEST_HEAD", "RESPONSE_HEAD", "RequestType", "ResponseType",
-           "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES", "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES",
-           "DTYPE_CODES", "CPU_DEVICE_ID", "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE",
-           "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
+           "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RPC_WIRE_MAGIC",
+           "RPC_WIRE_VERSION", "RPC_HEADER_FORMAT", "RPC_FLAG_ERROR", "RPC_FLAG_INLINE", "RPC_FLAG_NOREPLY",
+           "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
+           "RREF_LOCAL_ID_BITS", "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN",
+           "LIST_FLAGS", "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET", "LIST_HEADER", "REQUEST_HEAD",
+           "RESPONSE_HEAD", "RequestType", "ResponseType", "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES",
+           "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES", "DTYPE_CODES", "CPU_DEVICE_ID",
+           "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
            "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
            "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS",
            "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
@@ -46,9 +47,30 @@ RPC_KINDS = (
 RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
 RPC_USER_KIND_BASE = 64
 
+#: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, a reserved byte (0),
+#: kind, flags, message id, number of out-of-band buffers, number of RRef fork records, length of the pickled
+#: metadata. Bump the version whenever the layout changes: a worker refuses messages of another version with a
+#: clear error.
+RPC_WIRE_MAGIC = b"dR"
+RPC_WIRE_VERSION = 2
+RPC_HEADER_FORMAT = "<2sBBiiqiii"
+RPC_FLAG_ERROR = 1      # response: the body is a remote exception description
+RPC_FLAG_INLINE = 2     # request: cheap, run on the listener thread
+RPC_FLAG_NOREPLY = 4    # request: no response expected
+#: MPI tags on the agent's own communicator: header messages, then each out-of-band buffer.
+RPC_TAG_HEADER = 17
+RPC_TAG_BUFFER = 18
+
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
 RFD_TUPLE_SIZE = 6
+
+#: RRef ids (``GloballyUniqueId(created_on, local_id)``, mirrors types.h): ``created_on`` is a worker id in
+#: [0, 2**RREF_WORKER_ID_BITS) (as PyTorch's int16 worker_id_t), ``local_id`` a per-worker counter in
+#: [0, 2**RREF_LOCAL_ID_BITS). Both twins reject anything else with the same RRefProtocolError; the core twin
+#: packs an id into one int64 (``created_on << RREF_LOCAL_ID_BITS | local_id``), one-to-one within these ranges.
+RREF_WORKER_ID_BITS = 16
+RREF_LOCAL_ID_BITS = 40
 
 # -- reduce ops: THE one table -------------------------------------------------------------------------------
 #: Reduce-op names by code; 0 (``""``) means "not a reduction". Used by the collective fingerprint, the comm layer

@@ -13,12 +13,14 @@ __all__ = [
     "CoreNotBuiltError",
     "RpcError",
     "RpcThreadLevelError",
+    "RpcMessageError",
     "RemoteError",
     "RRefError",
     "RRefDeletedError",
     "RRefCreationTimeoutError",
     "RRefLeakError",
     "RRefProtocolError",
+    "RRefIdOverflowError",
     "DistAutogradError",
     "AutogradContextNotFoundError",
     "AutogradIdOverflowError",
@@ -116,6 +118,30 @@ class RpcThreadLevelError(RpcError):
     """The MPI library does not provide ``MPI_THREAD_MULTIPLE``, which the RPC agent's listener thread needs."""
 
 
+class RpcMessageError(RpcError):
+    """A malformed RPC message: wrong magic, wire version or checksum, sizes out of bounds, missing buffers.
+
+    Attributes
+    ----------
+    kind, flags, mid : int or None
+        The message's kind, flags and message id when its header could be trusted (checksum intact), else None:
+        the agent then answers the sender's request with this error instead of leaving it to time out.
+    """
+
+    def __init__(self, message, *, kind=None, flags=None, mid=None):
+        super().__init__(message)
+        self.kind = kind
+        self.flags = flags
+        self.mid = mid
+
+    def __reduce__(self):  # travels back to the sender of the malformed request
+        return _rebuild_rpc_message_error, (str(self), self.kind, self.flags, self.mid)
+
+
+def _rebuild_rpc_message_error(message, kind, flags, mid):
+    return RpcMessageError(message, kind=kind, flags=flags, mid=mid)
+
+
 class RemoteError(RpcError):
     """A function run through RPC raised on the remote worker.
 
@@ -157,6 +183,11 @@ class RRefLeakError(RRefError):
 
 class RRefProtocolError(RRefError):
     """Inconsistent RRef protocol state: a message that cannot be applied (malformed or impossible)."""
+
+
+class RRefIdOverflowError(RRefError, OverflowError):
+    """A worker's RRef id counter is exhausted (ids are ``(worker id, local id)`` with ``RREF_LOCAL_ID_BITS``
+    bits of local id; see :mod:`distlab._wire`)."""
 
 
 # -- distributed autograd (distlab.distributed_autograd, twinned autograd containers) ------------------------

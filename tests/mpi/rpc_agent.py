@@ -131,7 +131,7 @@ if rank == 0:
     assert rpc.rpc_sync(peer, add, (1, 1)) == 2
     errors = rpc.rpc_sync(peer, lambda: rpc.get_agent().errors)
     assert any("malformed RPC message" in e for e in errors), errors
-    assert any("malformed batch" in e for e in errors), errors
+    assert any("malformed RPC batch" in e for e in errors), errors
     for dst in range(1, world):
         rpc.rpc_sync(dst, finish)
 else:

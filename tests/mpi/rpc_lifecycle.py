@@ -10,10 +10,15 @@ from distlab.errors import RpcError
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 _go = threading.Event()
+_ready = threading.Semaphore(0)
 
 
 def release():
     _go.set()
+
+
+def ready():
+    _ready.release()
 
 
 def add(a, b):
@@ -44,7 +49,10 @@ rpc.shutdown()
 rpc.init_rpc(f"again{rank}")
 assert rpc.get_worker_info().name == f"again{rank}"
 assert rpc.rpc_sync(f"again{(rank + 1) % world}", add, (1, 1)) == 2
+if rank != 0:
+    rpc.rpc_sync(0, ready)  # rank 0 must not stop before every rank's call above was answered
 if rank == 0:
+    assert all(_ready.acquire(timeout=60) for _ in range(world - 1))
     slow = rpc.rpc_async(1, time.sleep, (1.0,))
     for dst in range(1, world):
         rpc.rpc_sync(dst, release)

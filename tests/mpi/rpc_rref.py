@@ -174,6 +174,6 @@ if rank == 0:
     try:
         kept.rpc_sync().sum()
         raise AssertionError("proxy after shutdown accepted")
-    except RpcError:
-        pass
+    except RRefDeletedError as exc:
+        assert "Cannot call a proxy" in str(exc)
 print(f"rref OK rank {rank} impl {impl}", flush=True)

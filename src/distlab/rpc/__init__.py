@@ -1,6 +1,7 @@
 """distlab.rpc: RPC over MPI point-to-point and remote references (RRefs) with PyTorch's RRef protocol.
 
-``init_rpc``/``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, ``RRef``, ``rref_debug_info``; the agent
+``init_rpc``/``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, ``RRef``, ``rref_debug_info``, ``get_worker_info``,
+``get_worker_infos``, ``get_rpc_timeout``/``_set_rpc_timeout``, ``functions.async_execution`` (PyTorch's names); the agent
 (listener thread, thread pool, futures matched by message id) is :class:`distlab.rpc.agent.RpcAgent`, and the
 RRef protocol state is the active twin's ``RRefContext`` (``distlab._backend.load("rref")``).
 
@@ -17,9 +18,12 @@ import sys as _sys
 if "mpi4py.MPI" not in _sys.modules:
     _os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
 
+from . import functions
 from .agent import CallInfo, WorkerInfo, current_call
-from .api import cheap, get_agent, get_worker_info, init_rpc, is_initialized, remote, rpc_async, rpc_sync, shutdown
+from .api import (_set_rpc_timeout, cheap, get_agent, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
+                  is_initialized, remote, rpc_async, rpc_sync, shutdown)
 from .rref import RRef, rref_debug_info
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
-           "is_initialized", "WorkerInfo", "CallInfo", "current_call", "RRef", "rref_debug_info"]
+__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync", "rpc_async",
+           "remote", "cheap", "get_agent", "is_initialized", "WorkerInfo", "CallInfo", "current_call", "RRef",
+           "rref_debug_info", "functions"]

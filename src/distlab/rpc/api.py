@@ -5,22 +5,34 @@ Shared plumbing over :class:`distlab.rpc.agent.RpcAgent`; the RRef protocol stat
 """
 from __future__ import annotations
 
+import atexit
 import threading
 
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import RpcError
-from distlab.futures import Future
+from distlab.futures import Future, default_timeout
 
-from . import framing, wrappers
+from . import framing, functions, wrappers
 from .agent import RpcAgent, WorkerInfo, check_thread_level
+from .functions import is_async_execution
+from .workers import check_name, join_workers
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
-           "is_initialized"]
+__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
+           "rpc_async", "remote", "cheap", "get_agent", "is_initialized"]
 
 K_CALL = RPC_KIND_CODES["call"]
 
 _state_lock = threading.Lock()
 _agent: RpcAgent | None = None
+_atexit_registered = False
+#: The RRef layer (attach, graceful_delete, detach, remote), installed by distlab.rpc.rref when it is imported:
+#: rref builds on this module, so this module never imports it.
+_rref_layer = None
+
+
+def _install_rref_layer(layer) -> None:
+    global _rref_layer
+    _rref_layer = layer
 
 
 def cheap(fn):
@@ -44,10 +56,13 @@ def is_initialized() -> bool:
 
 def _handle_call(src, payload, meta):
     func, args, kwargs = payload
-    return func(*args, **kwargs) if kwargs else func(*args)
+    result = func(*args, **kwargs) if kwargs else func(*args)
+    if isinstance(result, Future) or is_async_execution(func):  # a Future answers later, with @async_execution only
+        return functions.check_result(func, result, Future)
+    return result
 
 
-def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
+def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
     """Start this worker's RPC agent (collective over COMM_WORLD: every rank calls it).
 
     Parameters
@@ -56,13 +71,16 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
         Unique worker name.
     rank, world_size : int, optional
         Checked against MPI's COMM_WORLD when given.
-    rpc_timeout : float
-        Default per-call timeout in seconds (``0`` disables it).
+    rpc_timeout : float, optional
+        Default timeout of every RPC and RRef wait, in seconds; ``None`` (the default) takes ``DISTLAB_TIMEOUT``
+        (300 s unless set), the bound on every wait in distlab; ``0`` disables it. ``init_rpc`` itself waits at
+        most this long (``DISTLAB_TIMEOUT`` when disabled) for every rank to call it, then raises
+        :class:`~distlab.errors.DistTimeoutError` naming the ranks that did not.
+    num_threads : int
+        Threads running the requests this worker receives.
     """
-    global _agent
+    global _agent, _atexit_registered
     from mpi4py import MPI
-
-    from . import rref as _rref_glue
 
     with _state_lock:
         if _agent is not None and _agent.running:
@@ -72,24 +90,65 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=60.0, num_threads=4):
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
         if world_size is not None and world_size != world.Get_size():
             raise ValueError(f"init_rpc(world_size={world_size}) but MPI has {world.Get_size()} ranks")
+        rpc_timeout = _check_timeout(default_timeout() if rpc_timeout is None else rpc_timeout)
         check_thread_level()
-        agent = RpcAgent(name, world.Dup(), rpc_timeout=rpc_timeout, num_threads=num_threads)
+        check_name(name)
+        comm, names = join_workers(world, name, rpc_timeout or default_timeout())
+        agent = RpcAgent(name, comm, rpc_timeout=rpc_timeout, num_threads=num_threads, names=names)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
-        _rref_glue.attach(agent)
+        _rref_layer.attach(agent)
         _agent = agent  # before the listener starts: handlers may call get_agent() at once
         agent.start()
+        if not _atexit_registered:
+            atexit.register(_stop_at_exit)
+            _atexit_registered = True
     return agent.info
 
 
-def get_worker_info(name=None) -> WorkerInfo:
-    """``WorkerInfo(name, id)`` of worker ``name`` (this worker when None)."""
-    return get_agent().worker_info(name)
+def _check_timeout(seconds) -> float:
+    """A timeout in seconds, 0 for none; ``inf`` (DISTLAB_TIMEOUT's "no deadline") is 0 too."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"an RPC timeout is a number of seconds >= 0 (0: none), got {seconds!r}")
+    return 0.0 if seconds == float("inf") else float(seconds)
 
 
-def _call_payload(func, args, kwargs):
-    if not callable(func):
-        raise TypeError(f"rpc: func must be callable, got {type(func).__name__}")
-    return (framing.by_value(func), tuple(args), dict(kwargs) if kwargs else None)
+def _stop_at_exit() -> None:
+    """atexit: a program that ends without ``shutdown()`` (an uncaught error, or simply forgotten) must not
+    leave the listener thread inside MPI when mpi4py finalizes MPI, which then crashed (segmentation fault).
+    Registered after mpi4py initialised MPI, so it runs first. Non-graceful: the other workers may be gone."""
+    agent = _agent
+    if agent is None or not agent.running:
+        return
+    try:
+        agent.stop(graceful=False, timeout=5.0)
+        _rref_layer.detach(agent, check_leaks=False)
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+def get_worker_info(worker_name=None) -> WorkerInfo:
+    """``WorkerInfo(name, id)`` of the worker named ``worker_name`` (this worker when None); as PyTorch's, it also
+    takes an id or a WorkerInfo. ValueError for an unknown worker."""
+    return get_agent().worker_info(worker_name)
+
+
+def get_worker_infos() -> list:
+    """Every worker's ``WorkerInfo``, by id (PyTorch has it on the agent only: ``_get_current_rpc_agent()``)."""
+    return list(get_agent().workers)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of RPC calls on this worker, in seconds (0: none); see :func:`_set_rpc_timeout`."""
+    return get_agent().rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout) -> None:
+    """Set the default timeout of the calls this worker makes from now on (seconds; 0: none), as PyTorch's
+    ``rpc._set_rpc_timeout``; calls already in flight keep theirs."""
+    get_agent().rpc_timeout = _check_timeout(rpc_timeout)
+
+
+_call_payload = framing.call_payload
 
 
 # -- call wrappers (distlab.rpc.wrappers: how distributed autograd rewrites calls made inside a context) -----------
@@ -125,38 +184,35 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
 
 def remote(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func`` on worker ``to`` and return an RRef to its result (see :mod:`distlab.rpc.rref`)."""
-    from .rref import remote as _remote
-
     wrapped = _wrap(get_agent(), to, func, args, kwargs, remote=True)
     if wrapped:
         func, args, kwargs, _unwrap = wrapped
-    return _remote(to, func, args, kwargs, timeout)
+    return _rref_layer.remote(to, func, args, kwargs, timeout)
 
 
 def shutdown(graceful=True, timeout=None):
     """Stop RPC on this worker. ``graceful`` (collective): wait until every worker has called shutdown, delete
     every UserRRef, wait until no OwnerRRef remains, wait until every worker is done sending, then stop; raises
-    RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout)."""
+    RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout, or
+    ``DISTLAB_TIMEOUT`` when that is disabled)."""
     global _agent
-    from . import rref as _rref_glue
-
     with _state_lock:
         agent = _agent
         if agent is None or not agent.running:
             raise RpcError("shutdown: distlab.rpc is not initialized on this worker")
-        timeout = agent.rpc_timeout if timeout is None else timeout
+        timeout = (agent.rpc_timeout or default_timeout()) if timeout is None else timeout
         try:
             if graceful:
                 # mirrors torch.distributed.rpc.shutdown: first every worker agrees it is done (no new user
                 # work), then UserRRefs are deleted and owners drained, then every worker is done sending.
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
-                _rref_glue.graceful_delete(agent, timeout)
+                _rref_layer.graceful_delete(agent, timeout)
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
         finally:
             agent.stop(graceful=graceful, timeout=timeout)
-            leaks = _rref_glue.detach(agent, check_leaks=graceful)
+            leaks = _rref_layer.detach(agent, check_leaks=graceful)
             _agent = None
         if leaks is not None:
             raise leaks

@@ -1,14 +1,23 @@
-"""Message framing and serialization for the RPC agent (shared plumbing, not twinned).
+"""Message framing and serialization for the RPC agent (shared plumbing; the byte codec is twinned).
 
 A message is one MPI message on ``TAG_HEADER`` followed by zero or more MPI messages on ``TAG_BUFFER`` (the
 out-of-band buffers, sent from the arrays' own memory: pickle protocol 5 with ``buffer_callback``, never copied
-through the pickle bytes). The header message is::
+through the pickle bytes). The header message is (layout and checks in the codec,
+:mod:`distlab.reference.rpc_framing` / ``distlab.core._rpc_framing``, the active twin)::
 
-    struct  <iiqii  kind, flags, message id, number of buffers, length of the "outer" pickle
+    fixed header    magic b"dR", wire version (distlab._wire.RPC_WIRE_VERSION), kind, flags, message id,
+                    number of buffers, number of RRef fork records, length of the metadata
     int64 * nbuf    byte size of each out-of-band buffer
-    outer pickle    (meta, forks): request metadata (any picklable object, or None) and the RRef fork data
-                    carried by the body (a list of ``RFD_TUPLE_SIZE`` tuples); absent when both are empty
-    body            the pickled payload, whose RRefs are placeholders resolved from ``forks`` on the receiver
+    fork records    the RRef fork data carried by the body (``RFD_TUPLE_SIZE`` int64 each)
+    metadata        the request metadata, pickled (any picklable object; absent when None)
+    body            the pickled payload, whose RRefs are placeholders resolved from the fork records
+
+Nothing a message claims is trusted (limits in ``distlab._common.rpc_framing``): at most 65,536 buffers and
+65,536 fork records, a header message and a message's buffers each at most ``DISTLAB_RPC_MAX_MESSAGE_BYTES``
+(16 GiB), every length checked against the bytes received, every pickle walked by the codec's ``check_pickle``
+before it is loaded (CPython's unpickler allocates what a pickle claims before reading it). Any violation is a
+:class:`~distlab.errors.RpcMessageError`. A well-formed pickle can still run code when loaded: RPC trusts the
+workers of its job (see the trust model in the docs).
 
 RRefs are pickled in two phases (so the receiver can act on them before running any user code): while the body
 is pickled, each RRef's ``__reduce__`` calls the *fork hook* installed by :func:`dumps` (the RRef context's
@@ -22,26 +31,33 @@ bytes are cached per function object.
 from __future__ import annotations
 
 import pickle
-import struct
 import threading
 import weakref
 
 import cloudpickle
 
+from distlab import _backend
+from distlab._common.rpc_framing import HEADER, MAX_BUFFERS, MAX_FORKS, max_message_bytes
+from distlab._wire import RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY
+from distlab.errors import RpcMessageError
+
 __all__ = [
-    "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX",
-    "dumps", "loads", "pack_header", "unpack_header", "by_value", "current_forks",
+    "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX", "MAX_BUFFERS", "MAX_FORKS",
+    "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "pack_batch", "split_batch",
+    "by_value", "call_payload", "current_forks",
 ]
 
-HEADER = struct.Struct("<iiqii")
-FLAG_ERROR = 1      # response: the body is a remote exception description
-FLAG_INLINE = 2     # request: cheap, run on the listener thread
-FLAG_NOREPLY = 4    # request: no response expected
+FLAG_ERROR = RPC_FLAG_ERROR      # response: the body is a remote exception description
+FLAG_INLINE = RPC_FLAG_INLINE    # request: cheap, run on the listener thread
+FLAG_NOREPLY = RPC_FLAG_NOREPLY  # request: no response expected
 
 #: Buffers at most this big travel in-band: an extra MPI message costs more than the copy. Measured here
 #: (2 ranks, rpc_sync echo of a 4000-byte array): out-of-band 540-630 us, in-band 140-235 us.
 INBAND_MAX = 4096
+#: ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` when distlab.rpc was imported.
+MAX_MESSAGE_BYTES = max_message_bytes()
 
+_codec = _backend.load("rpc_framing")
 _local = threading.local()
 
 
@@ -180,37 +196,57 @@ def fork_hook():
 
 
 def loads(body, buffers=(), resolved=None):
-    """Unpickle ``body`` with its out-of-band ``buffers``; RRef placeholders become ``resolved[i]``."""
+    """Unpickle ``body`` with its out-of-band ``buffers``; RRef placeholders become ``resolved[i]``.
+
+    The pickle is checked first (``check_pickle``); a malformed one, or one that fails to load, raises
+    RpcMessageError (chained to the unpickler's own error).
+    """
+    _codec.check_pickle(body)
     previous = getattr(_local, "resolved", None)
     _local.resolved = resolved
     try:
         return pickle.loads(body, buffers=buffers)
+    except Exception as exc:  # noqa: BLE001 - a payload that cannot be rebuilt here is a message error
+        raise RpcMessageError(f"could not unpickle the RPC payload: {type(exc).__name__}: {exc}") from exc
     finally:
         _local.resolved = previous
 
 
-def pack_header(kind, flags, mid, buffers, meta, forks, body):
+def call_payload(func, args, kwargs) -> tuple:
+    """The payload of a call: ``(func, args, kwargs)`` with ``func`` made sendable (:func:`by_value`)."""
+    if not callable(func):
+        raise TypeError(f"rpc: func must be callable, got {type(func).__name__}")
+    return (by_value(func), tuple(args), dict(kwargs) if kwargs else None)
+
+
+def pack_header(kind, flags, mid, buffers, meta, forks, body) -> bytes:
     """Build the header message bytes (see the module docstring)."""
-    outer = pickle.dumps((meta, forks), protocol=5) if (meta is not None or forks) else b""
-    sizes = struct.pack(f"<{len(buffers)}q", *[b.nbytes for b in buffers]) if buffers else b""
-    return b"".join((HEADER.pack(kind, flags, mid, len(buffers), len(outer)), sizes, outer, body))
+    meta_bytes = pickle.dumps(meta, protocol=5) if meta is not None else b""
+    return _codec.pack_header(kind, flags, mid, [b.nbytes for b in buffers], forks, meta_bytes, body)
 
 
-def unpack_header(data):
-    """Parse header message bytes: return ``(kind, flags, mid, sizes, meta, forks, body)`` (body is a view)."""
-    view = memoryview(data)
-    if len(view) < HEADER.size:
-        raise ValueError(f"malformed RPC message: {len(view)} bytes, shorter than the {HEADER.size}-byte header")
-    kind, flags, mid, nbuf, nouter = HEADER.unpack_from(view, 0)
-    pos = HEADER.size
-    if nbuf < 0 or nouter < 0 or pos + 8 * nbuf + nouter > len(view):
-        raise ValueError(f"malformed RPC message: header says {nbuf} buffers and {nouter} outer bytes "
-                         f"but the message has {len(view)} bytes")
-    sizes = struct.unpack_from(f"<{nbuf}q", view, pos) if nbuf else ()
-    pos += 8 * nbuf
-    if nouter:
-        meta, forks = pickle.loads(view[pos:pos + nouter])
+def unpack_header(data) -> tuple:
+    """Parse and check header message bytes: ``(kind, flags, mid, sizes, meta, forks, body)`` (body a view).
+
+    Raises RpcMessageError (with the message's kind, flags and id when its header could be read).
+    """
+    kind, flags, mid, sizes, forks, meta, body = _codec.unpack_header(data, MAX_MESSAGE_BYTES)
+    if len(meta):
+        try:
+            meta = loads(meta)
+        except RpcMessageError as exc:
+            raise RpcMessageError(f"malformed RPC message metadata: {exc}", kind=kind, flags=flags,
+                                  mid=mid) from exc
     else:
-        meta, forks = None, ()
-    pos += nouter
-    return kind, flags, mid, sizes, meta, forks, view[pos:]
+        meta = None
+    return kind, flags, mid, sizes, meta, forks, body
+
+
+def pack_batch(frames) -> bytes:
+    """Several header messages as the body of one ``batch`` message."""
+    return _codec.pack_batch(frames)
+
+
+def split_batch(body) -> list:
+    """The header messages of a ``batch`` body (RpcMessageError when a frame length overruns)."""
+    return _codec.split_batch(body)

@@ -11,15 +11,19 @@ reference counting), and graceful shutdown deletes every remaining UserRRef expl
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import time
+import types
 
 from distlab import _backend
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import DistTimeoutError, RpcError, RRefError
 from distlab.futures import Future
 
-from . import framing
+from . import api, framing, functions
+from .agent import current_call
+from .functions import async_execution, is_async_execution
 
 __all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
 
@@ -48,21 +52,24 @@ class RRef:
     """A reference to a value owned by some worker (``RRef(value)`` makes a local one, owned here).
 
     Methods mirror ``torch.distributed.rpc.RRef``: :meth:`to_here`, :meth:`local_value`, :meth:`owner`,
-    :meth:`owner_name`, :meth:`is_owner`, :meth:`confirmed_by_owner`, and the proxies :meth:`rpc_sync`,
-    :meth:`rpc_async`, :meth:`remote` (``rref.rpc_sync().method(*args)`` runs ``method`` on the owner).
+    :meth:`owner_name`, :meth:`is_owner`, :meth:`confirmed_by_owner`, :meth:`backward`, and the proxies
+    :meth:`rpc_sync`, :meth:`rpc_async`, :meth:`remote` (``rref.rpc_sync().method(*args)`` runs ``method`` on the
+    owner).
     """
 
-    __slots__ = ("_r", "_deadline", "__weakref__")
+    __slots__ = ("_r", "_deadline", "_type", "__weakref__")
 
     def __init__(self, value):
         self._r = get_context().create_owner_rref(value)
         self._deadline = None
+        self._type = None
 
     @classmethod
     def _wrap(cls, impl, deadline=None):
         obj = cls.__new__(cls)
         obj._r = impl
         obj._deadline = deadline
+        obj._type = None
         return obj
 
     def is_owner(self) -> bool:
@@ -71,9 +78,7 @@ class RRef:
 
     def owner(self):
         """The owner's WorkerInfo."""
-        from .api import get_agent
-
-        return get_agent().worker_info(self._r.owner())
+        return api.get_agent().worker_info(self._r.owner())
 
     def owner_name(self) -> str:
         """The owner's worker name."""
@@ -98,8 +103,6 @@ class RRef:
         if not r.confirmed_by_owner() and self._deadline is not None and time.monotonic() > self._deadline:
             r.timed_out = True
         r.check_usable("to_here()")
-        from . import api
-
         # a call wrapper (distributed autograd inside a context) turns the fetch into a call of local_value
         # carrying its metadata (torch: to_here records a send function on the owner, a recv function here)
         wrapped = api._wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
@@ -110,20 +113,55 @@ class RRef:
         return api.get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
 
     def rpc_sync(self, timeout=None):
-        """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``."""
-        from .api import rpc_sync
+        """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``.
 
-        return _Proxy(self, rpc_sync, timeout)
+        As in PyTorch, ``m`` must be an attribute of the value's type (fetched from the owner at the first proxy
+        call, then kept): otherwise the call raises AttributeError at once, here. Types that define
+        ``__getattr__`` are not checked. A method decorated with
+        :func:`~distlab.rpc.functions.async_execution` answers when the Future it returns completes.
+        """
+        return _Proxy(self, api.rpc_sync, timeout)
 
     def rpc_async(self, timeout=None):
-        """Proxy like :meth:`rpc_sync` returning Futures."""
-        from .api import rpc_async
-
-        return _Proxy(self, rpc_async, timeout)
+        """Proxy like :meth:`rpc_sync` returning Futures (the AttributeError is raised at the call too)."""
+        return _Proxy(self, api.rpc_async, timeout)
 
     def remote(self, timeout=None):
         """Proxy like :meth:`rpc_sync` returning RRefs."""
-        return _Proxy(self, remote, timeout)
+        return _Proxy(self, api.remote, timeout)
+
+    def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
+        """Run backward from the value, a scalar :class:`~distlab.autograd.Tensor` (mirrors ``PyRRef::backward``).
+
+        With ``dist_autograd_ctx_id=-1`` (the default) it is a local backward, allowed on the owner only (the
+        gradients land in ``.grad``). With a distributed autograd context id it is
+        ``distributed_autograd.backward(dist_autograd_ctx_id, [value], retain_graph)`` run on the owner, whichever
+        worker calls it (the gradients land in that context). A user RRef needs the context id (RRefError).
+        """
+        r = self._r
+        if r.is_owner():
+            _backward_from(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RRefError(f"User RRefs require 'dist_autograd_ctx_id' to be specified: {r!r} is owned by worker "
+                            f"{self.owner_name()!r}, where backward runs within a distributed autograd context")
+        r.check_usable("backward()")
+        # A call of the RRef layer, not of the user: not wrapped by distributed autograd (torch: RRefBackwardReq).
+        api.get_agent().call_sync(r.owner(), api.K_CALL, framing.call_payload(
+            _backward_on_owner, (self, dist_autograd_ctx_id, retain_graph), None))
+
+    def _get_type(self, timeout=None):
+        """The type of the value: ``type(local_value())`` on the owner, else asked of the owner once and kept
+        (mirrors torch's ``RRef._get_type``; what the proxies check method names against)."""
+        if self._type is None:
+            r = self._r
+            if r.is_owner():
+                self._type = type(self.local_value())
+            else:
+                r.check_usable("a proxy (rpc_sync(), rpc_async(), remote())")
+                self._type = api.get_agent().call_sync(r.owner(), api.K_CALL, framing.call_payload(
+                    _value_type, (self,), None), timeout=timeout)
+        return self._type
 
     def __reduce__(self):
         hook = framing.fork_hook()
@@ -151,16 +189,54 @@ class _Proxy:
         self._rref, self._fn, self._timeout = rref, fn, timeout
 
     def __getattr__(self, name):
-        rref, fn, timeout = self._rref, self._fn, self._timeout
+        return functools.partial(_invoke_rpc, self._rref, self._fn, name, self._timeout)
 
-        def call(*args, **kwargs):
-            return fn(rref._r.owner(), _invoke_method, (rref, name, args, kwargs), timeout=timeout)
 
-        return call
+def _invoke_rpc(rref, rpc_api, name, timeout, *args, **kwargs):
+    """A proxy call (mirrors rref_proxy.py ``_invoke_rpc``): check the method on the value's type, here and now,
+    then run it on the owner through ``rpc_api`` (rpc_sync, rpc_async or remote)."""
+    value_type = rref._get_type(timeout)
+    method = getattr(value_type, name, _MISSING)
+    if method is _MISSING:
+        if not hasattr(value_type, "__getattr__"):
+            raise AttributeError(f"{value_type.__qualname__!r} object has no attribute {name!r} (the value of {rref!r}, "
+                                 f"owned by worker {rref.owner_name()!r}, called through an RRef proxy)")
+        method = None
+    invoke = _invoke_method_async if is_async_execution(method) else _invoke_method
+    return rpc_api(rref._r.owner(), invoke, (rref, name, args, kwargs), timeout=timeout)
+
+
+_MISSING = object()
 
 
 def _invoke_method(rref, name, args, kwargs):
     return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+@async_execution
+def _invoke_method_async(rref, name, args, kwargs):
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def _value_type(rref):
+    return type(rref.local_value())
+
+
+def _backward_on_owner(rref, context_id, retain_graph):
+    _backward_from(rref.local_value(), context_id, retain_graph)
+
+
+def _backward_from(value, context_id, retain_graph):
+    from distlab.autograd import Tensor
+
+    if not isinstance(value, Tensor):
+        raise TypeError(f"RRef should contain a tensor for .backward(), it holds a {type(value).__name__}")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        from distlab import distributed_autograd
+
+        distributed_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 # -- agent glue ---------------------------------------------------------------------------------------------------
@@ -185,11 +261,22 @@ def _handle_remote(src, payload, meta):
     owner = _ctx.handle_remote_call(_gid(rid), _gid(fid))
     try:
         value = func(*args, **kwargs) if kwargs else func(*args)
+        if isinstance(value, Future) or is_async_execution(func):  # @async_execution: the value comes later
+            functions.check_result(func, value, Future).add_done_callback(lambda f: _set_owner_value(owner, f))
+            return None
     except BaseException as exc:  # noqa: BLE001 - the error is the RRef's value (to_here re-raises it remotely)
         owner.set_error(exc)
         return None
     owner.set_value(value)
     return None
+
+
+def _set_owner_value(owner, fut) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        owner.set_error(exc)
+    else:
+        owner.set_value(fut.value())
 
 
 def _handle_fetch(src, payload, meta):
@@ -214,8 +301,6 @@ def _handle_fetch(src, payload, meta):
 
 
 def _handle_control(src, payload, meta):
-    from .agent import current_call
-
     return _ctx.handle(src, current_call().kind, payload)
 
 
@@ -247,12 +332,10 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     If the owner has not acknowledged the creation within ``timeout`` seconds (default the RPC timeout),
     ``to_here`` raises RRefCreationTimeoutError.
     """
-    from .api import _call_payload, get_agent
-
-    agent = get_agent()
+    agent = api.get_agent()
     ctx = _ctx
     dst = agent.worker_info(to).id
-    func_v, args, kwargs = _call_payload(func, args, kwargs)
+    func_v, args, kwargs = framing.call_payload(func, args, kwargs)
     r, rid, fid = ctx.create_remote(dst)
     timeout = agent.rpc_timeout if timeout is None else timeout
     rref = RRef._wrap(r, time.monotonic() + timeout if timeout and timeout > 0 else None)
@@ -319,3 +402,8 @@ def detach(agent, check_leaks=True):
     if ctx is None or not check_leaks:
         return None
     return ctx.check_leaks()
+
+
+# api builds on nothing of this module; it reaches the RRef layer through what is installed here.
+api._install_rref_layer(types.SimpleNamespace(attach=attach, graceful_delete=graceful_delete, detach=detach,
+                                              remote=remote))

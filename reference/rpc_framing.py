@@ -1,0 +1,168 @@
+"""The RPC wire codec (reference twin): the bytes of a message's header, batches, and the pickle check.
+
+Twinned with ``core/_rpc_framing.pyx``. :mod:`distlab.rpc.framing` uses the active twin for every message it
+packs and parses; what it means is explained there. The header message is::
+
+    fixed header      HEADER (distlab._wire.RPC_HEADER_FORMAT): magic b"dR", wire version, reserved (0),
+                      kind, flags, message id, nbuf, nforks, nmeta
+    int64 * nbuf      byte size of each out-of-band buffer (they follow as MPI messages of their own)
+    int64 * 6 * nforks  RRef fork records (distlab._wire.RFD_TUPLE_SIZE ints each)
+    nmeta bytes       the pickled request metadata (absent when there is none)
+    body              the pickled payload (the rest of the message)
+
+Nothing a message *claims* is trusted: counts, lengths and sizes are checked against the limits in
+``distlab._common.rpc_framing`` and against the bytes actually received, before anything is allocated. The
+same goes for a pickle: CPython's unpickler allocates the byte count a ``BINBYTES8`` opcode claims before it
+reads the bytes, and grows its memo to twice the index a ``PUT`` names, so a 12-byte pickle can make it ask for
+a terabyte. :func:`check_pickle` walks the opcodes first (without running any) and refuses such claims. What it
+does not refuse is a well-formed pickle that runs code: that is the trust model of RPC (see docs).
+
+Every error is a :class:`~distlab.errors.RpcMessageError` with the same words in both twins
+(``distlab._common.rpc_framing``).
+"""
+from __future__ import annotations
+
+import struct
+
+from distlab._common import rpc_framing as shared
+from distlab._common.rpc_framing import (FORK_RECORD_BYTES, FRAME_LEN, HEADER, MAGIC, MAX_BUFFERS, MAX_FORKS,
+                                         MAX_PUT_DIGITS, OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1,
+                                         OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_PLAIN,
+                                         OP_PUT4, OP_PUT_LINE, OP_STOP, VERSION)
+from distlab._wire import RFD_TUPLE_SIZE
+
+__all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
+
+#: How many bytes follow an opcode of each fixed-size class, and how wide each byte count is.
+_FIXED = {OP_FIXED1: 1, OP_FIXED2: 2, OP_FIXED4: 4, OP_FIXED8: 8}
+_COUNT_WIDTH = {OP_COUNT1: 1, OP_COUNT4: 4, OP_COUNT8: 8, OP_FRAME: 8}
+
+
+def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body) -> bytes:
+    """The header message: fixed header, buffer sizes, fork records, metadata bytes, body.
+
+    ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body.
+    """
+    fixed = HEADER.pack(MAGIC, VERSION, 0, kind, flags, mid, len(sizes), len(forks), len(meta))
+    sizes_bytes = struct.pack(f"<{len(sizes)}q", *sizes)
+    fork_bytes = struct.pack(f"<{RFD_TUPLE_SIZE * len(forks)}q", *[x for fork in forks for x in fork])
+    return b"".join((fixed, sizes_bytes, fork_bytes, meta, body))
+
+
+def unpack_header(data, max_bytes: int) -> tuple:
+    """Parse and check a header message; return ``(kind, flags, mid, sizes, forks, meta, body)``.
+
+    ``meta`` and ``body`` are memoryviews into ``data`` (``meta`` still pickled). ``max_bytes`` bounds the
+    out-of-band buffers together. Raises RpcMessageError, which carries kind, flags and message id once the
+    magic and the version are right (so the agent can answer the sender).
+    """
+    view = memoryview(data)
+    n = len(view)
+    if n < HEADER.size:
+        raise shared.short_message(n)
+    magic, version, _reserved, kind, flags, mid, nbuf, nforks, nmeta = HEADER.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise shared.bad_magic(magic)
+    if version != VERSION:
+        raise shared.bad_version(version, kind, flags, mid)
+    if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
+        raise shared.bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
+    sizes_at = HEADER.size
+    forks_at = sizes_at + 8 * nbuf
+    meta_at = forks_at + FORK_RECORD_BYTES * nforks
+    body_at = meta_at + nmeta
+    if body_at > n:
+        raise shared.too_short(body_at, n, kind, flags, mid)
+    sizes = struct.unpack_from(f"<{nbuf}q", view, sizes_at)
+    total = 0
+    for index, size in enumerate(sizes):
+        total += size
+        if size < 0 or total > max_bytes:
+            raise shared.bad_buffer_size(index, size, total, max_bytes, kind, flags, mid)
+    flat = struct.unpack_from(f"<{RFD_TUPLE_SIZE * nforks}q", view, forks_at)
+    forks = [flat[i:i + RFD_TUPLE_SIZE] for i in range(0, len(flat), RFD_TUPLE_SIZE)]
+    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
+
+
+def pack_batch(frames) -> bytes:
+    """Several small messages as one: each frame's length (uint32) then the frame."""
+    return b"".join(FRAME_LEN.pack(len(frame)) + bytes(frame) for frame in frames)
+
+
+def split_batch(data) -> list:
+    """The frames of a batch (memoryviews into ``data``), in order; RpcMessageError if a length overruns."""
+    view = memoryview(data)
+    end = len(view)
+    frames = []
+    pos = 0
+    while pos < end:
+        if pos + FRAME_LEN.size > end:
+            raise shared.bad_batch(pos, -1, end)
+        (size,) = FRAME_LEN.unpack_from(view, pos)
+        if pos + FRAME_LEN.size + size > end:
+            raise shared.bad_batch(pos, size, end)
+        pos += FRAME_LEN.size
+        frames.append(view[pos:pos + size])
+        pos += size
+    return frames
+
+
+def check_pickle(data) -> int:
+    """Walk a pickle's opcodes without running them; return the offset just past its STOP.
+
+    Refused (RpcMessageError): a byte that is no pickle opcode, an argument cut off by the end, a byte count
+    (or frame length) larger than the bytes that remain, a PUT / LONG_BINPUT memo index no pickler could have
+    written (one at least as large as the number of opcodes read so far), and a pickle without STOP. So what
+    the unpickler allocates while it reads stays within a small multiple of ``len(data)``.
+    """
+    raw = bytes(data)
+    n = len(raw)
+    pos = 0
+    opcodes = 0
+    while pos < n:
+        at, opcode = pos, raw[pos]
+        kind = OP_CLASSES[opcode]
+        pos += 1
+        opcodes += 1
+        if kind == OP_PLAIN:
+            continue
+        if kind == OP_STOP:
+            return pos
+        if kind in _FIXED:
+            pos += _FIXED[kind]
+            if pos > n:
+                raise shared.bad_pickle(at, opcode, "its argument is cut off")
+        elif kind in _COUNT_WIDTH:
+            width = _COUNT_WIDTH[kind]
+            if pos + width > n:
+                raise shared.bad_pickle(at, opcode, "its byte count is cut off")
+            count = int.from_bytes(raw[pos:pos + width], "little")
+            pos += width
+            if count > n - pos:
+                raise shared.bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain")
+            if kind != OP_FRAME:  # a frame's bytes are opcodes, read on; other counted bytes are data
+                pos += count
+        elif kind == OP_LINE or kind == OP_LINE2:
+            for _ in range(1 if kind == OP_LINE else 2):
+                newline = raw.find(b"\n", pos)
+                if newline < 0:
+                    raise shared.bad_pickle(at, opcode, "its argument has no newline")
+                pos = newline + 1
+        elif kind == OP_PUT_LINE or kind == OP_PUT4:
+            if kind == OP_PUT4:
+                if pos + 4 > n:
+                    raise shared.bad_pickle(at, opcode, "its argument is cut off")
+                index = int.from_bytes(raw[pos:pos + 4], "little")
+                pos += 4
+            else:
+                newline = raw.find(b"\n", pos)
+                digits = raw[pos:newline] if newline >= 0 else b""
+                if not (0 < len(digits) <= MAX_PUT_DIGITS and digits.isdigit()):
+                    raise shared.bad_pickle(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits")
+                index = int(digits)
+                pos = newline + 1
+            if index >= opcodes:
+                raise shared.bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
+        else:
+            raise shared.bad_pickle(at, opcode, "not a pickle opcode")
+    raise shared.bad_pickle(n, -1, "no STOP opcode")

@@ -1,0 +1,146 @@
+"""Shared by both twins of the RPC wire codec (``distlab.reference.rpc_framing``, ``distlab.core._rpc_framing``).
+
+Written once: the header layout (from ``distlab._wire``), the limits every decoder enforces, the classes of pickle
+opcodes the pickle check walks, and every error the codec raises (same class, same words in both twins).
+
+Limits (a message that breaks one is refused before anything is allocated or waited for):
+
+``MAX_BUFFERS``
+    out-of-band buffers per message (65,536).
+``MAX_FORKS``
+    RRef fork records per message (65,536).
+``max_message_bytes()``
+    the largest header message, and the largest total of a message's out-of-band buffers:
+    ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` (default 16 GiB).
+"""
+from __future__ import annotations
+
+import os
+import pickletools
+import struct
+
+from distlab._wire import RFD_TUPLE_SIZE, RPC_HEADER_FORMAT, RPC_WIRE_MAGIC, RPC_WIRE_VERSION
+from distlab.errors import RpcMessageError
+
+__all__ = [
+    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS",
+    "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
+    "OP_FIXED1", "OP_FIXED2", "OP_FIXED4", "OP_FIXED8", "OP_COUNT1", "OP_COUNT4", "OP_COUNT8", "OP_LINE",
+    "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "MAX_PUT_DIGITS", "short_message", "bad_magic",
+    "bad_version", "bad_counts", "too_short", "bad_buffer_size", "bad_batch", "bad_pickle",
+]
+
+HEADER = struct.Struct(RPC_HEADER_FORMAT)
+MAGIC = RPC_WIRE_MAGIC
+VERSION = RPC_WIRE_VERSION
+FORK_RECORD_BYTES = 8 * RFD_TUPLE_SIZE   # one fork record: RFD_TUPLE_SIZE int64
+FRAME_LEN = struct.Struct("<I")          # a batch is frames, each a little-endian uint32 length then a message
+MAX_BUFFERS = 1 << 16
+MAX_FORKS = 1 << 16
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 34
+
+
+def max_message_bytes() -> int:
+    """``DISTLAB_RPC_MAX_MESSAGE_BYTES`` (default 16 GiB): the bound on a header message and on a message's
+    out-of-band buffers together."""
+    value = os.environ.get("DISTLAB_RPC_MAX_MESSAGE_BYTES", str(DEFAULT_MAX_MESSAGE_BYTES))
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"DISTLAB_RPC_MAX_MESSAGE_BYTES={value!r} is not a number of bytes") from None
+    if not 0 < limit < 1 << 62:
+        raise ValueError(f"DISTLAB_RPC_MAX_MESSAGE_BYTES must be positive (and below 2**62), got {limit}")
+    return limit
+
+
+# -- pickle opcodes, by what follows them (what the pickle check needs to know to step over them) ----------------
+OP_UNKNOWN = 0    # not a pickle opcode: refused
+OP_PLAIN = 1      # no argument
+OP_STOP = 2       # the end of the pickle
+OP_FIXED1, OP_FIXED2, OP_FIXED4, OP_FIXED8 = 3, 4, 5, 6    # a fixed-size argument
+OP_COUNT1, OP_COUNT4, OP_COUNT8 = 7, 8, 9  # a little-endian byte count, then that many bytes (pickle may allocate them first)
+OP_LINE = 10      # an argument ending at a newline
+OP_LINE2 = 11     # two newline-terminated arguments (GLOBAL, INST)
+OP_PUT_LINE = 12  # PUT: a decimal memo index, newline-terminated (pickle grows its memo to twice the index)
+OP_PUT4 = 13      # LONG_BINPUT: a 4-byte memo index (likewise)
+OP_FRAME = 14     # FRAME: an 8-byte frame length
+#: A PUT index has at most this many decimal digits (and nothing but digits): both twins parse it alike.
+MAX_PUT_DIGITS = 18
+
+_BY_ARGUMENT = {
+    "uint1": OP_FIXED1, "uint2": OP_FIXED2, "int4": OP_FIXED4, "uint4": OP_FIXED4, "float8": OP_FIXED8,
+    "string1": OP_COUNT1, "bytes1": OP_COUNT1, "unicodestring1": OP_COUNT1, "long1": OP_COUNT1,
+    "string4": OP_COUNT4, "bytes4": OP_COUNT4, "unicodestring4": OP_COUNT4, "long4": OP_COUNT4,
+    "bytes8": OP_COUNT8, "unicodestring8": OP_COUNT8, "bytearray8": OP_COUNT8,
+    "decimalnl_short": OP_LINE, "decimalnl_long": OP_LINE, "stringnl": OP_LINE, "stringnl_noescape": OP_LINE,
+    "unicodestringnl": OP_LINE, "floatnl": OP_LINE, "stringnl_noescape_pair": OP_LINE2,
+}
+
+
+def _op_classes() -> bytes:
+    table = bytearray(256)
+    for op in pickletools.opcodes:
+        code = ord(op.code)
+        if op.name == "STOP":
+            table[code] = OP_STOP
+        elif op.name == "PUT":
+            table[code] = OP_PUT_LINE
+        elif op.name == "LONG_BINPUT":
+            table[code] = OP_PUT4
+        elif op.name == "FRAME":
+            table[code] = OP_FRAME
+        elif op.arg is None:
+            table[code] = OP_PLAIN
+        else:
+            table[code] = _BY_ARGUMENT[op.arg.name]
+    return bytes(table)
+
+
+#: ``OP_CLASSES[opcode]``: the class of each of the 256 byte values as a pickle opcode.
+OP_CLASSES = _op_classes()
+
+
+# -- errors (both twins raise exactly these) --------------------------------------------------------------------
+def short_message(n) -> RpcMessageError:
+    return RpcMessageError(f"malformed RPC message: {n} bytes, shorter than the {HEADER.size}-byte header")
+
+
+def bad_magic(magic) -> RpcMessageError:
+    return RpcMessageError(f"malformed RPC message: it does not start with distlab's magic {MAGIC!r} "
+                           f"(got {bytes(magic)!r})")
+
+
+def bad_version(version, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"RPC message of wire version {version}, but this worker speaks version {VERSION}: every rank of a job "
+        f"must run the same distlab", kind=kind, flags=flags, mid=mid)
+
+
+def bad_counts(nbuf, nforks, nmeta, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"malformed RPC message: header says {nbuf} out-of-band buffers, {nforks} RRef fork records and "
+        f"{nmeta} metadata bytes (at most {MAX_BUFFERS} buffers and {MAX_FORKS} fork records, none negative)",
+        kind=kind, flags=flags, mid=mid)
+
+
+def too_short(need, n, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(f"malformed RPC message: its header needs {need} bytes but the message has {n}",
+                           kind=kind, flags=flags, mid=mid)
+
+
+def bad_buffer_size(index, size, total, limit, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"malformed RPC message: out-of-band buffer {index} of {size} bytes (total so far {total}): sizes must "
+        f"be >= 0 and add up to at most {limit} bytes (DISTLAB_RPC_MAX_MESSAGE_BYTES)", kind=kind, flags=flags,
+        mid=mid)
+
+
+def bad_batch(pos, size, end) -> RpcMessageError:
+    if size < 0:
+        return RpcMessageError(f"malformed RPC batch: truncated frame length at byte {pos} of {end}")
+    return RpcMessageError(f"malformed RPC batch: frame of {size} bytes at byte {pos} overruns the {end}-byte batch")
+
+
+def bad_pickle(offset, opcode, reason) -> RpcMessageError:
+    name = f"opcode {opcode:#04x}" if opcode >= 0 else "the end"
+    return RpcMessageError(f"malformed RPC payload: pickle {name} at byte {offset}: {reason}")
