@@ -1,21 +1,15 @@
 """distlab: the machinery inside distributed deep-learning runtimes, re-implemented over MPI.
 
+Everything public is reachable from here, loaded on first use (PEP 562), so ``import distlab`` is cheap and
+starts no MPI: ``distlab.DistributedDataParallel``, ``distlab.Join``, ``distlab.rpc.rpc_sync``,
+``distlab.collectives.allreduce`` ... import their module when first touched. MPI is initialised by the first
+module that needs it (``distlab.comm`` and everything built on it).
+
 ``distlab.IMPL`` names the active twin (``"core"`` or ``"reference"``, chosen by ``DISTLAB_IMPL``).
 """
-from __future__ import annotations
+import importlib as _importlib
 
 from . import _backend
-from ._types import ReduceOp
-from .autograd import Tensor, enable_grad, no_grad, tensor
-from .nn.init import manual_seed
-from . import autograd, nn, optim  # noqa: E402  (the local autograd engine, layers and optimizers)
-from .errors import (
-    CollectiveMismatchError,
-    DistlabError,
-    DistTimeoutError,
-    ProcessGroupBrokenError,
-    RankFailedError,
-)
 
 __version__ = "0.1.0"
 
@@ -23,33 +17,51 @@ __version__ = "0.1.0"
 IMPL: str = _backend.active_impl()
 
 if IMPL == "core":
-    # Fail now, with the build hint, rather than at first use (no silent fallback).
-    from . import core as _core  # noqa: F401
+    # Fail now, with the build hint, rather than at first use (no silent fallback). Only the extension files are
+    # looked up: loading them would import mpi4py and initialise MPI.
+    _backend.check_core_built()
+
+#: Public subpackages and modules, imported on first attribute access.
+_SUBMODULES = (
+    "autograd", "nn", "optim", "data",
+    "comm", "futures", "errors", "timeline", "launch",
+    "ddp", "ddp_comm_hooks", "join", "metrics",
+    "collectives", "rpc", "distributed_autograd",
+)
+
+#: Public names defined in a submodule: name -> module that defines it.
+_ATTRIBUTES = {
+    "run": "distlab.launch",
+    "ReduceOp": "distlab._types",
+    "Tensor": "distlab.autograd",
+    "tensor": "distlab.autograd",
+    "no_grad": "distlab.autograd",
+    "enable_grad": "distlab.autograd",
+    "manual_seed": "distlab.nn.init",
+    "DistributedDataParallel": "distlab.ddp",
+    "Join": "distlab.join",
+    "Joinable": "distlab.join",
+    "JoinHook": "distlab.join",
+    "DistlabError": "distlab.errors",
+    "DistTimeoutError": "distlab.errors",
+    "CollectiveMismatchError": "distlab.errors",
+    "ProcessGroupBrokenError": "distlab.errors",
+    "RankFailedError": "distlab.errors",
+}
+
+__all__ = ["IMPL", "__version__", *_ATTRIBUTES, *_SUBMODULES]
 
 
-def run(fn, np=2, args=(), kwargs=None, timeout=None, env=None):
-    """Run ``fn(*args, **kwargs)`` on ``np`` MPI ranks and return the per-rank results (see :func:`distlab.launch.run`)."""
-    from .launch import run as _run
+def __getattr__(name: str):
+    if name in _ATTRIBUTES:
+        value = getattr(_importlib.import_module(_ATTRIBUTES[name]), name)
+    elif name in _SUBMODULES:
+        value = _importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'distlab' has no attribute {name!r}")
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
 
-    return _run(fn, np=np, args=args, kwargs=kwargs, timeout=timeout, env=env)
 
-
-__all__ = [
-    "IMPL",
-    "ReduceOp",
-    "DistlabError",
-    "DistTimeoutError",
-    "CollectiveMismatchError",
-    "ProcessGroupBrokenError",
-    "RankFailedError",
-    "run",
-    "__version__",
-    "Tensor",
-    "tensor",
-    "no_grad",
-    "enable_grad",
-    "manual_seed",
-    "autograd",
-    "nn",
-    "optim",
-]
+def __dir__():
+    return sorted(__all__)

@@ -16,12 +16,15 @@ define the same ``__all__``. Facade modules (``distlab.reducer``, ...) call :fun
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 from types import ModuleType
 
 from .errors import CoreNotBuiltError
 
-__all__ = ["IMPLS", "COMPONENTS", "requested_impl", "active_impl", "load", "load_twins", "core_available"]
+__all__ = ["IMPLS", "COMPONENTS", "requested_impl", "active_impl", "check_core_built", "load", "load_twins",
+           "core_available"]
 
 IMPLS = ("reference", "core")
 
@@ -52,6 +55,22 @@ def requested_impl() -> str:
 def active_impl() -> str:
     """Return the twin in use: ``"core"`` for ``auto`` and ``core``, else ``"reference"``."""
     return "reference" if requested_impl() == "reference" else "core"
+
+
+def check_core_built() -> None:
+    """Raise :class:`~distlab.errors.CoreNotBuiltError` unless every core module of :data:`COMPONENTS` is compiled.
+
+    Looks the extension modules up without loading them (loading one imports mpi4py, which initialises MPI).
+    """
+    for _reference_name, core_name in COMPONENTS.values():
+        try:
+            spec = importlib.util.find_spec(core_name)
+        except ImportError as exc:
+            spec, reason = None, str(exc)
+        else:
+            reason = "no compiled module found"
+        if spec is None or not spec.origin or not spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            raise CoreNotBuiltError(f"the distlab core twin ({core_name}) is not compiled: {reason}; {BUILD_HINT}")
 
 
 def _import_twin(module_name: str, impl: str) -> ModuleType:
