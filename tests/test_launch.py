@@ -56,12 +56,13 @@ def demux(stream, cuts):
     return lines
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.text(st.sampled_from("ab \n\u00e9"), min_size=1, max_size=12)),
+@given(st.lists(st.tuples(st.integers(0, 11), st.text(st.sampled_from("ab \n\u00e9"), min_size=1, max_size=12)),
                 max_size=20), st.lists(st.integers(0, 400), max_size=8))
 def test_demux_gives_each_rank_s_lines_whole_whatever_the_chunks(writes, cuts):
     stream = hydra_stream(writes)
     got = demux(stream, [c for c in cuts if c <= len(stream)])
-    for rank in range(4):
+    assert all(rank is not None for rank, _ in got)  # no rank's text taken for mpiexec's own
+    for rank in range(12):
         text = "".join(t for r, t in writes if r == rank)
         expected = text.split("\n")
         if expected[-1] == "":
@@ -528,6 +529,9 @@ def test_bad_command_lines_get_a_clear_error():
     zero = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "0", "x.py"], capture_output=True,
                           text=True, timeout=60)
     assert zero.returncode == 2 and "-n must be at least 1" in zero.stderr
+    missing = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", "absent.py"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such script: absent.py" in missing.stderr
 
 
 # --- the test harness (the mpirun fixture) -------------------------------------------------------------------

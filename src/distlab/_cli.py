@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import textwrap
@@ -88,12 +89,12 @@ def run_command(argv: list[str]) -> int:
     parser = _run_parser()
     parser.add_argument("script", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args(options_part)
-    if options.module and options.script:
-        parser.error("give either a script or -m module, not both")
     if not options.module and not options.script:
         parser.error("no program to run: give a script (script.py) or a module (-m module)")
     if options.np < 1:
         parser.error(f"-n must be at least 1, got {options.np}")
+    if options.script and not os.path.isfile(options.script):
+        parser.error(f"no such script: {options.script}")
     target = ["-m", options.module] if options.module else [options.script]
     # SIGTERM (e.g. from `timeout`) must reach the supervisor, which stops every rank: raise instead of dying.
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)

@@ -81,46 +81,55 @@ class Demux:
         self.stream = stream
         self.marker = marker
         self.sink = sink
-        self._pattern = re.compile(re.escape(marker) + rb"(\d+)\x1f") if marker else None
         self._held = b""  # a marker cut in two by a read
         self._rank: int | None = None  # whose text this is, until its newline
         self._partial: dict[int | None, bytes] = {}
 
     def feed(self, data: bytes) -> None:
-        if self._pattern is None:  # an MPI without tags: whole lines, owner unknown
+        if self.marker is None:  # an MPI without tags: whole lines, owner unknown
             self._rank = UNKNOWN
             self._text(data)
             return
-        data = self._held + data
+        pieces = (self._held + data).split(self.marker)
         self._held = b""
-        pos = 0
-        for match in self._pattern.finditer(data):
-            self._text(data[pos:match.start()])
-            self._rank = int(match.group(1))
-            pos = match.end()
-        tail = data[pos:]
-        cut = tail.rfind(b"\x1e")
-        if cut != -1 and self._could_be_marker(tail[cut:]):
-            self._held, tail = tail[cut:], tail[:cut]
-        self._text(tail)
+        self._hold_cut_marker(pieces)
+        self._text(pieces[0])
+        for piece in pieces[1:]:  # each starts with "<rank>\x1f"
+            end = piece.find(b"\x1f")
+            if end > 0 and piece[:end].isdigit():
+                self._rank = int(piece[:end])
+                self._text(piece[end + 1:])
+            else:  # the marker's bytes in the text itself (the nonce makes this most unlikely)
+                self._text(self.marker + piece)
 
-    def _could_be_marker(self, piece: bytes) -> bool:
-        head = piece[:len(self.marker)]
-        return self.marker.startswith(head) and piece[len(self.marker):].isdigit() or piece == head
+    def _hold_cut_marker(self, pieces: list[bytes]) -> None:
+        """Keep back the end of ``pieces`` if a read cut a marker in two; it is completed by the next read."""
+        last = pieces[-1]
+        if len(pieces) > 1 and b"\x1f" not in last and (last == b"" or last.isdigit()):
+            self._held = self.marker + last  # the rank's digits may go on
+            pieces[-1] = b""
+            if len(pieces) > 1 and pieces[-1] == b"":
+                pieces.pop()
+            return
+        cut = last.rfind(b"\x1e")
+        if cut != -1 and self.marker.startswith(last[cut:]):
+            self._held, pieces[-1] = last[cut:], last[:cut]
 
     def _text(self, text: bytes) -> None:
+        owner = self._rank
         while text:
             newline = text.find(b"\n")
-            owner = self._rank
             if newline == -1:
-                self._partial[owner] = self._redraws(owner, self._partial.get(owner, b"") + text)
+                self._partial[owner] = self._redraws(owner, self._partial.pop(owner, b"") + text)
                 return
-            line = self._partial.pop(owner, b"") + text[:newline]
-            if line.endswith(b"\r"):  # "\r\n" ends a line too
-                line = line[:-1]
-            self.sink(owner, self.stream, self._redraws(owner, line).decode(errors="replace"))
+            line = text[:newline]
+            if self._partial and owner in self._partial:
+                line = self._partial.pop(owner) + line
+            if b"\r" in line:
+                line = self._redraws(owner, line[:-1] if line.endswith(b"\r") else line)  # "\r\n" ends a line too
+            self.sink(owner, self.stream, line.decode(errors="replace"))
             # After a newline, text without a marker is mpiexec's own: hydra tags every line it forwards.
-            self._rank = None if self._pattern is not None else UNKNOWN
+            owner = self._rank = None if self.marker is not None else UNKNOWN
             text = text[newline + 1:]
 
     def _redraws(self, owner, pending: bytes) -> bytes:

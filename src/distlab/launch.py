@@ -52,6 +52,8 @@ def find_mpiexec() -> str:
 @functools.lru_cache(maxsize=None)
 def _is_hydra(mpiexec: str) -> bool:
     """MPICH's Hydra (the wheel's mpiexec) tags output with ``-prepend-pattern``; other MPIs are left alone."""
+    if Path(mpiexec).with_name("hydra_pmi_proxy").exists():  # Hydra's proxy sits beside its mpiexec
+        return True
     try:
         done = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
