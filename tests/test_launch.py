@@ -165,6 +165,15 @@ def test_records_written_by_ranks_are_read_back_by_rank(tmp_path):
     assert _jobdir.is_running(read[1].start)
 
 
+def test_a_rank_that_died_before_its_start_record_is_named_by_its_watcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "0")
+    _jobdir.write_exit(tmp_path, 4242, 1 << 8)
+    read = _jobdir.read_records(tmp_path, 2)
+    assert read[0].pid == 4242 and read[0].exit["code"] == 1
+    report = _jobdir.verdict(read, 1)
+    assert report.lines[0].startswith("rank 0 (pid 4242) exited with status 1 before its program finished")
+
+
 # --- the command line and the bootstrap, without MPI ---------------------------------------------------------
 
 def test_split_run_args_leaves_the_program_its_own_options():
@@ -532,6 +541,25 @@ def test_bad_command_lines_get_a_clear_error():
     missing = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", "absent.py"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no such script: absent.py" in missing.stderr
+
+
+@mpi
+def test_the_bootstrap_under_a_plain_mpiexec_tags_the_traceback_and_aborts(tmp_path):
+    from distlab.launch import find_mpiexec, job_environment
+
+    script = write(tmp_path / "fail.py", """\
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            raise ValueError("bad shard")
+        MPI.COMM_WORLD.Barrier()
+        """)
+    env = job_environment(np=2)
+    del env["DISTLAB_LAUNCHER"]
+    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m", "distlab._bootstrap", str(script)],
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
+    assert done.returncode != 0
+    assert "[rank 1] Traceback (most recent call last):" in done.stderr
+    assert "[rank 1] ValueError: bad shard" in done.stderr and "runpy" not in done.stderr
 
 
 # --- the test harness (the mpirun fixture) -------------------------------------------------------------------

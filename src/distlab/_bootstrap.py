@@ -66,11 +66,16 @@ def finish_rank(rank: int) -> None:
     A rank told to stop while its program ran on to the end did not finish it: it waits to be killed instead.
     """
     job_dir = _jobdir.job_dir_from_env()
+    _wait_if_stopping()
+    if job_dir is not None:
+        _jobdir.write_done(job_dir, rank)
+
+
+def _wait_if_stopping() -> None:
+    """A rank being stopped (see :func:`_stop`) neither finishes nor fails: it waits to be killed."""
     if _stopping.locked():
         time.sleep(STOP_WAIT)
         os._exit(128 + signal.SIGTERM)
-    if job_dir is not None:
-        _jobdir.write_done(job_dir, rank)
 
 
 # --- the watcher: the process mpiexec started, waiting for the rank it forked ---------------------------------
@@ -123,7 +128,7 @@ def _watch(child: int, job_dir) -> None:
 
 def _has_record(job_dir, pid: int, kind: str) -> bool:
     for path in job_dir.glob("rank*.start"):
-        start = _jobdir._load(path)
+        start = _jobdir.read_record(path)
         if start and start["pid"] == pid:
             return (job_dir / f"rank{start['rank']}.{kind}").exists()
     return False
@@ -219,6 +224,7 @@ def fail(code: int, rank: int, summary: str, trace: str = "") -> None:
     rank and the job is aborted (``MPI_Abort``).
     """
     job_dir = _jobdir.job_dir_from_env()
+    _wait_if_stopping()  # an error after the stop (a peer gone, say) is not the cause of the job's end
     if job_dir is not None:
         _jobdir.write_failure(job_dir, rank, code, summary, trace)
     else:

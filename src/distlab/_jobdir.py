@@ -106,9 +106,17 @@ def write_stopped(job_dir: Path, rank: int, signum: int) -> None:
 
 
 def write_exit(job_dir: Path, pid: int, status: int) -> None:
-    """The watcher's record of how its rank process ``pid`` ended (``status`` as ``os.waitpid`` gives it)."""
-    _write(job_dir / f"pid{pid}.exit", {"pid": pid, "code": os.waitstatus_to_exitcode(status),
-                                        "time": time.time()})
+    """The watcher's record of how its rank process ``pid`` ended (``status`` as ``os.waitpid`` gives it).
+
+    It holds the rank as the MPI launcher numbered the process, when it says (Hydra's ``PMI_RANK``): a rank that
+    died before it could write its start record is still named.
+    """
+    record = {"pid": pid, "code": os.waitstatus_to_exitcode(status), "time": time.time()}
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(var, "").isdigit():
+            record["rank"] = int(os.environ[var])
+            break
+    _write(job_dir / f"pid{pid}.exit", record)
 
 
 @dataclass
@@ -124,7 +132,9 @@ class RankRecord:
 
     @property
     def pid(self) -> int | None:
-        return self.start["pid"] if self.start else None
+        if self.start:
+            return self.start["pid"]
+        return self.exit["pid"] if self.exit else None
 
     @property
     def ended(self) -> bool:
@@ -132,7 +142,8 @@ class RankRecord:
         return any((self.done, self.failed, self.stopped, self.exit))
 
 
-def _load(path: Path) -> dict | None:
+def read_record(path: Path) -> dict | None:
+    """One record, or None if it is missing or half written."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -146,15 +157,19 @@ def read_records(job_dir: Path, np: int) -> dict[int, RankRecord]:
     for path in job_dir.iterdir() if job_dir.is_dir() else ():
         name, _, kind = path.name.partition(".")
         if name.startswith("pid") and kind == "exit":
-            record = _load(path)
+            record = read_record(path)
             if record:
                 exits[record["pid"]] = record
         elif name.startswith("rank") and name[4:].isdigit() and int(name[4:]) in records:
             if kind in ("start", "done", "failed", "stopped"):
-                setattr(records[int(name[4:])], kind, _load(path))
+                setattr(records[int(name[4:])], kind, read_record(path))
     for record in records.values():
         if record.pid in exits:
-            record.exit = exits[record.pid]
+            record.exit = exits.pop(record.pid)
+    for orphan in exits.values():  # a rank that died before its start record
+        record = records.get(orphan.get("rank", -1))
+        if record is not None and record.start is None:
+            record.exit = orphan
     return records
 
 

@@ -173,8 +173,7 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
     """
     proc = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    streams = {proc.stdout.fileno(): _stream_reader("stdout", marker, sink),
-               proc.stderr.fileno(): _stream_reader("stderr", marker, sink)}
+    streams = {proc.stdout.fileno(): Demux("stdout", marker, sink), proc.stderr.fileno(): Demux("stderr", marker, sink)}
     selector = selectors.DefaultSelector()
     for fd in streams:
         os.set_blocking(fd, False)
@@ -206,10 +205,6 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
     outcome.status = proc.wait()
     kill_stragglers(job_dir, np)
     return outcome
-
-
-def _stream_reader(stream: str, marker: bytes | None, sink: Sink):
-    return Demux(stream, marker, sink)
 
 
 def _pump(proc, selector, streams, deadline: float | None, job_dir: Path) -> str:
