@@ -13,18 +13,21 @@ from .launch import LAUNCHER_VARIABLES, RANK_VARIABLES, _launch
 RUN_USAGE = "python -m distlab run [options] (script.py | -m module) [args ...]"
 
 RUN_DESCRIPTION = """\
-Run a Python script, or a module with -m, on N MPI ranks with the mpiexec of this environment, as
-`mpiexec -n N python script.py args` would, and:
+Run a Python script, or a module with -m, on N MPI ranks with the mpiexec of this environment,
+as `mpiexec -n N python script.py args` would, and:
   - each line a rank prints comes out whole, prefixed with its rank: [0] ..., [1] ...
-  - an uncaught exception on any rank ends the whole job at once (no rank waits in a collective for a
-    peer that died); the launcher then prints that rank's traceback and a short summary: which rank failed
-    and how (its exception, the signal that killed it, or that it vanished before its program finished);
-  - Ctrl-C (or SIGTERM) stops every rank quietly; the timeline, if asked for, is still written (partial)."""
+  - an uncaught exception on any rank ends the whole job at once (no rank waits in a collective
+    for a peer that died); the launcher then prints that rank's traceback and a short summary:
+    which rank failed and how (its exception, the signal that killed it, or that it vanished
+    before its program finished);
+  - Ctrl-C (or SIGTERM) stops every rank quietly; the timeline, if asked for, is still written
+    (marked partial)."""
 
 EXIT_STATUS = """\
 exit status:
   0     every rank's program finished
-  N     the first failing rank's: 1 after an exception, N after sys.exit(N), 128+S if killed by signal S
+  N     the first failing rank's: 1 after an exception, N after sys.exit(N),
+        128+S if killed by signal S, 1 if it vanished (os._exit(0) before its program finished)
   124   --timeout ran out
   130   interrupted by Ctrl-C (SIGINT); 143 by SIGTERM"""
 
@@ -33,14 +36,14 @@ def _variables(title: str, rows) -> str:
     lines = [title]
     for name, meaning in rows:
         lines.append(f"  {name}")
-        lines += textwrap.wrap(meaning, 100, initial_indent="      ", subsequent_indent="      ")
+        lines += textwrap.wrap(meaning, 96, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 
 
 def _run_parser() -> argparse.ArgumentParser:
     epilog = "\n\n".join([
         _variables("environment variables set for every rank:", RANK_VARIABLES)
-        + "\n  every other variable of the launcher's environment is passed on (DISTLAB_IMPL, DISTLAB_DEBUG, ...)",
+        + "\n  every other variable of the launcher's environment is passed on (DISTLAB_IMPL, DISTLAB_DEBUG...)",
         _variables("environment variables the launcher reads:", LAUNCHER_VARIABLES),
         EXIT_STATUS,
         "examples:\n  python -m distlab run -n 4 train.py --epochs 3\n"

@@ -15,8 +15,9 @@ streams their output as it comes, and returns the list of per-rank results; an e
 re-raised here as :class:`~distlab.errors.RankFailedError` with the rank and its remote traceback.
 
 How a job is run, in one place each: :func:`mpiexec_command` builds the command line, :func:`job_environment`
-the ranks' environment, and ``_launch`` supervises the job (:mod:`distlab._supervise`: output, interrupts,
-timeouts) and judges how it ended from the records its ranks left (:mod:`distlab._jobdir`).
+the ranks' environment, and ``_launch`` supervises the job (output, interrupts, timeouts) and judges how it
+ended from the records its ranks left in a job directory (a start record with the pid, a completion record, a
+failure record, and the exit status or signal seen by a small watcher process per rank).
 """
 from __future__ import annotations
 
