@@ -461,6 +461,28 @@ def test_a_rank_stopped_from_outside_stops_the_job_and_is_named(tmp_path):
                                         "distlab: the job failed with exit status 143; rank 0 was stopped"]
 
 
+@mpi
+def test_a_worker_process_a_rank_forks_ends_on_sigterm_as_usual(tmp_path):
+    # Pool.terminate() and Process.terminate() send SIGTERM: the worker must simply end, not stop the job.
+    script = write(tmp_path / "workers.py", """\
+        import multiprocessing, time
+        from mpi4py import MPI
+        def work():
+            time.sleep(60)
+        if __name__ == "__main__":
+            worker = multiprocessing.get_context("fork").Process(target=work)
+            worker.start()
+            time.sleep(0.2)
+            worker.terminate()
+            worker.join(30)
+            print("worker exit code", worker.exitcode, flush=True)
+            MPI.COMM_WORLD.Barrier()
+        """)
+    done = launch("-n", 2, script)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] worker exit code -15", "[1] worker exit code -15"]
+
+
 HANGS = """\
     import os, sys, time
     from mpi4py import MPI

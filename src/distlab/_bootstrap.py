@@ -31,6 +31,7 @@ STOP_WAIT = 15.0
 PEER_STOP_WAIT = 5.0
 
 _stopping = threading.Lock()
+_rank_pid = -1  # the rank's own process: a process it forks is not the rank
 
 
 def set_rank_environment() -> int:
@@ -51,9 +52,11 @@ def set_rank_environment() -> int:
 
 def start_rank() -> int:
     """Everything before the user's program: watcher, MPI, rank variables, start record, stop handler."""
+    global _rank_pid
     job_dir = _jobdir.job_dir_from_env()
     watcher = _fork_watcher(job_dir) if job_dir is not None and _can_watch() else None
     rank = set_rank_environment()
+    _rank_pid = os.getpid()
     if job_dir is not None:
         _jobdir.write_start(job_dir, rank, watcher)
     install_stop_handler(rank, job_dir)
@@ -171,6 +174,9 @@ def install_stop_handler(rank: int, job_dir) -> None:
         threading.Thread(target=_stop, args=(signum, rank, job_dir), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
+    # A process the rank forks (a multiprocessing worker) is not the rank: SIGTERM ends it as usual
+    # (Pool.terminate() relies on that), and never writes the rank's stop record.
+    os.register_at_fork(after_in_child=_forget_stop_handler)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     try:
@@ -187,7 +193,19 @@ def install_stop_handler(rank: int, job_dir) -> None:
     threading.Thread(target=wait_for_signal, name="distlab-stop", daemon=True).start()
 
 
+def _forget_stop_handler() -> None:
+    global _stopping
+    _stopping = threading.Lock()
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from a thread other than the main one: the handler stays, _stop checks
+        pass
+
+
 def _stop(signum: int, rank: int, job_dir) -> None:
+    if os.getpid() != _rank_pid:  # a forked process that kept the handler: end as SIGTERM would
+        os._exit(128 + signum)
     if not _stopping.acquire(blocking=False):
         return
     try:
