@@ -174,6 +174,21 @@ def test_a_rank_that_died_before_its_start_record_is_named_by_its_watcher(tmp_pa
     assert report.lines[0].startswith("rank 0 (pid 4242) exited with status 1 before its program finished")
 
 
+def test_flush_now_writes_the_part_of_a_recording_timeline_and_merge_marks_it_partial(tmp_path, monkeypatch):
+    from distlab import timeline
+
+    monkeypatch.setattr(timeline, "_timeline", None)
+    assert timeline.flush_now() is None  # nothing recorded, nothing written
+    path = str(tmp_path / "t.json")
+    monkeypatch.setattr(timeline, "_timeline", timeline.Timeline(path, rank=3))
+    timeline.get_timeline().instant("before the stop")
+    assert timeline.flush_now() == path + ".rank3"
+    assert timeline.merge(path, partial=True) == path
+    trace = json.loads(open(path).read())
+    assert trace["otherData"]["partial"] is True
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "i"] == ["before the stop"]
+
+
 # --- the command line and the bootstrap, without MPI ---------------------------------------------------------
 
 def test_split_run_args_leaves_the_program_its_own_options():
