@@ -321,6 +321,40 @@ def test_run_names_a_rank_that_vanished(capfd):
     assert f"rank 1 (pid {pid}) exited with status 0 before its program finished" in str(info.value)
 
 
+def wait_forever():
+    import os
+    import time
+
+    print(f"ready pid {os.getpid()}", flush=True)
+    time.sleep(120)
+
+
+class _Interrupter(_Watcher):
+    """A stand-in for sys.stdout that sends this process SIGINT (Ctrl-C) once both ranks said they are ready."""
+
+    def write(self, text):
+        self.text += text
+        if self.text.count("ready pid") == 2 and not self.flag:
+            self.flag = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(text)
+
+
+@mpi
+def test_run_interrupted_stops_every_rank_and_raises_keyboard_interrupt(monkeypatch):
+    watcher = _Interrupter(False)
+    monkeypatch.setattr(sys, "stdout", watcher)
+    with pytest.raises(KeyboardInterrupt):
+        distlab.run(wait_forever, np=2, timeout=LAUNCH_TIMEOUT)
+    pids = re.findall(r"ready pid (\d+)", watcher.text)
+    assert len(pids) == 2 and _gone(pids)
+
+
+def _gone(pids):
+    """Every process in ``pids`` has ended (the launcher returns only once its ranks are gone)."""
+    return [pid for pid in pids if process_start_stamp(int(pid))] == []
+
+
 # --- the command line (MPI) ----------------------------------------------------------------------------------------
 
 def launch(*args, cwd=None, timeout=LAUNCH_TIMEOUT):
@@ -541,7 +575,7 @@ def test_an_interrupt_stops_every_rank_quietly_and_writes_the_partial_timeline(t
     data = json.loads(trace.read_text())
     assert data["otherData"]["partial"] is True
     assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X" and e["name"] == "started"} == {0, 1}
-    assert [pid for pid in pids if process_start_stamp(int(pid))] == []  # every rank is gone
+    assert _gone(pids)
 
 
 @mpi

@@ -297,6 +297,15 @@ def kill_job(proc, job_dir: Path, np: int) -> None:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    _wait_gone(job_dir, np)
+
+
+def _wait_gone(job_dir: Path, np: int, within: float = 2.0) -> None:
+    """Return once no rank runs any more (a killed process takes a moment to disappear), or after ``within``."""
+    end = time.monotonic() + within
+    starts = [r.start for r in read_records(job_dir, np).values() if r.start]
+    while any(is_running(start) for start in starts) and time.monotonic() < end:
+        time.sleep(0.01)
 
 
 def kill_stragglers(job_dir: Path, np: int) -> None:
@@ -304,6 +313,7 @@ def kill_stragglers(job_dir: Path, np: int) -> None:
     for record in read_records(job_dir, np).values():
         if record.start and is_running(record.start):
             _signal(record.pid, signal.SIGKILL)
+    _wait_gone(job_dir, np)
 
 
 def _group_of(pid: int) -> int | None:
