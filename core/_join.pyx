@@ -1,141 +1,131 @@
 # cython: language_level=3
 """Core twin of :mod:`distlab.reference.join` (read that module for the explanation).
 
-Join runs once per iteration, not per tensor, so there is little to gain from typing; the core mirrors the
-reference line for line with C-typed loop state and C-level counters, and exists so that the whole join protocol
-runs on one twin at a time (equivalence and mixed-world tests drive both).
+Compiled here is what runs every iteration: ``notify_join_context`` (every joinable, every iteration) reading the
+join configuration by position, and the shadowing loop of ``__exit__`` with C-level state, hook methods bound
+once, and the counting allreduce into one reused buffer read through a typed memoryview. Construction, the base
+classes and the messages are :mod:`distlab._common.join`'s, shared with the reference.
 """
+cimport cython
+cimport numpy as cnp
+
 import warnings
-from abc import ABC, abstractmethod
 
 import numpy as np
 
-from distlab._join_support import JoinConfig, early_termination_message, exhausted_message, skew_message
+from distlab._common import join as _shared
+from distlab._common.join import JoinHook, Joinable
+
+cnp.import_array()
 
 __all__ = ["JoinHook", "Joinable", "Join"]
 
-WARN_THRESHOLD = 1000
+# Positions of JoinConfig's fields, and the skew threshold, as C constants (checked against the shared module).
+cdef enum:
+    _ENABLE = 0
+    _THROW = 1
+    _FIRST = 2
+    _SKEW_AFTER = 1000
 
+assert _shared.JoinConfig._fields[_ENABLE] == "enable", _shared.JoinConfig._fields
+assert _shared.JoinConfig._fields[_THROW] == "throw_on_early_termination", _shared.JoinConfig._fields
+assert _shared.JoinConfig._fields[_FIRST] == "is_first_joinable", _shared.JoinConfig._fields
+assert _SKEW_AFTER == _shared.WARN_THRESHOLD, (_SKEW_AFTER, _shared.WARN_THRESHOLD)
 
-class JoinHook:
-    """See :class:`distlab.reference.join.JoinHook`."""
-
-    def main_hook(self):
-        """See :meth:`distlab.reference.join.JoinHook.main_hook`."""
-
-    def post_hook(self, is_last_joiner):
-        """See :meth:`distlab.reference.join.JoinHook.post_hook`."""
-
-
-class Joinable(ABC):
-    """See :class:`distlab.reference.join.Joinable`."""
-
-    @abstractmethod
-    def __init__(self):
-        """See :class:`distlab.reference.join.Joinable`."""
-        super().__init__()
-        self._join_config = JoinConfig.disabled()
-
-    @abstractmethod
-    def join_hook(self, **kwargs):
-        """See :meth:`distlab.reference.join.Joinable.join_hook`."""
-
-    @property
-    @abstractmethod
-    def join_device(self):
-        """See :attr:`distlab.reference.join.Joinable.join_device`."""
-
-    @property
-    @abstractmethod
-    def join_process_group(self):
-        """See :attr:`distlab.reference.join.Joinable.join_process_group`."""
+cdef str _COUNT = _shared.COUNT_NAME
+cdef str _TERMINATION_CHECK = _shared.TERMINATION_CHECK_NAME
+cdef object _ONE = np.ones(1, dtype=np.int64)  # copied for every notification (the Work keeps its array)
 
 
 cdef class Join:
     """See :class:`distlab.reference.join.Join`."""
-    cdef list _joinables, _join_hooks
+    cdef list _joinables, _join_hooks, _pre_hooks, _main_hooks
+    cdef object _process_group, _device, _count_array
+    cdef long long[::1] _count
     cdef bint _enable, _throw_on_early_termination
-    cdef object _process_group, _device
     cdef int _rank
-    cdef object _count
 
     def __init__(self, joinables, enable=True, throw_on_early_termination=False, **kwargs):
         """See :class:`distlab.reference.join.Join`."""
-        if len(joinables) == 0:
-            raise ValueError("the join context manager needs at least one joinable")
-        self._joinables = list(joinables)
-        self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
-        self._enable = enable
-        self._throw_on_early_termination = throw_on_early_termination
-        self._count = np.zeros(1, dtype=np.int64)
-        self._set_joinable_configs()
-        self._extract_dist_info()
-
-    def _set_joinable_configs(self):
-        cdef Py_ssize_t position
-        for position, joinable in enumerate(self._joinables):
-            joinable._join_config = JoinConfig(self._enable, self._throw_on_early_termination, position == 0)
-
-    def _extract_dist_info(self):
-        group, device = None, None
-        for joinable in self._joinables:
-            if group is None:
-                group = joinable.join_process_group
-            elif group is not joinable.join_process_group:
-                raise ValueError("the joinables use different process groups; Join needs them all on one group")
-            if device is None:
-                device = joinable.join_device
-        self._process_group, self._device = group, device
-        self._rank = group.rank
+        cdef object setup = _shared.prepare_join(joinables, enable, throw_on_early_termination, kwargs)
+        self._joinables = setup.joinables
+        self._join_hooks = setup.hooks
+        self._pre_hooks = _shared.pre_hooks_of(self._join_hooks)
+        self._main_hooks = [h.main_hook for h in self._join_hooks]  # bound once, called every iteration
+        self._process_group = setup.process_group
+        self._device = setup.device
+        self._rank = self._process_group.rank
+        self._enable = bool(enable)
+        self._throw_on_early_termination = bool(throw_on_early_termination)
+        self._count_array = np.zeros(1, dtype=np.int64)
+        self._count = self._count_array
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc_value, traceback):
-        cdef bint all_joined = False, is_last_joiner = True
-        cdef long long shadowed = 0
-        if not self._enable or exc_type is not None:
+        """See :meth:`distlab.reference.join.Join.__exit__`."""
+        cdef bint last_joiner = True
+        cdef bint throw = self._throw_on_early_termination
+        cdef long long rounds = 0
+        cdef object fn
+        if exc_type is not None or not self._enable:
             return None
-        while not all_joined:
-            if shadowed == WARN_THRESHOLD + 1:
-                warnings.warn(skew_message(self._rank, WARN_THRESHOLD), stacklevel=2)
+        while True:
+            if rounds == _SKEW_AFTER + 1:
+                warnings.warn(_shared.skew_message(self._rank, _SKEW_AFTER), stacklevel=2)
+            if not throw:  # in throw mode nothing is shadowed, so nothing is posted ahead either
+                for fn in self._pre_hooks:
+                    fn()
             if self._count_nonjoined_ranks() == 0:
-                all_joined = True
-            else:
-                if self._throw_on_early_termination:
-                    self._notify_ranks_to_terminate()
-                for hook in self._join_hooks:
-                    hook.main_hook()
-                is_last_joiner = False
-                shadowed += 1
-        for hook in self._join_hooks:
-            hook.post_hook(is_last_joiner)
+                break
+            if throw:
+                self._notify_ranks_to_terminate()
+            for fn in self._main_hooks:
+                fn()
+            last_joiner = False
+            rounds += 1
+        for fn in self._join_hooks:
+            fn.post_hook(last_joiner)
         return None
 
-    def _count_nonjoined_ranks(self):
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef long long _count_nonjoined_ranks(self) except -1:
+        """See :meth:`distlab.reference.join.Join._count_nonjoined_ranks`."""
         self._count[0] = 0
-        self._process_group.allreduce(self._count, name="join: ranks still training")
-        return int(self._count[0])
+        self._process_group.allreduce(self._count_array, name=_COUNT)
+        return self._count[0]
 
-    def _notify_ranks_to_terminate(self):
-        ones = np.ones(1, dtype=np.int64)
-        self._process_group.allreduce(ones, name="join: early termination check")
-        raise RuntimeError(exhausted_message(self._rank))
+    cdef int _notify_ranks_to_terminate(self) except -1:
+        """See :meth:`distlab.reference.join.Join._notify_ranks_to_terminate`."""
+        self._process_group.allreduce(_ONE.copy(), name=_TERMINATION_CHECK)
+        raise RuntimeError(_shared.exhausted_message(self._rank))
 
     @staticmethod
     def notify_join_context(joinable):
         """See :meth:`distlab.reference.join.Join.notify_join_context`."""
-        config = getattr(joinable, "_join_config", None)
+        cdef object config = getattr(joinable, "_join_config", None)
+        cdef tuple fields
+        cdef object pg, work
         if config is None:
-            raise AttributeError(f"{type(joinable).__name__} has no join configuration: its constructor must call "
-                                 "Joinable.__init__ (super().__init__())")
-        if not config.is_first_joinable or not config.enable:
+            raise AttributeError(_shared.missing_config_message(joinable))
+        fields = <tuple>config  # a JoinConfig is a tuple: read its fields by position
+        if not (fields[_FIRST] and fields[_ENABLE]):
             return None
-        group = joinable.join_process_group
-        work = group.allreduce(np.ones(1, dtype=np.int64), async_op=True, name="join: ranks still training")
-        if config.throw_on_early_termination:
-            flag = np.zeros(1, dtype=np.int64)
-            group.allreduce(flag, name="join: early termination check")
-            if flag[0]:
-                raise RuntimeError(early_termination_message(group.rank))
+        pg = joinable.join_process_group
+        work = pg.allreduce(_ONE.copy(), async_op=True, name=_COUNT)
+        if fields[_THROW]:
+            _check_early_termination(pg)
         return work
+
+
+# --- core-only helpers ---
+cdef int _check_early_termination(object pg) except -1:
+    """The training side of J3: a joined rank answers this allreduce with 1 (``_notify_ranks_to_terminate``)."""
+    cdef object flag = np.zeros(1, dtype=np.int64)
+    cdef long long[::1] seen = flag
+    pg.allreduce(flag, name=_TERMINATION_CHECK)
+    if seen[0]:
+        raise RuntimeError(_shared.early_termination_message(pg.rank))
+    return 0

@@ -3,9 +3,13 @@
     python -m distlab run -n 2 examples/uneven_inputs.py
     python -m distlab run -n 4 examples/uneven_inputs.py --divide-by-active   # divide by ranks still training
 
-Without Join, the rank that runs out first leaves the loop while the others wait forever in their next gradient
-allreduce. Inside ``Join([model, loss_mean])`` it shadows their collectives instead (contributing zero gradients
-and a zero-weight loss), and when the last rank finishes, every rank takes the model of the last rank to join.
+The model has a SyncBatchNorm layer (batch statistics over every rank), is wrapped in DDP, and is trained by a
+ZeroRedundancyOptimizer (each rank keeps the Adam state of its shard of the parameters only); a DistributedMean
+averages the loss over ranks. Every one of them talks to the other ranks every iteration, so all of them go into
+one Join. Without it, the rank that runs out first leaves the loop while the others wait forever in their next
+collective. Inside ``Join`` it shadows their collectives instead (zero gradients, zero batch-norm counts, its
+share of the optimizer step and the parameter broadcasts, a zero-weight loss), and when the last rank
+finishes, every rank holds the same model, running statistics included.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from distlab import comm, nn, optim
 from distlab.ddp import DistributedDataParallel
 from distlab.join import Join
 from distlab.metrics import DistributedMean
+from distlab.optim import ZeroRedundancyOptimizer
 
 
 def main() -> None:
@@ -33,11 +38,16 @@ def main() -> None:
     rng = np.random.default_rng(pg.rank)
     true_w = np.array([[2.0], [-1.0], [0.5]], dtype=np.float32)
 
-    model = DistributedDataParallel(nn.Linear(3, 1, seed=0))
-    opt = optim.SGD(model.parameters(), lr=0.05)
+    distlab.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16, seed=0), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1, seed=1))
+    model = DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(net))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, lr=0.01)
     loss_fn = nn.MSELoss()
     loss_mean = DistributedMean()
-    with Join([model, loss_mean], divide_by_initial_world_size=not options.divide_by_active):
+    # The model first (its forward starts each iteration, so it issues Join's count), then the layers whose
+    # collectives run inside it, then the optimizer and the metric, in the order the loop uses them.
+    joinables = [model, *nn.SyncBatchNorm.layers_in(model), opt, loss_mean]
+    with Join(joinables, divide_by_initial_world_size=not options.divide_by_active):
         for _ in tqdm(range(batches), desc=f"rank {pg.rank}: {batches} batches", disable=pg.rank != 0):
             x = rng.standard_normal((16, 3)).astype(np.float32)
             y = x @ true_w
@@ -47,12 +57,18 @@ def main() -> None:
             opt.step()
             loss_mean.update(float(loss.data))
 
-    weights = pg.allgather(model.module.weight.data)
-    assert all(np.array_equal(weights[0], w) for w in weights), "every rank ends with the same model"
+    state = model.module.state_dict()
+    for key, value in state.items():
+        everyone = pg.allgather(np.ascontiguousarray(value))
+        assert all(np.array_equal(everyone[0], v) for v in everyone), f"{key} differs across ranks"
+    shard = sum(v.nbytes for s in opt.optim.state.values() for v in s.values() if hasattr(v, "nbytes"))
+    shards = pg.allgather_object(shard)
     if pg.rank == 0:
-        print(f"ranks had {[options.base + 10 * r for r in range(pg.size)]} batches; final weight "
-              f"{[round(float(v), 3) for v in model.module.weight.data.ravel()]} (true {true_w.ravel().tolist()}); "
-              f"mean loss over all {loss_mean.count} batches {loss_mean.compute():.4f}")
+        print(f"ranks had {[options.base + 10 * r for r in range(pg.size)]} batches; every rank ends with the same "
+              f"model ({len(state)} tensors, batch-norm running statistics included, "
+              f"{int(state['1.num_batches_tracked'])} batches tracked)")
+        print(f"Adam state per rank: {shards} bytes (unsharded: {sum(shards)}); mean loss over all "
+              f"{loss_mean.count} batches {loss_mean.compute():.4f}")
 
 
 if __name__ == "__main__":

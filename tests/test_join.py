@@ -2,7 +2,7 @@
 import pytest
 
 from distlab import comm
-from distlab._join_support import JoinConfig
+from distlab._common.join import JoinConfig
 
 from conftest import twin
 
@@ -51,10 +51,112 @@ def test_joinable_is_abstract_and_needs_its_constructor(join):
         join.Join.notify_join_context(Forgetful())
 
 
-def test_facade_registers_shared_joinables():
+def test_a_non_joinable_is_refused_with_what_a_joinable_needs(join):
+    """Join([object()]) used to fail with "AttributeError: 'object' object has no attribute 'join_hook'"."""
+    with pytest.raises(TypeError) as info:
+        join.Join([object()])
+    message = str(info.value)
+    assert "joinables[0] is a object object" in message
+    for need in ("join_hook, join_device, join_process_group", "subclasses distlab.join.Joinable",
+                 "super().__init__()"):
+        assert need in message, message
+
+    group = comm.world()
+
+    class HalfDone:  # duck-typed, but missing a property: named, with its module
+        def join_hook(self, **kwargs):
+            return join.JoinHook()
+
+        join_device = "cpu"
+
+    with pytest.raises(TypeError, match=r"joinables\[1\] is a test_join\..*HalfDone object, which has no "
+                                        r"join_process_group\."):
+        join.Join([make_joinable(join, group), HalfDone()])
+
+
+def test_a_joinable_that_skipped_its_constructor_is_refused_at_join(join):
+    group = comm.world()
+
+    class Skipper(join.Joinable):
+        def __init__(self):
+            pass  # forgot super().__init__()
+
+        def join_hook(self, **kwargs):
+            return join.JoinHook()
+
+        join_device = "cpu"
+        join_process_group = group
+
+    joinable = Skipper()
+    with pytest.raises(TypeError, match=r"has no join configuration: its constructor must call super\(\).__init__"):
+        join.Join([joinable])
+    with pytest.raises(AttributeError, match="must call Joinable.__init__"):
+        join.Join.notify_join_context(joinable)
+
+
+def test_errors_leave_the_joinables_untouched(join):
+    group = comm.world()
+    a = make_joinable(join, group)
+    with pytest.raises(TypeError):
+        join.Join([a, object()])
+    assert a._join_config == JoinConfig.disabled()
+    with pytest.raises(ValueError, match="at least one joinable"):
+        join.Join([])
+
+
+def test_one_joinable_class_for_both_twins_and_the_facade(join):
     from distlab import join as facade
     from distlab.ddp import DistributedDataParallel
     from distlab.metrics import DistributedMean
 
-    assert issubclass(DistributedDataParallel, facade.Joinable)
-    assert issubclass(DistributedMean, facade.Joinable)
+    assert join.Joinable is facade.Joinable and join.JoinHook is facade.JoinHook
+    assert issubclass(DistributedDataParallel, join.Joinable)
+    assert issubclass(DistributedMean, join.Joinable)
+
+
+class Recorder:
+    """A hook that records the order in which Join calls it."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def pre_hook(self):
+        self.log.append((self.name, "pre"))
+
+    def main_hook(self):
+        self.log.append((self.name, "main"))
+
+    def post_hook(self, is_last_joiner):
+        self.log.append((self.name, "post", is_last_joiner))
+
+
+def recording_joinable(join, group, log, name, hook_cls=Recorder):
+    joinable = make_joinable(join, group)
+    joinable.join_hook = lambda **kwargs: hook_cls(log, name)
+    return joinable
+
+
+class NoPreHook:
+    """A torch-style hook (main_hook and post_hook only): Join must not need a pre_hook."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def main_hook(self):
+        self.log.append((self.name, "main"))
+
+    def post_hook(self, is_last_joiner):
+        self.log.append((self.name, "post", is_last_joiner))
+
+
+@pytest.mark.parametrize("throw", [False, True])
+def test_pre_hooks_run_before_the_final_count_except_in_throw_mode(join, throw):
+    """J4 on one rank: nobody else trains, so the loop counts once; pre hooks run before that count."""
+    group = comm.world()
+    log = []
+    joinables = [recording_joinable(join, group, log, "a"), recording_joinable(join, group, log, "b", NoPreHook),
+                 recording_joinable(join, group, log, "c")]
+    with join.Join(joinables, throw_on_early_termination=throw):
+        pass
+    expected_pre = [] if throw else [("a", "pre"), ("c", "pre")]
+    assert log == expected_pre + [("a", "post", True), ("b", "post", True), ("c", "post", True)]

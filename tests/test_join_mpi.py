@@ -61,9 +61,74 @@ def test_exception_in_forward_inside_join_propagates_without_a_hang(mpirun, impl
     assert job.elapsed < 60
 
 
-def test_uneven_inputs_example(mpirun):
+@pytest.mark.parametrize("np_,args,batches", [(2, ["--base", "4"], "[4, 14]"),
+                                               (4, ["--base", "4", "--divide-by-active"], "[4, 14, 24, 34]")])
+def test_uneven_inputs_example(mpirun, np_, args, batches):
+    """SyncBatchNorm + DDP + ZeroRedundancyOptimizer under one Join; the example checks the models are equal."""
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "uneven_inputs.py"
-    job = mpirun(str(example), np=4, args=["--base", "4", "--divide-by-active"], timeout=120)
-    assert "ranks had [4, 14, 24, 34] batches" in job.stdout
+    job = mpirun(str(example), np=np_, args=args, timeout=180)
+    assert f"ranks had {batches} batches; every rank ends with the same model" in job.stdout
+
+
+# -- More joinables: ZeroRedundancyOptimizer and SyncBatchNorm (both twins on 2 ranks, a mixed world on 4) ----------
+JOINABLE_RUNS = [(2, "reference"), (2, "core"), (4, "mixed")]
+
+
+def _run_all(script, tmp_path_factory, done_line, detail_for=None):
+    """Every run of JOINABLE_RUNS; the one named by ``detail_for`` under DISTLAB_DEBUG=DETAIL."""
+    from _mpi import run_scenario
+
+    out = tmp_path_factory.mktemp(script.split(".")[0])
+    results = {}
+    for np_, impl in JOINABLE_RUNS:
+        prefix = str(out / f"{impl}{np_}")
+        env = {"DISTLAB_DEBUG": "DETAIL"} if (np_, impl) == detail_for else None
+        job = run_scenario(script, np=np_, args=[impl, prefix], timeout=300, env=env)
+        assert job.stdout.count(done_line) == np_, job.stdout
+        results[np_, impl] = [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    return _run_all("join_zero.py", tmp_path_factory, "zero scenarios OK")
+
+
+@pytest.fixture(scope="module")
+def syncbn_runs(tmp_path_factory):
+    # DETAIL on one run: its blocking fingerprint checks must not reach the layers' own communicators, or a
+    # joined rank's posted-ahead shadows would wait for the training ranks (and time out)
+    return _run_all("join_syncbn.py", tmp_path_factory, "syncbn scenarios OK", detail_for=(2, "core"))
+
+
+@pytest.mark.parametrize("runs_fixture", ["zero_runs", "syncbn_runs"])
+def test_joinables_equal_the_single_process_schedule_on_both_twins_and_a_mixed_world(request, runs_fixture):
+    """The scenarios assert the equalities on every rank (see their docstrings); here, the twins agree too."""
+    runs = request.getfixturevalue(runs_fixture)
+    for rank in range(2):
+        for case, ref in runs[2, "reference"][rank].items():
+            theirs = runs[2, "core"][rank][case]
+            assert all(np.array_equal(a, b) for a, b in zip(ref["params"], theirs["params"])), (rank, case)
+            assert ref["trace"] == theirs["trace"], (rank, case)
+    for case in runs[4, "mixed"][0]:
+        first = runs[4, "mixed"][0][case]["params"]
+        assert all(all(np.array_equal(a, b) for a, b in zip(first, runs[4, "mixed"][r][case]["params"]))
+                   for r in range(1, 4)), case
+
+
+def test_zero_joined_ranks_take_part_in_every_broadcast(zero_runs):
+    """Rank 0 (3 batches) joins first on 4 ranks: it still issues each remaining step's broadcasts."""
+    for case in zero_runs[4, "mixed"][0]:
+        broadcasts = [[entry for entry in zero_runs[4, "mixed"][r][case]["trace"] if entry[0] == "broadcast"]
+                      for r in range(4)]
+        assert broadcasts[0] == broadcasts[3] and len(broadcasts[0]) > 0, case
+
+
+def test_syncbatchnorm_without_join_times_out_naming_the_missing_rank(mpirun):
+    job = mpirun("join_syncbn.py", np=2, args=["core", "nojoin"], timeout=120, env={"DISTLAB_TIMEOUT": "3"},
+                 expect_failure=True)
+    assert "allreduce" in job.stderr and "'SyncBatchNorm forward statistics'" in job.stderr
+    assert "ranks [0] have not entered it" in job.stderr
+    assert job.elapsed < 60

@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distlab
 from distlab import autograd as ag
@@ -196,3 +198,176 @@ def test_mlp_learns_spirals():
     with distlab.no_grad():
         accuracy = (model(distlab.tensor(x)).data.argmax(1) == y).mean()
     assert accuracy >= 0.95
+
+
+# -- BatchNorm1d and SyncBatchNorm (one process) --------------------------------------------------------------------
+def bn_reference(x, weight, bias, eps=1e-5):
+    """torch.nn.functional.batch_norm in training mode, written out in float64 numpy (biased variance)."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    x = x.astype(np.float64)
+    mean, var = x.mean(axis=axes), x.var(axis=axes)
+    y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps)
+    return y * weight.reshape(shape) + bias.reshape(shape), mean, var
+
+
+@pytest.mark.parametrize("shape", [(8, 3), (5, 3, 7)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batchnorm1d_training_forward_and_running_stats(shape, dtype):
+    rng = np.random.default_rng(1)
+    bn = nn.BatchNorm1d(3, momentum=0.2, dtype=dtype)
+    bn.weight.data[...] = [1.5, -0.5, 2.0]
+    bn.bias.data[...] = [0.1, 0.2, -0.3]
+    running_mean, running_var = np.zeros(3), np.ones(3)
+    for step in range(1, 4):
+        x = (rng.standard_normal(shape) * 3 + 2).astype(dtype)
+        out = bn(distlab.tensor(x))
+        expected, mean, var = bn_reference(x, bn.weight.data, bn.bias.data)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out.data, expected, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+        n = x.size // 3
+        running_mean = 0.8 * running_mean + 0.2 * mean
+        running_var = 0.8 * running_var + 0.2 * var * n / (n - 1)  # unbiased for the running estimate
+        np.testing.assert_allclose(bn.running_mean.data, running_mean, rtol=1e-5)
+        np.testing.assert_allclose(bn.running_var.data, running_var, rtol=1e-5)
+        assert int(bn.num_batches_tracked.data) == step
+
+
+def test_batchnorm1d_eval_uses_running_stats_and_momentum_none_averages():
+    bn = nn.BatchNorm1d(2, momentum=None, dtype=np.float64)
+    batches = [np.array([[1.0, 2.0], [3.0, 6.0]]), np.array([[5.0, 0.0], [7.0, 4.0]])]
+    for x in batches:
+        bn(distlab.tensor(x))
+    # cumulative average of the batch means (2, 4) and (6, 2), and of the unbiased variances (2, 8) and (2, 8)
+    np.testing.assert_allclose(bn.running_mean.data, [4.0, 3.0])
+    np.testing.assert_allclose(bn.running_var.data, [2.0, 8.0])
+    bn.eval()
+    x = np.array([[4.0, 3.0], [6.0, 3.0 + np.sqrt(8.0 + 1e-5)]])
+    np.testing.assert_allclose(bn(distlab.tensor(x)).data, [[0.0, 0.0], [2.0 / np.sqrt(2.0 + 1e-5), 1.0]])
+    assert int(bn.num_batches_tracked.data) == 2  # eval does not count
+
+
+def test_batchnorm1d_without_running_stats_or_affine():
+    bn = nn.BatchNorm1d(2, affine=False, track_running_stats=False)
+    assert bn.weight is None and bn.running_mean is None and list(bn.parameters()) == []
+    x = np.array([[1.0, 2.0], [3.0, 6.0]], dtype=np.float32)
+    bn.eval()  # no running statistics: batch statistics in eval mode too (as torch)
+    np.testing.assert_allclose(bn(distlab.tensor(x)).data, [[-1, -1], [1, 1]], atol=1e-4)
+    assert set(nn.BatchNorm1d(2).state_dict()) == {"weight", "bias", "running_mean", "running_var",
+                                                    "num_batches_tracked"}
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5)])
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm1d_gradients_match_finite_differences(shape, training):
+    rng = np.random.default_rng(2)
+    bn = nn.BatchNorm1d(3, dtype=np.float64)
+    bn.weight.data[...] = rng.standard_normal(3)
+    bn.bias.data[...] = rng.standard_normal(3)
+    bn.running_mean.data[...] = rng.standard_normal(3)
+    bn.running_var.data[...] = rng.uniform(0.5, 2.0, 3)
+    bn.train(training)
+    x = distlab.tensor(rng.standard_normal(shape) * 2 + 1, requires_grad=True)
+    assert ag.gradcheck(lambda x, w, b: bn(x), [x, bn.weight, bn.bias])
+
+
+def test_batchnorm1d_gradients_equal_the_composed_ops():
+    """The fused node against the same formula built from autograd ops (mean, sub, mul, sqrt, div)."""
+    rng = np.random.default_rng(3)
+    x0, w0, b0 = rng.standard_normal((7, 4, 3)), rng.standard_normal(4), rng.standard_normal(4)
+    bn = nn.BatchNorm1d(4, dtype=np.float64)
+    bn.weight.data[...], bn.bias.data[...] = w0, b0
+    x = distlab.tensor(x0, requires_grad=True)
+    (bn(x) * distlab.tensor(np.cos(x0))).sum().backward()
+    xc = distlab.tensor(x0, requires_grad=True)
+    w, b = distlab.tensor(w0.reshape(1, 4, 1), requires_grad=True), distlab.tensor(b0.reshape(1, 4, 1),
+                                                                                     requires_grad=True)
+    centred = xc - xc.mean(axis=(0, 2), keepdims=True)
+    y = centred / ((centred * centred).mean(axis=(0, 2), keepdims=True) + 1e-5).sqrt() * w + b
+    (y * distlab.tensor(np.cos(x0))).sum().backward()
+    np.testing.assert_allclose(x.grad.data, xc.grad.data, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(bn.weight.grad.data, w.grad.data.ravel(), rtol=1e-9)
+    np.testing.assert_allclose(bn.bias.grad.data, b.grad.data.ravel(), rtol=1e-9)
+
+
+def test_batchnorm_errors():
+    bn = nn.BatchNorm1d(3)
+    with pytest.raises(ValueError, match=r"expected 2D or 3D input \(got 4D input\)"):
+        bn(distlab.tensor(np.zeros((2, 3, 4, 5), np.float32)))
+    with pytest.raises(ValueError, match=r"expects input of shape \(N, 3, ...\), got \(2, 4\)"):
+        bn(distlab.tensor(np.zeros((2, 4), np.float32)))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        bn(distlab.tensor(np.zeros((1, 3), np.float32)))
+    with pytest.raises(ValueError, match="num_features must be positive"):
+        nn.BatchNorm1d(0)
+    bn.eval()
+    assert bn(distlab.tensor(np.zeros((1, 3), np.float32))).shape == (1, 3)  # eval: one sample is fine
+
+
+def test_sync_batchnorm_on_one_rank_is_batchnorm1d_and_converts_in_place():
+    rng = np.random.default_rng(4)
+    distlab.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4, seed=1), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2, seed=2),
+                        nn.BatchNorm1d(2, momentum=None))
+    twin = nn.Sequential(nn.Linear(3, 4, seed=1), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2, seed=2),
+                         nn.BatchNorm1d(2, momentum=None))
+    weight = net[1].weight
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert converted is net and [type(m).__name__ for m in net] == [
+        "Linear", "SyncBatchNorm", "Tanh", "Linear", "SyncBatchNorm"]  # replaced in place, order kept
+    assert net[1].weight is weight and net[4].momentum is None
+    assert nn.SyncBatchNorm.layers_in(net) == [net[1], net[4]]
+    for _ in range(2):
+        x = rng.standard_normal((6, 3)).astype(np.float32)
+        a, b = net(distlab.tensor(x)), twin(distlab.tensor(x))
+        np.testing.assert_array_equal(a.data, b.data)
+        a.sum().backward()
+        b.sum().backward()
+    for (name, p), q in zip(net.named_parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.data, q.grad.data, err_msg=name)
+    for key, value in twin.state_dict().items():
+        np.testing.assert_array_equal(net.state_dict()[key], value, err_msg=key)
+    single = nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(5))
+    assert isinstance(single, nn.SyncBatchNorm) and single.join_device == "cpu"
+    from distlab.join import Joinable
+
+    assert isinstance(single, Joinable) and single.join_process_group is distlab.comm.world()
+
+
+def test_replacing_a_submodule_or_parameter_keeps_its_place():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    seq.add_module("1", nn.Tanh())
+    assert [type(m).__name__ for m in seq] == ["Linear", "Tanh", "Linear"]
+    lin = nn.Linear(2, 3)
+    lin.weight = nn.Parameter(np.zeros((3, 2), np.float32))
+    assert [name for name, _ in lin.named_parameters()] == ["weight", "bias"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 5), st.one_of(st.none(), st.integers(1, 4)), st.booleans(),
+       st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_batchnorm1d_matches_torchs_formula_for_any_shape(n, channels, length, affine, momentum, seed):
+    rng = np.random.default_rng(seed)
+    shape = (n, channels) if length is None else (n, channels, length)
+    x = rng.standard_normal(shape) * rng.uniform(0.1, 10) + rng.uniform(-5, 5)
+    bn = nn.BatchNorm1d(channels, momentum=momentum, affine=affine, dtype=np.float64)
+    if affine:
+        bn.weight.data[...], bn.bias.data[...] = rng.standard_normal(channels), rng.standard_normal(channels)
+    expected, mean, var = bn_reference(x, bn.weight.data if affine else np.ones(channels),
+                                       bn.bias.data if affine else np.zeros(channels))
+    np.testing.assert_allclose(bn(distlab.tensor(x)).data, expected, rtol=1e-9, atol=1e-9)
+    count = x.size // channels
+    np.testing.assert_allclose(bn.running_mean.data, momentum * mean, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(bn.running_var.data, (1 - momentum) + momentum * var * count / (count - 1),
+                               rtol=1e-9)
+
+
+def test_importing_nn_and_optim_starts_no_mpi():
+    """SyncBatchNorm and ZeroRedundancyOptimizer reach MPI only when one is built (a local model needs no MPI)."""
+    import subprocess
+    import sys
+
+    code = "import sys, distlab.nn, distlab.optim; print('mpi4py.MPI' in sys.modules)"
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distlab
 from distlab import nn, optim
@@ -138,3 +140,270 @@ def test_float32_parameters_stay_float32():
         p.grad = distlab.Tensor(np.ones(3, dtype=np.float32))
         opt.step()
         assert p.data.dtype == np.float32
+
+
+# -- Adagrad, RMSprop, Adadelta, Adamax, Rprop: torch's update, written out by hand from its algorithm box ---------
+def adagrad_reference(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                      maximize=False):
+    p, acc = P0.copy(), np.full(3, initial_accumulator_value)
+    for t, g in enumerate(GRADS, start=1):
+        g = (-g if maximize else g) + weight_decay * p
+        clr = lr / (1 + (t - 1) * lr_decay)
+        acc = acc + g * g
+        p = p - clr * g / (np.sqrt(acc) + eps)
+    return p
+
+
+def rmsprop_reference(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                      maximize=False):
+    p, v, m, buf = P0.copy(), np.zeros(3), np.zeros(3), np.zeros(3)
+    for g in GRADS:
+        g = (-g if maximize else g) + weight_decay * p
+        v = alpha * v + (1 - alpha) * g * g
+        if centered:
+            m = alpha * m + (1 - alpha) * g
+            avg = np.sqrt(v - m * m) + eps
+        else:
+            avg = np.sqrt(v) + eps
+        if momentum > 0:
+            buf = momentum * buf + g / avg
+            p = p - lr * buf
+        else:
+            p = p - lr * g / avg
+    return p
+
+
+def adadelta_reference(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False):
+    p, v, u = P0.copy(), np.zeros(3), np.zeros(3)
+    for g in GRADS:
+        g = (-g if maximize else g) + weight_decay * p
+        v = rho * v + (1 - rho) * g * g
+        delta = np.sqrt(u + eps) / np.sqrt(v + eps) * g
+        u = rho * u + (1 - rho) * delta * delta
+        p = p - lr * delta
+    return p
+
+
+def adamax_reference(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False):
+    (b1, b2), p, m, u = betas, P0.copy(), np.zeros(3), np.zeros(3)
+    for t, g in enumerate(GRADS, start=1):
+        g = (-g if maximize else g) + weight_decay * p
+        m = b1 * m + (1 - b1) * g
+        u = np.maximum(b2 * u, np.abs(g) + eps)
+        p = p - lr / (1 - b1 ** t) * m / u
+    return p
+
+
+def rprop_reference(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), maximize=False):
+    p, prev, size = P0.copy(), np.zeros(3), np.full(3, lr)
+    for g in GRADS:
+        g = -g if maximize else g.copy()
+        for i in range(3):
+            product = g[i] * prev[i]
+            size[i] = min(max(size[i] * (etas[1] if product > 0 else etas[0] if product < 0 else 1.0),
+                              step_sizes[0]), step_sizes[1])
+            if product < 0:
+                g[i] = 0.0
+            p[i] -= np.sign(g[i]) * size[i]
+        prev = g
+    return p
+
+
+ADAPTIVE_CASES = [
+    (optim.Adagrad, adagrad_reference, dict()),
+    (optim.Adagrad, adagrad_reference, dict(lr=0.1, lr_decay=0.5, weight_decay=0.1, initial_accumulator_value=0.3)),
+    (optim.Adagrad, adagrad_reference, dict(lr=0.1, eps=1e-3, maximize=True)),
+    (optim.RMSprop, rmsprop_reference, dict()),
+    (optim.RMSprop, rmsprop_reference, dict(lr=0.05, alpha=0.9, momentum=0.8)),
+    (optim.RMSprop, rmsprop_reference, dict(lr=0.05, alpha=0.9, centered=True, weight_decay=0.1)),
+    (optim.RMSprop, rmsprop_reference, dict(lr=0.05, momentum=0.5, centered=True, maximize=True)),
+    (optim.Adadelta, adadelta_reference, dict()),
+    (optim.Adadelta, adadelta_reference, dict(lr=0.5, rho=0.8, eps=1e-3, weight_decay=0.1, maximize=True)),
+    (optim.Adamax, adamax_reference, dict()),
+    (optim.Adamax, adamax_reference, dict(lr=0.1, betas=(0.8, 0.9), weight_decay=0.2, maximize=True)),
+    (optim.Rprop, rprop_reference, dict()),
+    (optim.Rprop, rprop_reference, dict(lr=0.3, etas=(0.3, 1.5), step_sizes=(0.1, 0.4), maximize=True)),
+]
+
+
+@pytest.mark.parametrize("opt_cls,reference,kw", ADAPTIVE_CASES,
+                         ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(ADAPTIVE_CASES)])
+def test_adaptive_optimizers_match_torch_formula(opt_cls, reference, kw):
+    got, opt = run(opt_cls, **kw)
+    np.testing.assert_allclose(got, reference(**kw), rtol=1e-12, atol=1e-15)
+    assert opt.state[opt.param_groups[0]["params"][0]]["step"] == 3
+
+
+def test_adaptive_optimizers_first_step_by_hand():
+    """One step from p = 1 with g = 0.5, the numbers worked out on paper (defaults unless stated)."""
+    def one_step(opt_cls, **kw):
+        p = nn.Parameter(np.array([1.0]))
+        p.grad = distlab.Tensor(np.array([0.5]))
+        opt_cls([p], **kw).step()
+        return float(p.data[0])
+
+    # Adagrad: acc = 0.25, p = 1 - 0.1 * 0.5 / 0.5 = 0.9
+    assert one_step(optim.Adagrad, lr=0.1, eps=0.0) == pytest.approx(0.9, abs=1e-15)
+    # RMSprop: v = 0.01 * 0.25 = 0.0025, avg = 0.05, p = 1 - 0.01 * 0.5 / 0.05 = 0.9
+    assert one_step(optim.RMSprop, eps=0.0) == pytest.approx(0.9, abs=1e-12)
+    # RMSprop centered, alpha=0.5: v = 0.125, m = 0.25, avg = sqrt(0.0625) = 0.25, p = 1 - 0.01 * 2 = 0.98
+    assert one_step(optim.RMSprop, alpha=0.5, centered=True, eps=0.0) == pytest.approx(0.98, abs=1e-12)
+    # Adadelta, eps=0.01, rho=0.5: v = 0.125, delta = sqrt(0.01) / sqrt(0.135) * 0.5, p = 1 - delta
+    assert one_step(optim.Adadelta, rho=0.5, eps=0.01) == pytest.approx(1 - 0.1 / np.sqrt(0.135) * 0.5, abs=1e-12)
+    # Adamax: m = 0.05, u = 0.5, p = 1 - (0.002 / 0.1) * 0.05 / 0.5 = 0.998
+    assert one_step(optim.Adamax, eps=0.0) == pytest.approx(0.998, abs=1e-12)
+    # Rprop: prev = 0 so the step size stays lr; p = 1 - sign(0.5) * 0.01 = 0.99
+    assert one_step(optim.Rprop) == pytest.approx(0.99, abs=1e-15)
+
+
+def test_adagrad_sparse_matches_dense_and_others_refuse_sparse():
+    rows, values = np.array([1, 3, 1]), np.arange(6.0).reshape(3, 2)
+    sparse = SparseGrad(rows, values, (5, 2))
+    a, b = nn.Parameter(np.ones((5, 2))), nn.Parameter(np.ones((5, 2)))
+    oa, ob = optim.Adagrad([a], lr=0.1, lr_decay=0.1), optim.Adagrad([b], lr=0.1, lr_decay=0.1)
+    for _ in range(2):
+        a.grad, b.grad = sparse, distlab.Tensor(sparse.to_dense())
+        oa.step()
+        ob.step()
+    np.testing.assert_allclose(a.data[[1, 3]], b.data[[1, 3]], rtol=1e-12)
+    np.testing.assert_array_equal(a.data[[0, 2, 4]], 1.0)  # untouched rows stay (the dense update moves by 0 too)
+    a.grad = sparse
+    with pytest.raises(RuntimeError, match="weight_decay option is not compatible with sparse gradients"):
+        optim.Adagrad([a], weight_decay=0.1).step()
+    for opt_cls in (optim.RMSprop, optim.Adadelta, optim.Adamax, optim.Rprop):
+        with pytest.raises(RuntimeError, match=f"{opt_cls.__name__} does not support sparse gradients"):
+            opt_cls([a]).step()
+
+
+@pytest.mark.parametrize("opt_cls,kw,match", [
+    (optim.Adagrad, dict(lr=-1), "Invalid learning_rate value: -1"),
+    (optim.Adagrad, dict(lr_decay=-0.1), "Invalid lr_decay value"),
+    (optim.Adagrad, dict(initial_accumulator_value=-1), "Invalid initial_accumulator_value value"),
+    (optim.RMSprop, dict(alpha=-0.5), "Invalid alpha value"),
+    (optim.RMSprop, dict(momentum=-0.5), "Invalid momentum value"),
+    (optim.Adadelta, dict(rho=1.5), "Invalid rho value: 1.5"),
+    (optim.Adamax, dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
+    (optim.Adamax, dict(eps=-1e-8), "Invalid epsilon value"),
+    (optim.Rprop, dict(etas=(1.5, 1.2)), "Invalid eta values: 1.5, 1.2"),
+])
+def test_adaptive_optimizers_refuse_bad_hyperparameters(opt_cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        opt_cls([nn.Parameter(np.ones(2))], **kw)
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(optim.Adagrad, dict(lr=0.1)),
+                                        (optim.RMSprop, dict(lr=0.01, momentum=0.9, centered=True)),
+                                        (optim.Adadelta, dict(lr=1.0)), (optim.Adamax, dict(lr=0.1)),
+                                        (optim.Rprop, dict(lr=0.01))])
+def test_adaptive_optimizers_resume_from_state_dict_and_keep_float32(opt_cls, kw):
+    test_state_dict_resumes_identically(opt_cls, kw)
+    p = nn.Parameter(np.ones(3, dtype=np.float32))
+    opt = opt_cls([p], **kw)
+    for _ in range(2):
+        p.grad = distlab.Tensor(np.array([1.0, -1.0, 0.5], dtype=np.float32))
+        opt.step()
+    assert p.data.dtype == np.float32
+    assert all(v.dtype == np.float32 for v in opt.state[p].values() if isinstance(v, np.ndarray))
+
+
+# -- ZeroRedundancyOptimizer in one process (the MPI scenarios are in tests/mpi/join_zero.py) ----------------------
+class FakeGroup:
+    """Enough of a process group to build a ZeroRedundancyOptimizer of ``size`` ranks (no collective runs)."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+
+def params_of(*sizes):
+    return [nn.Parameter(np.zeros(n, np.float32)) for n in sizes]
+
+
+def owners(zero):
+    return [[[id(p) for p in group["params"]] for group in groups] for groups in zero._partition_parameters()]
+
+
+def test_zero_partition_is_torchs_greedy_by_hand():
+    first, second = params_of(1, 5, 3, 3, 2), params_of(4)
+    zero = optim.ZeroRedundancyOptimizer(first, optim.SGD, process_group=FakeGroup(3), lr=0.1)
+    zero.add_param_group({"params": second})
+    # largest first, each to the least loaded rank (the lowest on ties); the loads carry over to the next group:
+    # 5 -> r0 (5,0,0); 3 -> r1 (5,3,0); 3 -> r2 (5,3,3); 2 -> r1 (5,5,3); 1 -> r2 (5,5,4); then 4 -> r2
+    ids = [id(p) for p in first]
+    assert owners(zero) == [[[ids[1]], []], [[ids[2], ids[4]], []], [[ids[3], ids[0]], [id(second[0])]]]
+    assert [len(g["params"]) for g in zero.optim.param_groups] == [1, 0]  # rank 0's local optimizer
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=12), min_size=1, max_size=3),
+       st.integers(1, 5))
+def test_zero_partition_properties(group_sizes, world_size):
+    groups = [params_of(*sizes) for sizes in group_sizes]
+    zero = optim.ZeroRedundancyOptimizer(groups[0], optim.SGD, process_group=FakeGroup(world_size), lr=0.1)
+    for group in groups[1:]:
+        zero.add_param_group({"params": group})
+    partition = zero._partition_parameters()
+    loads = [0] * world_size
+    for g, group in enumerate(groups):
+        assigned = {id(p): rank for rank in range(world_size) for p in partition[rank][g]["params"]}
+        assert sorted(assigned) == sorted(id(p) for p in group)  # every parameter exactly once
+        for p in sorted(group, key=lambda p: -p.data.size):  # replay: each went to a least-loaded rank
+            assert loads[assigned[id(p)]] == min(loads)
+            loads[assigned[id(p)]] += p.data.size
+    everything = [n for sizes in group_sizes for n in sizes]
+    assert max(loads) - min(loads) <= max(everything)  # greedy's balance bound
+
+
+def test_zero_on_one_rank_equals_the_plain_optimizer_and_refuses_clearly():
+    def train(make):
+        distlab.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4, seed=1), nn.Tanh(), nn.Linear(4, 1, seed=2))
+        opt = make(model.parameters())
+        for i in range(3):
+            x = np.random.default_rng(i).standard_normal((5, 3)).astype(np.float32)
+            opt.zero_grad()
+            (model(distlab.tensor(x)) ** 2).mean().backward()
+            opt.step()
+        return [p.data for p in model.parameters()], opt
+
+    plain, _ = train(lambda ps: optim.Adam(ps, lr=0.1))
+    zero_params, zero = train(lambda ps: optim.ZeroRedundancyOptimizer(ps, optim.Adam, lr=0.1,
+                                                                      parameters_as_bucket_view=True))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, zero_params))
+    assert zero.param_groups[0]["betas"] == (0.9, 0.999)  # the local optimizer's defaults, synced back
+    with pytest.raises(RuntimeError, match=r"not been consolidated on this rank\. Call consolidate_state_dict\(to=0\)"):
+        zero.state_dict()
+    zero.consolidate_state_dict()
+    assert sorted(zero.state_dict()["state"]) == [0, 1, 2, 3]
+
+    p = params_of(2)
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp=True.*is not supported.*call step"):
+        optim.ZeroRedundancyOptimizer(p, optim.Adam, overlap_with_ddp=True)
+    with pytest.raises(TypeError, match="optimizer_class must be a distlab.optim.Optimizer subclass"):
+        optim.ZeroRedundancyOptimizer(p, "Adam")
+    with pytest.raises(TypeError, match="iterable of Tensors, but got a Tensor"):
+        optim.ZeroRedundancyOptimizer(p[0], optim.Adam)
+    with pytest.raises(TypeError, match="parameter groups as dicts are added with add_param_group"):
+        optim.ZeroRedundancyOptimizer([{"params": p}], optim.Adam)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        optim.ZeroRedundancyOptimizer([], optim.Adam)
+    with pytest.raises(ValueError, match="every parameter of one dtype, got float32, float64"):
+        optim.ZeroRedundancyOptimizer(p + [nn.Parameter(np.zeros(2))], optim.Adam)
+
+
+def test_zero_rebuilds_its_buckets_when_trainability_changes():
+    a, b = params_of(3, 2)
+    zero = optim.ZeroRedundancyOptimizer([a, b], optim.SGD, lr=1.0, parameters_as_bucket_view=True)
+    assert np.shares_memory(a.data, zero._buckets[0]) and np.shares_memory(b.data, zero._buckets[0])
+    b.requires_grad = False
+    a.grad = distlab.Tensor(np.ones(3, np.float32))
+    zero.step()
+    assert not np.shares_memory(b.data, zero._buckets[0]) and zero._buckets[0].size == 3
+    np.testing.assert_array_equal(a.data, -1.0)
+
+
+@pytest.mark.mpi
+def test_optimizers_under_distributed_optimizer(mpirun):
+    """Adagrad, RMSprop, Adadelta, Adamax, Rprop (and Adam) step remote parameters as they step local ones."""
+    job = mpirun("optim_distributed.py", np=2, timeout=180)
+    assert job.stdout.count("under DistributedOptimizer OK") == 2
+    assert "DistributedOptimizer(Rprop) OK" in job.stdout

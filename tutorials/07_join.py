@@ -177,3 +177,63 @@ by_world = distlab.run(train, args=([4, 2], True, True), np=2)[0]["weights"]
 by_active = distlab.run(train, args=([4, 2], True, False), np=2)[0]["weights"]
 print("final models differ:", not all(np.allclose(a, b) for a, b in zip(by_world, by_active)))
 print("largest difference in a weight:", max(float(np.abs(a - b).max()) for a, b in zip(by_world, by_active)))
+
+# %% [markdown]
+# ## More joinables: SyncBatchNorm and ZeroRedundancyOptimizer
+#
+# DDP is not the only thing that talks to the other ranks every iteration. A `SyncBatchNorm` layer allreduces
+# its batch statistics in forward (sum, sum of squares, count per channel) and its gradient sums in backward, so
+# that every rank normalises with the statistics of the global batch. A `ZeroRedundancyOptimizer` keeps each
+# parameter's optimizer state on one rank only, and broadcasts the updated parameters after each step.
+#
+# First the model with SyncBatchNorm, under `model.join()` as before: DDP is shadowed, the batch-norm layer is
+# not. Rank 0's third forward pass waits in the statistics allreduce for rank 1, which has joined and is
+# shadowing DDP's collectives only. (PyTorch's SyncBatchNorm is not joinable: there this hangs.)
+
+# %%
+def train_bn(batches_per_rank, joinables):
+    import numpy as np
+
+    from distlab import comm, nn, optim
+    from distlab.ddp import DistributedDataParallel
+    from distlab.errors import DistTimeoutError
+    from distlab.join import Join
+    from distlab.optim import ZeroRedundancyOptimizer
+
+    pg = comm.world()
+    distlab.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    model = DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(net))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, lr=0.01)
+    rng = np.random.default_rng(pg.rank)
+    batches = [(rng.standard_normal((4, 4)), rng.standard_normal((4, 1)))
+               for _ in range(batches_per_rank[pg.rank])]
+    members = {"ddp": [model], "all": [model, *nn.SyncBatchNorm.layers_in(model), opt]}[joinables]
+    try:
+        with Join(members):
+            for x, y in batches:
+                opt.zero_grad()
+                nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
+                opt.step()
+    except DistTimeoutError as exc:
+        return {"error": str(exc)}
+    return {"state": {k: v.copy() for k, v in model.module.state_dict().items()}}
+
+
+results = distlab.run(train_bn, args=([4, 2], "ddp"), np=2, env={"DISTLAB_TIMEOUT": "3"})
+print("rank 0:", results[0].get("error", "finished"))
+
+# %% [markdown]
+# The error names the collective (`SyncBatchNorm forward statistics`) and the rank that never entered it.
+#
+# Now every joinable in one Join: the model first (its forward is where an iteration starts, so it issues Join's
+# count), then the batch-norm layers, then the optimizer. A rank that ran out contributes zero counts to the
+# statistics, so the ranks still training normalise with the batches that exist; it steps its own shard of the
+# optimizer state with the gradients DDP's shadowing leaves it, and takes part in every broadcast.
+
+# %%
+results = distlab.run(train_bn, args=([4, 2], "all"), np=2)
+states = [r["state"] for r in results]
+print("both ranks finished; identical models, running statistics included:",
+      all(np.array_equal(states[0][k], states[1][k]) for k in states[0]))
+print("batches tracked by the batch-norm layer:", int(states[0]["1.num_batches_tracked"]))

@@ -19,8 +19,8 @@ import inspect
 import numpy as np
 
 from . import _backend, comm
-from ._join_support import HostJoinable, JoinConfig
-from .autograd import Tensor, is_grad_enabled
+from ._common.join import HostJoinable, JoinConfig
+from .autograd import SparseGrad, Tensor, is_grad_enabled
 from .nn import Module
 
 __all__ = ["DistributedDataParallel"]
@@ -77,7 +77,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.bucket_bytes_cap = int(bucket_cap_mb * MiB)
-        self._join_config = JoinConfig.disabled()  # DDP is a Joinable (distlab.join registers it)
+        self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
@@ -243,10 +243,17 @@ class DistributedDataParallel(HostJoinable, Module):
         return int(chosen[0])
 
     def _match_all_reduce_for_bwd_pass(self):
-        """Allreduce zeros for every bucket, in the reducer's order, as the training ranks' backward does."""
-        futures = [self.reducer._run_comm_hook(b) for b in self.reducer._get_zeros_like_grad_buckets()]
-        for future in futures:
-            future.wait()
+        """Allreduce zeros for every bucket, in the reducer's order, as the training ranks' backward does.
+
+        The reduced buckets then go into ``.grad``, as a training rank's ``finalize_backward`` puts them: a
+        joined rank ends the shadowed iteration with the gradients every other rank has, so a joinable listed
+        after DDP that steps with them (ZeroRedundancyOptimizer, owner of a shard) stays correct. (The anchor
+        discards them.)
+        """
+        buckets = self.reducer._get_zeros_like_grad_buckets()
+        futures = [self.reducer._run_comm_hook(b) for b in buckets]
+        for bucket, future in zip(buckets, futures):
+            _set_reduced_grads(bucket, future.wait())
 
     def _match_unused_params_allreduce(self):
         self.process_group.allreduce(self.reducer._get_local_used_map(), name="local_used_map")
@@ -266,6 +273,16 @@ class DistributedDataParallel(HostJoinable, Module):
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, buckets={len(self.reducer.get_grad_buckets())}"
+
+
+def _set_reduced_grads(bucket, reduced) -> None:
+    """Point each parameter of a shadowed bucket at (a copy of) its slice of the reduced bucket."""
+    params = bucket.parameters()
+    if isinstance(reduced, SparseGrad):
+        params[0].grad = reduced
+        return
+    for param, offset, length, size in zip(params, bucket.offsets(), bucket.lengths(), bucket.sizes()):
+        param.grad = Tensor(reduced[offset:offset + length].reshape(size).astype(param.data.dtype, copy=True))
 
 
 class _DDPJoinHook:

@@ -1,8 +1,8 @@
-"""``distlab.join``: the active twin's Join, JoinHook and Joinable (read :mod:`distlab.reference.join`).
+"""``distlab.join``: the active twin's Join, and the JoinHook and Joinable base classes (read
+:mod:`distlab.reference.join`).
 
-Join matches joinables by protocol, not by class, so a model, optimizer or metric of either twin (and the shared
-:class:`~distlab.ddp.DistributedDataParallel` and :class:`~distlab.metrics.DistributedMean`) works under either
-twin's Join; those shared classes are registered as virtual subclasses of both twins' ``Joinable``.
+``Joinable`` and ``JoinHook`` are defined once (in ``distlab._common.join``) and shared by both twins, so a model,
+optimizer, layer or metric written against either twin, or against this module, works under either twin's Join.
 
 How to make your own class joinable:
 
@@ -12,18 +12,16 @@ How to make your own class joinable:
 4. return from ``join_hook(**kwargs)`` a ``JoinHook`` whose ``main_hook`` issues exactly the collectives one
    iteration of your class issues (contributing zeros or neutral values), and whose ``post_hook`` does any
    final synchronisation.
+
+The joinables of distlab: :class:`~distlab.ddp.DistributedDataParallel`,
+:class:`~distlab.optim.ZeroRedundancyOptimizer`, :class:`~distlab.nn.SyncBatchNorm` and
+:class:`~distlab.metrics.DistributedMean`.
 """
-from ._backend import load as _load, load_twins as _load_twins
-from .ddp import DistributedDataParallel as _DDP
-from .metrics import DistributedMean as _DistributedMean
+from ._backend import load as _load
 
 _impl = _load("join")
 Join = _impl.Join
 JoinHook = _impl.JoinHook
 Joinable = _impl.Joinable
-
-for _twin in _load_twins("join").values():
-    _twin.Joinable.register(_DDP)
-    _twin.Joinable.register(_DistributedMean)
 
 __all__ = ["Join", "JoinHook", "Joinable"]

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import comm
-from ._join_support import HostJoinable, JoinConfig
+from . import _backend, comm
+from ._common.join import HostJoinable, JoinHook
 
 __all__ = ["DistributedMean"]
 
 
-class _MeanJoinHook:
+class _MeanJoinHook(JoinHook):
     """Shadows :meth:`DistributedMean.update` with a zero contribution (zero sum, zero count)."""
 
     def __init__(self, metric: "DistributedMean"):
@@ -30,9 +30,6 @@ class _MeanJoinHook:
 
     def main_hook(self) -> None:
         self.metric._allreduce(0.0, 0)
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        pass
 
 
 class DistributedMean(HostJoinable):
@@ -45,7 +42,8 @@ class DistributedMean(HostJoinable):
     """
 
     def __init__(self, process_group=None):
-        self._join_config = JoinConfig.disabled()  # what Joinable.__init__ sets
+        super().__init__()
+        self._join = _backend.load("join").Join  # the active twin's (the twins' protocols are the same)
         self.process_group = process_group if process_group is not None else comm.world()
         self.total = 0.0
         self.count = 0
@@ -53,9 +51,7 @@ class DistributedMean(HostJoinable):
 
     def update(self, value, weight: int = 1) -> float:
         """Add this rank's ``value`` (with ``weight`` samples); return the mean of this step over the ranks."""
-        from .join import Join
-
-        Join.notify_join_context(self)
+        self._join.notify_join_context(self)
         step_total, step_count = self._allreduce(float(value) * weight, int(weight))
         self.last = step_total / step_count if step_count else float("nan")
         return self.last

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import functional, init
+from .batchnorm import BatchNorm1d, SyncBatchNorm
 from .containers import ModuleList, Sequential
 from .init import manual_seed
 from .layers import Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, Sigmoid, Tanh
@@ -11,6 +12,7 @@ from .parameter import Parameter
 
 __all__ = [
     "Module", "Parameter", "IncompatibleKeys", "Linear", "Embedding", "ReLU", "Tanh", "Sigmoid", "Identity",
-    "Dropout", "LayerNorm", "Sequential", "ModuleList", "CrossEntropyLoss", "MSELoss", "NLLLoss",
+    "Dropout", "LayerNorm", "BatchNorm1d", "SyncBatchNorm", "Sequential", "ModuleList", "CrossEntropyLoss",
+    "MSELoss", "NLLLoss",
     "functional", "init", "manual_seed",
 ]

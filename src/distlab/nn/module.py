@@ -36,10 +36,12 @@ class Module:
         if params is None:
             raise AttributeError("cannot assign attributes before Module.__init__() call")
         if isinstance(value, Parameter):
-            self._forget(name)
+            if name not in params:  # replacing a parameter keeps its place (as torch's ordered dicts do)
+                self._forget(name)
             params[name] = value
         elif isinstance(value, Module):
-            self._forget(name)
+            if name not in self._modules:  # replacing a submodule keeps its place: Sequential's order
+                self._forget(name)
             self._modules[name] = value
         elif name in self._buffers:
             self._buffers[name] = value
@@ -76,8 +78,9 @@ class Module:
         object.__setattr__(self, name, tensor)
 
     def add_module(self, name: str, module) -> None:
-        """Register a submodule (or None) under ``name``."""
-        self._forget(name)
+        """Register a submodule (or None) under ``name``; an existing ``name`` keeps its place in the order."""
+        if name not in self._modules:
+            self._forget(name)
         self._modules[name] = module
         object.__setattr__(self, name, module)
 

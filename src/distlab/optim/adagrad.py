@@ -1,0 +1,76 @@
+"""Adagrad (mirrors torch/optim/adagrad.py ``_single_tensor_adagrad``).
+
+Per parameter, at step ``t`` (1-based)::
+
+    g = g + weight_decay * p                      (if weight_decay)
+    clr = lr / (1 + (t - 1) * lr_decay)
+    sum = sum + g * g                             (sum starts at initial_accumulator_value)
+    p = p - clr * g / (sqrt(sum) + eps)
+
+A row-sparse gradient (``nn.Embedding(sparse=True)``) updates only the rows it touches, after summing repeated
+rows (the update is not linear in g), as torch does; weight decay cannot be combined with it.
+"""
+from __future__ import annotations
+
+from ..autograd._array import array_module
+from ..autograd.sparse import SparseGrad
+from ._functional import check_non_negative
+from .optimizer import Optimizer
+
+__all__ = ["Adagrad"]
+
+
+class Adagrad(Optimizer):
+    """Adagrad: each coordinate's step shrinks with the sum of its squared gradients.
+
+    Defaults as torch: ``lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10``.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False):
+        check_non_negative(learning_rate=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                           initial_accumulator_value=initial_accumulator_value, epsilon=eps)
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps,
+                                      maximize=maximize))
+
+    def step(self, closure=None):
+        """Update every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _state(self, p, group) -> dict:
+        state = self.state.get(p)
+        if state is None:  # torch creates the state in the constructor; here on first use (same values)
+            xp = array_module(p.data)
+            state = self.state[p] = {"step": 0, "sum": xp.full_like(p.data, group["initial_accumulator_value"])}
+        return state
+
+    def _update(self, p, group) -> None:
+        state = self._state(p, group)
+        state["step"] += 1
+        clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+        if isinstance(p.grad, SparseGrad):
+            self._sparse_update(p, p.grad, state["sum"], clr, group)
+            return
+        grad = -p.grad.data if group["maximize"] else p.grad.data
+        if group["weight_decay"] != 0:
+            grad = grad + group["weight_decay"] * p.data
+        state_sum = state["sum"]
+        state_sum += grad * grad
+        std = array_module(p.data).sqrt(state_sum) + group["eps"]
+        p.data -= clr * (grad / std)
+
+    @staticmethod
+    def _sparse_update(p, grad: SparseGrad, state_sum, clr: float, group) -> None:
+        if group["weight_decay"] != 0:
+            raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+        grad = grad.coalesce()  # the update is non-linear, so repeated rows are summed first
+        rows, values = grad.indices, (-grad.values if group["maximize"] else grad.values)
+        state_sum[rows] += values * values
+        std = array_module(values).sqrt(state_sum[rows]) + group["eps"]
+        p.data[rows] -= clr * (values / std)

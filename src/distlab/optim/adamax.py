@@ -1,0 +1,60 @@
+"""Adamax (mirrors torch/optim/adamax.py ``_single_tensor_adamax``): Adam with the infinity norm.
+
+Per parameter, at step ``t`` (1-based)::
+
+    g = g + weight_decay * p                      (if weight_decay)
+    m = m + (1 - beta1) * (g - m)                 (torch's lerp_)
+    u = max(beta2 * u, |g| + eps)
+    p = p - (lr / (1 - beta1^t)) * m / u
+"""
+from __future__ import annotations
+
+from ..autograd._array import array_module
+from ._functional import check_non_negative, dense_grad
+from .optimizer import Optimizer
+
+__all__ = ["Adamax"]
+
+
+class Adamax(Optimizer):
+    """Adamax. Defaults as torch: ``lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0``."""
+
+    def __init__(self, params, lr: float = 2e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 maximize: bool = False):
+        check_non_negative(learning_rate=lr, epsilon=eps, weight_decay=weight_decay)
+        for index, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      maximize=maximize))
+
+    def step(self, closure=None):
+        """Update every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _state(self, p) -> dict:
+        state = self.state.get(p)
+        if state is None:
+            xp = array_module(p.data)
+            state = self.state[p] = {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_inf": xp.zeros_like(p.data)}
+        return state
+
+    def _update(self, p, group) -> None:
+        xp = array_module(p.data)
+        grad = dense_grad(self, p, group["maximize"])
+        state = self._state(p)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        if group["weight_decay"] != 0:
+            grad = grad + group["weight_decay"] * p.data
+        exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
+        exp_avg += (1 - beta1) * (grad - exp_avg)
+        exp_inf *= beta2
+        xp.maximum(exp_inf, xp.abs(grad) + group["eps"], out=exp_inf)
+        clr = group["lr"] / (1 - beta1 ** state["step"])
+        p.data -= clr * (exp_avg / exp_inf)

@@ -1,0 +1,77 @@
+"""RMSprop (mirrors torch/optim/rmsprop.py ``_single_tensor_rmsprop``).
+
+Per parameter::
+
+    g = g + weight_decay * p                      (if weight_decay)
+    v = alpha * v + (1 - alpha) * g * g
+    centered:  m = m + (1 - alpha) * (g - m);  avg = sqrt(v - m * m) + eps
+    else:      avg = sqrt(v) + eps
+    momentum > 0:  buf = momentum * buf + g / avg;  p = p - lr * buf
+    else:          p = p - lr * g / avg
+"""
+from __future__ import annotations
+
+from ..autograd._array import array_module
+from ._functional import check_non_negative, dense_grad
+from .optimizer import Optimizer
+
+__all__ = ["RMSprop"]
+
+
+class RMSprop(Optimizer):
+    """RMSprop, with optional momentum and the centered variant (normalised by an estimate of the variance).
+
+    Defaults as torch: ``lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False``.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum: float = 0.0, centered: bool = False, maximize: bool = False):
+        check_non_negative(learning_rate=lr, epsilon=eps, momentum=momentum, weight_decay=weight_decay,
+                           alpha=alpha)
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered, maximize=maximize))
+
+    def step(self, closure=None):
+        """Update every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _state(self, p, group) -> dict:
+        state = self.state.get(p)
+        if state is None:
+            xp = array_module(p.data)
+            state = self.state[p] = {"step": 0, "square_avg": xp.zeros_like(p.data)}
+            if group["momentum"] > 0:
+                state["momentum_buffer"] = xp.zeros_like(p.data)
+            if group["centered"]:
+                state["grad_avg"] = xp.zeros_like(p.data)
+        return state
+
+    def _update(self, p, group) -> None:
+        xp = array_module(p.data)
+        grad = dense_grad(self, p, group["maximize"])
+        state = self._state(p, group)
+        state["step"] += 1
+        alpha, eps = group["alpha"], group["eps"]
+        if group["weight_decay"] != 0:
+            grad = grad + group["weight_decay"] * p.data
+        square_avg = state["square_avg"]
+        square_avg *= alpha
+        square_avg += (1 - alpha) * grad * grad
+        if group["centered"]:
+            grad_avg = state["grad_avg"]
+            grad_avg += (1 - alpha) * (grad - grad_avg)  # torch's lerp_
+            avg = xp.sqrt(square_avg - grad_avg * grad_avg) + eps
+        else:
+            avg = xp.sqrt(square_avg) + eps
+        if group["momentum"] > 0:
+            buf = state["momentum_buffer"]
+            buf *= group["momentum"]
+            buf += grad / avg
+            p.data -= group["lr"] * buf
+        else:
+            p.data -= group["lr"] * (grad / avg)
