@@ -126,7 +126,34 @@ def _watch(child: int, job_dir) -> None:
         _jobdir.write_exit(job_dir, child, status)
         if os.environ.get("DISTLAB_TIMELINE") and not _has_record(job_dir, child, "stopped"):
             stop_peers(job_dir, child)
+        _let_output_drain()
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _let_output_drain(within: float = 2.0) -> None:
+    """Wait until hydra's proxy has read what the rank wrote before it ended (bounded).
+
+    The proxy learns of the end only when this watcher exits, and then ends the job: output still in the pipes
+    could be lost (seen here: a rank's last lines missing). Output the proxy has read is forwarded before the
+    news of the exit, on the same connection.
+    """
+    import array
+    import fcntl
+    import termios
+
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        pending = 0
+        for fd in (1, 2):
+            count = array.array("i", [0])
+            try:
+                fcntl.ioctl(fd, termios.FIONREAD, count)  # bytes in the pipe, asked from its writing end
+            except OSError:  # not a pipe: nothing to wait for
+                continue
+            pending += count[0]
+        if not pending:
+            return
+        time.sleep(0.005)
 
 
 def _has_record(job_dir, pid: int, kind: str) -> bool:
