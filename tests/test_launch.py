@@ -494,6 +494,18 @@ def test_a_failing_rank_ends_the_job_and_every_rank_keeps_its_timeline(tmp_path)
 
 
 @mpi
+def test_when_no_rank_started_mpiexec_s_own_errors_are_shown(tmp_path):
+    script = write(tmp_path / "never.py", "print('never printed')\n")
+    done = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          env={**os.environ, "HYDRA_LAUNCHER": "no-such-launcher"})
+    assert done.returncode == 1
+    assert "unrecognized launcher: no-such-launcher" in done.stderr  # hydra's words, the only explanation
+    assert done.stderr.splitlines()[-2:] == ["distlab: rank 0 never started (it wrote no start record) (also rank 1)",
+                                             "distlab: the job failed with exit status 1"]
+
+
+@mpi
 def test_a_rank_stopped_from_outside_stops_the_job_and_is_named(tmp_path):
     script = write(tmp_path / "term.py", """\
         import os, signal, time

@@ -127,6 +127,10 @@ def _watch(child: int, job_dir) -> None:
         if os.environ.get("DISTLAB_TIMELINE") and not _has_record(job_dir, child, "stopped"):
             stop_peers(job_dir, child)
         _let_output_drain()
+        # Die by a signal: hydra then ends the job on every host. (After a mere non-zero exit, measured on a
+        # virtual cluster, it ended the ranks of that host only and the others waited.) The launcher takes
+        # the status from the records.
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(code if code >= 0 else 128 - code)
 
 

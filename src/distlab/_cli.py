@@ -1,4 +1,4 @@
-"""The command line: ``python -m distlab run ...`` and ``python -m distlab merge-timeline ...``."""
+"""The command line: ``python -m distlab run ...``, ``merge-timeline ...`` and ``cluster up|down|status``."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,8 @@ import sys
 import textwrap
 
 from ._supervise import Interrupted
+from .cluster.cli import add_parser as add_cluster_parser, run_command as run_cluster_command
+from .errors import ClusterError
 from .launch import LAUNCHER_VARIABLES, RANK_VARIABLES, _launch
 
 RUN_USAGE = "python -m distlab run [options] (script.py | -m module) [args ...]"
@@ -48,7 +50,8 @@ def _run_parser() -> argparse.ArgumentParser:
         EXIT_STATUS,
         "examples:\n  python -m distlab run -n 4 train.py --epochs 3\n"
         "  python -m distlab run -np 2 -m mypkg.train --epochs 3\n"
-        "  python -m distlab run -n 2 --timeline trace.json --no-prefix train.py",
+        "  python -m distlab run -n 2 --timeline trace.json --no-prefix train.py\n"
+        "  sudo .venv/bin/python -m distlab run -n 4 --cluster 2 --rate 1gbit train.py   (a virtual cluster)",
     ])
     parser = argparse.ArgumentParser(prog="python -m distlab run", usage=RUN_USAGE, description=RUN_DESCRIPTION,
                                      epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,10 +65,13 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="stop the job after this many seconds (exit status 124)")
     parser.add_argument("--prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="prefix each line of output with its rank, [N] (default: on)")
+    parser.add_argument("--cluster", type=int, metavar="HOSTS",
+                        help="run across a virtual cluster of HOSTS hosts (root; brought up if needed)")
+    parser.add_argument("--rate", help="with --cluster: the links' rate, e.g. 10gbit, 1gbit")
     return parser
 
 
-_TAKES_VALUE = {"-n", "-np", "--np", "--timeline", "--timeout"}
+_TAKES_VALUE = {"-n", "-np", "--np", "--timeline", "--timeout", "--cluster", "--rate"}
 
 
 def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -96,6 +102,8 @@ def run_command(argv: list[str]) -> int:
         parser.error("no program to run: give a script (script.py) or a module (-m module)")
     if options.np < 1:
         parser.error(f"-n must be at least 1, got {options.np}")
+    if options.rate is not None and options.cluster is None:
+        parser.error("--rate shapes a virtual cluster's links: give --cluster HOSTS too")
     if options.script and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
     target = ["-m", options.module] if options.module else [options.script]
@@ -103,7 +111,11 @@ def run_command(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         result = _launch(["distlab._bootstrap", *target, *program_args], options.np, timeline=options.timeline,
-                         timeout=options.timeout, prefix=options.prefix)
+                         timeout=options.timeout, prefix=options.prefix, cluster=options.cluster,
+                         rate=options.rate)
+    except ClusterError as exc:
+        print(f"distlab: {exc}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, Interrupted) as exc:  # a second Ctrl-C while stopping: everything is killed
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         print(f"distlab: interrupted by {signal.Signals(signum).name}: every rank was killed", file=sys.stderr)
@@ -127,18 +139,21 @@ def _raise_interrupted(signum, _frame):
 
 
 def main(argv=None) -> int:
-    """Command line: ``python -m distlab run ...`` (see ``--help``) and ``python -m distlab merge-timeline``."""
+    """Command line: ``python -m distlab run ...`` (see ``--help``), ``merge-timeline`` and ``cluster``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m distlab",
                                      description="distlab's launcher: run a program on several MPI ranks.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,merge-timeline}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,merge-timeline,cluster}")
     sub.add_parser("run", help="run a script or module on N MPI ranks (see: python -m distlab run --help)",
                    add_help=False)
     merge_parser = sub.add_parser("merge-timeline", help="merge per-rank timeline parts into one trace")
     merge_parser.add_argument("path")
+    add_cluster_parser(sub)
     if argv and argv[0] == "run":
         return run_command(argv[1:])
     options = parser.parse_args(argv)
+    if options.command == "cluster":
+        return run_cluster_command(options)
     from .timeline import merge
 
     written = merge(options.path)

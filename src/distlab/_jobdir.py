@@ -76,7 +76,16 @@ def write_start(job_dir: Path, rank: int, watcher: int | None) -> None:
     pid = os.getpid()
     _write(job_dir / f"rank{rank}.start", {"rank": rank, "pid": pid, "watcher": watcher,
                                            "stamp": process_start_stamp(pid), "host": socket.gethostname(),
-                                           "time": time.time()})
+                                           "virtual_host": _virtual_host(), "time": time.time()})
+
+
+def _virtual_host() -> str | None:
+    """The virtual cluster's host this rank runs in (``dl-h2``), None outside a virtual cluster."""
+    if not os.environ.get("DISTLAB_CLUSTER"):
+        return None
+    from .cluster.jobs import current_host
+
+    return current_host()
 
 
 def write_done(job_dir: Path, rank: int) -> None:
@@ -212,7 +221,8 @@ def classify(records: dict[int, RankRecord]) -> list[Ending]:
 
 def _ending(record: RankRecord) -> Ending:
     rank, pid = record.rank, record.pid
-    who = f"rank {rank}" + (f" (pid {pid})" if pid else "")
+    host = record.start.get("virtual_host") if record.start else None
+    who = f"rank {rank}" + (f" (pid {pid})" if pid else "") + (f" on host {host}" if host else "")
     exit_code = record.exit["code"] if record.exit else None
     if record.failed:
         failed = record.failed

@@ -65,6 +65,14 @@ def is_banner(line: str) -> bool:
     return bool(_BANNER.match(line))
 
 
+_DIAGNOSTIC = re.compile(r"^\[(mpiexec|proxy:[^\]@]*)@[^\]]*\] ")
+
+
+def is_diagnostic(line: str) -> bool:
+    """A line hydra's mpiexec or proxy prints about itself (``[mpiexec@host] HYD_...: ...``)."""
+    return bool(_DIAGNOSTIC.match(line))
+
+
 def is_abort_line(line: str) -> bool:
     """MPICH's ``Abort(1) on node 1 ...`` line, which a rank prints when it calls ``MPI_Abort``."""
     return bool(_ABORT_LINE.match(line))

@@ -23,6 +23,8 @@ __all__ = [
     "AutogradContextNotFoundError",
     "AutogradIdOverflowError",
     "DistBackwardError",
+    "ClusterError",
+    "ClusterPermissionError",
 ]
 
 
@@ -185,3 +187,12 @@ class DistBackwardError(DistAutogradError):
 
 def _rebuild_dist_backward_error(message, worker_id, context_id):
     return DistBackwardError(message, worker_id=worker_id, context_id=context_id)
+
+
+# -- the virtual cluster (distlab.cluster) ----------------------------------------------------------------------
+class ClusterError(DistlabError):
+    """The virtual cluster could not be built, inspected or removed (a bad name, a missing tool, a netlink error)."""
+
+
+class ClusterPermissionError(ClusterError, PermissionError):
+    """Building network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); the message says how to run it."""

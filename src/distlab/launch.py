@@ -62,16 +62,19 @@ def _is_hydra(mpiexec: str) -> bool:
     return "HYDRA" in done.stdout
 
 
-def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = None) -> list[str]:
+def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = None,
+                    cluster_job=None) -> list[str]:
     """``mpiexec -n np python -m <module_args>`` with this interpreter.
 
-    ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards.
+    ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards. ``cluster_job`` (a
+    :class:`distlab.cluster.ClusterJob`) runs mpiexec in the virtual cluster's first host with its hosts.
     """
     if int(np) < 1:
         raise ValueError(f"np must be at least 1, got {np}")
     mpiexec = find_mpiexec()
     options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
-    return [mpiexec, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
+    command = [mpiexec, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
+    return cluster_job.wrap(command) if cluster_job is not None else command
 
 
 #: The variables the launcher sets for every rank, for ``--help`` and the docs (the bootstrap adds the rest).
@@ -87,17 +90,23 @@ RANK_VARIABLES = [
     ("DISTLAB_LAUNCHER=1", "the rank runs under the launcher (the launcher merges the timeline)"),
     ("DISTLAB_JOB_DIR", "where ranks leave their start, completion and failure records for the launcher"),
     ("DISTLAB_TIMELINE", "with --timeline: where the trace goes (each rank writes <file>.rank<N>)"),
+    ("UCX_TLS=tcp,self, UCX_WARN_UNUSED_ENV_VARS=n, DISTLAB_CLUSTER, DISTLAB_CLUSTER_JOB",
+     "with --cluster: TCP between the virtual hosts, the cluster's name, and the job's marker"),
 ]
 #: The variables the launcher itself reads.
 LAUNCHER_VARIABLES = [
     ("PATH", "to find mpiexec when there is none beside this Python"),
     ("DISTLAB_TIMEOUT", "distlab.run's default time limit: this plus 60 s (default 300 s)"),
+    ("DISTLAB_CLUSTER_NAME", "with --cluster HOSTS: the virtual cluster to use (default dl)"),
 ]
 
 
-def job_environment(extra: dict | None = None, np: int = 1, job_dir: Path | None = None) -> dict:
+def job_environment(extra: dict | None = None, np: int = 1, job_dir: Path | None = None,
+                    cluster_job=None) -> dict:
     """The ranks' environment: this process's, plus what :data:`RANK_VARIABLES` lists, plus ``extra``."""
     env = dict(os.environ)
+    if cluster_job is not None:
+        env.update(cluster_job.env)  # one machine: BLAS threads per rank as on one host (below)
     # As torchrun does: ranks sharing a machine must not each start one BLAS thread per core, or they fight
     # over the cores (seen here: a 30 us matmul taking 50 ms). An explicit setting wins.
     threads = str(max(1, (os.cpu_count() or 1) // max(1, int(np))))
@@ -123,7 +132,8 @@ class JobResult:
     """What a finished job left: its exit status, its output when captured, and how each rank ended.
 
     ``summary`` holds the lines the launcher printed about the job's end (also appended to ``stderr`` when
-    captured); ``ranks`` how each rank ended (with ``rank``, ``kind`` such as ``"done"``, ``"failed"``,
+    captured); ``mpiexec_lines`` what hydra printed about itself that the summary made redundant (its
+    ``BAD TERMINATION`` banners, its error lines as it tore the job down); ``ranks`` how each rank ended (with ``rank``, ``kind`` such as ``"done"``, ``"failed"``,
     ``"killed"`` or ``"vanished"``, and ``text``), the ranks that ended the job first.
     """
 
@@ -137,6 +147,7 @@ class JobResult:
     timeline: str | None = None
     timeline_partial: bool = False
     timeline_ranks: list[int] = field(default_factory=list)
+    mpiexec_lines: list[str] = field(default_factory=list)
 
 
 class _Output:
@@ -146,10 +157,14 @@ class _Output:
         self.prefix, self.capture, self.echo, self.job_dir = prefix, capture, echo, job_dir
         self.lines = {"stdout": [], "stderr": []}
         self.mpiexec_lines: list[str] = []  # hydra's banners, kept out of the way
+        self.diagnostics: list[tuple[str, str]] = []  # hydra's own errors: shown unless the records explain
 
     def __call__(self, rank: int | None, stream: str, line: str) -> None:
         if rank is None and _supervise.is_banner(line):
             self.mpiexec_lines.append(line)
+            return
+        if rank is None and _supervise.is_diagnostic(line):
+            self.diagnostics.append((stream, line))
             return
         if rank is not None and rank >= 0 and _supervise.is_abort_line(line) \
                 and (self.job_dir / f"rank{rank}.failed").exists():
@@ -174,32 +189,45 @@ class _Output:
 
 def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: float | None = None,
             env: dict | None = None, capture: bool = False, echo: bool = True, cwd: str | None = None,
-            prefix: bool = True, report: bool = True, job_dir: Path | None = None) -> JobResult:
+            prefix: bool = True, report: bool = True, job_dir: Path | None = None, cluster=None,
+            rate=None) -> JobResult:
     """Run ``python -m <entry>`` on ``np`` ranks, supervise it, judge how it ended, merge the timeline.
 
-    ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture).
+    ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture). ``cluster``
+    and ``rate``: see :func:`launch_script`.
     """
     extra = dict(env or {})
     if timeline:
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
+    cluster_job = _cluster_job(np, cluster, rate)
     own_dir = job_dir is None
     job_dir = Path(tempfile.mkdtemp(prefix="distlab-job-")) if own_dir else job_dir
     try:
         pattern, marker = _supervise.new_marker()
-        command = mpiexec_command(np, entry, tag_pattern=pattern)
+        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job)
         uses_tags = "-prepend-pattern" in command
         output = _Output(prefix, capture, echo, job_dir)
-        outcome = _supervise.supervise(command, job_environment(extra, np, job_dir), cwd, job_dir, np, output,
-                                       marker if uses_tags else None, timeout)
+        outcome = _supervise.supervise(command, job_environment(extra, np, job_dir, cluster_job), cwd, job_dir,
+                                       np, output, marker if uses_tags else None, timeout)
         records = _jobdir.read_records(job_dir, np)
     finally:
+        if cluster_job is not None:
+            cluster_job.end_survivors()  # no process of the job may outlive it on any host
         if own_dir:
             shutil.rmtree(job_dir, ignore_errors=True)
     verdict = _jobdir.verdict(records, outcome.status, outcome.interrupted,
                               timeout if outcome.timed_out else None)
     result = JobResult(verdict.returncode, "", "", outcome.timed_out, outcome.interrupted, verdict.lines,
                        verdict.endings)
+    # Hydra's own error lines as a job is torn down ("one of the processes terminated badly") add nothing to
+    # a failure the ranks' records explain; otherwise (hydra could not start the job, say) they are the story.
+    explained = outcome.interrupted is not None or outcome.timed_out or any(
+        e.kind not in ("lost", "never-started") for e in verdict.culprits)
+    output.mpiexec_lines += [line for _, line in output.diagnostics]
+    if not explained:
+        for stream, line in output.diagnostics:
+            output.write(stream, line)
     if report:
         for rank, trace in verdict.tracebacks:
             for line in trace.rstrip("\n").split("\n"):
@@ -214,7 +242,19 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
         result.timeline = merge(timeline, partial=not complete)
         result.timeline_partial = not complete
     result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
+    result.mpiexec_lines = output.mpiexec_lines
     return result
+
+
+def _cluster_job(np: int, cluster, rate):
+    """The virtual cluster's view of this job (``distlab.cluster``, needs root), or None on this machine."""
+    if cluster is None:
+        if rate is not None:
+            raise ValueError("rate shapes a virtual cluster's links: give cluster= (a number of hosts) too")
+        return None
+    from .cluster.jobs import cluster_job
+
+    return cluster_job(np, cluster, rate)
 
 
 def _timeline_parts(timeline: str) -> list[int]:
@@ -225,23 +265,25 @@ def _timeline_parts(timeline: str) -> list[int]:
 
 def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
                   env: dict | None = None, capture: bool = False, cwd: str | None = None, prefix: bool = True,
-                  module: bool = False) -> JobResult:
+                  module: bool = False, cluster=None, rate=None) -> JobResult:
     """Run ``script`` (a module's name with ``module=True``) on ``np`` ranks; see the module docstring.
 
     With ``capture`` the ranks' output is collected in the result (else it goes to this process's stdout and
     stderr as it comes). A ``KeyboardInterrupt`` stops every rank, merges the partial timeline and is raised
-    again.
+    again. ``cluster`` (a number of hosts or a cluster's name) runs the ranks across a virtual cluster
+    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given.
     """
     target = ["-m", str(script)] if module else [str(script)]
     result = _launch(["distlab._bootstrap", *target, *map(str, args)], np, timeline=timeline, timeout=timeout,
-                     env=env, capture=capture, echo=not capture, cwd=cwd, prefix=prefix)
+                     env=env, capture=capture, echo=not capture, cwd=cwd, prefix=prefix, cluster=cluster,
+                     rate=rate)
     if result.interrupted == signal.SIGINT:
         raise KeyboardInterrupt
     return result
 
 
 def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None,
-        prefix: bool = True):
+        prefix: bool = True, cluster=None, rate=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
 
     Each rank's output is shown as it comes (to ``sys.stdout``/``sys.stderr``, so in a notebook under the
@@ -261,6 +303,11 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         Extra environment variables for the ranks.
     prefix : bool
         Prefix each line of output with ``[rank]``.
+    cluster : int or str, optional
+        Run across a virtual cluster (:mod:`distlab.cluster`, needs root): a number of hosts (the cluster
+        ``dl``, brought up if needed) or the name of a running cluster. Ranks are placed in blocks per host.
+    rate : str, optional
+        Shape the cluster's links to this rate (``"10gbit"``, ``"1gbit"``).
 
     Raises
     ------
@@ -285,7 +332,7 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         job_dir = Path(workdir) / "job"
         job_dir.mkdir()
         job = _launch(["distlab._runner", str(payload), workdir], np, timeout=limit, env=env, prefix=prefix,
-                      report=False, job_dir=job_dir)
+                      report=False, job_dir=job_dir, cluster=cluster, rate=rate)
         if job.interrupted == signal.SIGINT:
             raise KeyboardInterrupt
         return _collect_results(Path(workdir), np, job)
