@@ -12,7 +12,8 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "DTYPE_CODES", "CPU_DEVICE_ID", "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE",
            "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
            "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
-           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS"]
+           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS",
+           "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -164,3 +165,13 @@ COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that 
 COMM_NOTE_STATES = ("elsewhere", "waiting", "gave_up")  # the sender, in this group, at seq: codes: index
 #: A rank's slot on its node's arrival board: int64 words [last collective seq entered, its op code].
 COMM_SLOT_WORDS = 2
+
+
+# -- distributed autograd (distlab.distributed_autograd) ------------------------------------------------------
+#: RPC message kinds of distributed autograd (at or above RPC_USER_KIND_BASE). Codes travel: never change them.
+#: Payloads: backward = (context id, message id, pass id, retain_graph, [gradient or None per tensor]);
+#: prepare = (context id, pass id, retain_graph); cleanup = context id.
+DIST_AUTOGRAD_KIND_CODES = {"dist_autograd_backward": 80, "dist_autograd_prepare": 81, "dist_autograd_cleanup": 82}
+#: The autograd metadata an RPC made inside a context carries ahead of its function (mirrors
+#: rpc_with_autograd.h: autogradMetadata + fromWorkerId): a tuple of these fields, in this order.
+AUTOGRAD_METADATA_FIELDS = ("context_id", "message_id", "from_worker")
