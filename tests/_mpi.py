@@ -2,8 +2,10 @@
 
 Why not ``mpiexec -n 2 python -m pytest``: when one rank fails, the ranks' test sequences desynchronise and
 hang, and pytest-timeout's signal method cannot interrupt a rank blocked inside MPI. Here pytest stays serial and
-each scenario is one bounded job: its own session, a hard timeout, ``killpg`` of every rank on expiry, and an
-uncaught exception on any rank aborts the job (``distlab._bootstrap``) with that rank's traceback shown.
+each scenario is one bounded job run by the launcher (:func:`distlab.launch.launch_script`): its own session, a
+hard timeout after which every rank is stopped and killed, and an uncaught exception on any rank ends the job
+with that rank's traceback shown. A rank that ends without its completion record (``os._exit``, a signal) fails
+the job as well, so a scenario cannot pass with a rank missing.
 """
 from __future__ import annotations
 

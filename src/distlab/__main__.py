@@ -1,6 +1,7 @@
-"""``python -m distlab run -n N script.py``: see :mod:`distlab.launch`."""
+"""``python -m distlab run -n N script.py``: see :mod:`distlab.launch` and ``python -m distlab run --help``."""
 import sys
 
-from .launch import main
+from ._cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,40 +1,39 @@
 """Per-rank entry point of :func:`distlab.run`: ``python -m distlab._runner payload.pkl workdir``.
 
-Loads ``(fn, args, kwargs)`` with cloudpickle, runs it, and writes ``workdir/rank<N>.pkl`` holding
-``(True, result)`` or ``(False, traceback text)``. A failing rank aborts the job once its traceback is written,
-so peers blocked in a collective do not wait out their timeout.
+Starts the rank as :mod:`distlab._bootstrap` does (watcher, rank variables, start record, stop handler), loads
+``(fn, args, kwargs)`` with cloudpickle, runs it, and writes ``workdir/rank<N>.pkl`` holding ``(True, result)``
+or ``(False, traceback text)``, then the completion record. A failing rank ends the job once its traceback is
+written, so peers blocked in a collective do not wait out their timeout.
 """
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def main(payload_path: str, workdir: str) -> None:
     import cloudpickle
 
-    from ._bootstrap import abort, set_rank_environment
+    from ._bootstrap import fail, finish_rank, start_rank, user_traceback
 
-    rank = set_rank_environment()
+    rank = start_rank()
     out = Path(workdir) / f"rank{rank}.pkl"
     try:
         fn, args, kwargs = cloudpickle.loads(Path(payload_path).read_bytes())
-        outcome = (True, fn(*args, **kwargs))
-        data = cloudpickle.dumps(outcome)
-    except BaseException:  # noqa: BLE001 - report any failure to the caller
-        text = traceback.format_exc()
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(cloudpickle.dumps((False, text)))
-        tmp.replace(out)
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1:
-            abort(1, rank, text)
+        data = cloudpickle.dumps((True, fn(*args, **kwargs)))
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the caller
+        summary, trace = user_traceback(exc)
+        _write(out, cloudpickle.dumps((False, trace)))
+        fail(1, rank, summary, trace)
         return
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(out)
+    _write(out, data)
+    finish_rank(rank)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,41 @@
 """Launching jobs on several ranks: ``python -m distlab run`` and :func:`distlab.run`.
 
-``python -m distlab run -n 4 [--timeline out.json] [--timeout S] script.py args...`` runs ``script.py`` on 4
-ranks with the ``mpiexec`` of the environment distlab is installed in (the mpich wheel's, in a venv). Each rank
-gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; an uncaught exception on any rank prints
-that rank's traceback and aborts the whole job (no rank is left waiting); the job's exit status is forwarded, and
-each failing rank's error is repeated in a summary at the end.
+``python -m distlab run -n 4 script.py args...`` (or ``-m package.module args...``) runs the program on 4 ranks
+with the ``mpiexec`` of the environment distlab is installed in (the mpich wheel's, in a venv). Each rank gets
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; each line a rank prints comes out whole,
+prefixed with the rank (``[1] ...``, ``--no-prefix`` to drop it). An uncaught exception on any rank ends the
+whole job at once (no rank is left waiting in a collective), and the launcher ends with a short summary: which
+rank failed and how (its exception, the signal that killed it, or that it vanished before its program
+finished), after that rank's traceback. The exit status is the failing rank's; 130 after Ctrl-C, 143 after
+SIGTERM, 124 after ``--timeout``. ``--timeline out.json`` writes a Chrome trace of the run, also when the run
+is interrupted (then marked partial).
 
-``distlab.run(fn, np=4)`` runs a function (from a notebook too: it travels by cloudpickle) on 4 ranks and returns
-the list of per-rank results; an exception on any rank is re-raised here as
-:class:`~distlab.errors.RankFailedError` with the rank and its remote traceback.
+``distlab.run(fn, np=4)`` runs a function (from a notebook too: it travels by cloudpickle) on 4 ranks,
+streams their output as it comes, and returns the list of per-rank results; an exception on any rank is
+re-raised here as :class:`~distlab.errors.RankFailedError` with the rank and its remote traceback.
 
-Both start ``mpiexec`` in a session of its own and kill the whole process group on timeout, so a job can never
-outlive its caller's patience.
+How a job is run, in one place each: :func:`mpiexec_command` builds the command line, :func:`job_environment`
+the ranks' environment, and ``_launch`` supervises the job (output, interrupts, timeouts) and judges how it
+ended from the records its ranks left in a job directory (a start record with the pid, a completion record, a
+failure record, and the exit status or signal seen by a small watcher process per rank).
 """
 from __future__ import annotations
 
-import argparse
+import functools
+import glob
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ClusterError, DistlabError, RankFailedError
+from . import _jobdir, _supervise
+from .errors import DistlabError, RankFailedError
 
-__all__ = ["find_mpiexec", "mpiexec_command", "run_job", "launch_script", "run", "main", "JobResult"]
+__all__ = ["find_mpiexec", "mpiexec_command", "job_environment", "launch_script", "run", "JobResult"]
 
 
 def find_mpiexec() -> str:
@@ -42,25 +50,63 @@ def find_mpiexec() -> str:
                        "environment, or put a system MPI's mpiexec on PATH")
 
 
-def mpiexec_command(np: int, module_args: list[str]) -> list[str]:
-    """``mpiexec -n np python -m <module_args>`` with this interpreter."""
+@functools.lru_cache(maxsize=None)
+def _is_hydra(mpiexec: str) -> bool:
+    """MPICH's Hydra (the wheel's mpiexec) tags output with ``-prepend-pattern``; other MPIs are left alone."""
+    if Path(mpiexec).with_name("hydra_pmi_proxy").exists():  # Hydra's proxy sits beside its mpiexec
+        return True
+    try:
+        done = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in done.stdout
+
+
+def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = None,
+                    cluster_job=None) -> list[str]:
+    """``mpiexec -n np python -m <module_args>`` with this interpreter.
+
+    ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards. ``cluster_job`` (a
+    :class:`distlab.cluster.ClusterJob`) runs mpiexec in the virtual cluster's first host with its hosts.
+    """
     if int(np) < 1:
         raise ValueError(f"np must be at least 1, got {np}")
-    return [find_mpiexec(), "-n", str(int(np)), sys.executable, "-m", *module_args]
+    mpiexec = find_mpiexec()
+    options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
+    command = [mpiexec, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
+    return cluster_job.wrap(command) if cluster_job is not None else command
 
 
-@dataclass
-class JobResult:
-    """What a finished job left: its exit status and, when captured, its output."""
+#: The variables the launcher sets for every rank, for ``--help`` and the docs (the bootstrap adds the rest).
+RANK_VARIABLES = [
+    ("RANK, WORLD_SIZE", "this rank and the number of ranks (from MPI, set by the bootstrap)"),
+    ("LOCAL_RANK, LOCAL_WORLD_SIZE", "the same among the ranks on this machine"),
+    ("OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS",
+     "cores / ranks (at least 1), unless already set: ranks must not each start a BLAS thread per core"),
+    ("MPIR_CVAR_CH4_PROGRESS_THROTTLE=1", "unless set: MPICH's progress engine then leaves the core to the "
+                                          "rank's other threads (an RPC listener blocked in MPI)"),
+    ("PYTHONUNBUFFERED=1", "unless set: a rank's output reaches the launcher as it is printed"),
+    ("PATH", "the venv's bin first, so mpiexec finds hydra's proxy and the ranks this Python"),
+    ("DISTLAB_LAUNCHER=1", "the rank runs under the launcher (the launcher merges the timeline)"),
+    ("DISTLAB_JOB_DIR", "where ranks leave their start, completion and failure records for the launcher"),
+    ("DISTLAB_TIMELINE", "with --timeline: where the trace goes (each rank writes <file>.rank<N>)"),
+    ("UCX_TLS=tcp,self, UCX_WARN_UNUSED_ENV_VARS=n, DISTLAB_CLUSTER, DISTLAB_CLUSTER_JOB",
+     "with --cluster: TCP between the virtual hosts, the cluster's name, and the job's marker"),
+]
+#: The variables the launcher itself reads.
+LAUNCHER_VARIABLES = [
+    ("PATH", "to find mpiexec when there is none beside this Python"),
+    ("DISTLAB_TIMEOUT", "distlab.run's default time limit: this plus 60 s (default 300 s)"),
+    ("DISTLAB_CLUSTER_NAME", "with --cluster HOSTS: the virtual cluster to use (default dl)"),
+]
 
-    returncode: int
-    stdout: str
-    stderr: str
-    timed_out: bool
 
-
-def _job_env(extra: dict | None, np: int = 1) -> dict:
+def job_environment(extra: dict | None = None, np: int = 1, job_dir: Path | None = None,
+                    cluster_job=None) -> dict:
+    """The ranks' environment: this process's, plus what :data:`RANK_VARIABLES` lists, plus ``extra``."""
     env = dict(os.environ)
+    if cluster_job is not None:
+        env.update(cluster_job.env)  # one machine: BLAS threads per rank as on one host (below)
     # As torchrun does: ranks sharing a machine must not each start one BLAS thread per core, or they fight
     # over the cores (seen here: a 30 us matmul taking 50 ms). An explicit setting wins.
     threads = str(max(1, (os.cpu_count() or 1) // max(1, int(np))))
@@ -74,121 +120,174 @@ def _job_env(extra: dict | None, np: int = 1) -> dict:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["DISTLAB_LAUNCHER"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if job_dir is not None:
+        env[_jobdir.JOB_DIR_VAR] = str(job_dir)
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-def run_job(command: list[str], timeout: float | None = None, env: dict | None = None,
-            capture: bool = False, cwd: str | None = None, np: int = 1) -> JobResult:
-    """Run ``command`` in its own session; on timeout kill the whole process group (every rank)."""
-    proc = subprocess.Popen(command, env=_job_env(env, np), cwd=cwd, start_new_session=True,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE if capture else None,
-                            stderr=subprocess.PIPE if capture else None, text=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        out, err = proc.communicate()
-    except BaseException:
-        _kill_group(proc)
-        proc.communicate()
-        raise
-    return JobResult(proc.returncode, out or "", err or "", timed_out)
+@dataclass
+class JobResult:
+    """What a finished job left: its exit status, its output when captured, and how each rank ended.
+
+    ``summary`` holds the lines the launcher printed about the job's end (also appended to ``stderr`` when
+    captured); ``mpiexec_lines`` what hydra printed about itself that the summary made redundant (its
+    ``BAD TERMINATION`` banners, its error lines as it tore the job down); ``ranks`` how each rank ended (with ``rank``, ``kind`` such as ``"done"``, ``"failed"``,
+    ``"killed"`` or ``"vanished"``, and ``text``), the ranks that ended the job first.
+    """
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    interrupted: int | None = None
+    summary: list[str] = field(default_factory=list)
+    ranks: list = field(default_factory=list)
+    timeline: str | None = None
+    timeline_partial: bool = False
+    timeline_ranks: list[int] = field(default_factory=list)
+    mpiexec_lines: list[str] = field(default_factory=list)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+class _Output:
+    """Where the ranks' lines go: this process's stdout/stderr (``echo``), a capture, or both."""
+
+    def __init__(self, prefix: bool, capture: bool, echo: bool, job_dir: Path):
+        self.prefix, self.capture, self.echo, self.job_dir = prefix, capture, echo, job_dir
+        self.lines = {"stdout": [], "stderr": []}
+        self.mpiexec_lines: list[str] = []  # hydra's banners, kept out of the way
+        self.diagnostics: list[tuple[str, str]] = []  # hydra's own errors: shown unless the records explain
+
+    def __call__(self, rank: int | None, stream: str, line: str) -> None:
+        if rank is None and _supervise.is_banner(line):
+            self.mpiexec_lines.append(line)
             return
-        try:
-            proc.wait(timeout=3)
+        if rank is None and _supervise.is_diagnostic(line):
+            self.diagnostics.append((stream, line))
             return
-        except subprocess.TimeoutExpired:
-            continue
+        if rank is not None and rank >= 0 and _supervise.is_abort_line(line) \
+                and (self.job_dir / f"rank{rank}.failed").exists():
+            return  # the launcher's summary says it better
+        self.write(stream, f"[{rank}] {line}" if self.prefix and rank is not None and rank >= 0 else line)
+
+    def write(self, stream: str, text: str) -> None:
+        end = "" if text.endswith("\r") else "\n"  # a progress bar's redraw ends in "\r"
+        if self.capture:
+            self.lines[stream].append(text + end)
+        if self.echo:
+            target = sys.stdout if stream == "stdout" else sys.stderr
+            try:
+                target.write(text + end)
+                target.flush()
+            except (BrokenPipeError, ValueError):  # `| head` closed it: the job runs on, unheard
+                self.echo = False
+
+    def text(self, stream: str) -> str:
+        return "".join(self.lines[stream])
 
 
-def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
-                  env: dict | None = None, capture: bool = False, cwd: str | None = None,
-                  cluster=None, rate=None) -> JobResult:
-    """Run ``script`` on ``np`` ranks (see the module docstring); merges the timeline when asked for one.
+def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: float | None = None,
+            env: dict | None = None, capture: bool = False, echo: bool = True, cwd: str | None = None,
+            prefix: bool = True, report: bool = True, job_dir: Path | None = None, cluster=None,
+            rate=None) -> JobResult:
+    """Run ``python -m <entry>`` on ``np`` ranks, supervise it, judge how it ended, merge the timeline.
 
-    When the job fails, the message each failing rank printed before aborting is repeated at the end (in
-    ``stderr`` when captured): ``mpiexec`` may tear the job down before it has forwarded a rank's last output.
-    ``cluster`` (a number of hosts or a cluster's name) runs the ranks across a virtual cluster
-    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given.
+    ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture). ``cluster``
+    and ``rate``: see :func:`launch_script`.
     """
     extra = dict(env or {})
     if timeline:
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
-    command = mpiexec_command(np, ["distlab._bootstrap", str(script), *map(str, args)])
-    with tempfile.TemporaryDirectory(prefix="distlab-job-") as workdir:
-        report = Path(workdir) / "failures.log"
-        extra.setdefault(FAILURE_REPORT_VAR, str(report))
-        result = _run_maybe_on_cluster(command, cluster, rate, np, timeout=timeout, env=extra, capture=capture,
-                                       cwd=cwd)
-        summary = _failure_summary(report, result.returncode) if not result.timed_out else ""
-    if summary:
-        if capture:
-            result.stderr += summary
-        else:
-            sys.stderr.write(summary)
+    cluster_job = _cluster_job(np, cluster, rate)
+    own_dir = job_dir is None
+    job_dir = Path(tempfile.mkdtemp(prefix="distlab-job-")) if own_dir else job_dir
+    try:
+        pattern, marker = _supervise.new_marker()
+        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job)
+        uses_tags = "-prepend-pattern" in command
+        output = _Output(prefix, capture, echo, job_dir)
+        outcome = _supervise.supervise(command, job_environment(extra, np, job_dir, cluster_job), cwd, job_dir,
+                                       np, output, marker if uses_tags else None, timeout)
+        records = _jobdir.read_records(job_dir, np)
+    finally:
+        if cluster_job is not None:
+            cluster_job.end_survivors()  # no process of the job may outlive it on any host
+        if own_dir:
+            shutil.rmtree(job_dir, ignore_errors=True)
+    verdict = _jobdir.verdict(records, outcome.status, outcome.interrupted,
+                              timeout if outcome.timed_out else None)
+    result = JobResult(verdict.returncode, "", "", outcome.timed_out, outcome.interrupted, verdict.lines,
+                       verdict.endings)
+    # Hydra's own error lines as a job is torn down ("one of the processes terminated badly") add nothing to
+    # a failure the ranks' records explain; otherwise (hydra could not start the job, say) they are the story.
+    explained = outcome.interrupted is not None or outcome.timed_out or any(
+        e.kind not in ("lost", "never-started") for e in verdict.culprits)
+    output.mpiexec_lines += [line for _, line in output.diagnostics]
+    if not explained:
+        for stream, line in output.diagnostics:
+            output.write(stream, line)
+    if report:
+        for rank, trace in verdict.tracebacks:
+            for line in trace.rstrip("\n").split("\n"):
+                output(rank, "stderr", line)
+        for line in verdict.lines:
+            output.write("stderr", f"distlab: {line}")
     if timeline:
         from .timeline import merge
 
-        merge(timeline, expected_parts=np, wait=2.0)
+        complete = verdict.returncode == 0 and all(e.kind == "done" for e in verdict.endings)
+        result.timeline_ranks = _timeline_parts(timeline)
+        result.timeline = merge(timeline, partial=not complete)
+        result.timeline_partial = not complete
+    result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
+    result.mpiexec_lines = output.mpiexec_lines
     return result
 
 
-def _run_maybe_on_cluster(command, cluster, rate, np, **kwargs) -> JobResult:
-    """run_job, across the virtual cluster's hosts when ``cluster`` is given (then no rank may outlive it)."""
+def _cluster_job(np: int, cluster, rate):
+    """The virtual cluster's view of this job (``distlab.cluster``, needs root), or None on this machine."""
     if cluster is None:
         if rate is not None:
             raise ValueError("rate shapes a virtual cluster's links: give cluster= (a number of hosts) too")
-        return run_job(command, np=np, **kwargs)
+        return None
     from .cluster.jobs import cluster_job
 
-    job = cluster_job(np, cluster, rate)
-    kwargs["env"] = {**job.env, **(kwargs.get("env") or {})}
-    watch = job.watch()
-    try:
-        result = run_job(job.wrap(command), np=np, **kwargs)  # one machine: BLAS threads per rank as on one host
-    finally:
-        watch.stop()
-        job.end_survivors()
-    lost = "" if not result.returncode else watch.explain(
-        result.stdout + result.stderr if kwargs.get("capture") else None)
-    if lost and kwargs.get("capture"):
-        result.stderr += lost
-    elif lost:
-        sys.stderr.write(lost)
+    return cluster_job(np, cluster, rate)
+
+
+def _timeline_parts(timeline: str) -> list[int]:
+    """The ranks whose timeline part is there to merge."""
+    suffixes = (path.rsplit(".rank", 1)[1] for path in glob.glob(glob.escape(timeline) + ".rank*"))
+    return sorted(int(suffix) for suffix in suffixes if suffix.isdigit())
+
+
+def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
+                  env: dict | None = None, capture: bool = False, cwd: str | None = None, prefix: bool = True,
+                  module: bool = False, cluster=None, rate=None) -> JobResult:
+    """Run ``script`` (a module's name with ``module=True``) on ``np`` ranks; see the module docstring.
+
+    With ``capture`` the ranks' output is collected in the result (else it goes to this process's stdout and
+    stderr as it comes). A ``KeyboardInterrupt`` stops every rank, merges the partial timeline and is raised
+    again. ``cluster`` (a number of hosts or a cluster's name) runs the ranks across a virtual cluster
+    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given.
+    """
+    target = ["-m", str(script)] if module else [str(script)]
+    result = _launch(["distlab._bootstrap", *target, *map(str, args)], np, timeline=timeline, timeout=timeout,
+                     env=env, capture=capture, echo=not capture, cwd=cwd, prefix=prefix, cluster=cluster,
+                     rate=rate)
+    if result.interrupted == signal.SIGINT:
+        raise KeyboardInterrupt
     return result
 
 
-FAILURE_REPORT_VAR = "DISTLAB_FAILURE_REPORT"  # where _bootstrap.abort appends the message of a failing rank
-
-
-def _failure_summary(report: Path, returncode: int) -> str:
-    """The last line each failing rank reported (the error itself), in the order they failed; "" if none."""
-    if returncode == 0 or not report.exists():
-        return ""
-    blocks = [b for b in report.read_text(errors="replace").split("\0") if b.strip()]
-    if not blocks:
-        return ""
-    lines = [block.rstrip("\n").rsplit("\n", 1)[-1] for block in blocks]
-    return (f"distlab: the job failed with exit status {returncode}; what the failing ranks reported, first "
-            "failure first:\n" + "\n".join(lines) + "\n")
-
-
 def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None,
-        cluster=None, rate=None):
+        prefix: bool = True, cluster=None, rate=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
+
+    Each rank's output is shown as it comes (to ``sys.stdout``/``sys.stderr``, so in a notebook under the
+    cell), each line prefixed with the rank unless ``prefix=False``.
 
     Parameters
     ----------
@@ -199,9 +298,11 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
     args, kwargs
         Passed to ``fn`` on every rank.
     timeout : float, optional
-        Kill the job after this many seconds (default: ``DISTLAB_TIMEOUT`` plus a minute).
+        Stop the job after this many seconds (default: ``DISTLAB_TIMEOUT`` plus a minute).
     env : dict, optional
         Extra environment variables for the ranks.
+    prefix : bool
+        Prefix each line of output with ``[rank]``.
     cluster : int or str, optional
         Run across a virtual cluster (:mod:`distlab.cluster`, needs root): a number of hosts (the cluster
         ``dl``, brought up if needed) or the name of a running cluster. Ranks are placed in blocks per host.
@@ -211,7 +312,10 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
     Raises
     ------
     RankFailedError
-        When ``fn`` raised on any rank (the message holds that rank's traceback).
+        When ``fn`` raised on any rank (the message holds that rank's traceback), or a rank ended without a
+        result: killed by a signal, vanished (``os._exit``), or the job timed out.
+    KeyboardInterrupt
+        After stopping every rank, when interrupted.
     """
     import cloudpickle
 
@@ -224,17 +328,17 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
     with tempfile.TemporaryDirectory(prefix="distlab-run-") as workdir:
         payload = Path(workdir) / "payload.pkl"
         payload.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
-        command = mpiexec_command(np, ["distlab._runner", str(payload), workdir])
         limit = default_timeout() + 60 if timeout is None else timeout
-        job = _run_maybe_on_cluster(command, cluster, rate, np, timeout=limit, env=env, capture=True)
-        if job.stdout:
-            sys.stdout.write(job.stdout)
-        if job.stderr:
-            sys.stderr.write(job.stderr)
-        return _collect_results(Path(workdir), np, job, limit)
+        job_dir = Path(workdir) / "job"
+        job_dir.mkdir()
+        job = _launch(["distlab._runner", str(payload), workdir], np, timeout=limit, env=env, prefix=prefix,
+                      report=False, job_dir=job_dir, cluster=cluster, rate=rate)
+        if job.interrupted == signal.SIGINT:
+            raise KeyboardInterrupt
+        return _collect_results(Path(workdir), np, job)
 
 
-def _collect_results(workdir: Path, np: int, job: JobResult, limit: float):
+def _collect_results(workdir: Path, np: int, job: JobResult):
     import cloudpickle
 
     results, failures = [], {}
@@ -244,71 +348,17 @@ def _collect_results(workdir: Path, np: int, job: JobResult, limit: float):
             results.append(None)
             continue
         ok, value = cloudpickle.loads(path.read_bytes())
-        if ok:
-            results.append(value)
-        else:
+        results.append(value if ok else None)
+        if not ok:
             failures[rank] = value
-            results.append(None)
+    culprits = [e for e in job.ranks if e.culprit]
     if failures:
-        first = min(failures)
+        first = next((e.rank for e in culprits if e.rank in failures), min(failures))
         raise RankFailedError(f"rank {first} of {np} raised:\n{failures[first]}", rank=first,
                               remote_traceback=failures[first], failures=failures)
-    missing = [r for r in range(np) if not (workdir / f"rank{r}.pkl").exists()]
-    if job.timed_out:
-        raise RankFailedError(f"the job did not finish within {limit:g} s and was killed; ranks {missing} "
-                              "returned nothing", rank=missing[0] if missing else None)
-    if missing or job.returncode != 0:
-        raise RankFailedError(f"ranks {missing} ended without a result (mpiexec exit status {job.returncode})"
-                              + (f"\n{job.stderr[-2000:]}" if job.stderr else ""),
-                              rank=missing[0] if missing else None)
+    if job.returncode != 0:
+        first = culprits[0].rank if culprits else None
+        raise RankFailedError("\n".join(job.summary) or f"the job failed with exit status {job.returncode}",
+                              rank=first)
     return results
 
-
-def _terminate(signum, _frame):
-    raise SystemExit(128 + signum)
-
-
-def main(argv=None) -> int:
-    """Command line: ``python -m distlab run -n N [--timeline out.json] [--timeout S] script.py args...``."""
-    parser = argparse.ArgumentParser(prog="python -m distlab", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run_parser = sub.add_parser("run", help="run a script on N MPI ranks")
-    run_parser.add_argument("-n", "--np", type=int, default=2, help="number of ranks (default 2)")
-    run_parser.add_argument("--timeline", help="write a Chrome trace of the run to this file")
-    run_parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
-    run_parser.add_argument("--cluster", type=int, default=None, metavar="HOSTS",
-                            help="run across a virtual cluster of HOSTS hosts (root; brought up if needed)")
-    run_parser.add_argument("--rate", default=None, help="with --cluster: the links' rate, e.g. 10gbit, 1gbit")
-    run_parser.add_argument("script")
-    run_parser.add_argument("args", nargs=argparse.REMAINDER)
-    merge_parser = sub.add_parser("merge-timeline", help="merge per-rank timeline parts into one trace")
-    merge_parser.add_argument("path")
-    from .cluster.cli import add_parser as add_cluster_parser, run_command as run_cluster_command
-
-    add_cluster_parser(sub)
-    options = parser.parse_args(argv)
-    # A SIGTERM (e.g. from `timeout`) must reach run_job's cleanup, which kills every rank: raise instead of dying.
-    signal.signal(signal.SIGTERM, _terminate)
-    if options.command == "merge-timeline":
-        from .timeline import merge
-
-        written = merge(options.path)
-        print(written or f"no parts found for {options.path}")
-        return 0 if written else 1
-    if options.command == "cluster":
-        return run_cluster_command(options)
-    if options.rate is not None and options.cluster is None:
-        parser.error("--rate shapes a virtual cluster's links: give --cluster HOSTS too")
-    try:
-        result = launch_script(options.script, np=options.np, args=options.args, timeline=options.timeline,
-                               timeout=options.timeout, cluster=options.cluster, rate=options.rate)
-    except ClusterError as exc:
-        print(f"distlab: {exc}", file=sys.stderr)
-        return 1
-    if result.timed_out:
-        print(f"distlab: the job was killed after {options.timeout:g} s", file=sys.stderr)
-        return 124
-    if options.timeline:
-        print(f"distlab: timeline written to {os.path.abspath(options.timeline)} "
-              "(open it in https://ui.perfetto.dev)", file=sys.stderr)
-    return result.returncode

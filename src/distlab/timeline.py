@@ -17,7 +17,7 @@ import os
 import threading
 import time
 
-__all__ = ["Timeline", "get_timeline", "merge", "now_us"]
+__all__ = ["Timeline", "get_timeline", "flush_now", "merge", "now_us"]
 
 # Wall-clock origin plus a monotonic offset: precise within a rank, comparable across ranks on one machine.
 _WALL0 = time.time()
@@ -131,7 +131,8 @@ class Timeline:
         return part
 
 
-def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remove_parts: bool = True) -> str | None:
+def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remove_parts: bool = True,
+          partial: bool = False) -> str | None:
     """Merge the per-rank part files of ``path`` into one Chrome trace at ``path``.
 
     Parameters
@@ -144,6 +145,8 @@ def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remov
         Seconds to wait for missing parts.
     remove_parts : bool
         Delete the part files after merging.
+    partial : bool
+        The run was interrupted: mark the trace ``otherData.partial`` (its parts end where each rank stopped).
 
     Returns
     -------
@@ -172,6 +175,8 @@ def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remov
             event["dur"] = round(event["dur"], 3)
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "distlab", "ranks": len(parts), "epoch_origin_us": origin}}
+    if partial:
+        trace["otherData"]["partial"] = True
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
         json.dump(trace, fh)
@@ -197,6 +202,17 @@ def get_timeline() -> Timeline:
                 if _timeline.enabled:
                     atexit.register(_flush_at_exit, _timeline)
     return _timeline
+
+
+def flush_now() -> str | None:
+    """Write this process's part now, if it records a timeline: for a rank told to stop (SIGTERM) or failing.
+
+    Returns the part's path, or None when nothing is recorded.
+    """
+    timeline = _timeline
+    if timeline is None or not timeline.enabled:
+        return None
+    return timeline.flush()
 
 
 def _flush_at_exit(timeline: Timeline) -> None:
