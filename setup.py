@@ -27,7 +27,7 @@ setup(
     package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},
     packages=[
         "distlab", "distlab.reference", "distlab.core",
-        "distlab.autograd", "distlab.nn", "distlab.optim", "distlab.rpc",
+        "distlab.autograd", "distlab.nn", "distlab.optim", "distlab.rpc", "distlab.viz",
     ],
     package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},
     ext_modules=cythonize(
