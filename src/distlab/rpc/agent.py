@@ -51,6 +51,7 @@ from typing import Any, Callable, NamedTuple
 from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE
 from distlab.errors import DistTimeoutError, RemoteError, RpcError, RpcThreadLevelError
 from distlab.futures import Future, collect_all
+from distlab.timeline import flow_id
 
 from . import framing
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
@@ -111,6 +112,9 @@ def check_thread_level() -> None:
             "distlab.rpc needs MPI_THREAD_MULTIPLE (its listener thread calls MPI while other threads send), "
             f"but MPI was initialized with {names.get(level, level)}; do not lower mpi4py.rc.thread_level "
             "(or MPI4PY_RC_THREAD_LEVEL), or use an MPI library built with thread support")
+
+
+_GENERATIONS = itertools.count()  # agents started in this process: message ids restart with each
 
 
 def _kind_name(kind: int) -> str:
@@ -192,6 +196,8 @@ class RpcAgent:
         self._pending: dict[int, tuple] = {}  # mid -> (future, dst, kind, start_us)
         self._mids = itertools.count(1)
         self._handlers: dict[int, tuple[Callable, bool]] = {}
+        self._kind_labels: dict[int, str | None] = {}  # timeline labels of registered kinds (a handler's name)
+        self._generation = next(_GENERATIONS)  # the same on every worker: agents start together (init_rpc)
         self._send_hooks: list[Callable] = []
         self._reply_hooks: list[Callable] = []
         self._response_hooks: list[Callable] = []
@@ -250,6 +256,7 @@ class RpcAgent:
         if kind in self._handlers and not _internal:
             raise ValueError(f"a handler for message kind {kind} is already registered")
         self._handlers[kind] = (fn, inline)
+        self._kind_labels[kind] = getattr(fn, "__name__", "").removeprefix("_handle_").lstrip("_") or None
 
     def add_send_hook(self, fn: Callable) -> Callable[[], None]:
         """Call ``meta = fn(dst, kind, meta)`` for every request this worker sends (calls, remotes, RRef control
@@ -309,6 +316,8 @@ class RpcAgent:
             timeout = self.rpc_timeout if timeout is None else timeout
             if _track_timeout and timeout and timeout > 0:
                 self._add_deadline(time.monotonic() + timeout, mid, timeout)
+        if self._tl_on:
+            self._trace_message(True, self._label(kind, payload), dst, "rpc", mid)
         try:
             self._transmit(dst, kind, flags, mid, buffers, meta, forks, body)
         except BaseException:
@@ -526,6 +535,8 @@ class RpcAgent:
         self.errors.append(text)
 
     def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
+        if self._tl_on:
+            self._trace_message(False, "response", src, "rpc response", mid)
         entry = self._pending.pop(mid, None)
         if entry is None:
             return  # the request timed out (or was failed at shutdown): drop its late response
@@ -571,6 +582,8 @@ class RpcAgent:
             collect_all(waits).add_done_callback(go)
 
     def _on_request(self, src, kind, flags, mid, meta, forks, body, buffers) -> None:
+        if self._tl_on:
+            self._trace_message(False, self._label(kind), src, "rpc", mid)
         entry = self._handlers.get(kind)
         if entry is None:
             self._reply_error(src, mid, flags, RpcError(
@@ -628,6 +641,8 @@ class RpcAgent:
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self._reply_error(dst, mid, 0, exc)
             return
+        if self._tl_on:
+            self._trace_message(True, "response", dst, "rpc response", mid)
         self._transmit(dst, K_RESPONSE, 0, mid, buffers, meta, forks, body)
 
     def _reply_error(self, dst, mid, flags, exc) -> None:
@@ -640,6 +655,8 @@ class RpcAgent:
         except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
             exc_bytes = None
         body = pickle.dumps((exc_type, str(exc), tb, self.info.name, exc_bytes), protocol=5)
+        if self._tl_on:
+            self._trace_message(True, f"error ({type(exc).__name__})", dst, "rpc response", mid)
         self._transmit(dst, K_RESPONSE, FLAG_ERROR, mid, [], None, (), body)
 
     def _remote_error(self, body, buffers) -> RemoteError:
@@ -724,6 +741,24 @@ class RpcAgent:
             pass  # completed concurrently
 
     # -- shutdown ---------------------------------------------------------------------------------------------
+    def _label(self, kind: int, payload=None) -> str:
+        """A message's name on the timeline: its kind, a registered kind's handler, a call's function."""
+        label = self._kind_labels.get(kind) if kind >= RPC_USER_KIND_BASE else None
+        label = label or _kind_name(kind)
+        if kind == RPC_KIND_CODES["call"] and type(payload) is tuple and payload:
+            name = getattr(payload[0], "__name__", None) or getattr(payload[0], "name", None)
+            label = f"call {name.lstrip('_')}" if isinstance(name, str) else label
+        return label
+
+    def _trace_message(self, sending: bool, name: str, peer: int, what: str, mid: int) -> None:
+        """One end of a message on the ``rpc messages`` lane; both ends compute the same flow id."""
+        src, dst = (self.rank, peer) if sending else (peer, self.rank)
+        flow = flow_id(what, self._generation, src, dst, mid)
+        if sending:
+            self._timeline.send(name, dst, flow, lane="rpc messages", args={"mid": mid})
+        else:
+            self._timeline.receive(name, src, flow, lane="rpc messages", args={"mid": mid})
+
     def pending_count(self) -> int:
         """Requests sent and not yet answered."""
         return len(self._pending)
