@@ -193,3 +193,21 @@ def test_every_lane_of_the_examples_traces_nests(mpirun, tmp_path, script, np_, 
     assert len(spans) > 20 and {e["pid"] for e in spans} == set(range(np_))
     bad = partial_overlaps(trace)
     assert bad == {}, {lane: pairs[:3] for lane, pairs in bad.items()}
+
+
+@pytest.mark.mpi
+def test_rpc_messages_are_recorded_at_both_ends(mpirun, tmp_path):
+    from distlab.viz import load_trace
+
+    path = tmp_path / "rpc.json"
+    mpirun("rpc_lifecycle.py", np=2, timeout=120, timeline=str(path))
+    trace = load_trace(str(path))
+    sent = {e["bind_id"]: e for e in trace.events if e.get("flow_out")}
+    received = {e["bind_id"]: e for e in trace.events if e.get("flow_in")}
+    assert set(received) <= set(sent) and len(trace.messages) == len(received) > 5  # paired by their flow ids
+    # the scenario's non-graceful shutdown may leave its call in flight, or the call's response, unreceived
+    lost = [e["name"] for key, e in sent.items() if key not in received]
+    assert len(lost) <= 1 and all(name.split()[0] in ("call", "response") for name in lost), lost
+    kinds = {(m.src, m.dst, m.name.split()[0]) for m in trace.messages}
+    assert {(0, 1, "call"), (1, 0, "response")} <= kinds, sorted(kinds)
+    assert all(m.received >= m.sent and m.args["mid"] >= 1 for m in trace.messages)
