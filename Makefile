@@ -11,11 +11,15 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 all: build
 
 # Create the venv and install distlab (editable) with its test extras. Re-runs when the packaging files change.
+# Each stage says what it does (pip stays quiet otherwise): the first run takes a few minutes.
 $(STAMP): pyproject.toml setup.py
-	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	@test -x $(PY) || { echo "==> [1/4] creating the virtual environment $(VENV) with $$($(PYTHON3) --version 2>&1)"; \
+	  $(PYTHON3) -m venv $(VENV) || { echo "make: '$(PYTHON3) -m venv' failed; on Debian/Ubuntu: apt install python3-venv"; exit 1; }; }
+	@echo "==> [2/4] installing the build tools and distlab's dependencies from PyPI (numpy, mpi4py, the mpich wheel" \
+	  "that brings mpiexec, Jupyter for the tutorials): 1-3 minutes the first time"
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0" "numpy>=2.0"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
-	touch $(STAMP)
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
@@ -23,8 +27,21 @@ venv: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
-demo: build
+demo: $(STAMP)
+	@echo "==> [3/4] compiling the Cython core twin (core/*.pyx, C and C++): about 2-4 minutes the first time," \
+	  "seconds afterwards"
+	@$(PY) setup.py -q build_ext --inplace -j 2
+	@echo "==> [4/4] training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py)," \
+	  "recording its timeline"
 	$(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
+	@echo ""
+	@echo "Done. Three things to try next:"
+	@echo "  1. Open ddp_timeline.json in https://ui.perfetto.dev (Open trace file): one row per rank, each"
+	@echo "     bucket's allreduce overlapping backward (lanes 'reducer grads' and 'reducer buckets')."
+	@echo "  2. Run a tutorial: $(VENV)/bin/python tutorials/03_ddp.py (a notebook in percent format, runnable as a"
+	@echo "     script), or read all seven executed, with their figures: make docs, then docs/_build/html/tutorials.html"
+	@echo "  3. Read a protocol page: docs/protocols/reducer.md (how DDP's buckets are built and reduced), or"
+	@echo "     docs/_build/html/protocols/reducer.html after make docs"
 
 # The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path.
 test: build

@@ -148,11 +148,13 @@ def _message(ax, message: Message, y0, y1, column, label, renderer, column_px) -
     ax.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=3,
                 arrowprops={"arrowstyle": "-|>", "color": MESSAGE_COLOUR, "linewidth": 1.1,
                             "shrinkA": 0, "shrinkB": 0, "mutation_scale": 9})
-    # the label sits just above the arrow's tail row, between the two lifelines: the arrow runs below it
-    lx, ly = x0 + (x1 - x0) * 0.5, y0 - 0.22
+    # the label sits just above the arrow's tail row, between the sender and the next lifeline the arrow
+    # crosses (never over a lifeline): the arrow runs below it
+    step = 0.5 if x1 > x0 else -0.5
+    lx, ly = x0 + step, y0 - 0.22
     text = ax.text(lx, ly, label(message), ha="center", va="center", fontsize=7.5, color=MESSAGE_COLOUR, zorder=5,
                    bbox={"boxstyle": "square,pad=0.08", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
-    fit_text(text, abs(x1 - x0) * column_px * 0.9, renderer)
+    fit_text(text, column_px * 0.9, renderer)
 
 
 def _collective(ax, call: Collective, y, ranks, column, label, renderer, column_px) -> None:
