@@ -9,7 +9,8 @@ and 1000 tensors submitted per cycle:
   lists on rank 0, validates, fuses, broadcasts the responses, and every rank updates its cache;
 - **floor**: a raw mpi4py ``Allreduce`` of the same bit vector on a plain communicator (what the hit path cannot
   beat), and the same allreduce through :class:`distlab.comm.ProcessGroup` (what the controller actually calls);
-- **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication.
+- **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication;
+- **grouped**: the same counts as one group (``grouped_allreduce``) on the hit path, to compare with singles.
 
 Each cycle starts after a barrier; a figure is the median over iterations of the slowest rank (for the hit path
 and the floors, the lowest of three such medians, measured in interleaved blocks). Prints a table and
@@ -33,11 +34,22 @@ IMPLS = ("reference", "core")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _requests(module, count, prefix, rank):
-    from distlab._negotiation_shared import RequestType, dtype_code
+def _requests(module, count, prefix, rank, grouped=False):
+    """``count`` allreduce requests of 64 floats; ``grouped``: the members of one group named ``prefix``."""
+    from distlab._common.negotiation import dtype_code, group_id_of
+    from distlab._wire import NO_GROUP, RequestType
 
+    group = (group_id_of(prefix), count) if grouped else (NO_GROUP, 0)
     return [module.Request(f"{prefix}.{i}", RequestType.ALLREDUCE, dtype_code("float32"), (64,), request_rank=rank,
-                           reduce_op=1) for i in range(count)]
+                           reduce_op=1, group_id=group[0], group_size=group[1]) for i in range(count)]
+
+
+def _enqueue(controller, requests, grouped):
+    if grouped:
+        controller.enqueue_group(requests)
+    else:
+        for r in requests:
+            controller.enqueue(r)
 
 
 class _NoComm:
@@ -59,22 +71,22 @@ def bookkeeping(repeat=200):
     for impl in IMPLS:
         module = _backend.load("negotiation", impl)
         for count in COUNTS:
-            controller = module.Controller(0, 1)
-            requests = _requests(module, count, "grad", 0)
-            transport = _NoComm()
-            for r in requests:
-                controller.enqueue(r)
-            controller.compute_response_list(transport)
-            times = []
-            n = repeat if impl == "core" or count < 1000 else max(repeat // 5, 10)
-            for _ in range(n):
-                for r in requests:
-                    controller.enqueue(r)
-                start = time.perf_counter()
+            for grouped in (False, True):
+                controller = module.Controller(0, 1)
+                requests = _requests(module, count, "grad", 0, grouped)
+                transport = _NoComm()
+                _enqueue(controller, requests, grouped)
                 controller.compute_response_list(transport)
-                times.append(time.perf_counter() - start)
-            assert controller.counters["fast_path"] == n
-            out[f"{impl}/{count}"] = statistics.median(times) * 1e6
+                times = []
+                n = repeat if impl == "core" or count < 1000 else max(repeat // 5, 10)
+                for _ in range(n):
+                    _enqueue(controller, requests, grouped)
+                    start = time.perf_counter()
+                    response_list = controller.compute_response_list(transport)
+                    times.append(time.perf_counter() - start)
+                assert controller.counters["fast_path"] == n
+                assert not grouped or len(response_list.responses) == 1
+                out[f"{impl}{'-grouped' if grouped else ''}/{count}"] = statistics.median(times) * 1e6
     return out
 
 
@@ -85,7 +97,7 @@ def worker(out_path):
     from mpi4py import MPI
 
     from distlab import _backend, comm
-    from distlab.collectives import _MPITransport
+    from distlab.collectives._engine import _MPITransport
 
     raw = MPI.COMM_WORLD.Dup()
     group = comm.ProcessGroup(name="bench")
@@ -114,18 +126,19 @@ def worker(out_path):
         }
         hit_controllers = {}
         for impl, module in modules.items():
-            # hit path: pre-warmed cache, the same tensors every cycle
-            controller = module.Controller(rank, size, cache_capacity=2048)
-            requests = _requests(module, count, "grad", rank)
+            for grouped in (False, True):
+                # hit path: pre-warmed cache, the same tensors every cycle (one group of them, or singles)
+                controller = module.Controller(rank, size, cache_capacity=2048)
+                requests = _requests(module, count, "grad", rank, grouped)
 
-            def enqueue(controller=controller, requests=requests):
-                for r in requests:
-                    controller.enqueue(r)
+                def enqueue(controller=controller, requests=requests, grouped=grouped):
+                    _enqueue(controller, requests, grouped)
 
-            enqueue()
-            controller.compute_response_list(transport)
-            hit_controllers[impl] = controller
-            cases[f"hit-{impl}"] = (lambda c=controller: c.compute_response_list(transport), enqueue)
+                enqueue()
+                controller.compute_response_list(transport)
+                label = f"hit-{impl}{'-grouped' if grouped else ''}"
+                hit_controllers[label] = controller
+                cases[label] = (lambda c=controller: c.compute_response_list(transport), enqueue)
         rounds = 90 if count == 1000 else 100   # at 1000 the reference runs every third round only
         best = {name: float("inf") for name in cases}
         for _block in range(BLOCKS):
@@ -133,7 +146,7 @@ def worker(out_path):
             gc.collect()        # garbage from earlier configurations must not be collected during these
             for i in range(rounds):
                 for name, (fn, prepare) in cases.items():
-                    if name == "hit-reference" and count == 1000 and i % 3:
+                    if name.startswith("hit-reference") and count == 1000 and i % 3:
                         continue
                     times[name].append(once(fn, prepare))
             for name in cases:
@@ -195,10 +208,13 @@ def render(report):
     lines = []
     book = report["bookkeeping_us"]
     lines.append("Cache bookkeeping, one-rank hit cycle, no communication (us per cycle):")
-    lines.append(f"{'tensors':>8} {'reference':>11} {'core':>9} {'ratio':>7}")
+    lines.append(f"{'tensors':>8} {'reference':>11} {'core':>9} {'ratio':>7} {'ref grouped':>12} "
+                 f"{'core grouped':>13} {'grouped/single core':>20}")
     for count in COUNTS:
         ref, core = book[f"reference/{count}"], book[f"core/{count}"]
-        lines.append(f"{count:>8} {ref:>11.1f} {core:>9.1f} {ref / core:>6.1f}x")
+        gref, gcore = book[f"reference-grouped/{count}"], book[f"core-grouped/{count}"]
+        lines.append(f"{count:>8} {ref:>11.1f} {core:>9.1f} {ref / core:>6.1f}x {gref:>12.1f} {gcore:>13.1f} "
+                     f"{gcore / core:>19.2f}x")
     for np_, res in report["mpi"].items():
         lines.append("")
         lines.append(f"{np_} ranks, us per cycle (median of the slowest rank):")
@@ -209,6 +225,14 @@ def render(report):
             lines.append(f"{count:>8} {g['floor-mpi4py']:>13.1f} {g['floor-group']:>12.1f} {g['hit-reference']:>9.1f} "
                          f"{g['hit-core']:>9.1f} {g['miss-reference']:>9.1f} {g['miss-core']:>10.1f} "
                          f"{g['miss-core'] / g['hit-core']:>13.1f}x {g['hit-core'] - g['floor-mpi4py']:>15.1f}")
+        lines.append("  grouped (one group of every tensor), hit path, us per cycle:")
+        lines.append(f"{'tensors':>8} {'hit ref':>9} {'hit core':>9} {'grouped ref':>12} {'grouped core':>13} "
+                     f"{'grouped/single core':>20}")
+        for count in COUNTS:
+            g = {k.split("/")[0]: v for k, v in res.items() if k.endswith(f"/{count}")}
+            lines.append(f"{count:>8} {g['hit-reference']:>9.1f} {g['hit-core']:>9.1f} "
+                         f"{g['hit-reference-grouped']:>12.1f} {g['hit-core-grouped']:>13.1f} "
+                         f"{g['hit-core-grouped'] / g['hit-core']:>19.2f}x")
     return "\n".join(lines)
 
 

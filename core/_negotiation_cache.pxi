@@ -1,107 +1,11 @@
 # Included by _negotiation.pyx: core twin of distlab.reference.response_cache (C++ containers, no per-tensor
-# Python objects on the hit path).
-
-cdef struct _Params:
-    int ndim
-    int64_t dims[8]         # the first dims inline: the hit check touches no heap buffer for ndim <= 8
-    int rtype
-    int dtype
-    int device
-    int op
-    bint joined
-    bint known
-    double pre
-    double post
-    vector[int64_t] shape
-
-
-cdef struct _RespInfo:
-    # what fusion compares, kept in C so the fast path touches no Python object per tensor
-    int rtype
-    int dtype
-    int op
-    double pre
-    double post
-    long long nbytes
-    int devices_id          # devices lists are interned: equal lists <=> equal ids
-
-
-cdef dict _DEVICE_IDS = {}
-
-
-cdef inline bint _same_shape(_Params& a, Request r):
-    cdef int i
-    if a.ndim != r._ndim:
-        return False
-    if a.ndim > 8:
-        return a.shape == r._cshape
-    for i in range(a.ndim):
-        if a.dims[i] != r._dims[i]:
-            return False
-    return True
-
-
-cdef inline bint _params_match(_Params& a, Request r):
-    # S_HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
-    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a, r)
-                         and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
-                         and a.post == r.postscale_factor))
-
-
-cdef inline bint _params_equal(_Params& a, _Params& b):
-    return (a.joined or b.joined or (a.rtype == b.rtype and a.dtype == b.dtype and a.shape == b.shape
-                                     and a.device == b.device and a.op == b.op and a.pre == b.pre
-                                     and a.post == b.post))
-
-
-cdef _Params _params_of(Request r):
-    cdef _Params p
-    p.rtype = r.request_type
-    p.dtype = r.tensor_type
-    p.device = r.device
-    p.op = r.reduce_op
-    p.joined = False
-    p.known = True
-    p.pre = r.prescale_factor
-    p.post = r.postscale_factor
-    p.shape = r._cshape
-    p.ndim = r._ndim
-    for i in range(min(r._ndim, 8)):
-        p.dims[i] = r._dims[i]
-    return p
-
+# Python objects on the hit path). Entries live in slots; a bit maps to a slot; the LRU list orders slot ids.
 
 def request_params(request):
     """See :func:`distlab.reference.response_cache.request_params`."""
-    return (request.request_type, request.tensor_type, tuple(request.tensor_shape), request.device,
-            request.reduce_op, request.prescale_factor, request.postscale_factor)
-
-
-cdef int _fill_info(_RespInfo* info, Response response) except -1:
-    info.rtype = response.response_type
-    info.dtype = response.tensor_type
-    info.op = response.reduce_op
-    info.pre = response.prescale_factor
-    info.post = response.postscale_factor
-    info.nbytes = _size_bytes(response)
-    key = tuple(response.devices)
-    devices_id = _DEVICE_IDS.get(key)
-    if devices_id is None:
-        devices_id = _DEVICE_IDS[key] = len(_DEVICE_IDS)
-    info.devices_id = devices_id
-    return 0
-
-
-# Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
-# remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current.
-cdef uint64_t _EPOCHS = 0
-cdef uint32_t _NO_BIT = 0xFFFFFFFF
-
-
-cdef inline uint64_t _new_epoch():
-    global _EPOCHS
-    _EPOCHS += 1
-    return _EPOCHS
+    cdef Request r = <Request?>request
+    return (r.request_type, r.tensor_type, r._shape, r.device, r.reduce_op, r.prescale_factor, r.postscale_factor,
+            r.group_id, r.group_size)
 
 
 cdef class ResponseCache:
@@ -111,8 +15,7 @@ cdef class ResponseCache:
     cdef uint64_t _epoch
     cdef bint _print_warning, _bits_outdated
     cdef public long evictions
-    # Entries live in slots; the LRU list orders slot ids (front = least recently used, back = most).
-    cdef cpplist[int] _lru
+    cdef cpplist[int] _lru                            # slot ids, front = least recently used
     cdef vector[cpplist[int].iterator] _bit_iters     # bit -> LRU position
     cdef vector[int] _bit_slot                        # bit -> slot, -1 for a hole
     cdef vector[uint32_t] _slot_bit                   # slot -> bit
@@ -151,12 +54,10 @@ cdef class ResponseCache:
 
     def set_capacity(self, capacity):
         """See :meth:`distlab.reference.response_cache.ResponseCache.set_capacity`."""
-        capacity = int(capacity)
-        if capacity < 0:
-            raise ValueError(f"cache capacity must be >= 0, got {capacity}")
-        if capacity != self._capacity:
+        cdef uint32_t wanted = check_capacity(capacity)
+        if wanted != self._capacity:
             self.clear()
-        self._capacity = capacity
+        self._capacity = wanted
 
     @property
     def capacity(self):
@@ -170,54 +71,27 @@ cdef class ResponseCache:
     def __len__(self):
         return self._lru.size()
 
-    # -- C-level helpers used by the controller --------------------------------------------------------------
-    cdef inline int _state(self, Request r, uint32_t* bit):
-        cdef uint32_t b
-        if r._hint_epoch == self._epoch:
-            b = r._hint_bit
-        else:
-            it = self._name_to_bit.find(r._cname)
-            b = _NO_BIT if it == self._name_to_bit.end() else deref(it).second
-            r._hint_epoch = self._epoch
-            r._hint_bit = b
-        if b == _NO_BIT:
-            return S_MISS
-        bit[0] = b
-        return S_HIT if _params_match(self._params[self._bit_slot[b]], r) else S_INVALID
-
-    cdef int _slot_at(self, long bit) except -1:
-        if bit < 0 or bit >= <long>self._bit_slot.size() or self._bit_slot[bit] < 0:
-            raise CacheStateError(f"cache bit {bit} holds no entry (active bits: {self._bit_slot.size()})")
-        return self._bit_slot[bit]
-
-    cdef inline void _touch(self, uint32_t bit):
-        # move to most recently used
-        # splice relinks the node: no allocation, and the bit's iterator stays valid
-        self._lru.splice(self._lru.end(), self._lru, self._bit_iters[bit])
-        self._bits_outdated = True
-
-    # -- lookups ---------------------------------------------------------------------------------------------
     def cached(self, Request request):
         """See :meth:`distlab.reference.response_cache.ResponseCache.cached`."""
         cdef uint32_t bit
-        return self._state(request, &bit)
+        return _cache_state(self, request, &bit)
 
     def peek_cache_bit(self, request_or_name):
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_cache_bit`."""
         name = request_or_name if isinstance(request_or_name, str) else request_or_name.tensor_name
         it = self._name_to_bit.find(_utf8(name))
         if it == self._name_to_bit.end():
-            raise CacheStateError(f"tensor {name!r} is not in the response cache")
+            raise cache_error("not_cached", name=name)
         return deref(it).second
 
     def peek_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_response`."""
-        return self._responses[self._slot_at(bit)]
+        return self._responses[_slot_at(self, bit)]
 
     def get_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.get_response`."""
-        cdef int slot = self._slot_at(bit)
-        self._touch(<uint32_t>bit)
+        cdef int slot = _slot_at(self, bit)
+        _touch(self, <uint32_t>bit)
         return self._responses[slot]
 
     def list_all_bits(self):
@@ -229,43 +103,33 @@ cdef class ResponseCache:
         """See :meth:`distlab.reference.response_cache.ResponseCache.lru_names`."""
         return [self._pynames[slot] for slot in self._lru]
 
-    # -- mutation --------------------------------------------------------------------------------------------
     def put(self, Response response, requests, bint joined=False):
         """See :meth:`distlab.reference.response_cache.ResponseCache.put`."""
         cdef _Params params
         cdef Response single
-        cdef Py_ssize_t i
+        cdef Py_ssize_t i, n = len(response.tensor_names)
         if self._capacity == 0:
             return
         if response.response_type not in CACHEABLE_RESPONSE_TYPES:
-            raise CacheStateError(f"responses of type {response.response_type} are not cacheable; only "
-                                  "allreduce, allgather, adasum and alltoall are")
-        fused = len(response.tensor_names) > 1
-        for i, name in enumerate(response.tensor_names):
-            single = Response.__new__(Response)
-            single.response_type = response.response_type
+            raise cache_error("uncacheable", response_type=response.response_type)
+        for i in range(n):
+            name = response.tensor_names[i]
+            single = response.copy()
             single.tensor_names = [name]
-            single.tensor_type = response.tensor_type
-            single.error_message = response.error_message
-            single.devices = list(response.devices)
-            single.tensor_sizes = [response.tensor_sizes[i]] if fused else list(response.tensor_sizes)
-            single.prescale_factor = response.prescale_factor
-            single.postscale_factor = response.postscale_factor
-            single.reduce_op = response.reduce_op
-            single.last_joined_rank = response.last_joined_rank
+            if n > 1:                       # a fused part keeps its own size
+                single.tensor_sizes = [response.tensor_sizes[i]]
+            params.joined = joined
+            params.known = True
             if joined:
-                params.joined = True
-                params.known = True
                 params.shape.clear()
             else:
                 request = requests.get(name)
-                if request is None:
-                    params.joined = False
-                    params.known = False
-                    if self._name_to_bit.find(_utf8(name)) == self._name_to_bit.end():
-                        raise CacheStateError(f"cannot cache {name!r}: this rank has no request for it")
-                else:
+                if request is not None:
                     params = _params_of(<Request?>request)
+                elif self._name_to_bit.count(_utf8(name)):
+                    params.known = False    # a common hit, already checked
+                else:
+                    raise cache_error("no_request", name=name)
             self._put_one(name, single, params)
 
     cdef int _put_one(self, str name, Response response, _Params& params) except -1:
@@ -277,16 +141,13 @@ cdef class ResponseCache:
         if it != self._name_to_bit.end():
             bit = deref(it).second
             if params.known and not _params_equal(self._params[self._bit_slot[bit]], params):
-                raise CacheStateError(
-                    f"refusing to overwrite the cached response of {name!r}: the entry is S_INVALID (same name, "
-                    "different parameters) and must be erased first (erase_response)")
-            self._touch(bit)
+                raise cache_error("overwrite_invalid", name=name)
+            _touch(self, bit)
             return 0
         if self._lru.size() >= self._capacity:
             slot = self._lru.front()
-            evicted = self._pynames[slot]
             if self._print_warning:
-                warnings.warn(eviction_warning_text(self._capacity, evicted, name), CacheEvictionWarning,
+                warnings.warn(eviction_warning_text(self._capacity, self._pynames[slot], name), CacheEvictionWarning,
                               stacklevel=3)
                 self._print_warning = False
             self.evictions += 1
@@ -298,18 +159,7 @@ cdef class ResponseCache:
             bit = self._bit_slot.size()
             self._bit_slot.push_back(-1)
             self._bit_iters.push_back(self._lru.end())
-        if self._free.size():
-            slot = self._free.back()
-            self._free.pop_back()
-        else:
-            slot = self._params.size()
-            self._params.push_back(params)
-            self._info.push_back(_RespInfo(0, 0, 0, 0.0, 0.0, 0, 0))  # filled below
-            self._names.push_back(cname)
-            self._slot_bit.push_back(0)
-            self._responses.append(None)
-            self._pynames.append(None)
-            self._pysizes.append(None)
+        slot = _free_slot(self)
         self._params[slot] = params
         _fill_info(&self._info[slot], response)
         self._names[slot] = cname
@@ -319,9 +169,9 @@ cdef class ResponseCache:
         self._pysizes[slot] = response.tensor_sizes[0] if response.tensor_sizes else None
         self._bit_slot[bit] = slot
         self._lru.push_back(slot)
-        it2 = self._lru.end()
-        dec(it2)
-        self._bit_iters[bit] = it2
+        it_new = self._lru.end()
+        dec(it_new)
+        self._bit_iters[bit] = it_new
         self._name_to_bit[cname] = bit
         self._bits_outdated = True
         self._epoch = _new_epoch()
@@ -329,7 +179,7 @@ cdef class ResponseCache:
 
     def erase_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.erase_response`."""
-        cdef int slot = self._slot_at(bit)
+        cdef int slot = _slot_at(self, bit)
         self._name_to_bit.erase(self._names[slot])
         self._lru.erase(self._bit_iters[bit])
         self._bit_iters[bit] = self._lru.end()
@@ -371,39 +221,35 @@ cdef class CacheCoordinator:
     cdef public long num_words
     cdef vector[uint64_t] _hits        # raw cache bits (not shifted by the status bits)
     cdef vector[uint64_t] _invalid
-    cdef bint _should_shut_down, _uncached_in_queue, _invalid_in_queue, _synced, _any_invalid
+    cdef bint _should_shut_down, _uncached_in_queue, _invalid_in_queue, _synced
     cdef public object sent_words
 
     def __init__(self, num_active_bits):
         self.num_active_bits = num_active_bits
-        self.num_words = (self.num_active_bits + NUM_STATUS_BITS + 63) // 64
+        self.num_words = (num_active_bits + NUM_STATUS_BITS + 63) >> 6
         self._hits.assign(self.num_words, 0)
         self._invalid.assign(self.num_words, 0)
-        self._should_shut_down = False
-        self._uncached_in_queue = False
-        self._invalid_in_queue = False
-        self._synced = False
-        self._any_invalid = False
         self.sent_words = None
 
-    cdef int _check(self, long bit) except -1:
+    cdef int _check_not_synced(self) except -1:
         if self._synced:
-            raise CacheStateError("this CacheCoordinator has already synced; make a new one each cycle")
-        if bit < 0 or bit >= self.num_active_bits:
-            raise CacheStateError(f"cache bit {bit} is out of range (active bits: {self.num_active_bits})")
+            raise cache_error("synced")
         return 0
 
-    cdef inline void _hit(self, uint32_t bit):
+    cdef int _check_bit(self, long bit) except -1:
+        self._check_not_synced()
+        if bit < 0 or bit >= self.num_active_bits:
+            raise cache_error("bit_range", bit=bit, active=self.num_active_bits)
+        return 0
+
+    cpdef record_hit(self, long bit):
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.record_hit`."""
+        self._check_bit(bit)
         self._hits[bit >> 6] |= (<uint64_t>1) << (bit & 63)
 
-    def record_hit(self, long bit):
-        """See :meth:`distlab.reference.response_cache.CacheCoordinator.record_hit`."""
-        self._check(bit)
-        self._hit(<uint32_t>bit)
-
-    def record_invalid_bit(self, long bit):
+    cpdef record_invalid_bit(self, long bit):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.record_invalid_bit`."""
-        self._check(bit)
+        self._check_bit(bit)
         self._invalid[bit >> 6] |= (<uint64_t>1) << (bit & 63)
         self._invalid_in_queue = True
 
@@ -413,40 +259,50 @@ cdef class CacheCoordinator:
             self._hits[bit >> 6] &= ~((<uint64_t>1) << (bit & 63))
 
     def set_should_shut_down(self, value):
-        if self._synced:
-            raise CacheStateError("this CacheCoordinator has already synced; make a new one each cycle")
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.set_should_shut_down`."""
+        self._check_not_synced()
         self._should_shut_down = bool(value)
 
     def set_uncached_in_queue(self, value):
-        if self._synced:
-            raise CacheStateError("this CacheCoordinator has already synced; make a new one each cycle")
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.set_uncached_in_queue`."""
+        self._check_not_synced()
         self._uncached_in_queue = bool(value)
 
     @property
     def cache_hits(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.cache_hits`."""
         return _bits_list(self._hits)
 
     @property
     def invalid_bits(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.invalid_bits`."""
         return _bits_list(self._invalid)
 
     @property
     def should_shut_down(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.should_shut_down`."""
         return self._should_shut_down
 
     @property
     def uncached_in_queue(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.uncached_in_queue`."""
         return self._uncached_in_queue
 
     @property
     def invalid_in_queue(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.invalid_in_queue`."""
         return self._invalid_in_queue
 
     @property
     def synced(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.synced`."""
         return self._synced
 
-    cdef object _bitvector(self):
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def bitvector(self):
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.bitvector`."""
+        # words has num_words entries and i < num_words on every access
         cdef object arr = np.zeros(self.num_words, dtype=np.uint64)
         cdef uint64_t[::1] words = arr
         cdef uint64_t h
@@ -460,28 +316,23 @@ cdef class CacheCoordinator:
             status |= (<uint64_t>1) << INVALID_IN_QUEUE
         words[0] = status
         for i in range(n):
-            h = self._hits[i] & ~self._invalid[i]
+            h = self._hits[i] & ~self._invalid[i]     # an invalid bit is never a hit
             words[i] |= h << NUM_STATUS_BITS
             if i + 1 < n:
                 words[i + 1] |= h >> (64 - NUM_STATUS_BITS)
         return arr
 
-    def bitvector(self):
-        """See :meth:`distlab.reference.response_cache.CacheCoordinator.bitvector`."""
-        return self._bitvector()
-
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     def sync(self, allreduce):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.sync`."""
+        # every memoryview below has num_words entries (checked after each allreduce) and i < num_words
         cdef uint64_t[::1] w
         cdef long i, n = self.num_words
-        if self._synced:
-            raise CacheStateError("this CacheCoordinator has already synced; make a new one each cycle")
-        words = self._bitvector()
+        self._check_not_synced()
+        words = self.bitvector()
         self.sent_words = words.copy()
-        result = allreduce(words, "band")
-        if result is not None:
-            words = np.ascontiguousarray(result, dtype=np.uint64)
-        w = words
+        w = _reduce(allreduce, words, "band", n)
         self._should_shut_down = not (w[0] >> SHOULD_SHUT_DOWN) & 1
         self._uncached_in_queue = not (w[0] >> UNCACHED_IN_QUEUE) & 1
         self._invalid_in_queue = not (w[0] >> INVALID_IN_QUEUE) & 1
@@ -490,28 +341,34 @@ cdef class CacheCoordinator:
             if i + 1 < n:
                 self._hits[i] |= w[i + 1] << (64 - NUM_STATUS_BITS)
         if self._invalid_in_queue:
-            inv = np.zeros(n, dtype=np.uint64)
-            w = inv
+            invalid = np.empty(n, dtype=np.uint64)
+            w = invalid
             for i in range(n):
                 w[i] = self._invalid[i]
-            result = allreduce(inv, "bor")
-            if result is not None:
-                inv = np.ascontiguousarray(result, dtype=np.uint64)
-            w = inv
+            w = _reduce(allreduce, invalid, "bor", n)
             for i in range(n):
                 self._invalid[i] = w[i]
                 self._hits[i] &= ~w[i]
         self._synced = True
 
 
+cdef uint64_t[::1] _reduce(allreduce, object words, str op, long n):
+    """See :func:`distlab.reference.response_cache._reduce` (the result as a checked uint64 view)."""
+    reduced = allreduce(words, op)
+    cdef uint64_t[::1] out = words if reduced is None else np.ascontiguousarray(reduced, dtype=np.uint64)
+    if out.shape[0] != n:
+        raise ValueError(f"the bit-vector allreduce returned {out.shape[0]} words, expected {n}")
+    return out
+
+
 cdef list _bits_list(const vector[uint64_t]& words):
+    """The set bits, ascending (the reference's _set_bits over C words)."""
     cdef list out = []
     cdef size_t i
-    cdef uint64_t word, low
+    cdef uint64_t word
     for i in range(words.size()):
         word = words[i]
         while word:
-            low = word & (~word + 1)
             out.append(<long>(i * 64 + __builtin_ctzll(word)))
-            word ^= low
+            word &= word - 1
     return out

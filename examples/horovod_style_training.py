@@ -1,9 +1,9 @@
-"""Horovod-style data-parallel training: an MLP, a DistributedOptimizer, uneven data and join().
+"""Horovod-style data-parallel training: an MLP, hvd.DistributedOptimizer, uneven data and join().
 
-Each gradient is submitted with ``allreduce_async`` the moment backward has accumulated it (a post-accumulate-grad
-hook), under its parameter's name, so ranks may submit in any order; the background cycle negotiates them, fuses
-them into one buffer, and after the first step the response cache turns each negotiation into a single bit-vector
-allreduce (the "fast path", counted below). The ranks hold different amounts of data: a rank that runs out calls
+The DistributedOptimizer submits each gradient's allreduce the moment backward has accumulated it (a
+post-accumulate-grad hook), under its parameter's name, so ranks may submit in any order; the background cycle
+negotiates them, fuses them into one buffer, and after the first step the response cache turns each negotiation
+into a single bit-vector allreduce (the "fast path", counted below). The ranks hold different amounts of data: a rank that runs out calls
 ``join()`` and, from then on, contributes zeros to the others' allreduces until every rank has joined; join returns
 the last rank to join, whose model trained to the end, and every rank then takes that model.
 
@@ -21,39 +21,6 @@ import distlab
 from distlab import collectives as hvd
 from distlab import nn, optim
 from train_ddp import spirals  # the same data set as the DDP example (examples/ is on sys.path when run)
-
-
-class DistributedOptimizer:
-    """Wrap an optimizer: allreduce (average) every gradient asynchronously as backward produces it (as Horovod's).
-
-    ``step()`` waits for the averaged gradients, writes them into ``.grad`` and steps the wrapped optimizer.
-    """
-
-    def __init__(self, optimizer, named_parameters):
-        self.optimizer = optimizer
-        self.handles = {}
-        for name, param in named_parameters:
-            param.register_post_accumulate_grad_hook(self._hook(f"grad.{name}"))
-
-    def _hook(self, name):
-        def hook(param):
-            self.handles[name] = (param, hvd.allreduce_async(param.grad.data, name=name, op=hvd.Average))
-        return hook
-
-    def zero_grad(self):
-        self.optimizer.zero_grad()
-
-    def step(self):
-        for param, handle in self.handles.values():
-            param.grad.data[...] = hvd.synchronize(handle)
-        self.handles.clear()
-        self.optimizer.step()
-
-
-def broadcast_parameters(named_parameters, root_rank=0):
-    """Give every rank ``root_rank``'s weights."""
-    for name, param in named_parameters:
-        param.data[...] = hvd.broadcast(param.data, root_rank, name=f"params.{name}")
 
 
 def main() -> None:
@@ -75,8 +42,10 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(2, options.hidden, seed=10 + rank), nn.ReLU(),
                           nn.Linear(options.hidden, options.hidden, seed=20 + rank), nn.ReLU(),
                           nn.Linear(options.hidden, 3, seed=30 + rank))
-    broadcast_parameters(model.named_parameters())
-    opt = DistributedOptimizer(optim.SGD(model.parameters(), lr=options.lr, momentum=0.9), model.named_parameters())
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+    opt = hvd.DistributedOptimizer(optim.SGD(model.parameters(), lr=options.lr, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
     rng = np.random.default_rng(rank)
     steps = len(y_local) // options.batch
@@ -92,7 +61,7 @@ def main() -> None:
             print(f"epoch {epoch + 1}: loss {float(loss.data):.3f}", flush=True)
     last = hvd.join()                         # ranks with fewer steps wait here, contributing zeros
     # A rank that joined early stopped updating its model; the last rank to join trained to the end.
-    broadcast_parameters(model.named_parameters(), root_rank=last)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=last)
 
     with distlab.no_grad():
         predicted = model(distlab.tensor(x)).data.argmax(axis=1)

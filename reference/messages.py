@@ -3,25 +3,44 @@
 Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_messages.pxi``).
 
 Mirrors horovod/common/message.h and message.cc. A rank describes each collective it wants to run as a
-``Request`` (name, type, dtype, shape, root, device, reduce op, scale factors); the coordinator answers with
-``Response`` objects that say which tensors to run now, possibly several fused into one. Horovod serialises these
-with FlatBuffers; we use a small fixed layout described in :mod:`distlab._negotiation_shared`, written with
+``Request`` (name, type, dtype, shape, root, device, reduce op, scale factors, group); the coordinator answers
+with ``Response`` objects that say which tensors to run now, possibly several fused into one. Horovod serialises
+these with FlatBuffers; we use a small fixed layout described in :mod:`distlab._wire`, written with
 :mod:`struct`. The core twin writes the same bytes with C code; tests compare them byte for byte.
+
+A message comes from another process, so the parser trusts nothing: every length is checked against the bytes
+that are left before anything is read or allocated, and every decoded field is checked against its range (an
+unknown type or dtype, a negative dimension, a NaN scale factor, an unknown flag bit), so that a corrupted or
+hostile message raises :class:`~distlab.errors.MessageFormatError` here instead of breaking the coordinator later.
 """
 from __future__ import annotations
 
-from distlab._negotiation_shared import (
+from distlab._common.negotiation import (
+    REQUEST_FIELDS,
+    RESPONSE_FIELDS,
+    device_error,
+    dimension_error,
+    format_error,
+    list_field_error,
+    list_repr,
+    request_field_error,
+    request_repr,
+    response_field_error,
+    response_repr,
+    size_error,
+)
+from distlab._wire import (
     CPU_DEVICE_ID,
     FLAG_SHUTDOWN,
+    GLOBAL_PROCESS_SET_ID,
     LIST_HEADER,
+    NEGOTIATION_WIRE_VERSION,
+    NO_GROUP,
     REQUEST_HEAD,
     REQUEST_MAGIC,
-    REQUEST_TYPE_NAMES,
     RESPONSE_HEAD,
     RESPONSE_MAGIC,
-    RESPONSE_TYPE_NAMES,
-    WIRE_VERSION,
-    MessageFormatError,
+    VERSION_OFFSET,
     RequestType,
     ResponseType,
 )
@@ -37,27 +56,30 @@ class Request:
     tensor_name : str
         The name every rank uses for this tensor.
     request_type : int
-        A :class:`~distlab._negotiation_shared.RequestType` code.
+        A :class:`~distlab._wire.RequestType` code.
     tensor_type : int
-        The dtype's wire code (:func:`~distlab._negotiation_shared.dtype_code`).
+        The dtype's wire code (:func:`~distlab._common.negotiation.dtype_code`).
     tensor_shape : tuple of int
     request_rank : int
-        The submitting rank.
+        The submitting rank (its rank in the process set).
     root_rank : int
         Root of a broadcast.
     device : int
         ``CPU_DEVICE_ID`` (-1) or a GPU ordinal.
     reduce_op : int
-        Index into :data:`~distlab._negotiation_shared.REDUCE_OPS` (0 = not a reduction).
+        Index into :data:`~distlab._wire.REDUCE_OPS` (0 = not a reduction).
     prescale_factor, postscale_factor : float
+    group_id : int
+        The group of a grouped collective (``NO_GROUP`` = -1 outside a group); the same on every rank.
+    group_size : int
+        How many tensors this rank put in the group (0 outside a group).
     """
 
-    __slots__ = ("tensor_name", "request_type", "tensor_type", "tensor_shape", "request_rank", "root_rank",
-                 "device", "reduce_op", "prescale_factor", "postscale_factor")
+    __slots__ = REQUEST_FIELDS
 
     def __init__(self, tensor_name="", request_type=RequestType.ALLREDUCE, tensor_type=0, tensor_shape=(),
                  request_rank=0, root_rank=0, device=CPU_DEVICE_ID, reduce_op=0, prescale_factor=1.0,
-                 postscale_factor=1.0):
+                 postscale_factor=1.0, group_id=NO_GROUP, group_size=0):
         self.tensor_name = str(tensor_name)
         self.request_type = int(request_type)
         self.tensor_type = int(tensor_type)
@@ -68,6 +90,8 @@ class Request:
         self.reduce_op = int(reduce_op)
         self.prescale_factor = float(prescale_factor)
         self.postscale_factor = float(postscale_factor)
+        self.group_id = int(group_id)
+        self.group_size = int(group_size)
 
     def to_bytes(self) -> bytes:
         """This request alone, in the wire layout of one list element."""
@@ -77,28 +101,32 @@ class Request:
         if len(self.tensor_shape) > 255:
             raise ValueError(f"tensor has {len(self.tensor_shape)} dimensions, at most 255 are supported")
         head = REQUEST_HEAD.pack(self.request_rank, self.request_type, self.tensor_type, self.reduce_op,
-                                 len(self.tensor_shape), self.root_rank, self.device, self.prescale_factor,
-                                 self.postscale_factor, len(name))
+                                 len(self.tensor_shape), self.root_rank, self.device, self.group_id,
+                                 self.group_size, self.prescale_factor, self.postscale_factor, len(name))
         return head + name + b"".join(int(d).to_bytes(8, "little", signed=True) for d in self.tensor_shape)
 
     @classmethod
     def _parse(cls, data, offset: int):
-        if offset + REQUEST_HEAD.size > len(data):
-            raise MessageFormatError("request list is truncated inside a request header")
-        (rank, rtype, dtype, op, ndim, root, device, pre, post,
+        _need(data, offset + REQUEST_HEAD.size, "request_head")
+        (rank, rtype, dtype, op, ndim, root, device, group_id, group_size, pre, post,
          name_len) = REQUEST_HEAD.unpack_from(data, offset)
+        error = request_field_error(rank, rtype, dtype, op, root, device, group_id, group_size, pre, post)
+        if error is not None:
+            raise error
         offset += REQUEST_HEAD.size
         end = offset + name_len + 8 * ndim
-        if end > len(data):
-            raise MessageFormatError("request list is truncated inside a request's name or shape")
+        _need(data, end, "request_body")
         name = _decode_name(data[offset:offset + name_len])
         offset += name_len
         shape = tuple(int.from_bytes(data[offset + 8 * i: offset + 8 * i + 8], "little", signed=True)
                       for i in range(ndim))
-        return cls(name, rtype, dtype, shape, rank, root, device, op, pre, post), end
+        for index, dim in enumerate(shape):
+            if dim < 0:
+                raise dimension_error(index, dim)
+        return cls(name, rtype, dtype, shape, rank, root, device, op, pre, post, group_id, group_size), end
 
     def _key(self):
-        return tuple(getattr(self, slot) for slot in self.__slots__)
+        return tuple(getattr(self, field) for field in REQUEST_FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, Request) and self._key() == other._key()
@@ -107,9 +135,7 @@ class Request:
         return hash(self._key())
 
     def __repr__(self):
-        kind = REQUEST_TYPE_NAMES[self.request_type] if 0 <= self.request_type < len(REQUEST_TYPE_NAMES) else "?"
-        return (f"Request({self.tensor_name!r}, {kind}, rank={self.request_rank}, dtype={self.tensor_type}, "
-                f"shape={self.tensor_shape})")
+        return request_repr(self)
 
 
 class Response:
@@ -118,7 +144,7 @@ class Response:
     Parameters
     ----------
     response_type : int
-        A :class:`~distlab._negotiation_shared.ResponseType` code.
+        A :class:`~distlab._wire.ResponseType` code.
     tensor_names : list of str
         More than one name means a fused response.
     tensor_type : int
@@ -133,14 +159,15 @@ class Response:
     reduce_op : int
     last_joined_rank : int
         Set on JOIN responses: the last rank that joined.
+    group_id : int
+        The group the tensors belong to (``NO_GROUP`` = -1 when none): a group is always one response.
     """
 
-    __slots__ = ("response_type", "tensor_names", "tensor_type", "error_message", "devices", "tensor_sizes",
-                 "prescale_factor", "postscale_factor", "reduce_op", "last_joined_rank")
+    __slots__ = RESPONSE_FIELDS
 
     def __init__(self, response_type=ResponseType.ALLREDUCE, tensor_names=(), tensor_type=0, error_message="",
                  devices=(), tensor_sizes=(), prescale_factor=1.0, postscale_factor=1.0, reduce_op=0,
-                 last_joined_rank=-1):
+                 last_joined_rank=-1, group_id=NO_GROUP):
         self.response_type = int(response_type)
         self.tensor_names = [str(n) for n in tensor_names]
         self.tensor_type = int(tensor_type)
@@ -151,17 +178,19 @@ class Response:
         self.postscale_factor = float(postscale_factor)
         self.reduce_op = int(reduce_op)
         self.last_joined_rank = int(last_joined_rank)
+        self.group_id = int(group_id)
 
     def copy(self) -> "Response":
         """A deep copy (lists are copied)."""
         return Response(self.response_type, self.tensor_names, self.tensor_type, self.error_message, self.devices,
                         self.tensor_sizes, self.prescale_factor, self.postscale_factor, self.reduce_op,
-                        self.last_joined_rank)
+                        self.last_joined_rank, self.group_id)
 
     def to_bytes(self) -> bytes:
         """This response alone, in the wire layout of one list element."""
         parts = [RESPONSE_HEAD.pack(self.response_type, self.tensor_type, self.reduce_op, 0, self.last_joined_rank,
-                                    self.prescale_factor, self.postscale_factor, len(self.tensor_names))]
+                                    self.group_id, self.prescale_factor, self.postscale_factor,
+                                    len(self.tensor_names))]
         for name in self.tensor_names:
             raw = name.encode("utf-8")
             if len(raw) > 0xFFFF:
@@ -177,12 +206,15 @@ class Response:
 
     @classmethod
     def _parse(cls, data, offset: int):
-        if offset + RESPONSE_HEAD.size > len(data):
-            raise MessageFormatError("response list is truncated inside a response header")
-        rtype, dtype, op, _pad, last_joined, pre, post, n_names = RESPONSE_HEAD.unpack_from(data, offset)
+        _need(data, offset + RESPONSE_HEAD.size, "response_head")
+        (rtype, dtype, op, pad, last_joined, group_id, pre, post,
+         n_names) = RESPONSE_HEAD.unpack_from(data, offset)
+        error = response_field_error(rtype, dtype, op, pad, last_joined, group_id, pre, post)
+        if error is not None:
+            raise error
         offset += RESPONSE_HEAD.size
         names = []
-        for _ in range(n_names):
+        for _ in range(n_names):        # each name needs 2 bytes at least: a bogus count runs out of bytes
             length = _read_uint(data, offset, 2)
             offset += 2
             _need(data, offset + length)
@@ -190,25 +222,31 @@ class Response:
             offset += length
         n_devices = _read_uint(data, offset, 4)
         offset += 4
-        _need(data, offset + 4 * n_devices)
+        _need(data, offset + 4 * n_devices)     # before the list is built
         devices = [int.from_bytes(data[offset + 4 * i: offset + 4 * i + 4], "little", signed=True)
                    for i in range(n_devices)]
+        for index, device in enumerate(devices):
+            if device < CPU_DEVICE_ID:
+                raise device_error(index, device)
         offset += 4 * n_devices
         n_sizes = _read_uint(data, offset, 4)
         offset += 4
         _need(data, offset + 8 * n_sizes)
         sizes = [int.from_bytes(data[offset + 8 * i: offset + 8 * i + 8], "little", signed=True)
                  for i in range(n_sizes)]
+        for index, size in enumerate(sizes):
+            if size < 0:
+                raise size_error(index, size)
         offset += 8 * n_sizes
         error_len = _read_uint(data, offset, 4)
         offset += 4
         _need(data, offset + error_len)
         error = _decode_name(data[offset:offset + error_len])
         offset += error_len
-        return cls(rtype, names, dtype, error, devices, sizes, pre, post, op, last_joined), offset
+        return cls(rtype, names, dtype, error, devices, sizes, pre, post, op, last_joined, group_id), offset
 
     def _key(self):
-        return tuple(getattr(self, slot) for slot in self.__slots__)
+        return tuple(getattr(self, field) for field in RESPONSE_FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, Response) and self._key() == other._key()
@@ -216,23 +254,34 @@ class Response:
     __hash__ = None
 
     def __repr__(self):
-        kind = (RESPONSE_TYPE_NAMES[self.response_type] if 0 <= self.response_type < len(RESPONSE_TYPE_NAMES)
-                else "?")
-        return f"Response({kind}, {self.tensor_names!r}, sizes={self.tensor_sizes})"
+        return response_repr(self)
 
 
 class RequestList:
-    """The requests one rank sends the coordinator in one cycle, plus its shutdown flag (message.h)."""
+    """The requests one rank sends the coordinator in one cycle, plus its shutdown flag (message.h).
 
-    __slots__ = ("requests", "shutdown")
+    Parameters
+    ----------
+    requests : sequence of Request
+    shutdown : bool
+        This rank asks every rank to stop.
+    shutdown_reason : str
+        Why (a predicate of the rank: ``"called shutdown()"``), so that the others can say it.
+    process_set_id : int
+        The process set whose coordinator the list is for (0: every rank).
+    """
 
-    def __init__(self, requests=(), shutdown=False):
+    __slots__ = ("requests", "shutdown", "shutdown_reason", "process_set_id")
+
+    def __init__(self, requests=(), shutdown=False, shutdown_reason="", process_set_id=GLOBAL_PROCESS_SET_ID):
         self.requests = list(requests)
         self.shutdown = bool(shutdown)
+        self.shutdown_reason = str(shutdown_reason)
+        self.process_set_id = int(process_set_id)
 
     def to_bytes(self) -> bytes:
-        """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
-        return _pack_list(REQUEST_MAGIC, self.shutdown, self.requests)
+        """Serialise (see the layout in :mod:`distlab._wire`)."""
+        return _pack_list(REQUEST_MAGIC, self, self.requests)
 
     @classmethod
     def from_bytes(cls, data) -> "RequestList":
@@ -240,26 +289,39 @@ class RequestList:
         return cls(*_parse_list(bytes(data), REQUEST_MAGIC, "request list", Request._parse))
 
     def __eq__(self, other):
-        return isinstance(other, RequestList) and (self.requests, self.shutdown) == (other.requests, other.shutdown)
+        return isinstance(other, RequestList) and _list_key(self) == _list_key(other)
 
     __hash__ = None
 
     def __repr__(self):
-        return f"RequestList({self.requests!r}, shutdown={self.shutdown})"
+        return list_repr(self)
 
 
 class ResponseList:
-    """The coordinator's responses for one cycle, identical on every rank, plus the shutdown flag (message.h)."""
+    """The coordinator's responses for one cycle, identical on every rank, plus the shutdown flag (message.h).
 
-    __slots__ = ("responses", "shutdown")
+    Parameters
+    ----------
+    responses : sequence of Response
+    shutdown : bool
+        Every rank stops after this cycle.
+    shutdown_reason : str
+        Why, naming the ranks that asked (``"rank 1 called shutdown()"``).
+    process_set_id : int
+        The process set the responses are for.
+    """
 
-    def __init__(self, responses=(), shutdown=False):
+    __slots__ = ("responses", "shutdown", "shutdown_reason", "process_set_id")
+
+    def __init__(self, responses=(), shutdown=False, shutdown_reason="", process_set_id=GLOBAL_PROCESS_SET_ID):
         self.responses = list(responses)
         self.shutdown = bool(shutdown)
+        self.shutdown_reason = str(shutdown_reason)
+        self.process_set_id = int(process_set_id)
 
     def to_bytes(self) -> bytes:
-        """Serialise (see the layout in :mod:`distlab._negotiation_shared`)."""
-        return _pack_list(RESPONSE_MAGIC, self.shutdown, self.responses)
+        """Serialise (see the layout in :mod:`distlab._wire`)."""
+        return _pack_list(RESPONSE_MAGIC, self, self.responses)
 
     @classmethod
     def from_bytes(cls, data) -> "ResponseList":
@@ -267,50 +329,60 @@ class ResponseList:
         return cls(*_parse_list(bytes(data), RESPONSE_MAGIC, "response list", Response._parse))
 
     def __eq__(self, other):
-        return (isinstance(other, ResponseList)
-                and (self.responses, self.shutdown) == (other.responses, other.shutdown))
+        return isinstance(other, ResponseList) and _list_key(self) == _list_key(other)
 
     __hash__ = None
 
     def __repr__(self):
-        return f"ResponseList({self.responses!r}, shutdown={self.shutdown})"
+        return list_repr(self)
 
 
-# -- parsing helpers -----------------------------------------------------------------------------------------
-def _pack_list(magic: bytes, shutdown: bool, items) -> bytes:
-    """A request or response list: the header (magic, version, flags, count), then each item's bytes."""
-    head = LIST_HEADER.pack(magic, WIRE_VERSION, FLAG_SHUTDOWN if shutdown else 0, len(items))
-    return head + b"".join(item.to_bytes() for item in items)
+# -- packing and parsing helpers -----------------------------------------------------------------------------
+def _pack_list(magic: bytes, message_list, items) -> bytes:
+    """A request or response list: the header (magic, version, flags, process set, count, reason), the items."""
+    reason = message_list.shutdown_reason.encode("utf-8")[:0xFFFF]
+    head = LIST_HEADER.pack(magic, NEGOTIATION_WIRE_VERSION, FLAG_SHUTDOWN if message_list.shutdown else 0,
+                            message_list.process_set_id, len(items), len(reason))
+    return head + reason + b"".join(item.to_bytes() for item in items)
 
 
 def _parse_list(data: bytes, magic: bytes, what: str, parse_item):
-    """The items and the shutdown flag of a list written by :func:`_pack_list` (either twin's)."""
-    count, flags = _parse_header(data, magic, what)
+    """The items, shutdown flag, reason and process set of a list written by :func:`_pack_list` (either twin's)."""
+    count, flags, process_set_id, reason_len = _parse_header(data, magic, what)
     offset = LIST_HEADER.size
+    if offset + reason_len > len(data):
+        raise format_error("reason", what=what)
+    reason = _decode_name(data[offset:offset + reason_len])
+    offset += reason_len
     items = []
-    for _ in range(count):
+    for _ in range(count):          # each item needs its head at least: a bogus count runs out of bytes
         item, offset = parse_item(data, offset)
         items.append(item)
     _no_trailing(data, offset, what)
-    return items, bool(flags & FLAG_SHUTDOWN)
+    return items, bool(flags & FLAG_SHUTDOWN), reason, process_set_id
 
 
 def _parse_header(data: bytes, magic: bytes, what: str):
+    # The version comes first (it sits at the same offset in every version), so that a rank running another
+    # distlab gets "wire version 1, this distlab speaks version 2", not a misleading truncation.
+    if (len(data) > VERSION_OFFSET and data[:VERSION_OFFSET] == magic
+            and data[VERSION_OFFSET] != NEGOTIATION_WIRE_VERSION):
+        raise format_error("version", what=what, got=data[VERSION_OFFSET], expected=NEGOTIATION_WIRE_VERSION)
     if len(data) < LIST_HEADER.size:
-        raise MessageFormatError(f"{what} is truncated: {len(data)} bytes, the header alone needs "
-                                 f"{LIST_HEADER.size}")
-    got_magic, version, flags, count = LIST_HEADER.unpack_from(data, 0)
+        raise format_error("short_header", what=what, got=len(data), need=LIST_HEADER.size)
+    got_magic, _version, flags, process_set_id, count, reason_len = LIST_HEADER.unpack_from(data, 0)
     if got_magic != magic:
-        raise MessageFormatError(f"not a distlab {what}: magic {got_magic!r}, expected {magic!r}")
-    if version != WIRE_VERSION:
-        raise MessageFormatError(f"{what} has wire version {version}, this distlab speaks version {WIRE_VERSION}: "
-                                 "every rank must run the same distlab version")
-    return count, flags
+        raise format_error("magic", what=what, got=got_magic, expected=magic)
+    error = list_field_error(what, flags, process_set_id)
+    if error is not None:
+        raise error
+    return count, flags, process_set_id, reason_len
 
 
-def _need(data: bytes, end: int) -> None:
+def _need(data: bytes, end: int, where: str = "response_body") -> None:
+    """Refuse to read past the end of ``data`` (``where`` names the part being read, for the message)."""
     if end > len(data):
-        raise MessageFormatError("response list is truncated inside a response")
+        raise format_error(where)
 
 
 def _read_uint(data: bytes, offset: int, width: int) -> int:
@@ -322,9 +394,14 @@ def _decode_name(raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MessageFormatError(f"a name in the message is not valid UTF-8: {exc}") from None
+        raise format_error("utf8", reason=exc) from None
 
 
 def _no_trailing(data: bytes, offset: int, what: str) -> None:
     if offset != len(data):
-        raise MessageFormatError(f"{what} has {len(data) - offset} unexpected trailing bytes")
+        raise format_error("trailing", what=what, count=len(data) - offset)
+
+
+def _list_key(message_list):
+    items = message_list.requests if isinstance(message_list, RequestList) else message_list.responses
+    return items, message_list.shutdown, message_list.shutdown_reason, message_list.process_set_id

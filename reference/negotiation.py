@@ -11,10 +11,14 @@ Mirrors horovod/common/controller.cc ``Controller::ComputeResponseList``, ``Cons
 3. requests that hit here but not on every rank go back to the queue for the next cycle;
 4. *fast path*, when no rank has anything uncached: the responses are the common hits, taken from the cache in
    bit order and fused; no further communication;
-5. *slow path* otherwise: every rank sends its uncached requests to rank 0 (a gather); rank 0 counts them per
-   name, a tensor is ready when every rank that has not joined sent it; rank 0 validates the requests (an
-   inconsistent tensor gets an ERROR response), fuses the ready responses up to the fusion threshold and
-   broadcasts the list; every rank then caches the cacheable responses in the same order.
+5. *slow path* otherwise: every rank sends its uncached requests to rank 0 (a gather), whose
+   :class:`~distlab.reference.coordinator.Coordinator` finds the ready tensors, validates and fuses their
+   responses and broadcasts the list; every rank then caches the cacheable responses in the same order.
+
+A *group* (``grouped_allreduce``) runs as one: its members are one response, whatever the fusion threshold, and
+only once every member is ready on every rank; ranks that disagree on its members get one error for the whole
+group. A rank that wants to stop sends its reason through the slow path, so that every rank can say who stopped
+and why. Each process set has its own controller (``process_set_id``) and cache.
 
 Communication goes through an injectable *transport* with three calls, so the cycle runs without MPI in tests:
 ``allreduce_bits(words, op)`` (uint64 array, ``"band"``/``"bor"``, in place), ``gather(payload) -> list | None``
@@ -25,76 +29,17 @@ This module re-exports the messages and the cache, so ``distlab.reference.negoti
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 
-from distlab._negotiation_shared import (
-    CACHEABLE_RESPONSE_TYPES,
-    CPU_DEVICE_ID,
-    DTYPE_SIZES,
-    HIT,
-    INVALID,
-    JOIN_TENSOR_NAME,
-    MISS,
-    REDUCE_OPS,
-    REQUEST_TYPE_NAMES,
-    RequestType,
-    ResponseType,
-    dtype_name,
-    joined_phrase,
-)
+from distlab._common.negotiation import CACHEABLE_RESPONSE_TYPES, COUNTERS, HIT, INVALID, MISS, process_set_error
 from distlab._stall import StallInspector
+from distlab._wire import GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, NO_GROUP, RequestType, ResponseType
+from distlab.reference.coordinator import Coordinator, fuse_responses
 from distlab.reference.messages import Request, RequestList, Response, ResponseList
 from distlab.reference.response_cache import CacheCoordinator, ResponseCache, request_params
 
 __all__ = ["Request", "Response", "RequestList", "ResponseList", "ResponseCache", "CacheCoordinator",
            "Controller", "fuse_responses", "request_params", "MISS", "HIT", "INVALID"]
-
-_COUNTERS = ("cycles", "fast_path", "slow_path", "idle", "hits", "misses", "invalid", "requeued", "responses",
-             "fused_tensors")
-
-
-def _size_bytes(response) -> int:
-    return response.tensor_sizes[0] * DTYPE_SIZES[response.tensor_type] if response.tensor_sizes else 0
-
-
-def fuse_responses(responses, threshold: int) -> list:
-    """Fuse single-tensor allreduce/adasum responses up to ``threshold`` bytes (mirrors FuseResponses).
-
-    Responses fuse when type, devices, dtype, reduce op and scale factors agree. As Horovod does, a response that
-    does not fit is skipped over while the skipped bytes stay under the threshold (look-ahead), then put back.
-    Other response types are passed through unfused.
-    """
-    queue = deque(r.copy() for r in responses)
-    out = []
-    while queue:
-        response = queue.popleft()
-        if response.response_type in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
-            size = _size_bytes(response)
-            skipped = []
-            skipped_size = 0
-            while queue:
-                candidate = queue[0]
-                candidate_size = _size_bytes(candidate)
-                if (candidate.response_type == response.response_type
-                        and candidate.devices == response.devices
-                        and candidate.tensor_type == response.tensor_type
-                        and candidate.reduce_op == response.reduce_op
-                        and size + candidate_size <= threshold
-                        and candidate.prescale_factor == response.prescale_factor
-                        and candidate.postscale_factor == response.postscale_factor):
-                    size += candidate_size
-                    response.tensor_names.append(candidate.tensor_names[0])
-                    response.tensor_sizes.append(candidate.tensor_sizes[0])
-                    queue.popleft()
-                else:
-                    skipped_size += candidate_size
-                    if size + skipped_size <= threshold:
-                        skipped.append(queue.popleft())
-                    else:
-                        break
-            queue.extendleft(reversed(skipped))
-        out.append(response)
-    return out
 
 
 class Controller:
@@ -103,7 +48,7 @@ class Controller:
     Parameters
     ----------
     rank, size : int
-        This rank and the world size.
+        This rank and the number of ranks (in the process set).
     cache_capacity : int
         Response cache capacity (``DISTLAB_CACHE_CAPACITY``, default 1024; 0 disables the cache).
     fusion_threshold : int
@@ -114,25 +59,28 @@ class Controller:
         Where negotiation events go.
     clock : callable, optional
         Monotonic clock for the stall inspector (tests inject one).
+    process_set_id : int
+        The process set this controller negotiates for (0: every rank); its messages carry it.
     """
 
     def __init__(self, rank, size, cache_capacity=1024, fusion_threshold=128 * 1024 * 1024, stall_check_time=60.0,
-                 stall_shutdown_time=0.0, timeline=None, clock=None):
+                 stall_shutdown_time=0.0, timeline=None, clock=None, process_set_id=GLOBAL_PROCESS_SET_ID):
         self.rank = int(rank)
         self.size = int(size)
+        self.process_set_id = int(process_set_id)
         self.fusion_threshold = int(fusion_threshold)
         self.cache = ResponseCache(cache_capacity)
         self.timeline = timeline
         self.stall = StallInspector(self.size, stall_check_time, stall_shutdown_time,
                                     **({"clock": clock} if clock else {}))
         self.joined = False
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._pending: dict[str, Request] = {}             # popped requests still waiting for a response
-        # Coordinator state (rank 0): name -> requests received so far, in order of first arrival.
-        self._message_table: OrderedDict[str, list] = OrderedDict()
-        self._joined_ranks: list[int] = []
+        #: Rank 0's side of the slow path (None on the other ranks).
+        self.coordinator = (Coordinator(self.size, self.process_set_id, self.fusion_threshold, self.stall, timeline)
+                            if self.rank == 0 else None)
 
     # -- the queue -------------------------------------------------------------------------------------------
     def enqueue(self, request: Request) -> None:
@@ -140,14 +88,23 @@ class Controller:
         with self._lock:
             self._queue.append(request)
 
+    def enqueue_group(self, requests) -> None:
+        """Queue the requests of one group at once, so that no cycle sees part of a group (thread-safe)."""
+        with self._lock:
+            self._queue.extend(requests)
+
     def queue_length(self) -> int:
         """Requests waiting for the next cycle (requeued hits included)."""
         with self._lock:
             return len(self._queue)
 
     # -- the cycle -------------------------------------------------------------------------------------------
-    def compute_response_list(self, transport, shut_down: bool = False) -> ResponseList:
-        """Run one negotiation cycle and return the responses every rank executes, in the same order."""
+    def compute_response_list(self, transport, shut_down: bool = False, shutdown_reason: str = "") -> ResponseList:
+        """Run one negotiation cycle and return the responses every rank executes, in the same order.
+
+        ``shut_down`` asks every rank to stop after this cycle; ``shutdown_reason`` says why (a predicate of
+        this rank, ``"called shutdown()"``), and reaches every rank in the ResponseList's ``shutdown_reason``.
+        """
         counters = self.counters
         counters["cycles"] += 1
         cache = self.cache
@@ -157,12 +114,13 @@ class Controller:
             self._queue.clear()
 
         coordinator = CacheCoordinator(cache.num_active_bits())
+        states = []
         for request in batch:
+            state = MISS
             if request.request_type == RequestType.JOIN:
                 self.joined = True
                 coordinator.set_uncached_in_queue(True)
-                continue
-            if caching:
+            elif caching:
                 state = cache.cached(request)
                 if state == HIT:
                     coordinator.record_hit(cache.peek_cache_bit(request))
@@ -174,6 +132,9 @@ class Controller:
                     coordinator.set_uncached_in_queue(True)
                     counters["misses"] += 1
                     self.stall.remove_cached(request.tensor_name)
+            states.append(state)
+        if caching:
+            self._invalidate_partial_groups(batch, states, coordinator)
         if self.joined and caching:
             # A joined rank has every cached allreduce "ready": it contributes zeros (mirrors controller.cc).
             # Other cached collectives cannot run without it: it invalidates them, so that they go to the
@@ -185,9 +146,11 @@ class Controller:
                     coordinator.record_invalid_bit(bit)
 
         should_shut_down = bool(shut_down)
+        reason = str(shutdown_reason) if should_shut_down else ""
         if self.stall.should_check():
-            if self.rank == 0:
-                should_shut_down |= self.stall.check(self._joined_ranks)
+            if self.coordinator is not None and self.stall.check(self.coordinator.joined_ranks):
+                should_shut_down = True
+                reason = reason or self.stall.shutdown_reason
             if caching:
                 # Cached tensors held back too long go through the coordinator, whose report names the ranks.
                 for name in self.stall.stalled_cached_names():
@@ -198,6 +161,9 @@ class Controller:
                     self.stall.remove_cached(name)
             self.stall.update_check_time()
         coordinator.set_should_shut_down(should_shut_down)
+        if should_shut_down:
+            # Only the slow path carries a reason: every rank takes it, and learns from rank 0 who stopped and why.
+            coordinator.set_uncached_in_queue(True)
 
         uncached = batch
         if caching:
@@ -221,7 +187,7 @@ class Controller:
                 with self._lock:
                     self._queue.extendleft(reversed(requeue))
 
-        response_list = ResponseList(shutdown=coordinator.should_shut_down)
+        response_list = ResponseList(shutdown=coordinator.should_shut_down, process_set_id=self.process_set_id)
         # Fast path only when no rank has anything uncached or invalidated (an erased entry's request is uncached
         # now and must reach the coordinator).
         if caching and not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
@@ -240,14 +206,17 @@ class Controller:
         for request in uncached:
             # Remember what we sent: ``put`` caches the response with these parameters when it comes back.
             self._pending[request.tensor_name] = request
-        mine = RequestList(uncached, shutdown=should_shut_down).to_bytes()
+        mine = RequestList(uncached, should_shut_down, reason, self.process_set_id).to_bytes()
         gathered = transport.gather(mine)
-        if self.rank == 0:
-            response_list = self._coordinate(gathered, coordinator, caching)
+        if self.coordinator is not None:
+            self.coordinator.fusion_threshold = self.fusion_threshold
+            response_list = self.coordinator.coordinate(gathered, cache, coordinator.cache_hits)
             payload = transport.broadcast(response_list.to_bytes())
         else:
             payload = transport.broadcast(None)
         response_list = ResponseList.from_bytes(payload)
+        if response_list.process_set_id != self.process_set_id:
+            raise process_set_error("response list", response_list.process_set_id, self.process_set_id)
         if caching:
             # All ranks cache the same responses in the same order (mirrors the end of ComputeResponseList).
             for response in response_list.responses:
@@ -256,6 +225,17 @@ class Controller:
         self._finish(response_list)
         cache.update_cache_bits()
         return response_list
+
+    def _invalidate_partial_groups(self, batch, states, coordinator) -> None:
+        """A group is cached all or nothing: if a member misses here, its cached members are invalidated.
+
+        Every rank then erases them and the whole group goes to the coordinator together, so that no group is
+        split between the cache's fast path and the coordinator.
+        """
+        partial = {r.group_id for r, s in zip(batch, states) if r.group_id != NO_GROUP and s != HIT}
+        for request, state in zip(batch, states):
+            if state == HIT and request.group_id in partial:
+                coordinator.record_invalid_bit(self.cache.peek_cache_bit(request))
 
     def _finish(self, response_list) -> None:
         counters = self.counters
@@ -267,124 +247,3 @@ class Controller:
                 self._pending.pop(JOIN_TENSOR_NAME, None)
             for name in response.tensor_names:
                 self._pending.pop(name, None)
-
-    # -- rank 0 ----------------------------------------------------------------------------------------------
-    def _coordinate(self, gathered, coordinator, caching) -> ResponseList:
-        """Count requests, find the ready tensors, build and fuse their responses (rank 0's slow path)."""
-        ready: list[str] = []
-        should_shut_down = coordinator.should_shut_down
-        for payload in gathered:
-            request_list = RequestList.from_bytes(payload)
-            should_shut_down |= request_list.shutdown
-            for request in request_list.requests:
-                if request.request_type == RequestType.JOIN:
-                    if request.request_rank not in self._joined_ranks:
-                        self._joined_ranks.append(request.request_rank)
-                    continue
-                if self._increment_tensor_count(request):
-                    ready.append(request.tensor_name)
-        joined_size = len(self._joined_ranks)
-        if joined_size:
-            # Tensors from earlier cycles may be ready now that more ranks have joined.
-            for name, requests in self._message_table.items():
-                if len(requests) == self.size - joined_size and name not in ready:
-                    ready.append(name)
-        responses = []
-        if caching and joined_size < self.size:
-            # Common hits first, least recently used first; peek keeps rank 0's LRU order like everyone's.
-            responses.extend(self.cache.peek_response(bit) for bit in coordinator.cache_hits)
-        responses.extend(self._construct_response(name, joined_size) for name in ready)
-        fused = fuse_responses(responses, self.fusion_threshold)
-        if joined_size == self.size:
-            fused.append(Response(ResponseType.JOIN, [JOIN_TENSOR_NAME], last_joined_rank=self._joined_ranks[-1]))
-            self._joined_ranks = []
-        return ResponseList(fused, shutdown=should_shut_down)
-
-    def _increment_tensor_count(self, request) -> bool:
-        """Record one rank's request; True when every rank that has not joined sent it (IncrementTensorCount)."""
-        name = request.tensor_name
-        requests = self._message_table.get(name)
-        if requests is None:
-            requests = self._message_table[name] = []
-            if self.timeline is not None:
-                self.timeline.instant(f"negotiate {name}", lane="negotiation",
-                                      args={"type": REQUEST_TYPE_NAMES[request.request_type]})
-        requests.append(request)
-        self.stall.record_uncached(name, request.request_rank, request.request_type)
-        return len(requests) == self.size - len(self._joined_ranks)
-
-    def _construct_response(self, name, joined_size) -> Response:
-        """Validate the requests for ``name`` and build its response, or an ERROR (mirrors ConstructResponse)."""
-        requests = sorted(self._message_table.pop(name), key=lambda r: r.request_rank)
-        self.stall.remove_uncached(name)
-        first = requests[0]
-        kind = first.request_type
-        kind_name = REQUEST_TYPE_NAMES[kind]
-        error = _first_mismatch(name, requests, [
-            ("operations", lambda r: REQUEST_TYPE_NAMES[r.request_type]),
-            ("data types", lambda r: dtype_name(r.tensor_type)),
-        ])
-        if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST):
-            error = _first_mismatch(name, requests, [("shapes", lambda r: _shape(r.tensor_shape))])
-        if error is None and kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
-            error = _first_mismatch(name, requests, [
-                ("reduce ops", lambda r: REDUCE_OPS[r.reduce_op] or "none"),
-                ("prescale/postscale factors", lambda r: f"({r.prescale_factor:g}, {r.postscale_factor:g})"),
-            ])
-        sizes: list[int] = []
-        if error is None and kind in (RequestType.ALLGATHER, RequestType.ALLTOALL):
-            if joined_size > 0:
-                error = (f"{kind_name} of {name!r} is not supported once a rank has joined "
-                         f"({joined_phrase(self._joined_ranks)}); only allreduce works with join")
-            elif len(first.tensor_shape) == 0:
-                error = f"rank {first.request_rank} tried to {kind_name} {name!r}, a 0-dimensional array"
-            else:
-                error = _first_mismatch(name, requests, [
-                    ("shapes beyond the first dimension",
-                     lambda r: f"[*, {', '.join(map(str, r.tensor_shape[1:]))}]")])
-            if error is None:
-                sizes = [0] * self.size
-                for r in requests:
-                    sizes[r.request_rank] = r.tensor_shape[0]
-        if error is None and kind == RequestType.BROADCAST:
-            if joined_size > 0:
-                error = (f"broadcast of {name!r} is not supported once a rank has joined "
-                         f"({joined_phrase(self._joined_ranks)})")
-            else:
-                error = _first_mismatch(name, requests, [("root ranks", lambda r: f"root {r.root_rank}")])
-        if error is None:
-            error = _first_mismatch(name, requests, [
-                ("devices", lambda r: "CPU" if r.device == CPU_DEVICE_ID else f"GPU {r.device}")])
-        if error is not None:
-            return Response(ResponseType.ERROR, [name], first.tensor_type, error_message=error,
-                            devices=[r.device for r in requests])
-        # By rank when every rank took part; shorter when some joined (then the response is not cached).
-        devices = [r.device for r in requests]
-        if kind in (RequestType.ALLREDUCE, RequestType.ADASUM):
-            count = 1
-            for d in first.tensor_shape:
-                count *= d
-            sizes = [count]
-        return Response(kind, [name], first.tensor_type, devices=devices, tensor_sizes=sizes,
-                        prescale_factor=first.prescale_factor, postscale_factor=first.postscale_factor,
-                        reduce_op=first.reduce_op)
-
-
-def _shape(shape) -> str:
-    return f"[{', '.join(map(str, shape))}]"
-
-
-def _first_mismatch(name, requests, checks):
-    """The first check (label, describe) on which the ranks disagree, as a message naming who sent what."""
-    for label, describe in checks:
-        groups: dict[str, list[int]] = {}
-        for r in requests:
-            groups.setdefault(describe(r), []).append(r.request_rank)
-        if len(groups) > 1:
-            parts = []
-            for value, ranks in groups.items():
-                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-                parts.append(f"{who} sent {value}")
-            kind = REQUEST_TYPE_NAMES[requests[0].request_type]
-            return f"Mismatched {label} for tensor {name!r} ({kind}): " + "; ".join(parts) + "."
-    return None

@@ -15,19 +15,17 @@ from collections import OrderedDict
 
 import numpy as np
 
-from distlab._negotiation_shared import (
+from distlab._common.negotiation import (
     CACHEABLE_RESPONSE_TYPES,
     HIT,
     INVALID,
-    INVALID_IN_QUEUE,
     MISS,
-    NUM_STATUS_BITS,
-    SHOULD_SHUT_DOWN,
-    UNCACHED_IN_QUEUE,
-    CacheEvictionWarning,
-    CacheStateError,
+    cache_error,
+    check_capacity,
     eviction_warning_text,
 )
+from distlab._wire import INVALID_IN_QUEUE, NUM_STATUS_BITS, SHOULD_SHUT_DOWN, UNCACHED_IN_QUEUE
+from distlab.errors import CacheEvictionWarning
 from distlab.reference.messages import Response
 
 __all__ = ["ResponseCache", "CacheCoordinator", "request_params", "MISS", "HIT", "INVALID"]
@@ -37,13 +35,15 @@ JOINED = ("joined",)
 
 
 def request_params(request) -> tuple:
-    """The parameters that must match for a cache HIT: type, dtype, shape, device, reduce op, scale factors.
+    """The parameters that must match for a cache HIT: type, dtype, shape, device, reduce op, scale factors, group.
 
     Mirrors response_cache.h ``TensorParams`` (Horovod compares device, dtype and shape; we also compare the
-    op and the scale factors, so a changed ``op`` cannot silently reuse a stale response).
+    op and the scale factors, so a changed ``op`` cannot silently reuse a stale response, and the group, so a
+    tensor that moves in or out of a group, or a group that changes size, is negotiated again).
     """
     return (request.request_type, request.tensor_type, tuple(request.tensor_shape), request.device,
-            request.reduce_op, request.prescale_factor, request.postscale_factor)
+            request.reduce_op, request.prescale_factor, request.postscale_factor, request.group_id,
+            request.group_size)
 
 
 class ResponseCache:
@@ -73,9 +73,7 @@ class ResponseCache:
 
     def set_capacity(self, capacity: int) -> None:
         """Set the capacity; a different capacity clears the cache (mirrors ResponseCache::set_capacity)."""
-        capacity = int(capacity)
-        if capacity < 0:
-            raise ValueError(f"cache capacity must be >= 0, got {capacity}")
+        capacity = check_capacity(capacity)
         if capacity != self._capacity:
             self.clear()
         self._capacity = capacity
@@ -106,16 +104,16 @@ class ResponseCache:
         return HIT if params is JOINED or params == request_params(request) else INVALID
 
     def peek_cache_bit(self, request_or_name) -> int:
-        """The bit of a cached name (a Request or a str); KeyError-like CacheStateError when not cached."""
+        """The bit of a cached name (a Request or a str); CacheStateError when not cached."""
         name = request_or_name if isinstance(request_or_name, str) else request_or_name.tensor_name
-        try:
-            return self._name_to_bit[name]
-        except KeyError:
-            raise CacheStateError(f"tensor {name!r} is not in the response cache") from None
+        bit = self._name_to_bit.get(name)
+        if bit is None:
+            raise cache_error("not_cached", name=name)
+        return bit
 
     def _name_at(self, bit: int) -> str:
         if not 0 <= bit < len(self._bits) or self._bits[bit] is None:
-            raise CacheStateError(f"cache bit {bit} holds no entry (active bits: {len(self._bits)})")
+            raise cache_error("no_entry", bit=bit, active=len(self._bits))
         return self._bits[bit]
 
     def peek_response(self, bit: int) -> Response:
@@ -153,15 +151,14 @@ class ResponseCache:
         if self._capacity == 0:
             return
         if response.response_type not in CACHEABLE_RESPONSE_TYPES:
-            raise CacheStateError(f"responses of type {response.response_type} are not cacheable; only "
-                                  "allreduce, allgather, adasum and alltoall are")
+            raise cache_error("uncacheable", response_type=response.response_type)
         fused = len(response.tensor_names) > 1
         for i, name in enumerate(response.tensor_names):
             # Horovod copies every fused size into each part; we keep the part's own size.
             sizes = [response.tensor_sizes[i]] if fused else response.tensor_sizes
             single = Response(response.response_type, [name], response.tensor_type, response.error_message,
                               response.devices, sizes, response.prescale_factor, response.postscale_factor,
-                              response.reduce_op, response.last_joined_rank)
+                              response.reduce_op, response.last_joined_rank, response.group_id)
             if joined:
                 params = JOINED
             else:
@@ -169,7 +166,7 @@ class ResponseCache:
                 # No request here for a name already cached: it was a common hit, already checked (HIT).
                 params = None if request is None else request_params(request)
                 if params is None and name not in self._name_to_bit:
-                    raise CacheStateError(f"cannot cache {name!r}: this rank has no request for it")
+                    raise cache_error("no_request", name=name)
             self._put_one(name, single, params)
 
     def _put_one(self, name: str, response: Response, params) -> None:
@@ -178,9 +175,7 @@ class ResponseCache:
         if bit is not None:
             old = self._entries[name][1]
             if not (params is None or params is JOINED or old is JOINED or old == params):
-                raise CacheStateError(
-                    f"refusing to overwrite the cached response of {name!r}: the entry is INVALID (same name, "
-                    "different parameters) and must be erased first (erase_response)")
+                raise cache_error("overwrite_invalid", name=name)
             # HIT: keep the stored response and its bit, mark it most recently used.
             self._entries.move_to_end(name)
         elif len(self._entries) >= self._capacity:
@@ -250,12 +245,12 @@ class CacheCoordinator:
 
     def _check_not_synced(self):
         if self._synced:
-            raise CacheStateError("this CacheCoordinator has already synced; make a new one each cycle")
+            raise cache_error("synced")
 
     def _check_bit(self, bit: int) -> int:
         bit = int(bit)
         if not 0 <= bit < self.num_active_bits:
-            raise CacheStateError(f"cache bit {bit} is out of range (active bits: {self.num_active_bits})")
+            raise cache_error("bit_range", bit=bit, active=self.num_active_bits)
         return bit
 
     def record_hit(self, bit: int) -> None:

@@ -39,7 +39,7 @@ TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     "fingerprint": (("fingerprint.py",), "_fingerprint.pyx"),
     "reducer": (("bucketing.py", "grad_bucket.py", "reducer.py", "reducer_join.py"), "_reducer.pyx"),
     "join": (("join.py",), "_join.pyx"),
-    "negotiation": (("messages.py", "response_cache.py", "negotiation.py"), "_negotiation.pyx"),
+    "negotiation": (("messages.py", "response_cache.py", "coordinator.py", "negotiation.py"), "_negotiation.pyx"),
     "rref": (("rref.py", "rref_context.py"), "_rref.pyx"),
     "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
 }

@@ -62,3 +62,57 @@ def mpirun():
     from _mpi import run_scenario
 
     return run_scenario
+
+
+# -- the virtual cluster (distlab.cluster) ----------------------------------------------------------------------
+def cluster_privileges_or_skip() -> None:
+    """Skip (with the reason) unless this process may build network namespaces; as root under CI, fail instead."""
+    from distlab.cluster import require_privileges
+    from distlab.errors import ClusterPermissionError
+
+    try:
+        require_privileges("up")
+    except ClusterPermissionError as exc:
+        if IN_CI and os.geteuid() == 0:
+            pytest.fail(f"the cluster tests must run under CI as root: {exc}")
+        pytest.skip(f"the virtual cluster needs root: {exc}")
+
+
+def sweep_dead_test_clusters() -> None:
+    """Take down test clusters (``dlt...``) left by a test session that died without its teardown."""
+    from distlab.cluster import down
+    from distlab.cluster.state import list_states, read_state
+
+    for name in list_states():
+        owner = (read_state(name) or {}).get("owner_pid")
+        if name.startswith("dlt") and owner and not Path(f"/proc/{owner}").exists():
+            down(name)
+
+
+@pytest.fixture(scope="session")
+def virtual_cluster():
+    """A 2-host virtual cluster of this test session's own (``dlt<pid>``), unshaped; its name is yielded.
+
+    Always torn down: at the end of the session, when a test fails, on Ctrl-C, and on SIGTERM (turned into an
+    exception so the teardown runs); a session killed outright leaves a state file that the next session's
+    sweep removes.
+    """
+    import signal
+
+    from distlab.cluster import down, up
+
+    cluster_privileges_or_skip()
+    sweep_dead_test_clusters()
+    name = f"dlt{os.getpid():x}"
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        up(hosts=2, name=name)
+        yield name
+    finally:
+        down(name)
+        signal.signal(signal.SIGTERM, previous)

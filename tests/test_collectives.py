@@ -72,3 +72,30 @@ def test_horovod_style_example(mpirun):
 def test_coordinator_sync_over_mpi(mpirun, np_, args):
     result = mpirun("negotiation_sync.py", np=np_, args=args, timeout=60)
     assert result.stdout.count("sync OK") == np_
+
+
+TWIN_RUNS = [(2, (), None), (2, (), {"DISTLAB_IMPL": "reference"}), (4, ("mixed",), None)]
+TWIN_IDS = ["2ranks-core", "2ranks-reference", "4ranks-mixed-twins"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
+def test_horovod_front_ops_and_process_sets(mpirun, np_, args, env):
+    result = mpirun("collectives_front.py", np=np_, args=args, timeout=200, env=env)
+    assert result.stdout.count("front OK") == np_
+    if args:
+        assert result.stdout.count("impl=reference") == np_ // 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args", [(2, ()), (4, ("mixed",))], ids=["2ranks", "4ranks-mixed-twins"])
+def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
+    result = mpirun("collectives_lifecycle.py", np=np_, args=args, timeout=120)
+    assert result.stdout.count("lifecycle OK") == np_
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
+def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args, env):
+    result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200, env=env)
+    assert result.stdout.count("optimizer OK") == np_

@@ -10,13 +10,9 @@ from hypothesis import strategies as st
 
 from _negotiation_sim import make_world, run_cycle
 from distlab import _backend
-from distlab._negotiation_shared import (
-    JOIN_TENSOR_NAME,
-    RequestType,
-    ResponseType,
-    StallWarning,
-    dtype_code,
-)
+from distlab._common.negotiation import dtype_code
+from distlab._wire import JOIN_TENSOR_NAME, RequestType, ResponseType
+from distlab.errors import StallWarning
 
 F32 = dtype_code("float32")
 F64 = dtype_code("float64")

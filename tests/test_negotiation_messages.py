@@ -8,44 +8,48 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend
-from distlab._negotiation_shared import (
+from distlab._wire import (
     LIST_HEADER,
+    NEGOTIATION_WIRE_VERSION as WIRE_VERSION,
     REQUEST_MAGIC,
     RESPONSE_MAGIC,
-    WIRE_VERSION,
-    MessageFormatError,
     RequestType,
     ResponseType,
 )
+from distlab.errors import MessageFormatError
 
 names = st.text(min_size=0, max_size=12)
-i32 = st.integers(-(2**31), 2**31 - 1)
-floats = st.floats(allow_nan=False, width=64)
+floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 request_fields = st.fixed_dictionaries({
     "tensor_name": names,
     "request_type": st.integers(0, 7),
-    "tensor_type": st.integers(0, 13),
-    "tensor_shape": st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5).map(tuple),
-    "request_rank": i32,
-    "root_rank": i32,
-    "device": i32,
+    "tensor_type": st.integers(0, 14),
+    "tensor_shape": st.lists(st.integers(0, 2**63 - 1), max_size=5).map(tuple),
+    "request_rank": st.integers(0, 2**31 - 1),
+    "root_rank": st.integers(0, 2**31 - 1),
+    "device": st.integers(-1, 2**31 - 1),
     "reduce_op": st.integers(0, 5),
     "prescale_factor": floats,
     "postscale_factor": floats,
-})
+}).flatmap(lambda f: st.one_of(st.just({**f, "group_id": -1, "group_size": 0}),
+                               st.tuples(st.integers(0, 2**31 - 1), st.integers(1, 2**31 - 1)).map(
+                                   lambda g: {**f, "group_id": g[0], "group_size": g[1]})))
 response_fields = st.fixed_dictionaries({
     "response_type": st.integers(0, 8),
     "tensor_names": st.lists(names, max_size=4),
-    "tensor_type": st.integers(0, 13),
+    "tensor_type": st.integers(0, 14),
     "error_message": st.text(max_size=30),
-    "devices": st.lists(i32, max_size=4),
-    "tensor_sizes": st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),
+    "devices": st.lists(st.integers(-1, 2**31 - 1), max_size=4),
+    "tensor_sizes": st.lists(st.integers(0, 2**63 - 1), max_size=4),
     "prescale_factor": floats,
     "postscale_factor": floats,
     "reduce_op": st.integers(0, 5),
-    "last_joined_rank": i32,
+    "last_joined_rank": st.integers(-1, 2**31 - 1),
+    "group_id": st.integers(-1, 2**31 - 1),
 })
+list_fields = st.fixed_dictionaries({"shutdown": st.booleans(), "shutdown_reason": st.text(max_size=20),
+                                     "process_set_id": st.integers(0, 2**31 - 1)})
 
 
 def _twins():
@@ -53,36 +57,36 @@ def _twins():
 
 
 @settings(max_examples=60, deadline=None)
-@given(reqs=st.lists(request_fields, max_size=4), shutdown=st.booleans())
-def test_request_list_round_trip_and_identical_bytes(reqs, shutdown):
+@given(reqs=st.lists(request_fields, max_size=4), fields=list_fields)
+def test_request_list_round_trip_and_identical_bytes(reqs, fields):
     twins = _twins()
     if twins is None:
         pytest.skip("core not built")
     encoded = {}
     for impl, mod in twins.items():
-        rl = mod.RequestList([mod.Request(**f) for f in reqs], shutdown=shutdown)
+        rl = mod.RequestList([mod.Request(**f) for f in reqs], **fields)
         data = rl.to_bytes()
         back = mod.RequestList.from_bytes(data)
         assert back == rl
-        assert back.shutdown == shutdown
+        assert {k: getattr(back, k) for k in fields} == fields
         encoded[impl] = data
     assert encoded["reference"] == encoded["core"]
     # each twin parses the other's bytes into the same values
     ref = twins["reference"].RequestList.from_bytes(encoded["core"])
     core = twins["core"].RequestList.from_bytes(encoded["reference"])
-    assert [(r.tensor_name, r.tensor_shape, r.prescale_factor) for r in ref.requests] == \
-        [(r.tensor_name, r.tensor_shape, r.prescale_factor) for r in core.requests]
+    assert [(r.tensor_name, r.tensor_shape, r.prescale_factor, r.group_id) for r in ref.requests] == \
+        [(r.tensor_name, r.tensor_shape, r.prescale_factor, r.group_id) for r in core.requests]
 
 
 @settings(max_examples=60, deadline=None)
-@given(resps=st.lists(response_fields, max_size=4), shutdown=st.booleans())
-def test_response_list_round_trip_and_identical_bytes(resps, shutdown):
+@given(resps=st.lists(response_fields, max_size=4), fields=list_fields)
+def test_response_list_round_trip_and_identical_bytes(resps, fields):
     twins = _twins()
     if twins is None:
         pytest.skip("core not built")
     encoded = {}
     for impl, mod in twins.items():
-        rl = mod.ResponseList([mod.Response(**f) for f in resps], shutdown=shutdown)
+        rl = mod.ResponseList([mod.Response(**f) for f in resps], **fields)
         data = rl.to_bytes()
         assert mod.ResponseList.from_bytes(data) == rl
         encoded[impl] = data
@@ -92,14 +96,15 @@ def test_response_list_round_trip_and_identical_bytes(resps, shutdown):
 def test_layout_is_the_documented_one(negotiation):
     request = negotiation.Request("ab", RequestType.BROADCAST, 7, (3, 4), request_rank=2, root_rank=1,
                                   device=-1, reduce_op=0, prescale_factor=1.0, postscale_factor=0.5)
-    data = negotiation.RequestList([request], shutdown=True).to_bytes()
-    assert data[:LIST_HEADER.size] == LIST_HEADER.pack(REQUEST_MAGIC, WIRE_VERSION, 1, 1)
-    body = data[LIST_HEADER.size:]
-    assert body == struct.pack("<iBBBBiiddH", 2, 2, 7, 0, 2, 1, -1, 1.0, 0.5, 2) + b"ab" + struct.pack("<qq", 3, 4)
-    response = negotiation.Response(ResponseType.ERROR, ["x"], 7, "bad", [0, -1], [5], reduce_op=1)
+    data = negotiation.RequestList([request], shutdown=True, shutdown_reason="bye", process_set_id=3).to_bytes()
+    assert data[:LIST_HEADER.size + 3] == LIST_HEADER.pack(REQUEST_MAGIC, WIRE_VERSION, 1, 3, 1, 3) + b"bye"
+    body = data[LIST_HEADER.size + 3:]
+    assert body == (struct.pack("<iBBBBiiiiddH", 2, 2, 7, 0, 2, 1, -1, -1, 0, 1.0, 0.5, 2) + b"ab"
+                    + struct.pack("<qq", 3, 4))
+    response = negotiation.Response(ResponseType.ERROR, ["x"], 7, "bad", [0, -1], [5], reduce_op=1, group_id=9)
     data = negotiation.ResponseList([response]).to_bytes()
-    assert data[:4] == RESPONSE_MAGIC
-    assert data[LIST_HEADER.size:] == (struct.pack("<BBBBiddI", 8, 7, 1, 0, -1, 1.0, 1.0, 1) + b"\x01\x00x"
+    assert data[:LIST_HEADER.size] == LIST_HEADER.pack(RESPONSE_MAGIC, WIRE_VERSION, 0, 0, 1, 0)
+    assert data[LIST_HEADER.size:] == (struct.pack("<BBBBiiddI", 8, 7, 1, 0, -1, 9, 1.0, 1.0, 1) + b"\x01\x00x"
                                        + struct.pack("<Iii", 2, 0, -1) + struct.pack("<Iq", 1, 5)
                                        + struct.pack("<I", 3) + b"bad")
 
@@ -130,6 +135,10 @@ def test_wrong_version_magic_trailing_and_utf8(negotiation):
         bad[4] = WIRE_VERSION + 1
         with pytest.raises(MessageFormatError, match=f"wire version {WIRE_VERSION + 1}.*same distlab version"):
             cls.from_bytes(bytes(bad))
+        # a rank running the previous distlab (wire version 1, a 10-byte header) is named, not "truncated"
+        old = bytes(data[:4]) + bytes([1, 0]) + (0).to_bytes(4, "little")
+        with pytest.raises(MessageFormatError, match=f"wire version 1, this distlab speaks version {WIRE_VERSION}"):
+            cls.from_bytes(old)
         bad = bytearray(data)
         bad[0:4] = b"XXXX"
         with pytest.raises(MessageFormatError, match="magic"):
@@ -140,7 +149,7 @@ def test_wrong_version_magic_trailing_and_utf8(negotiation):
     with pytest.raises(MessageFormatError, match="not a distlab request list"):
         type(requests).from_bytes(responses.to_bytes())
     raw = bytearray(requests.to_bytes())
-    start = LIST_HEADER.size + 34
+    start = LIST_HEADER.size + 42
     raw[start] = 0xFF  # invalid UTF-8 in the name
     with pytest.raises(MessageFormatError, match="UTF-8"):
         type(requests).from_bytes(bytes(raw))

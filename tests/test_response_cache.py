@@ -10,13 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend
-from distlab._negotiation_shared import (
-    CacheEvictionWarning,
-    CacheStateError,
-    RequestType,
-    ResponseType,
-    dtype_code,
-)
+from distlab._common.negotiation import dtype_code
+from distlab._wire import RequestType, ResponseType
+from distlab.errors import CacheEvictionWarning, CacheStateError
 
 F32 = dtype_code("float32")
 F64 = dtype_code("float64")
@@ -47,7 +43,7 @@ def test_miss_hit_and_invalid_on_changed_params(negotiation):
                     {"kind": RequestType.ALLGATHER}):
         assert cache.cached(req(m, "a", **changed)) == m.INVALID, changed
     assert cache.cached(req(m, "b")) == m.MISS
-    assert m.request_params(req(m, "a")) == (0, F32, (4,), -1, 1, 1.0, 1.0)
+    assert m.request_params(req(m, "a")) == (0, F32, (4,), -1, 1, 1.0, 1.0, -1, 0)
 
 
 def test_lru_order_get_moves_peek_does_not(negotiation):
@@ -117,7 +113,7 @@ def test_refuses_to_overwrite_an_invalid_name(negotiation):
     m = negotiation
     cache = m.ResponseCache(8)
     put(m, cache, "a")
-    with pytest.raises(CacheStateError, match="INVALID"):
+    with pytest.raises(CacheStateError, match=r"the entry is INVALID \(same name, different parameters\)"):
         cache.put(resp(m, ["a"]), {"a": req(m, "a", shape=(5,))})
     cache.erase_response(cache.peek_cache_bit("a"))
     cache.put(resp(m, ["a"]), {"a": req(m, "a", shape=(5,))})

@@ -27,6 +27,7 @@ _SUBMODULES = (
     "comm", "futures", "errors", "timeline", "launch",
     "ddp", "ddp_comm_hooks", "join", "metrics",
     "collectives", "rpc", "distributed_autograd",
+    "cluster",
 )
 
 #: Public names defined in a submodule: name -> module that defines it.

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 import warnings
 
-from ._negotiation_shared import REQUEST_TYPE_NAMES, StallWarning
+from ._wire import REQUEST_TYPE_NAMES
+from .errors import StallWarning
 
 __all__ = ["StallInspector"]
 
@@ -45,6 +46,8 @@ class StallInspector:
         self.reports: list[str] = []
         #: Names reported in the last check with their missing ranks: {name: [ranks]}.
         self.last_stalled: dict[str, list[int]] = {}
+        #: Why the last check shut the job down (a predicate of this rank, for the other ranks' messages).
+        self.shutdown_reason = ""
 
     # -- bookkeeping (mirrors RecordUncachedTensorStart / RemoveUncachedTensor / ...Cached...) -----------------
     def record_uncached(self, name: str, rank: int, request_type: int = 0) -> None:
@@ -106,6 +109,10 @@ class StallInspector:
             if shut_down:
                 lines.append(f"Shutting down: a tensor waited longer than DISTLAB_STALL_SHUTDOWN_TIME="
                              f"{self.shutdown_time:g} s.")
+                waited, name, _kind, _ready, missing = stalled[0]
+                self.shutdown_reason = (f"shut the job down: its stall inspector saw {name!r} wait {waited:.1f} s "
+                                        f"for {_ranks(missing)} (DISTLAB_STALL_SHUTDOWN_TIME="
+                                        f"{self.shutdown_time:g} s)")
             else:
                 lines.append("Set DISTLAB_STALL_CHECK_TIME to change how long to wait before this report (0 turns it "
                              "off), DISTLAB_STALL_SHUTDOWN_TIME to shut down after a stall.")

@@ -1,17 +1,22 @@
 """Wire constants shared by both twins (codes that cross process boundaries must be defined once)."""
 from __future__ import annotations
 
-__all__ = ["COLLECTIVE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS", "FINGERPRINT_VERSION",
-           "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE"]
+import struct
+
+__all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS",
+           "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RFD_TUPLE_SIZE",
+           "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN", "LIST_FLAGS",
+           "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET",
+           "LIST_HEADER", "REQUEST_HEAD", "RESPONSE_HEAD", "RequestType", "ResponseType",
+           "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES", "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES",
+           "DTYPE_CODES", "CPU_DEVICE_ID", "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE",
+           "NUM_STATUS_BITS", "JOIN_TENSOR_NAME"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
     "none", "allreduce", "broadcast", "allgather", "allgather_object", "reduce_scatter",
     "alltoall", "barrier", "send", "recv", "gather_object", "broadcast_object",
 )
-
-#: Reduce-op names and their codes; 0 means "not a reduction".
-REDUCE_OP_CODES = {"": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "product": 5, "band": 6, "bor": 7}
 
 #: A collective fingerprint is FINGERPRINT_WORDS int64 words:
 #: [version, seq, op code, reduce-op code, root, dtype code, ndim, dim0 .. dim(FINGERPRINT_MAX_DIMS-1)]
@@ -41,3 +46,103 @@ RPC_USER_KIND_BASE = 64
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
 RFD_TUPLE_SIZE = 6
+
+
+# -- reduce ops: THE one table -------------------------------------------------------------------------------
+#: Reduce-op names by code; 0 (``""``) means "not a reduction". Used by the collective fingerprint, the comm layer
+#: and the negotiation requests (which accept codes up to :data:`NEGOTIATED_REDUCE_OP_MAX`). Append only: the
+#: codes travel between ranks.
+REDUCE_OPS = ("", "sum", "avg", "min", "max", "product", "band", "bor")
+REDUCE_OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
+
+
+# -- negotiation (Horovod's controller and response cache; distlab.collectives) -------------------------------
+#: Version of the negotiation messages' binary format; a message of any other version is refused. Version 2 added
+#: the process set id and the shutdown reason to the lists, the group id and size to requests and the group id
+#: to responses.
+NEGOTIATION_WIRE_VERSION = 2
+REQUEST_MAGIC = b"DLRQ"
+RESPONSE_MAGIC = b"DLRS"
+#: List header flag bits; any other bit set is refused.
+FLAG_SHUTDOWN = 1
+LIST_FLAGS = FLAG_SHUTDOWN
+#: The process set every rank belongs to (Horovod's global process set); added sets get 1, 2, ...
+GLOBAL_PROCESS_SET_ID = 0
+#: ``group_id`` of a request or response that belongs to no group.
+NO_GROUP = -1
+
+#: struct layouts (``<`` = little-endian, no padding); the layout of each message is described below.
+#:
+#: .. code-block:: text
+#:
+#:     RequestList  := "DLRQ" version:u8 flags:u8 process_set:i32 count:u32 reason_len:u16
+#:                     reason:utf8  Request*count
+#:     Request      := rank:i32 type:u8 dtype:u8 reduce_op:u8 ndim:u8 root:i32 device:i32
+#:                     group_id:i32 group_size:i32 prescale:f64 postscale:f64 name_len:u16
+#:                     name:utf8  dims:i64*ndim
+#:     ResponseList := "DLRS" version:u8 flags:u8 process_set:i32 count:u32 reason_len:u16
+#:                     reason:utf8  Response*count
+#:     Response     := type:u8 dtype:u8 reduce_op:u8 pad:u8 last_joined_rank:i32 group_id:i32
+#:                     prescale:f64 postscale:f64
+#:                     n_names:u32 (name_len:u16 name:utf8)*n_names
+#:                     n_devices:u32 device:i32*n_devices  n_sizes:u32 size:i64*n_sizes
+#:                     error_len:u32 error:utf8
+#:
+#: ``reason`` says why a rank asks to shut down (request list) or why every rank shuts down (response list).
+LIST_HEADER = struct.Struct("<4sBBiIH")
+REQUEST_HEAD = struct.Struct("<iBBBBiiiiddH")
+RESPONSE_HEAD = struct.Struct("<BBBBiiddI")
+#: The bytes before the version: enough to recognise a message of another version whatever its layout.
+VERSION_OFFSET = 4
+
+
+class RequestType:
+    """Request type codes (mirror message.h ``Request::RequestType``)."""
+
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    JOIN = 3
+    ADASUM = 4
+    ALLTOALL = 5
+    BARRIER = 6
+    REDUCESCATTER = 7
+
+
+class ResponseType:
+    """Response type codes (mirror message.h ``Response::ResponseType``); ERROR carries a message."""
+
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    JOIN = 3
+    ADASUM = 4
+    ALLTOALL = 5
+    BARRIER = 6
+    REDUCESCATTER = 7
+    ERROR = 8
+
+
+REQUEST_TYPE_NAMES = ("allreduce", "allgather", "broadcast", "join", "adasum", "alltoall", "barrier",
+                      "reducescatter")
+RESPONSE_TYPE_NAMES = REQUEST_TYPE_NAMES + ("error",)
+#: The largest reduce-op code a negotiation request may carry (Horovod reduces with sum, average, min, max and
+#: product; band/bor are the comm layer's only).
+NEGOTIATED_REDUCE_OP_MAX = REDUCE_OP_CODES["product"]
+
+#: numpy dtype names and their wire codes (append only), with their sizes in bytes (bfloat16 is ml_dtypes').
+DTYPE_NAMES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool",
+               "uint32", "uint64", "complex64", "complex128", "bfloat16")
+DTYPE_SIZES = (1, 1, 2, 2, 4, 8, 2, 4, 8, 1, 4, 8, 8, 16, 2)
+DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES)}
+
+#: The device of a host array; GPU ordinals are >= 0.
+CPU_DEVICE_ID = -1
+
+#: Status bits at the start of the cache coordinator's bit vector, stored inverted (1 = "no"); cache bit ``b`` is
+#: bit ``NUM_STATUS_BITS + b``.
+SHOULD_SHUT_DOWN, UNCACHED_IN_QUEUE, INVALID_IN_QUEUE = 0, 1, 2
+NUM_STATUS_BITS = 3
+
+#: The name a join request travels under.
+JOIN_TENSOR_NAME = "join.noname"

@@ -23,6 +23,16 @@ __all__ = [
     "AutogradContextNotFoundError",
     "AutogradIdOverflowError",
     "DistBackwardError",
+    "MessageFormatError",
+    "CacheStateError",
+    "CollectiveError",
+    "DuplicateNameError",
+    "NotInitializedError",
+    "StallShutdownError",
+    "CacheEvictionWarning",
+    "StallWarning",
+    "ClusterError",
+    "ClusterPermissionError",
 ]
 
 
@@ -185,3 +195,56 @@ class DistBackwardError(DistAutogradError):
 
 def _rebuild_dist_backward_error(message, worker_id, context_id):
     return DistBackwardError(message, worker_id=worker_id, context_id=context_id)
+
+
+# -- negotiated collectives (distlab.collectives, twinned negotiation engine) ---------------------------------
+class MessageFormatError(DistlabError, ValueError):
+    """A negotiation message could not be decoded: truncated, trailing bytes, a wrong magic or version, or a field
+    out of its range (an unknown type or dtype, a negative dimension, a NaN scale factor, an unknown flag)."""
+
+
+class CacheStateError(DistlabError):
+    """The response cache was used against its rules (e.g. overwriting an INVALID entry, an unknown bit)."""
+
+
+class CollectiveError(DistlabError):
+    """A negotiated collective failed on every rank (e.g. ranks submitted a tensor with different shapes).
+
+    Attributes
+    ----------
+    names : list of str
+        The tensors the error response covered.
+    """
+
+    def __init__(self, message, *, names=()):
+        super().__init__(message)
+        self.names = list(names)
+
+
+class DuplicateNameError(DistlabError, ValueError):
+    """A tensor name was submitted while a collective of the same name is still in flight on this rank."""
+
+
+class NotInitializedError(DistlabError):
+    """distlab.collectives was used before ``init()``, after ``shutdown()``, or after the engine stopped."""
+
+
+class StallShutdownError(DistlabError):
+    """The stall inspector shut the collectives down (``DISTLAB_STALL_SHUTDOWN_TIME`` was exceeded)."""
+
+
+class CacheEvictionWarning(RuntimeWarning):
+    """The response cache evicted an entry because it was full (shown once per cache)."""
+
+
+class StallWarning(RuntimeWarning):
+    """Some ranks submitted a tensor and others have not, for longer than ``DISTLAB_STALL_CHECK_TIME``."""
+
+
+# -- the virtual cluster (distlab.cluster) ----------------------------------------------------------------------
+class ClusterError(DistlabError):
+    """The virtual cluster could not be built, inspected or removed (a bad name, a missing tool, a netlink error)."""
+
+
+class ClusterPermissionError(ClusterError, PermissionError):
+    """Building network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); the message says how to run it."""

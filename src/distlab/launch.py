@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DistlabError, RankFailedError
+from .errors import ClusterError, DistlabError, RankFailedError
 
 __all__ = ["find_mpiexec", "mpiexec_command", "run_job", "launch_script", "run", "main", "JobResult"]
 
@@ -114,11 +114,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
-                  env: dict | None = None, capture: bool = False, cwd: str | None = None) -> JobResult:
+                  env: dict | None = None, capture: bool = False, cwd: str | None = None,
+                  cluster=None, rate=None) -> JobResult:
     """Run ``script`` on ``np`` ranks (see the module docstring); merges the timeline when asked for one.
 
     When the job fails, the message each failing rank printed before aborting is repeated at the end (in
     ``stderr`` when captured): ``mpiexec`` may tear the job down before it has forwarded a rank's last output.
+    ``cluster`` (a number of hosts or a cluster's name) runs the ranks across a virtual cluster
+    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given.
     """
     extra = dict(env or {})
     if timeline:
@@ -128,7 +131,8 @@ def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None
     with tempfile.TemporaryDirectory(prefix="distlab-job-") as workdir:
         report = Path(workdir) / "failures.log"
         extra.setdefault(FAILURE_REPORT_VAR, str(report))
-        result = run_job(command, timeout=timeout, env=extra, capture=capture, cwd=cwd, np=np)
+        result = _run_maybe_on_cluster(command, cluster, rate, np, timeout=timeout, env=extra, capture=capture,
+                                       cwd=cwd)
         summary = _failure_summary(report, result.returncode) if not result.timed_out else ""
     if summary:
         if capture:
@@ -139,6 +143,31 @@ def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None
         from .timeline import merge
 
         merge(timeline, expected_parts=np, wait=2.0)
+    return result
+
+
+def _run_maybe_on_cluster(command, cluster, rate, np, **kwargs) -> JobResult:
+    """run_job, across the virtual cluster's hosts when ``cluster`` is given (then no rank may outlive it)."""
+    if cluster is None:
+        if rate is not None:
+            raise ValueError("rate shapes a virtual cluster's links: give cluster= (a number of hosts) too")
+        return run_job(command, np=np, **kwargs)
+    from .cluster.jobs import cluster_job
+
+    job = cluster_job(np, cluster, rate)
+    kwargs["env"] = {**job.env, **(kwargs.get("env") or {})}
+    watch = job.watch()
+    try:
+        result = run_job(job.wrap(command), np=np, **kwargs)  # one machine: BLAS threads per rank as on one host
+    finally:
+        watch.stop()
+        job.end_survivors()
+    lost = "" if not result.returncode else watch.explain(
+        result.stdout + result.stderr if kwargs.get("capture") else None)
+    if lost and kwargs.get("capture"):
+        result.stderr += lost
+    elif lost:
+        sys.stderr.write(lost)
     return result
 
 
@@ -157,7 +186,8 @@ def _failure_summary(report: Path, returncode: int) -> str:
             "failure first:\n" + "\n".join(lines) + "\n")
 
 
-def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None):
+def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None,
+        cluster=None, rate=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
 
     Parameters
@@ -172,6 +202,11 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         Kill the job after this many seconds (default: ``DISTLAB_TIMEOUT`` plus a minute).
     env : dict, optional
         Extra environment variables for the ranks.
+    cluster : int or str, optional
+        Run across a virtual cluster (:mod:`distlab.cluster`, needs root): a number of hosts (the cluster
+        ``dl``, brought up if needed) or the name of a running cluster. Ranks are placed in blocks per host.
+    rate : str, optional
+        Shape the cluster's links to this rate (``"10gbit"``, ``"1gbit"``).
 
     Raises
     ------
@@ -191,7 +226,7 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         payload.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
         command = mpiexec_command(np, ["distlab._runner", str(payload), workdir])
         limit = default_timeout() + 60 if timeout is None else timeout
-        job = run_job(command, timeout=limit, env=env, capture=True, np=np)
+        job = _run_maybe_on_cluster(command, cluster, rate, np, timeout=limit, env=env, capture=True)
         if job.stdout:
             sys.stdout.write(job.stdout)
         if job.stderr:
@@ -241,10 +276,16 @@ def main(argv=None) -> int:
     run_parser.add_argument("-n", "--np", type=int, default=2, help="number of ranks (default 2)")
     run_parser.add_argument("--timeline", help="write a Chrome trace of the run to this file")
     run_parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    run_parser.add_argument("--cluster", type=int, default=None, metavar="HOSTS",
+                            help="run across a virtual cluster of HOSTS hosts (root; brought up if needed)")
+    run_parser.add_argument("--rate", default=None, help="with --cluster: the links' rate, e.g. 10gbit, 1gbit")
     run_parser.add_argument("script")
     run_parser.add_argument("args", nargs=argparse.REMAINDER)
     merge_parser = sub.add_parser("merge-timeline", help="merge per-rank timeline parts into one trace")
     merge_parser.add_argument("path")
+    from .cluster.cli import add_parser as add_cluster_parser, run_command as run_cluster_command
+
+    add_cluster_parser(sub)
     options = parser.parse_args(argv)
     # A SIGTERM (e.g. from `timeout`) must reach run_job's cleanup, which kills every rank: raise instead of dying.
     signal.signal(signal.SIGTERM, _terminate)
@@ -254,8 +295,16 @@ def main(argv=None) -> int:
         written = merge(options.path)
         print(written or f"no parts found for {options.path}")
         return 0 if written else 1
-    result = launch_script(options.script, np=options.np, args=options.args, timeline=options.timeline,
-                           timeout=options.timeout)
+    if options.command == "cluster":
+        return run_cluster_command(options)
+    if options.rate is not None and options.cluster is None:
+        parser.error("--rate shapes a virtual cluster's links: give --cluster HOSTS too")
+    try:
+        result = launch_script(options.script, np=options.np, args=options.args, timeline=options.timeline,
+                               timeout=options.timeout, cluster=options.cluster, rate=options.rate)
+    except ClusterError as exc:
+        print(f"distlab: {exc}", file=sys.stderr)
+        return 1
     if result.timed_out:
         print(f"distlab: the job was killed after {options.timeout:g} s", file=sys.stderr)
         return 124

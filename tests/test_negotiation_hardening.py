@@ -1,0 +1,264 @@
+"""Negotiation messages from an untrusted peer: out-of-range fields, impersonation, and a fuzz of both parsers.
+
+Every malformed message must raise distlab's own MessageFormatError, with the same message from both twins,
+before it can reach the coordinator; a coordinator that receives a list it cannot trust stops every rank with the
+reason instead of dying in its cycle thread.
+"""
+from __future__ import annotations
+
+import random
+import struct
+import time
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _negotiation_sim import make_world, run_cycle
+from distlab import _backend
+from distlab._common.negotiation import dtype_code
+from distlab._wire import LIST_HEADER, NEGOTIATION_WIRE_VERSION, REQUEST_HEAD, RESPONSE_HEAD, RequestType
+from distlab.errors import DistlabError, MessageFormatError
+
+F32 = dtype_code("float32")
+
+
+def _twins():
+    if not _backend.core_available():
+        pytest.skip("core not built")
+    return _backend.load_twins("negotiation")
+
+
+def _request_list(mod, **fields):
+    request = mod.Request("grad.w", RequestType.ALLREDUCE, F32, (2, 3), request_rank=1, reduce_op=1)
+    return mod.RequestList([request], **fields).to_bytes()
+
+
+def _response_list(mod):
+    response = mod.Response(0, ["a", "b"], F32, devices=[-1, 0], tensor_sizes=[6, 2], reduce_op=1)
+    return mod.ResponseList([response]).to_bytes()
+
+
+def _patch(data: bytes, offset: int, fmt: str, value) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+REQ = LIST_HEADER.size          # the request starts after the header (empty reason)
+RESP = LIST_HEADER.size
+# (what, where, format, value, expected message): each field of the request head out of its range
+REQUEST_CASES = [
+    ("rank", REQ + 0, "<i", -2, "request list: request_rank -2 is out of range (>= 0)"),
+    ("type", REQ + 4, "<B", 8, "request list: request_type 8 is out of range (0 to 7)"),
+    ("dtype", REQ + 5, "<B", 200, "request list: tensor_type 200 is out of range (0 to 14)"),
+    ("op", REQ + 6, "<B", 6, "request list: reduce_op 6 is out of range (0 to 5)"),
+    ("root", REQ + 8, "<i", -1, "request list: root_rank -1 is out of range (>= 0)"),
+    ("device", REQ + 12, "<i", -2, "request list: device -2 is out of range (>= -1)"),
+    ("group", REQ + 16, "<i", -5, "request list: group_id -5 is out of range (>= -1)"),
+    ("group size", REQ + 20, "<i", -1, "request list: group_size -1 is out of range (>= 0)"),
+    ("group without members", REQ + 16, "<i", 7, "request list: group_id 7 with group_size 0"),
+    ("nan prescale", REQ + 24, "<d", float("nan"), "request list: prescale_factor nan is out of range (a finite"),
+    ("inf postscale", REQ + 32, "<d", float("inf"), "request list: postscale_factor inf is out of range"),
+    ("negative dim", REQ + REQUEST_HEAD.size + len("grad.w") + 8, "<q", -3,
+     "request list: dimension 1 is -3, out of range (>= 0)"),
+    ("unused flag bits", 5, "<B", 0x6, "request list: flags 0x6 has unknown bits set (only 0x1 is defined)"),
+    ("negative process set", 6, "<i", -1, "request list: process_set_id -1 is out of range (>= 0)"),
+]
+RESPONSE_CASES = [
+    ("type", RESP + 0, "<B", 9, "response list: response_type 9 is out of range (0 to 8)"),
+    ("dtype", RESP + 1, "<B", 15, "response list: tensor_type 15 is out of range (0 to 14)"),
+    ("op", RESP + 2, "<B", 9, "response list: reduce_op 9 is out of range (0 to 5)"),
+    ("pad", RESP + 3, "<B", 1, "response list: pad 1 is out of range (0 to 0)"),
+    ("last joined", RESP + 4, "<i", -7, "response list: last_joined_rank -7 is out of range (>= -1)"),
+    ("group", RESP + 8, "<i", -3, "response list: group_id -3 is out of range (>= -1)"),
+    ("nan scale", RESP + 12, "<d", float("nan"), "response list: prescale_factor nan is out of range"),
+    ("device", RESP + RESPONSE_HEAD.size + 2 * 2 + 2 + 4 + 4, "<i", -4,
+     "response list: device 1 is -4, out of range (>= -1)"),
+    ("negative size", RESP + RESPONSE_HEAD.size + 2 * 2 + 2 + 4 + 8 + 4, "<q", -1,
+     "response list: tensor size 0 is -1, out of range (>= 0)"),
+]
+
+
+@pytest.mark.parametrize("what,offset,fmt,value,expected", REQUEST_CASES, ids=[c[0] for c in REQUEST_CASES])
+def test_out_of_range_request_fields_are_refused_identically(what, offset, fmt, value, expected):
+    twins = _twins()
+    data = _patch(_request_list(twins["reference"]), offset, fmt, value)
+    messages = set()
+    for module in twins.values():
+        with pytest.raises(MessageFormatError) as info:
+            module.RequestList.from_bytes(data)
+        assert str(info.value).startswith(expected), str(info.value)
+        messages.add(str(info.value))
+    assert len(messages) == 1
+
+
+@pytest.mark.parametrize("what,offset,fmt,value,expected", RESPONSE_CASES, ids=[c[0] for c in RESPONSE_CASES])
+def test_out_of_range_response_fields_are_refused_identically(what, offset, fmt, value, expected):
+    twins = _twins()
+    data = _patch(_response_list(twins["reference"]), offset, fmt, value)
+    messages = set()
+    for module in twins.values():
+        with pytest.raises(MessageFormatError) as info:
+            module.ResponseList.from_bytes(data)
+        assert str(info.value).startswith(expected), str(info.value)
+        messages.add(str(info.value))
+    assert len(messages) == 1
+
+
+def test_huge_counts_fail_fast_without_allocating(negotiation):
+    head = LIST_HEADER.pack(b"DLRQ", NEGOTIATION_WIRE_VERSION, 0, 0, 0xFFFFFFFF, 0)
+    with pytest.raises(MessageFormatError, match="truncated"):
+        negotiation.RequestList.from_bytes(head + b"\0" * 30)
+    response = RESPONSE_HEAD.pack(0, 0, 0, 0, -1, -1, 1.0, 1.0, 0) + struct.pack("<I", 0xFFFFFFFF)
+    lists = LIST_HEADER.pack(b"DLRS", NEGOTIATION_WIRE_VERSION, 0, 0, 1, 0xFFFF)
+    for data in (lists + b"x" * 10, LIST_HEADER.pack(b"DLRS", NEGOTIATION_WIRE_VERSION, 0, 0, 1, 0) + response):
+        tracemalloc.start()
+        try:
+            with pytest.raises(MessageFormatError, match="truncated"):
+                negotiation.ResponseList.from_bytes(data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 * 1024, peak
+
+
+def test_impersonated_request_rank_stops_every_rank_with_the_reason(negotiation):
+    """A list from rank 1 claiming rank 0's request must not mark the tensor ready on rank 0's behalf."""
+    m = negotiation
+    world, cs, ts = make_world([m, m], cache_capacity=0)
+    forged = m.RequestList([m.Request("w", RequestType.ALLREDUCE, F32, (2,), request_rank=0, reduce_op=1)])
+    honest = m.RequestList([m.Request("w", RequestType.ALLREDUCE, F32, (2,), request_rank=1, reduce_op=1)])
+    lists = [m.RequestList([]).to_bytes(), forged.to_bytes() + b""]
+    original = ts[0].gather
+
+    def gather(payload):
+        values = original(payload)
+        return [values[0], lists[1]] if values is not None else None
+
+    ts[0].gather = gather
+    cs[1].enqueue(honest.requests[0])
+    out = run_cycle(cs, ts)
+    for response_list in out:
+        assert response_list.shutdown and response_list.responses == []
+        assert response_list.shutdown_reason == (
+            "the coordinator (rank 0) refused rank 1's request list: the request for 'w' claims to come from "
+            "rank 0, but rank 1 sent it: a rank may only submit its own requests")
+
+
+def test_list_for_another_process_set_is_refused(negotiation):
+    m = negotiation
+    world, cs, ts = make_world([m, m], cache_capacity=0)
+    original = ts[0].gather
+
+    def gather(payload):
+        values = original(payload)
+        return [values[0], m.RequestList([], process_set_id=4).to_bytes()] if values is not None else None
+
+    ts[0].gather = gather
+    out = run_cycle(cs, ts)
+    assert out[1].shutdown and "is for process set 4, but this controller negotiates for process set 0" in \
+        out[1].shutdown_reason
+
+
+def test_garbage_from_a_peer_stops_every_rank_instead_of_killing_the_coordinator(negotiation):
+    m = negotiation
+    world, cs, ts = make_world([m, m, m], cache_capacity=0)
+    original = ts[0].gather
+
+    def gather(payload):
+        values = original(payload)
+        if values is None:
+            return None
+        bad = bytearray(values[2])
+        bad[5] = 0x80                                  # an unknown flag bit
+        return [values[0], values[1], bytes(bad)]
+
+    ts[0].gather = gather
+    out = run_cycle(cs, ts)
+    assert all(o.shutdown for o in out)
+    assert out[2].shutdown_reason.startswith("the coordinator (rank 0) refused rank 2's request list: request list: "
+                                             "flags 0x80 has unknown bits set")
+
+
+# -- the fuzz -----------------------------------------------------------------------------------------------------
+def _seeds(module):
+    r = module.Request
+    reqs = [r("grad.w", RequestType.ALLREDUCE, F32, (2, 3), request_rank=1, reduce_op=1),
+            r("b", RequestType.BROADCAST, 0, (), request_rank=0, root_rank=1, device=0, prescale_factor=0.5),
+            r("g.0", RequestType.ALLREDUCE, 8, (4,), request_rank=2, reduce_op=2, group_id=77, group_size=2)]
+    resps = [module.Response(0, ["a", "b"], F32, devices=[-1, 0], tensor_sizes=[6, 2], reduce_op=1, group_id=3),
+             module.Response(8, ["x"], 0, "bad things", [-1, -1]),
+             module.Response(3, ["join.noname"], last_joined_rank=1)]
+    return [module.RequestList(reqs, True, "called shutdown()", 2).to_bytes(), module.RequestList().to_bytes(),
+            module.ResponseList(resps, False, "", 1).to_bytes(), module.ResponseList([], True, "rank 1 stopped").to_bytes()]
+
+
+def _mutate(data: bytes, rng: random.Random) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.45 and out:                                   # flip a byte
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        elif choice < 0.6 and out:                                  # a big little-endian number somewhere
+            at = rng.randrange(len(out))
+            out[at:at + 4] = rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x00\x80", b"\xff\xff\xff\x7f"])
+        elif choice < 0.75:                                         # truncate
+            del out[rng.randrange(len(out) + 1):]
+        elif choice < 0.9:                                          # insert junk
+            at = rng.randrange(len(out) + 1)
+            out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        else:                                                       # a NaN or inf where a float may sit
+            at = rng.randrange(max(len(out) - 8, 1))
+            out[at:at + 8] = struct.pack("<d", rng.choice([float("nan"), float("inf"), -1e308]))
+    return bytes(out)
+
+
+def _outcome(cls, data):
+    try:
+        parsed = cls.from_bytes(data)
+    except DistlabError as exc:
+        assert isinstance(exc, MessageFormatError), type(exc)
+        return ("error", str(exc))
+    return ("ok", parsed.to_bytes())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
+    """Thousands of mutated messages per run (40 seeds x 60 mutants x 4 seeds messages), both twins."""
+    twins = _twins()
+    rng = random.Random(seed)
+    start = time.monotonic()
+    for index, base in enumerate(_seeds(twins["reference"])):
+        kind = "RequestList" if base[:4] == b"DLRQ" else "ResponseList"
+        for _ in range(60):
+            data = _mutate(base, rng)
+            if rng.random() < 0.1:              # a list header of the other kind
+                data = (b"DLRS" if kind == "RequestList" else b"DLRQ") + data[4:]
+            outcomes = {impl: _outcome(getattr(module, kind), data) for impl, module in twins.items()}
+            assert outcomes["reference"] == outcomes["core"], (data.hex(), outcomes)
+            if outcomes["core"][0] == "ok":
+                # what parsed is well formed: written again, it is the same message (a fixed point)
+                assert outcomes["core"][1] == data, data.hex()
+    assert time.monotonic() - start < 30
+
+
+def test_parsed_fuzz_survivor_memory_is_bounded():
+    """Whatever the bytes say, parsing allocates in proportion to the bytes, not to a length field."""
+    twins = _twins()
+    rng = random.Random(7)
+    seeds = _seeds(twins["reference"])
+    for module in twins.values():
+        for _ in range(300):
+            base = rng.choice(seeds)
+            data = _mutate(base, rng)
+            cls = module.RequestList if data[:4] == b"DLRQ" else module.ResponseList
+            tracemalloc.start()
+            try:
+                _outcome(cls, data)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 64 * len(data) + 256 * 1024, (peak, len(data))
