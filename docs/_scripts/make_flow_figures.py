@@ -300,6 +300,20 @@ def negotiation_first_and_cached():
     hvd.shutdown()
 
 
+def negotiation_grouped():
+    """grouped_allreduce of two arrays under one name, twice: negotiated once as a group, then from the cache."""
+    import numpy as np
+
+    from distlab import collectives as hvd
+
+    hvd.init()
+    mark(BEGIN)
+    for _ in range(2):
+        hvd.grouped_allreduce([np.ones(4), np.ones(2)], name="g")
+    mark(END)
+    hvd.shutdown()
+
+
 def _with_group(item) -> str:
     """Label a collective with its process group (the comm lane without "comm "), other items by name."""
     group = getattr(item, "group", None)
@@ -346,6 +360,9 @@ SCENARIOS = {
         fn=negotiation_first_and_cached, np=2, notes=("negotiation",), window=(BEGIN, "first end"),
         collectives=_negotiation_collectives,
         title="First cycle: a miss on every rank, negotiated through rank 0 (slow path)"),
+    "negotiation_grouped": dict(
+        fn=negotiation_grouped, np=2, notes=("negotiation",),
+        title="grouped_allreduce twice: one response for the group, then one fused allreduce from the cache"),
     "negotiation_cached": dict(
         fn=negotiation_first_and_cached, np=2, notes=("negotiation",), window=("cached begin", END),
         collectives=_negotiation_collectives,
