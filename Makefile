@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.distlab-installed
 NP      ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: all venv build demo test test-fast docs bench clean distclean
+.PHONY: all venv build demo test test-fast docs linkcheck bench clean distclean
 
 all: build
 
@@ -53,6 +53,10 @@ test: build
 docs: $(STAMP)
 	$(PY) -m pip install -q $$($(PY) docs/_scripts/extra_requirements.py docs)
 	$(PY) -P -m sphinx -W --keep-going -b html docs docs/_build/html
+
+# The docs' links (after `make docs`): DISTLAB_LINKCHECK_OFFLINE=1 make linkcheck skips external URLs.
+linkcheck: docs
+	$(PY) -P -m sphinx -b linkcheck docs docs/_build/linkcheck
 
 bench: build
 	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done

@@ -77,6 +77,12 @@ html_title = f"distlab {release}"
 html_static_path = ["_static"]
 pygments_style = "sphinx"
 
+# `make linkcheck`: every link of the built site; DISTLAB_LINKCHECK_OFFLINE=1 (a machine without a network)
+# checks only local targets and anchors (-W makes a broken one an error in the html build too).
+linkcheck_anchors = True
+if os.environ.get("DISTLAB_LINKCHECK_OFFLINE"):
+    linkcheck_ignore = [r"https?://"]
+
 # Warnings are errors (-W); these are the ones that say nothing about our docs.
 suppress_warnings = ["myst.header"]
 

@@ -70,9 +70,9 @@ def plot_sequence(trace, *, ranks=None, names=None, window=None, messages=True, 
         The lifelines, left to right (default: every rank in the trace).
     names : dict, optional
         A lifeline's title per rank (default: the trace's process names, ``"rank N"``).
-    window : (start, end), optional
-        Only events between ``start`` and ``end``: microseconds, or the name of an event (the window starts at
-        the first event of that name on any rank and ends at the last).
+    window : tuple, optional
+        ``(start, end)``: only events between the two, each in microseconds or the name of an event (the
+        window starts at the first event of that name on any rank and ends at the last).
     messages, collectives : bool or callable
         Draw point-to-point messages / collectives; a callable keeps those for which it returns true
         (``collectives`` may also be a comm lane name such as ``"comm world"``).

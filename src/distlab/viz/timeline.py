@@ -25,7 +25,7 @@ def plot_timeline(trace, *, ranks=None, lanes=None, window=None, kind=first_word
     lanes : list of str, optional
         The lanes to draw, in this order (default: every lane, in order of first appearance). Spans the writer
         moved to sub-lanes (spans in flight together) are drawn as thinner rows inside their lane's row.
-    window : (start, end), optional
+    window : tuple, optional
         Microseconds or event names, as in :func:`distlab.viz.plot_sequence`; the x axis is in milliseconds
         from its start.
     kind : callable
