@@ -314,6 +314,72 @@ def negotiation_grouped():
     hvd.shutdown()
 
 
+def negotiation_process_sets():
+    """4 ranks, process sets {0, 2} and {1, 2, 3}: each set negotiates on its own communicator."""
+    import numpy as np
+
+    from distlab import collectives as hvd
+    from distlab import comm
+
+    hvd.init()
+    rank = comm.world().rank
+    mark(BEGIN)
+    first = hvd.add_process_set([0, 2])
+    second = hvd.add_process_set([1, 2, 3])
+    mine = [ps for ps in (first, second) if ps.included()]
+    for ps in mine:
+        hvd.allreduce(np.ones(2) * rank, name="grad", op=hvd.Sum, process_set=ps)
+    mark(END)
+    hvd.shutdown()
+
+
+def negotiation_optimizer():
+    """hvd.DistributedOptimizer on 2 ranks, two steps: gradient hooks submit allreduces during backward."""
+    import numpy as np
+
+    import distlab
+    from distlab import collectives as hvd
+    from distlab import comm, nn, optim
+
+    hvd.init()
+    distlab.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = hvd.DistributedOptimizer(optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    x = distlab.tensor(np.full((2, 4), comm.world().rank + 1.0, dtype=np.float32))
+    comm.world().barrier()
+    for step in range(2):
+        mark(BEGIN if step == 0 else "second step")
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    mark(END)
+    hvd.shutdown()
+
+
+def negotiation_stop():
+    """Rank 1 shuts its collectives down while rank 0 waits for an allreduce: rank 0's handle fails, naming rank 1."""
+    import numpy as np
+
+    from distlab import collectives as hvd
+    from distlab import comm
+
+    hvd.init()
+    rank = comm.world().rank
+    hvd.allreduce(np.ones(1), name="warm-up")
+    mark(BEGIN)
+    if rank == 1:
+        hvd.shutdown()
+    else:
+        try:
+            hvd.allreduce(np.ones(1), name="x")
+        except Exception as exc:  # noqa: BLE001 - the error this scenario shows
+            from distlab.timeline import get_timeline
+
+            get_timeline().instant(f"{type(exc).__name__}: {exc}", lane="negotiation")
+        hvd.shutdown()
+    mark(END)
+
+
 def _with_group(item) -> str:
     """Label a collective with its process group (the comm lane without "comm "), other items by name."""
     group = getattr(item, "group", None)
@@ -321,8 +387,24 @@ def _with_group(item) -> str:
 
 
 def _negotiation_collectives(call) -> bool:
-    """Negotiation figures: every collective except the bit-vector allreduces of idle cycles."""
+    """Negotiation figures: every collective (see drop_idle_cycles for the idle cycles' bit vectors)."""
     return True
+
+
+def idle_cycles(trace) -> set:
+    """The bit-vector allreduces of cycles that negotiated nothing (the next collective of the group is the next
+    cycle's bit vector): a background thread runs a cycle every millisecond, busy or not."""
+    by_group: dict = {}
+    for call in trace.collectives():
+        by_group.setdefault(call.group, []).append(call)
+    idle = set()
+    for calls in by_group.values():
+        calls.sort(key=lambda c: c.seq)
+        for call, following in zip(calls, calls[1:] + [None]):
+            if call.name.endswith("negotiation bits") and (following is None
+                                                            or following.name.endswith("negotiation bits")):
+                idle.add((call.group, call.seq))
+    return idle
 
 
 SCENARIOS = {
@@ -363,6 +445,15 @@ SCENARIOS = {
     "negotiation_grouped": dict(
         fn=negotiation_grouped, np=2, notes=("negotiation",),
         title="grouped_allreduce twice: one response for the group, then one fused allreduce from the cache"),
+    "negotiation_process_sets": dict(
+        fn=negotiation_process_sets, np=4, notes=("negotiation",), label=_with_group, drop_idle_cycles=True,
+        title="Process sets {0, 2} and {1, 2, 3}: agreed on the global set, then negotiated on their own"),
+    "negotiation_optimizer": dict(
+        fn=negotiation_optimizer, np=2, notes=("negotiation",), drop_idle_cycles=True,
+        title="DistributedOptimizer, two steps: hooks submit each gradient; step() synchronizes"),
+    "negotiation_stop": dict(
+        fn=negotiation_stop, np=2, notes=("negotiation",), drop_idle_cycles=True,
+        title="Stopping: rank 1 shuts its collectives down while rank 0 waits"),
     "negotiation_cached": dict(
         fn=negotiation_first_and_cached, np=2, notes=("negotiation",), window=("cached begin", END),
         collectives=_negotiation_collectives,
@@ -397,9 +488,13 @@ def draw(name: str, spec: dict, trace: Path) -> Path:
 
     from distlab import viz
 
+    collectives = spec.get("collectives", True)
+    if spec.get("drop_idle_cycles"):
+        idle = idle_cycles(viz.load_trace(trace))
+        collectives = lambda call: (call.group, call.seq) not in idle  # noqa: E731
     fig = viz.plot_sequence(trace, window=spec.get("window", (BEGIN, END)), notes=spec.get("notes", ()),
                             ranks=spec.get("ranks"),
-                            messages=spec.get("messages", True), collectives=spec.get("collectives", True),
+                            messages=spec.get("messages", True), collectives=collectives,
                             names=spec.get("names"), label=spec.get("label"), title=spec.get("title"))
     target = OUT / f"{name}.svg"
     fig.savefig(target, format="svg", metadata={"Date": None})
