@@ -50,6 +50,7 @@ def test_load_trace_groups_spans_messages_and_collectives(tmp_path):
     buckets = trace.select(rank=0, lane="reducer buckets")
     assert len(buckets) == 2 and {s.sub_lane for s in buckets} == {"reducer buckets", "reducer buckets (2)"}
     assert trace.time_of("grad fc.b") - trace.time_of("grad fc.w") == 33
+    assert trace.time_of("bucket 1 allreduce", last=True) - trace.time_of("bucket 1 allreduce") == 50  # its end
     with pytest.raises(KeyError, match="no event named 'nothing'"):
         trace.time_of("nothing")
     with pytest.raises(TypeError, match="path, a trace dict or a list"):

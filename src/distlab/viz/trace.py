@@ -158,8 +158,10 @@ class Trace:
         return sorted(out, key=lambda c: (c.start, c.group, c.seq))
 
     def time_of(self, mark: str, last: bool = False) -> float:
-        """The first (or ``last``) time any rank recorded an instant or span called ``mark``."""
-        times = [m.ts for m in self.marks if m.name == mark] + [s.start for s in self.spans if s.name == mark]
+        """When any rank first recorded an instant or began a span called ``mark`` (``last``: the last such
+        instant or span end)."""
+        times = [m.ts for m in self.marks if m.name == mark]
+        times += [(s.end if last else s.start) for s in self.spans if s.name == mark]
         if not times:
             raise KeyError(f"no event named {mark!r} in the trace")
         return max(times) if last else min(times)
