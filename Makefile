@@ -13,11 +13,13 @@ all: build
 # Create the venv and install distlab (editable) with its test extras. Re-runs when the packaging files change.
 # Each stage says what it does (pip stays quiet otherwise): the first run takes a few minutes.
 $(STAMP): pyproject.toml setup.py
-	@test -x $(PY) || { echo "==> [1/4] creating the virtual environment $(VENV) with $$($(PYTHON3) --version 2>&1)"; \
+	@test -x $(PY) || { echo "==> creating the virtual environment $(VENV) with $$($(PYTHON3) --version 2>&1)"; \
 	  $(PYTHON3) -m venv $(VENV) || { echo "make: '$(PYTHON3) -m venv' failed; on Debian/Ubuntu: apt install python3-venv"; exit 1; }; }
-	@echo "==> [2/4] installing the build tools and distlab's dependencies from PyPI (numpy, mpi4py, the mpich wheel" \
-	  "that brings mpiexec, Jupyter for the tutorials): 1-3 minutes the first time"
+	@echo "==> installing the build tools and distlab's dependencies from PyPI (numpy, mpi4py, the mpich wheel" \
+	  "that brings mpiexec, Jupyter for the tutorials)"
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0" "numpy>=2.0"
+	@echo "==> installing distlab itself (editable), which compiles the Cython core twin (core/*.pyx, C and C++):" \
+	  "the longest stage, several minutes on a 2-core machine"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	@touch $(STAMP)
 
@@ -28,10 +30,10 @@ build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
 demo: $(STAMP)
-	@echo "==> [3/4] compiling the Cython core twin (core/*.pyx, C and C++): about 2-4 minutes the first time," \
-	  "seconds afterwards"
+	@echo "==> bringing the compiled core up to date (core/*.pyx changed since the install are recompiled:" \
+	  "seconds when none did)"
 	@$(PY) setup.py -q build_ext --inplace -j 2
-	@echo "==> [4/4] training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py)," \
+	@echo "==> training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py)," \
 	  "recording its timeline"
 	$(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
 	@echo ""
