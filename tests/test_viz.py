@@ -118,3 +118,22 @@ def test_importing_viz_imports_no_matplotlib():
     code = "import sys, distlab.viz; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_collective_of_some_ranks_leaves_a_gap_at_the_others(tmp_path):
+    from distlab import viz
+
+    path = str(tmp_path / "set.json")
+    for rank in range(3):
+        tl = Timeline(path, rank=rank)
+        if rank != 1:  # a process set of ranks 0 and 2
+            tl.complete("allreduce grad", 1e15, 1e15 + 50, cat="comm", lane="comm set 1", args={"seq": 1})
+        tl.instant("idle", lane="x", ts=1e15)
+        tl.flush()
+    merge(path)
+    fig = viz.plot_sequence(path, width=6)
+    (label,) = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text().startswith("allreduce")]
+    middle = fig.axes[0].transData.transform((viz.sequence.GUTTER + 1, 0))[0]  # rank 1's lifeline, in pixels
+    box = label.get_window_extent(fig.canvas.get_renderer())
+    assert not box.x0 <= middle <= box.x1  # the label is not drawn over a lifeline that is not in the set
+    assert _inside(fig) == []

@@ -2,7 +2,8 @@
 
 What a diagram shows comes from the trace, never from a script: point-to-point messages are the flows the RPC
 agent records (:meth:`distlab.timeline.Timeline.send` / ``receive``), collectives are the comm layer's spans
-matched across ranks by sequence number, and notes are instants a component recorded on a lane you name (the
+matched across ranks by sequence number (a band across the ranks that took part, with a gap at a lifeline that
+did not), and notes are instants a component recorded on a lane you name (the
 negotiation's request lists, Join's shadowing). Rows follow the order of events in time, one event per row, so
 that every label has room; the left margin gives each row's time.
 """
@@ -158,14 +159,20 @@ def _message(ax, message: Message, y0, y1, column, label, renderer, column_px) -
 
 
 def _collective(ax, call: Collective, y, ranks, column, label, renderer, column_px) -> None:
-    xs = [column[r] for r in call.ranks if r in column]
-    left, right = min(xs) - 0.42, max(xs) + 0.42
+    from matplotlib.patches import Rectangle
+
+    xs = sorted(column[r] for r in call.ranks if r in column)
+    left, right = xs[0] - 0.42, xs[-1] + 0.42
     ax.add_patch(_band(left, y, right - left))
-    for x in xs:
-        ax.plot([x], [y], marker="o", markersize=3.5, color="#8a5a12", zorder=4)
-    text = ax.text((left + right) / 2, y, label(call), ha="center", va="center", fontsize=7.5, color="#4d3208",
+    # lifelines the band crosses without taking part (a process set): a gap in the band, the label beside it
+    gaps = sorted(column[r] for r in ranks if r not in call.ranks and xs[0] < column[r] < xs[-1])
+    for x in gaps:
+        ax.add_patch(Rectangle((x - 0.09, y - 0.42), 0.18, 0.84, facecolor="white", edgecolor="none", zorder=2.5))
+    edges = [left] + [e for x in gaps for e in (x - 0.09, x + 0.09)] + [right]
+    start, end = max(zip(edges[::2], edges[1::2]), key=lambda seg: seg[1] - seg[0])
+    text = ax.text((start + end) / 2, y, label(call), ha="center", va="center", fontsize=7.5, color="#4d3208",
                    zorder=5, bbox={"boxstyle": "square,pad=0.1", "facecolor": COLLECTIVE_COLOUR, "edgecolor": "none"})
-    fit_text(text, (right - left) * column_px * 0.94, renderer)
+    fit_text(text, (end - start) * column_px * 0.94, renderer)
 
 
 def _band(x, y, width):
