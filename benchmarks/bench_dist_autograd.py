@@ -12,6 +12,10 @@ the machine's drift hits both equally) it measures:
   send/recv functions, one gradient message in backward, and the pass's fixed costs spread over the pairs).
 - ``step``: one training step of a 3-stage MLP split over the workers (forward through RRef proxies,
   distributed backward, ``DistributedOptimizer.step``) vs the same step of the same model in one process.
+- ``bookkeeping`` (in the launching process, no MPI): the container calls one RPC inside a context makes on its
+  two sides (a message id, the current context, a send function and a known worker on the caller; the context
+  found or created, a recv function, the current context set and restored on the callee; in backward the context
+  and the send function found again), per RPC, for each twin: what the core twin compiles.
 
 Medians over every timed run, and the "best" (fastest) run of each, which the machine's stalls disturb least.
 Prints a table and writes ``benchmarks/results/bench_dist_autograd.json``.
@@ -39,14 +43,9 @@ def _identity(x):
 
 def _use_impl(impl):
     """Switch this worker's container twin (no context may be alive)."""
-    from distlab import _backend
-    from distlab import distributed_autograd as dist_autograd
-    from distlab import rpc
+    from distlab.distributed_autograd import _state
 
-    dist_autograd._impl.shutdown()
-    dist_autograd._impl = _backend.load("autograd_container", impl)
-    dist_autograd._impl.init(rpc.get_agent().rank)
-    dist_autograd._forget_released()  # the new container's ids start again
+    _state.use_twin(impl)
 
 
 class _Stage:
@@ -85,7 +84,7 @@ def driver(world, rounds):
     from distlab import distributed_autograd as dist_autograd
     from distlab import nn, optim, rpc
     from distlab.autograd import Tensor
-    from distlab.distributed_optim import DistributedOptimizer
+    from distlab.distributed_autograd import DistributedOptimizer
 
     peer = 1
     x_small = Tensor(np.ones(16), requires_grad=True)
@@ -170,7 +169,7 @@ def driver(world, rounds):
 def worker(out_path, rounds):
     import threading
 
-    from distlab import distributed_autograd as dist_autograd  # noqa: F401 - registers the RPC hook
+    from distlab import distributed_autograd as dist_autograd  # noqa: F401 - the handlers of its calls
     from distlab import rpc
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -204,6 +203,34 @@ def table(rows):
     return "\n".join(lines)
 
 
+def bookkeeping(repeat=20, calls=2000):
+    """Per-RPC container bookkeeping of each twin, in microseconds (median over ``repeat`` runs of ``calls``)."""
+    from distlab import _backend
+
+    out = {}
+    for _ in range(repeat):  # interleaved, so that drift hits both twins alike
+        for impl in IMPLS:
+            twin = _backend.load("autograd_container", impl)
+            caller, callee = twin.DistAutogradContainer(0), twin.DistAutogradContainer(1)
+            ctx = caller.new_context()
+            fn = object()
+            start = time.perf_counter()
+            for _ in range(calls):
+                if caller.has_valid_context():
+                    context = caller.current_context()
+                    mid = caller.new_autograd_message_id()
+                    context.add_send_function(fn, mid)
+                    context.add_known_worker_id(1)
+                    remote = callee.get_or_create_context(ctx.context_id)
+                    remote.add_recv_function(fn, mid)
+                    previous = callee.force_current_context_id(ctx.context_id)
+                    callee.force_current_context_id(previous)
+                    caller.retrieve_context(ctx.context_id).retrieve_send_function(mid)
+            out.setdefault(impl, []).append((time.perf_counter() - start) / calls * 1e6)
+            caller.clear_current_context_id()
+    return {impl: statistics.median(v) for impl, v in out.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, nargs="+", default=[2], help="rank counts (default 2)")
@@ -225,10 +252,13 @@ def main():
             sys.exit(f"bench_dist_autograd on {np_} ranks failed (exit {job.returncode})")
         rows += json.loads(part.read_text())
         part.unlink()
+    books = bookkeeping()
     report = {"benchmark": "bench_dist_autograd", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
-              "rows": rows}
+              "rows": rows, "bookkeeping_us_per_rpc": books}
     (RESULTS / "bench_dist_autograd.json").write_text(json.dumps(report, indent=1))
     print(table(rows))
+    print("\ncontainer bookkeeping per RPC inside a context (both sides, no messaging): "
+          + ", ".join(f"{impl} {us:.2f} us" for impl, us in books.items()))
     print(f"\nwritten to {RESULTS / 'bench_dist_autograd.json'}")
 
 

@@ -1,60 +1,68 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Core twin of :mod:`distlab.reference.autograd_container` (read that module for the explanation)."""
-import threading
+"""Core twin of :mod:`distlab.reference.autograd_context` and :mod:`distlab.reference.autograd_container`.
 
+Read the reference twin for the explanation. What is compiled here is what runs per RPC and per gradient: minting
+ids (``uint64_t`` counters), finding a context in the sharded map (one C lock per shard), recording known workers
+(a C++ set), send and recv functions, and accumulating gradients. Argument checks, error messages, the per-worker
+singleton and the once-per-pass helpers are :mod:`distlab._common.autograd_container`, shared with the reference.
+"""
+cimport cython
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+    PyThread_type_lock,
+)
 from libc.stdint cimport int64_t, uint64_t
+from libcpp.algorithm cimport sort
 from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
-from libcpp.algorithm cimport sort
 
-from distlab._autograd_shared import (
-    AUTO_INCREMENT_BITS,
-    AUTO_INCREMENT_MASK,
-    INVALID_CONTEXT_ID,
-    MAX_WORKER_ID,
-    NESTED_CONTEXT_MESSAGE,
-    NO_CURRENT_CONTEXT_MESSAGE,
-    NOT_INITIALIZED_MESSAGE,
-    NUM_DEFAULT_SHARDS,
-)
-from distlab.autograd.sparse import SparseGrad, add_grads
-from distlab.autograd.tensor import Tensor
-from distlab.errors import AutogradContextNotFoundError, AutogradIdOverflowError, DistAutogradError
-from distlab.futures import Future
+import threading
+
+# What is not compiled (argument checks, error messages, once-per-pass helpers) is called as _shared.name:
+# the prefix marks, at each call, code that both twins share.
+from distlab._common import autograd_container as _shared
+from distlab._common.autograd_container import NUM_DEFAULT_SHARDS, check_id
+from distlab.autograd.sparse import add_grads
 
 __all__ = ["AutogradMetadata", "DistAutogradContext", "DistAutogradContainer", "init", "get_container",
            "is_initialized", "shutdown"]
 
-cdef int _BITS = AUTO_INCREMENT_BITS
-cdef uint64_t _MASK = AUTO_INCREMENT_MASK
-cdef int64_t _INVALID = INVALID_CONTEXT_ID
+cdef enum:
+    _BITS = 48  # container.cpp kAutoIncrementBits
+cdef uint64_t _MASK = ((<uint64_t>1) << _BITS) - 1
+cdef int _NO_CONTEXT = -1  # kInvalidContextId
+
+if (_BITS, _MASK, _NO_CONTEXT) != (_shared.AUTO_INCREMENT_BITS, _shared.AUTO_INCREMENT_MASK,
+                                   _shared.INVALID_CONTEXT_ID):
+    raise ImportError("distlab.core._autograd_container was compiled with id constants that differ from "
+                      "distlab._common.autograd_container: rebuild the core (make build)")
 
 
-def _check_id(value, what="context id"):
-    """An autograd id as an int; ValueError unless it is an unsigned 64-bit integer (reference: _check_id)."""
-    value = int(value)
-    if not 0 <= value < 1 << 64:
-        raise ValueError(f"autograd {what}s are unsigned 64-bit integers, got {value}")
-    return value
-
-
-cdef class _AutogradMetadataBase:
-    """Typed state and methods of AutogradMetadata; see distlab.reference.autograd_container."""
+cdef class AutogradMetadata:
+    """See :class:`distlab.reference.autograd_context.AutogradMetadata`."""
 
     cdef public uint64_t context_id
     cdef public uint64_t message_id
 
-    def _init_state(self, context_id, message_id):
-        self.context_id = _check_id(context_id)
-        self.message_id = _check_id(message_id, "message id")
+    def __init__(self, context_id, message_id):
+        self.context_id = check_id(context_id)
+        self.message_id = check_id(message_id, "message id")
 
-    def to_tuple(self):
-        """See distlab.reference.autograd_container.AutogradMetadata.to_tuple."""
+    cpdef tuple to_tuple(self):
+        """See :meth:`distlab.reference.autograd_context.AutogradMetadata.to_tuple`."""
         return (self.context_id, self.message_id)
 
     def __eq__(self, other):
-        return isinstance(other, _AutogradMetadataBase) and self.to_tuple() == other.to_tuple()
+        if not isinstance(other, AutogradMetadata):
+            return False
+        cdef AutogradMetadata that = other
+        return self.context_id == that.context_id and self.message_id == that.message_id
 
     def __hash__(self):
         return hash(self.to_tuple())
@@ -63,417 +71,418 @@ cdef class _AutogradMetadataBase:
         return f"AutogradMetadata(context_id={self.context_id}, message_id={self.message_id})"
 
 
-
-class AutogradMetadata(_AutogradMetadataBase):
-    """See distlab.reference.autograd_container.AutogradMetadata."""
-
-    def __init__(self, context_id, message_id):
-        """See distlab.reference.autograd_container.AutogradMetadata."""
-        self._init_state(context_id, message_id)
-
-
-cdef class _DistAutogradContextBase:
-    """Typed state and methods of DistAutogradContext; see distlab.reference.autograd_container."""
+cdef class DistAutogradContext:
+    """See :class:`distlab.reference.autograd_context.DistAutogradContext`."""
 
     cdef uint64_t _context_id
-    cdef object _lock
+    cdef PyThread_type_lock _lock  # context.h lock_: guards everything below
     cdef unordered_set[int64_t] _known_workers
-    cdef dict _send
-    cdef dict _recv
-    cdef dict _grads
+    cdef dict _send  # message id -> SendRpcBackward
+    cdef dict _recv  # message id -> RecvRpcGroup
+    cdef dict _grads  # id(variable) -> [variable, gradient]
     cdef list _outstanding
     cdef object _graph_task
 
-    def _init_state(self, context_id):
-        self._context_id = _check_id(context_id)
-        self._lock = threading.Lock()
+    def __cinit__(self, *args, **kwargs):
+        # the lock and the maps exist however the object was made (__init__ only sets the id)
         self._send = {}
         self._recv = {}
         self._grads = {}
         self._outstanding = []
-        self._graph_task = None
+        self._lock = PyThread_allocate_lock()
+        if self._lock is NULL:
+            raise MemoryError("could not allocate the lock of a distributed autograd context")
+
+    def __init__(self, context_id):
+        self._context_id = check_id(context_id)
+
+    def __dealloc__(self):
+        if self._lock is not NULL:
+            PyThread_free_lock(self._lock)
 
     @property
     def context_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.context_id."""
+        """See :attr:`distlab.reference.autograd_context.DistAutogradContext.context_id`."""
         return self._context_id
 
-    def add_known_worker_id(self, worker_id):
-        """See distlab.reference.autograd_container.DistAutogradContext.add_known_worker_id."""
-        cdef int64_t w = int(worker_id)
-        with self._lock:
-            self._known_workers.insert(w)
+    cpdef add_known_worker_id(self, worker_id):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.add_known_worker_id`."""
+        cdef int64_t worker = worker_id
+        _acquire(self._lock)
+        self._known_workers.insert(worker)
+        PyThread_release_lock(self._lock)
 
-    def known_worker_ids(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.known_worker_ids."""
-        with self._lock:
-            return {w for w in self._known_workers}
+    cpdef set known_worker_ids(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.known_worker_ids`."""
+        cdef vector[int64_t] copy
+        _acquire(self._lock)
+        copy.assign(self._known_workers.begin(), self._known_workers.end())
+        PyThread_release_lock(self._lock)
+        return set(copy)
 
-    def add_send_function(self, func, message_id):
-        """See distlab.reference.autograd_container.DistAutogradContext.add_send_function."""
+    cpdef add_send_function(self, func, message_id):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.add_send_function`."""
         self._add_function(self._send, "send", func, message_id)
 
-    def add_recv_function(self, func, message_id):
-        """See distlab.reference.autograd_container.DistAutogradContext.add_recv_function."""
+    cpdef add_recv_function(self, func, message_id):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.add_recv_function`."""
         self._add_function(self._recv, "recv", func, message_id)
 
     cdef _add_function(self, dict table, str what, func, message_id):
         if func is None:
-            raise DistAutogradError(f"cannot add a None {what} function to autograd context {self._context_id}")
-        cdef uint64_t mid = _check_id(message_id, "message id")
-        with self._lock:
-            if mid in table:
-                raise DistAutogradError(
-                    f"autograd context {self._context_id} already has a {what} function for message id {mid}")
-            table[mid] = func
+            raise _shared.function_error(self._context_id, what, None)
+        key = _id_of(message_id, "message id")
+        cdef bint taken
+        _acquire(self._lock)
+        try:
+            taken = key in table
+            if not taken:
+                table[key] = func
+        finally:
+            PyThread_release_lock(self._lock)
+        if taken:
+            raise _shared.function_error(self._context_id, what, key)
 
-    def send_functions(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.send_functions."""
-        with self._lock:
-            return dict(self._send)
+    cpdef dict send_functions(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.send_functions`."""
+        _acquire(self._lock)
+        try:
+            return self._send.copy()
+        finally:
+            PyThread_release_lock(self._lock)
 
-    def recv_functions(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.recv_functions."""
-        with self._lock:
-            return dict(self._recv)
+    cpdef dict recv_functions(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.recv_functions`."""
+        _acquire(self._lock)
+        try:
+            return self._recv.copy()
+        finally:
+            PyThread_release_lock(self._lock)
 
-    def retrieve_send_function(self, message_id):
-        """See distlab.reference.autograd_container.DistAutogradContext.retrieve_send_function."""
-        with self._lock:
-            func = self._send.get(int(message_id))
+    cpdef retrieve_send_function(self, message_id):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.retrieve_send_function`."""
+        key = int(message_id)
+        _acquire(self._lock)
+        func = self._send.get(key)
+        PyThread_release_lock(self._lock)
         if func is None:
-            raise DistAutogradError(
-                f"Could not find send function for autograd message id {message_id} in autograd context "
-                f"{self._context_id}")
+            raise _shared.send_function_not_found(self._context_id, message_id)
         return func
 
-    def accumulate_grad(self, variable, grad):
-        """See distlab.reference.autograd_container.DistAutogradContext.accumulate_grad."""
-        cdef list entry
+    cpdef accumulate_grad(self, variable, grad):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.accumulate_grad`."""
         key = id(variable)
-        with self._lock:
+        cdef list entry
+        _acquire(self._lock)
+        try:
             entry = self._grads.get(key)
             if entry is None:
-                if isinstance(grad, SparseGrad):
-                    own = grad.clone()
-                else:
-                    own = grad.astype(variable.data.dtype, order="C", copy=True)
-                self._grads[key] = [variable, own]
+                self._grads[key] = [variable, _shared.private_copy(variable, grad)]
             else:
                 entry[1] = add_grads(entry[1], grad)
+        finally:
+            PyThread_release_lock(self._lock)
 
-    def get_gradients(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.get_gradients."""
-        with self._lock:
+    cpdef dict get_gradients(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.get_gradients`."""
+        _acquire(self._lock)
+        try:
             entries = list(self._grads.values())
-        return {var: (g if isinstance(g, SparseGrad) else Tensor._wrap(g)) for var, g in entries}
+        finally:
+            PyThread_release_lock(self._lock)
+        return _shared.gradients_as_tensors(entries)
 
-    def add_outstanding_rpc(self, future):
-        """See distlab.reference.autograd_container.DistAutogradContext.add_outstanding_rpc."""
-        with self._lock:
+    cpdef add_outstanding_rpc(self, future):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.add_outstanding_rpc`."""
+        _acquire(self._lock)
+        try:
             self._outstanding.append(future)
+        finally:
+            PyThread_release_lock(self._lock)
 
-    def num_outstanding_rpcs(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.num_outstanding_rpcs."""
-        with self._lock:
-            return len(self._outstanding)
+    cpdef Py_ssize_t num_outstanding_rpcs(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.num_outstanding_rpcs`."""
+        return len(self._outstanding)  # one read of a list's size: atomic under the GIL
 
-    def clear_outstanding_rpcs(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.clear_outstanding_rpcs."""
-        with self._lock:
-            self._outstanding = []
+    cpdef clear_outstanding_rpcs(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.clear_outstanding_rpcs`."""
+        self._outstanding = []  # one store: atomic under the GIL
 
-    def clear_and_wait_for_outstanding_rpcs_async(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.clear_and_wait_for_outstanding_rpcs_async."""
-        with self._lock:
-            futures = self._outstanding
-            self._outstanding = []
-        result = Future(description=f"outstanding gradient RPCs of autograd context {self._context_id}")
-        if not futures:
-            result.set_result(None)
-            return result
-        waiter = _FirstErrorWaiter(result, len(futures))
-        for fut in futures:
-            fut.add_done_callback(waiter.one_done)
-        return result
+    cpdef clear_and_wait_for_outstanding_rpcs_async(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.clear_and_wait_for_outstanding_rpcs_async`."""
+        _acquire(self._lock)
+        taken, self._outstanding = self._outstanding, []
+        PyThread_release_lock(self._lock)
+        return _shared.first_error_future(taken, self._context_id)
 
-    def set_graph_task(self, task):
-        """See distlab.reference.autograd_container.DistAutogradContext.set_graph_task."""
-        with self._lock:
-            if self._graph_task is not None:
-                raise DistAutogradError(f"autograd context {self._context_id} already has a running backward pass")
+    cpdef set_graph_task(self, task):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.set_graph_task`."""
+        cdef bint busy
+        _acquire(self._lock)
+        busy = self._graph_task is not None
+        if not busy:
             self._graph_task = task
+        PyThread_release_lock(self._lock)
+        if busy:
+            raise _shared.backward_already_running(self._context_id)
 
-    def retrieve_graph_task(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.retrieve_graph_task."""
+    cpdef retrieve_graph_task(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.retrieve_graph_task`."""
         return self._graph_task
 
-    def reset_graph_task(self):
-        """See distlab.reference.autograd_container.DistAutogradContext.reset_graph_task."""
-        with self._lock:
-            self._graph_task = None
+    cpdef reset_graph_task(self):
+        """See :meth:`distlab.reference.autograd_context.DistAutogradContext.reset_graph_task`."""
+        self._graph_task = None  # one store: atomic under the GIL
 
     def __repr__(self):
-        with self._lock:
-            known = sorted(w for w in self._known_workers)
-            return (f"DistAutogradContext(context_id={self._context_id}, known_workers={known}, "
-                    f"send={sorted(self._send)}, recv={sorted(self._recv)}, grads={len(self._grads)})")
+        known = self.known_worker_ids()
+        _acquire(self._lock)
+        try:
+            return _shared.describe_context(self._context_id, known, self._send, self._recv, len(self._grads))
+        finally:
+            PyThread_release_lock(self._lock)
 
 
-
-class DistAutogradContext(_DistAutogradContextBase):
-    """See distlab.reference.autograd_container.DistAutogradContext."""
-
-    def __init__(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContext."""
-        self._init_state(context_id)
-
-
-cdef class _FirstErrorWaiter:
-    """Completes ``result`` when all futures succeeded or at the first error (reference: one_done closure)."""
-
-    cdef object result
-    cdef Py_ssize_t remaining
-    cdef object lock
-
-    def __init__(self, result, Py_ssize_t count):
-        self.result = result
-        self.remaining = count
-        self.lock = threading.Lock()
-
-    def one_done(self, fut):
-        exc = fut.exception()
-        with self.lock:
-            if self.result.done():
-                return
-            self.remaining -= 1
-            if exc is not None:
-                self.result.set_exception(exc)
-            elif self.remaining == 0:
-                self.result.set_result(None)
-
-
-cdef class _DistAutogradContainerBase:
-    """Typed state and methods of DistAutogradContainer; see distlab.reference.autograd_container."""
+cdef class DistAutogradContainer:
+    """See :class:`distlab.reference.autograd_container.DistAutogradContainer`."""
 
     cdef uint64_t _worker_id
-    cdef uint64_t _num_shards
+    cdef uint64_t _shard_mask  # num_shards - 1: an id's shard is id & mask
     cdef uint64_t _next_context_id
     cdef uint64_t _next_message_id
     cdef uint64_t _max_id
-    cdef list _shards
-    cdef list _locks
-    cdef object _local
+    cdef list _shards  # one dict (context id -> context) per shard
+    cdef vector[PyThread_type_lock] _shard_locks
+    cdef object _local  # current_context_id_ is thread_local
 
-    def _init_state(self, worker_id, num_shards=NUM_DEFAULT_SHARDS, start=0):
-        worker_id, num_shards, start = int(worker_id), int(num_shards), int(start)
-        if not 0 <= worker_id <= MAX_WORKER_ID:
-            raise ValueError(f"worker_id needs to be in the range [0, {MAX_WORKER_ID}], got {worker_id}")
-        if num_shards < 1 or num_shards & (num_shards - 1):
-            raise ValueError(f"num_shards must be a power of two, got {num_shards}")
-        if not 0 <= start <= AUTO_INCREMENT_MASK:
-            raise ValueError(f"start must be in [0, {AUTO_INCREMENT_MASK}], got {start}")
-        self._worker_id = worker_id
-        self._num_shards = num_shards
-        cdef uint64_t base = self._worker_id << _BITS
-        self._next_context_id = base | <uint64_t>start
-        self._next_message_id = base | <uint64_t>start
-        self._max_id = base | _MASK
-        self._shards = [{} for _ in range(num_shards)]
-        self._locks = [threading.Lock() for _ in range(num_shards)]
+    def __cinit__(self, *args, **kwargs):
+        # one shard however the object was made, so that the unchecked shard indexing below is always in range
+        self._shards = [{}]
+        self._add_shard_lock()
         self._local = threading.local()
+
+    def __init__(self, worker_id, num_shards=NUM_DEFAULT_SHARDS, start=0):
+        worker_id, num_shards, start = _shared.check_container_args(worker_id, num_shards, start)
+        self._worker_id = worker_id
+        cdef uint64_t first = (self._worker_id << _BITS) | <uint64_t>start
+        self._next_context_id = first
+        self._next_message_id = first
+        self._max_id = (self._worker_id << _BITS) | _MASK
+        self._shards = [{} for _ in range(num_shards)]
+        while self._shard_locks.size() < <size_t>num_shards:
+            self._add_shard_lock()
+        self._shard_mask = num_shards - 1  # last: every shard exists before an id can reach it
+
+    def __dealloc__(self):
+        cdef PyThread_type_lock lock
+        for lock in self._shard_locks:
+            if lock is not NULL:
+                PyThread_free_lock(lock)
+
+    cdef _add_shard_lock(self):
+        cdef PyThread_type_lock lock = PyThread_allocate_lock()
+        if lock is NULL:
+            raise MemoryError("could not allocate the shard locks of the distributed autograd container")
+        self._shard_locks.push_back(lock)
 
     @property
     def worker_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.worker_id."""
+        """See :attr:`distlab.reference.autograd_container.DistAutogradContainer.worker_id`."""
         return self._worker_id
 
     @property
     def max_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.max_id."""
+        """See :attr:`distlab.reference.autograd_container.DistAutogradContainer.max_id`."""
         return self._max_id
 
-    cdef inline Py_ssize_t _shard(self, uint64_t context_id):
-        return <Py_ssize_t>(context_id & (self._num_shards - 1))
+    cdef inline Py_ssize_t _shard(self, uint64_t context_id) noexcept:
+        # an index below len(self._shards) == self._shard_locks.size(): the mask keeps it in range
+        return <Py_ssize_t>(context_id & self._shard_mask)
 
-    def new_autograd_message_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.new_autograd_message_id."""
-        # the GIL makes this read-increment atomic (nothing in between releases it)
+    cpdef new_autograd_message_id(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.new_autograd_message_id`."""
+        # No id lock: nothing between the read and the increment releases the GIL, which makes them one step.
         cdef uint64_t message_id = self._next_message_id
-        if message_id < self._max_id:
-            self._next_message_id += 1
         if message_id >= self._max_id:
-            raise AutogradIdOverflowError(
-                f"autograd message id overflow on worker {self._worker_id}: its {_BITS}-bit counter "
-                f"is exhausted (max id {self._max_id})")
+            raise _shared.id_overflow("message id", self._worker_id, self._max_id)
+        self._next_message_id = message_id + 1
         return message_id
 
-    def new_context(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.new_context."""
-        current = self._current()
-        if current != _INVALID:
-            raise DistAutogradError(NESTED_CONTEXT_MESSAGE.format(current=current))
-        cdef uint64_t context_id = self._next_context_id
-        if context_id < self._max_id:
-            self._next_context_id += 1
+    cpdef DistAutogradContext new_context(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.new_context`."""
+        current = self.current_context_id()
+        if current != _NO_CONTEXT:
+            raise _shared.nested_context(current)
+        cdef uint64_t context_id = self._next_context_id  # the GIL again stands for the id lock
         if context_id >= self._max_id:
-            raise AutogradIdOverflowError(
-                f"autograd context id overflow on worker {self._worker_id}: its {_BITS}-bit counter "
-                f"is exhausted (max id {self._max_id})")
-        context = DistAutogradContext(context_id)
-        cdef Py_ssize_t s = self._shard(context_id)
-        with self._locks[s]:
-            (<dict>self._shards[s])[context_id] = context
+            raise _shared.id_overflow("context id", self._worker_id, self._max_id)
+        self._next_context_id = context_id + 1
+        cdef DistAutogradContext context = DistAutogradContext(context_id)
+        cdef Py_ssize_t shard = self._shard(context_id)
+        _acquire(self._shard_locks[shard])
+        try:
+            _shard_dict(self._shards, shard)[context_id] = context
+        finally:
+            PyThread_release_lock(self._shard_locks[shard])
         self._local.context_id = context_id
         return context
 
-    def get_or_create_context(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.get_or_create_context."""
-        cdef uint64_t cid = _check_id(context_id)
-        cdef Py_ssize_t s = self._shard(cid)
-        cdef dict contexts = self._shards[s]
-        with self._locks[s]:
-            context = contexts.get(cid)
+    cpdef DistAutogradContext get_or_create_context(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.get_or_create_context`."""
+        cdef uint64_t key = _id_of(context_id, "context id")
+        cdef Py_ssize_t shard = self._shard(key)
+        cdef dict contexts = _shard_dict(self._shards, shard)
+        _acquire(self._shard_locks[shard])
+        try:
+            context = contexts.get(key)
             if context is None:
-                context = DistAutogradContext(cid)
-                contexts[cid] = context
+                context = contexts[key] = DistAutogradContext(key)
             return context
+        finally:
+            PyThread_release_lock(self._shard_locks[shard])
 
-    def retrieve_context(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.retrieve_context."""
-        cdef uint64_t cid = _check_id(context_id)
-        cdef Py_ssize_t s = self._shard(cid)
-        with self._locks[s]:
-            context = (<dict>self._shards[s]).get(cid)
+    cpdef DistAutogradContext retrieve_context(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.retrieve_context`."""
+        cdef uint64_t key = _id_of(context_id, "context id")
+        cdef Py_ssize_t shard = self._shard(key)
+        _acquire(self._shard_locks[shard])
+        context = _shard_dict(self._shards, shard).get(key)
+        PyThread_release_lock(self._shard_locks[shard])
         if context is None:
-            raise AutogradContextNotFoundError(
-                f"Could not find autograd context with id: {cid} on worker {self._worker_id}")
+            raise _shared.context_not_found(key, self._worker_id)
         return context
 
-    def release_context(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.release_context."""
-        context = self._erase(_check_id(context_id))
+    cpdef set release_context(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.release_context`."""
+        context = self._erase(_id_of(context_id, "context id"))
         if context is None:
-            raise AutogradContextNotFoundError(
-                f"Could not find autograd context with id: {context_id} on worker {self._worker_id}")
-        return context.known_worker_ids()
+            raise _shared.context_not_found(context_id, self._worker_id)
+        return (<DistAutogradContext>context).known_worker_ids()
 
-    def release_context_if_present(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.release_context_if_present."""
-        context = self._erase(_check_id(context_id))
-        return set() if context is None else context.known_worker_ids()
+    cpdef set release_context_if_present(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.release_context_if_present`."""
+        context = self._erase(_id_of(context_id, "context id"))
+        return set() if context is None else (<DistAutogradContext>context).known_worker_ids()
 
     cdef object _erase(self, uint64_t context_id):
-        cdef Py_ssize_t s = self._shard(context_id)
-        with self._locks[s]:
-            context = (<dict>self._shards[s]).pop(context_id, None)
-        if context is not None and self._current() == context_id:
-            self._local.context_id = _INVALID
+        cdef Py_ssize_t shard = self._shard(context_id)
+        _acquire(self._shard_locks[shard])
+        try:
+            context = _shard_dict(self._shards, shard).pop(context_id, None)
+        finally:
+            PyThread_release_lock(self._shard_locks[shard])
+        if context is not None and self.current_context_id() == context_id:
+            self._local.context_id = _NO_CONTEXT
         return context
 
-    def num_autograd_contexts(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.num_autograd_contexts."""
-        cdef Py_ssize_t total = 0, s
-        for s in range(self._num_shards):
-            with self._locks[s]:
-                total += len(<dict>self._shards[s])
+    cpdef Py_ssize_t num_autograd_contexts(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.num_autograd_contexts`."""
+        cdef Py_ssize_t total = 0, shard
+        for shard in range(len(self._shards)):
+            _acquire(self._shard_locks[shard])
+            total += len(_shard_dict(self._shards, shard))
+            PyThread_release_lock(self._shard_locks[shard])
         return total
 
-    def context_ids(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.context_ids."""
+    cpdef list context_ids(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.context_ids`."""
         cdef vector[uint64_t] ids
-        cdef Py_ssize_t s
-        for s in range(self._num_shards):
-            with self._locks[s]:
-                for cid in <dict>self._shards[s]:
-                    ids.push_back(cid)
+        cdef Py_ssize_t shard
+        for shard in range(len(self._shards)):
+            _acquire(self._shard_locks[shard])
+            try:
+                for key in _shard_dict(self._shards, shard):
+                    ids.push_back(key)
+            finally:
+                PyThread_release_lock(self._shard_locks[shard])
         sort(ids.begin(), ids.end())
-        return [cid for cid in ids]
+        return ids
 
-    cdef inline object _current(self):
-        return getattr(self._local, "context_id", _INVALID)
+    cpdef object current_context_id(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.current_context_id`."""
+        return getattr(self._local, "context_id", _NO_CONTEXT)
 
-    def current_context_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.current_context_id."""
-        return self._current()
-
-    def has_valid_context(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.has_valid_context."""
-        current = self._current()
-        if current == _INVALID:
+    cpdef bint has_valid_context(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.has_valid_context`."""
+        current = self.current_context_id()
+        if current == _NO_CONTEXT:
             return False
-        cdef uint64_t cid = current
-        cdef Py_ssize_t s = self._shard(cid)
-        with self._locks[s]:
-            return cid in <dict>self._shards[s]
+        cdef uint64_t key = current
+        cdef Py_ssize_t shard = self._shard(key)
+        _acquire(self._shard_locks[shard])
+        found = key in _shard_dict(self._shards, shard)
+        PyThread_release_lock(self._shard_locks[shard])
+        return found
 
-    def current_context(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.current_context."""
-        current = self._current()
-        if current == _INVALID:
-            raise DistAutogradError(NO_CURRENT_CONTEXT_MESSAGE)
+    cpdef DistAutogradContext current_context(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.current_context`."""
+        current = self.current_context_id()
+        if current == _NO_CONTEXT:
+            raise _shared.no_current_context()
         return self.retrieve_context(current)
 
-    def set_current_context_id(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.set_current_context_id."""
-        current = self._current()
-        if current != _INVALID:
-            raise DistAutogradError(NESTED_CONTEXT_MESSAGE.format(current=current))
+    cpdef set_current_context_id(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.set_current_context_id`."""
+        current = self.current_context_id()
+        if current != _NO_CONTEXT:
+            raise _shared.nested_context(current)
         self._local.context_id = int(context_id)
 
-    def force_current_context_id(self, context_id):
-        """See distlab.reference.autograd_container.DistAutogradContainer.force_current_context_id."""
-        previous = self._current()
+    cpdef force_current_context_id(self, context_id):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.force_current_context_id`."""
+        previous = self.current_context_id()
         self._local.context_id = int(context_id)
         return previous
 
-    def clear_current_context_id(self):
-        """See distlab.reference.autograd_container.DistAutogradContainer.clear_current_context_id."""
-        self._local.context_id = _INVALID
+    cpdef clear_current_context_id(self):
+        """See :meth:`distlab.reference.autograd_container.DistAutogradContainer.clear_current_context_id`."""
+        self._local.context_id = _NO_CONTEXT
 
 
-
-class DistAutogradContainer(_DistAutogradContainerBase):
-    """See distlab.reference.autograd_container.DistAutogradContainer."""
-
-    def __init__(self, worker_id, num_shards=NUM_DEFAULT_SHARDS, start=0):
-        """See distlab.reference.autograd_container.DistAutogradContainer."""
-        self._init_state(worker_id, num_shards, start)
-
-
-_instance = None
-_instance_lock = threading.Lock()
+_slot = _shared.ContainerSlot(DistAutogradContainer)
 
 
 def init(worker_id):
-    """See distlab.reference.autograd_container.init."""
-    global _instance
-    with _instance_lock:
-        if _instance is not None:
-            if int(worker_id) != _instance.worker_id:
-                raise DistAutogradError(
-                    f"Container is already initialized with worker_id: {_instance.worker_id}, cannot initialize "
-                    f"with different worker_id: {worker_id}")
-            return _instance
-        _instance = DistAutogradContainer(worker_id)
-        return _instance
+    """See :func:`distlab.reference.autograd_container.init`."""
+    return _slot.init(worker_id)
 
 
 def get_container():
-    """See distlab.reference.autograd_container.get_container."""
-    instance = _instance
-    if instance is None:
-        raise DistAutogradError(NOT_INITIALIZED_MESSAGE)
-    return instance
+    """See :func:`distlab.reference.autograd_container.get_container`."""
+    return _slot.get()
 
 
 def is_initialized():
-    """See distlab.reference.autograd_container.is_initialized."""
-    return _instance is not None
+    """See :func:`distlab.reference.autograd_container.is_initialized`."""
+    return _slot.is_initialized()
 
 
 def shutdown():
-    """See distlab.reference.autograd_container.shutdown."""
-    global _instance
-    with _instance_lock:
-        _instance = None
+    """See :func:`distlab.reference.autograd_container.shutdown`."""
+    _slot.shutdown()
+
+
+# --- core-only helpers ---
+cdef inline void _acquire(PyThread_type_lock lock) noexcept:
+    """Take a C lock; wait for it without the GIL, so that its holder can run (and release it)."""
+    if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline dict _shard_dict(list shards, Py_ssize_t shard):
+    """The context dict of ``shard`` (an index the id mask keeps in range)."""
+    return <dict>shards[shard]
+
+
+cdef inline uint64_t _id_of(value, str what) except? 0:
+    """An id as a C integer: Python ints convert directly; anything else (or out of range) goes through the shared
+    check_id, which converts it as the reference does or raises its ValueError."""
+    if type(value) is int and value >= 0:
+        try:
+            return value
+        except OverflowError:
+            pass
+    return check_id(value, what)

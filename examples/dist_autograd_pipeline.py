@@ -10,6 +10,7 @@ runs backward across the workers (each stage's gradients stay in the context on 
 trained locally in one process from the same initial weights: the parameters agree to float tolerance.
 """
 import os
+import sys
 import threading
 
 import numpy as np
@@ -18,7 +19,7 @@ import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
 from distlab.autograd import Tensor
-from distlab.distributed_optim import DistributedOptimizer
+from distlab.distributed_autograd import DistributedOptimizer
 
 SIZES = [1, 32, 32, 1]  # three stages: 1 -> 32 -> 32 -> 1
 STEPS = 150
@@ -93,7 +94,21 @@ def train_local():
     return [p.data for p in params]
 
 
+def check_world_size():
+    """The driver and at least one stage owner: with fewer ranks, say so and exit at once (non-zero)."""
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+    if size < 2:
+        print(f"dist_autograd_pipeline.py needs 2 or more ranks (got {size}): rank 0 drives and the stages live "
+              "on the other ranks; run it with `python -m distlab run -n 3 examples/dist_autograd_pipeline.py`",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    return size
+
+
 if __name__ == "__main__":
+    world = check_world_size()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
     if rank == 0:
         dist_params = train_distributed()

@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import threading
 
-from distlab._autograd_shared import (
+from distlab._common.autograd_container import (
     AUTO_INCREMENT_BITS,
     AUTO_INCREMENT_MASK,
     INVALID_CONTEXT_ID,
-    MAX_WORKER_ID,
-    NESTED_CONTEXT_MESSAGE,
-    NO_CURRENT_CONTEXT_MESSAGE,
-    NOT_INITIALIZED_MESSAGE,
     NUM_DEFAULT_SHARDS,
+    ContainerSlot,
+    check_container_args,
+    check_id,
+    context_not_found,
+    id_overflow,
+    nested_context,
+    no_current_context,
 )
-from distlab.errors import AutogradContextNotFoundError, AutogradIdOverflowError, DistAutogradError
 
 from .autograd_context import AutogradMetadata, DistAutogradContext
-from .autograd_context import check_id as _check_id
 
 __all__ = ["AutogradMetadata", "DistAutogradContext", "DistAutogradContainer", "init", "get_container",
            "is_initialized", "shutdown"]
@@ -63,14 +64,8 @@ class DistAutogradContainer:
     """
 
     def __init__(self, worker_id: int, num_shards: int = NUM_DEFAULT_SHARDS, start: int = 0):
-        worker_id, num_shards, start = int(worker_id), int(num_shards), int(start)
         # mirrors DistAutogradContainer::init: TORCH_CHECK(worker_id >= 0 && worker_id <= kMaxWorkerId)
-        if not 0 <= worker_id <= MAX_WORKER_ID:
-            raise ValueError(f"worker_id needs to be in the range [0, {MAX_WORKER_ID}], got {worker_id}")
-        if num_shards < 1 or num_shards & (num_shards - 1):
-            raise ValueError(f"num_shards must be a power of two, got {num_shards}")
-        if not 0 <= start <= AUTO_INCREMENT_MASK:
-            raise ValueError(f"start must be in [0, {AUTO_INCREMENT_MASK}], got {start}")
+        worker_id, num_shards, start = check_container_args(worker_id, num_shards, start)
         self._worker_id = worker_id
         self._num_shards = num_shards
         base = worker_id << AUTO_INCREMENT_BITS
@@ -103,9 +98,7 @@ class DistAutogradContainer:
             if message_id < self._max_id:  # check for overflow into the worker id bits (the counter stops there)
                 self._next_message_id += 1
         if message_id >= self._max_id:
-            raise AutogradIdOverflowError(
-                f"autograd message id overflow on worker {self._worker_id}: its {AUTO_INCREMENT_BITS}-bit counter "
-                f"is exhausted (max id {self._max_id})")
+            raise id_overflow("message id", self._worker_id, self._max_id)
         return message_id
 
     # -- contexts -------------------------------------------------------------------------------------------
@@ -117,15 +110,13 @@ class DistAutogradContainer:
         """
         current = self.current_context_id()
         if current != INVALID_CONTEXT_ID:
-            raise DistAutogradError(NESTED_CONTEXT_MESSAGE.format(current=current))
+            raise nested_context(current)
         with self._id_lock:
             context_id = self._next_context_id
             if context_id < self._max_id:
                 self._next_context_id += 1
         if context_id >= self._max_id:
-            raise AutogradIdOverflowError(
-                f"autograd context id overflow on worker {self._worker_id}: its {AUTO_INCREMENT_BITS}-bit counter "
-                f"is exhausted (max id {self._max_id})")
+            raise id_overflow("context id", self._worker_id, self._max_id)
         context = DistAutogradContext(context_id)
         contexts, lock = self._shard(context_id)
         with lock:
@@ -135,7 +126,7 @@ class DistAutogradContainer:
 
     def get_or_create_context(self, context_id: int) -> DistAutogradContext:
         """The context ``context_id``, created if this worker has none yet (the receiving side of an RPC)."""
-        context_id = _check_id(context_id)
+        context_id = check_id(context_id)
         contexts, lock = self._shard(context_id)
         with lock:
             context = contexts.get(context_id)
@@ -145,13 +136,12 @@ class DistAutogradContainer:
 
     def retrieve_context(self, context_id: int) -> DistAutogradContext:
         """The context ``context_id``; AutogradContextNotFoundError if it does not exist (mirrors retrieveContext)."""
-        context_id = _check_id(context_id)
+        context_id = check_id(context_id)
         contexts, lock = self._shard(context_id)
         with lock:
             context = contexts.get(context_id)
         if context is None:
-            raise AutogradContextNotFoundError(
-                f"Could not find autograd context with id: {context_id} on worker {self._worker_id}")
+            raise context_not_found(context_id, self._worker_id)
         return context
 
     def release_context(self, context_id: int) -> set:
@@ -160,10 +150,9 @@ class DistAutogradContainer:
         Raises AutogradContextNotFoundError if it does not exist. Clears this thread's current context if it was
         that one. The caller sends the release to every returned worker (best effort, with retries).
         """
-        context = self._erase(_check_id(context_id))
+        context = self._erase(check_id(context_id))
         if context is None:
-            raise AutogradContextNotFoundError(
-                f"Could not find autograd context with id: {context_id} on worker {self._worker_id}")
+            raise context_not_found(context_id, self._worker_id)
         return context.known_worker_ids()
 
     def release_context_if_present(self, context_id: int) -> set:
@@ -172,7 +161,7 @@ class DistAutogradContainer:
         This is the receiving side of a release message: forwarding it to the returned workers cleans up nested
         RPC chains (worker A called B, B called C: A tells B, B tells C).
         """
-        context = self._erase(_check_id(context_id))
+        context = self._erase(check_id(context_id))
         return set() if context is None else context.known_worker_ids()
 
     def _erase(self, context_id):
@@ -218,14 +207,14 @@ class DistAutogradContainer:
         """This thread's current context; DistAutogradError with the ``with context()`` hint if there is none."""
         context_id = self.current_context_id()
         if context_id == INVALID_CONTEXT_ID:
-            raise DistAutogradError(NO_CURRENT_CONTEXT_MESSAGE)
+            raise no_current_context()
         return self.retrieve_context(context_id)
 
     def set_current_context_id(self, context_id: int) -> None:
         """Make ``context_id`` this thread's current context (error if it has one: contexts do not nest)."""
         current = self.current_context_id()
         if current != INVALID_CONTEXT_ID:
-            raise DistAutogradError(NESTED_CONTEXT_MESSAGE.format(current=current))
+            raise nested_context(current)
         self._local.context_id = int(context_id)
 
     def force_current_context_id(self, context_id: int) -> int:
@@ -244,39 +233,24 @@ class DistAutogradContainer:
 
 
 # -- the per-worker singleton (mirrors DistAutogradContainer::init / getInstance) ----------------------------
-_instance = None
-_instance_lock = threading.Lock()
+_slot = ContainerSlot(DistAutogradContainer)
 
 
 def init(worker_id: int) -> DistAutogradContainer:
     """Create this worker's container (once); calling again with the same id returns it, another id is an error."""
-    global _instance
-    with _instance_lock:
-        if _instance is not None:
-            if int(worker_id) != _instance.worker_id:
-                raise DistAutogradError(
-                    f"Container is already initialized with worker_id: {_instance.worker_id}, cannot initialize "
-                    f"with different worker_id: {worker_id}")
-            return _instance
-        _instance = DistAutogradContainer(worker_id)
-        return _instance
+    return _slot.init(worker_id)
 
 
 def get_container() -> DistAutogradContainer:
     """This worker's container; DistAutogradError if :func:`init` was not called."""
-    instance = _instance
-    if instance is None:
-        raise DistAutogradError(NOT_INITIALIZED_MESSAGE)
-    return instance
+    return _slot.get()
 
 
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
-    return _instance is not None
+    return _slot.is_initialized()
 
 
 def shutdown() -> None:
     """Drop this worker's container (RPC shutdown calls it; a later :func:`init` may use another worker id)."""
-    global _instance
-    with _instance_lock:
-        _instance = None
+    _slot.shutdown()

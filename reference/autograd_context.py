@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import threading
 
-from distlab.autograd.sparse import SparseGrad, add_grads
-from distlab.autograd.tensor import Tensor
-from distlab.errors import DistAutogradError
-from distlab.futures import Future
+from distlab._common.autograd_container import (
+    backward_already_running,
+    check_id,
+    describe_context,
+    first_error_future,
+    function_error,
+    gradients_as_tensors,
+    private_copy,
+    send_function_not_found,
+)
+from distlab.autograd.sparse import add_grads
 
-__all__ = ["AutogradMetadata", "DistAutogradContext", "check_id"]
-
-
-def check_id(value, what="context id"):
-    """An autograd id as an int; ValueError unless it is an unsigned 64-bit integer."""
-    value = int(value)
-    if not 0 <= value < 1 << 64:
-        raise ValueError(f"autograd {what}s are unsigned 64-bit integers, got {value}")
-    return value
-
+__all__ = ["AutogradMetadata", "DistAutogradContext"]
 
 class AutogradMetadata:
     """What an RPC carries for distributed autograd: ``(context_id, message_id)`` (mirrors autograd_metadata.h).
@@ -108,13 +106,11 @@ class DistAutogradContext:
 
     def _add_function(self, table, what, func, message_id):
         if func is None:
-            raise DistAutogradError(f"cannot add a None {what} function to autograd context {self._context_id}")
+            raise function_error(self._context_id, what, None)
         message_id = check_id(message_id, "message id")
         with self._lock:
-            if message_id in table:
-                raise DistAutogradError(
-                    f"autograd context {self._context_id} already has a {what} function for message id "
-                    f"{message_id}")
+            if message_id in table:  # one RPC records one function on each side
+                raise function_error(self._context_id, what, message_id)
             table[message_id] = func
 
     def send_functions(self) -> dict:
@@ -132,9 +128,7 @@ class DistAutogradContext:
         with self._lock:
             func = self._send.get(int(message_id))
         if func is None:
-            raise DistAutogradError(
-                f"Could not find send function for autograd message id {message_id} in autograd context "
-                f"{self._context_id}")
+            raise send_function_not_found(self._context_id, message_id)
         return func
 
     # -- gradients (mirrors DistAutogradContext::accumulateGrad / getGradients) ------------------------------
@@ -147,17 +141,15 @@ class DistAutogradContext:
         with self._lock:
             entry = self._grads.get(id(variable))
             if entry is None:
-                own = grad.clone() if isinstance(grad, SparseGrad) else grad.astype(
-                    variable.data.dtype, order="C", copy=True)
-                self._grads[id(variable)] = [variable, own]
+                self._grads[id(variable)] = [variable, private_copy(variable, grad)]
             else:
-                entry[1] = add_grads(entry[1], grad)
+                entry[1] = add_grads(entry[1], grad)  # out of place: earlier results stay as they were
 
     def get_gradients(self) -> dict:
         """``{leaf Tensor: gradient Tensor}`` accumulated in this context (SparseGrad stays sparse)."""
         with self._lock:
             entries = list(self._grads.values())
-        return {var: (g if isinstance(g, SparseGrad) else Tensor._wrap(g)) for var, g in entries}
+        return gradients_as_tensors(entries)
 
     # -- outstanding RPCs (mirrors addOutstandingRpc / clearAndWaitForOutstandingRpcsAsync) ------------------
     def add_outstanding_rpc(self, future) -> None:
@@ -183,34 +175,14 @@ class DistAutogradContext:
         """
         with self._lock:
             futures, self._outstanding = self._outstanding, []
-        result = Future(description=f"outstanding gradient RPCs of autograd context {self._context_id}")
-        remaining = [len(futures)]
-        lock = threading.Lock()
-        if not futures:
-            result.set_result(None)
-            return result
-
-        def one_done(fut):
-            exc = fut.exception()
-            with lock:
-                if result.done():
-                    return
-                remaining[0] -= 1
-                if exc is not None:
-                    result.set_exception(exc)
-                elif remaining[0] == 0:
-                    result.set_result(None)
-
-        for fut in futures:
-            fut.add_done_callback(one_done)
-        return result
+        return first_error_future(futures, self._context_id)
 
     # -- engine state (mirrors setGraphTask / retrieveGraphTask / resetGraphTask) ----------------------------
     def set_graph_task(self, task) -> None:
         """Attach the distributed engine's state of this pass (error if one is attached already)."""
         with self._lock:
             if self._graph_task is not None:
-                raise DistAutogradError(f"autograd context {self._context_id} already has a running backward pass")
+                raise backward_already_running(self._context_id)
             self._graph_task = task
 
     def retrieve_graph_task(self):
@@ -224,5 +196,4 @@ class DistAutogradContext:
 
     def __repr__(self):
         with self._lock:
-            return (f"DistAutogradContext(context_id={self._context_id}, known_workers={sorted(self._known_workers)}, "
-                    f"send={sorted(self._send)}, recv={sorted(self._recv)}, grads={len(self._grads)})")
+            return describe_context(self._context_id, self._known_workers, self._send, self._recv, len(self._grads))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distlab import _backend
-from distlab._autograd_shared import AUTO_INCREMENT_MASK, INVALID_CONTEXT_ID, worker_of
+from distlab._common.autograd_container import AUTO_INCREMENT_MASK, INVALID_CONTEXT_ID, worker_of
 from distlab.autograd import SparseGrad, Tensor
 from distlab.errors import AutogradContextNotFoundError, AutogradIdOverflowError, DistAutogradError
 from distlab.futures import Future
@@ -355,3 +355,18 @@ def test_ids_are_unsigned_64_bit(ac):
         with pytest.raises(ValueError, match="unsigned 64-bit"):
             ac.DistAutogradContext(1).add_send_function(object(), bad)
     assert c.get_or_create_context((1 << 64) - 1).context_id == (1 << 64) - 1
+
+
+def test_ids_of_other_integer_types(ac):
+    """numpy integers and other int-convertible ids are accepted as the reference's int() accepts them."""
+    c = ac.DistAutogradContainer(0)
+    ctx = c.get_or_create_context(np.uint64((1 << 64) - 2))
+    assert c.retrieve_context(np.uint64((1 << 64) - 2)) is ctx and c.retrieve_context((1 << 64) - 2) is ctx
+    assert c.release_context_if_present(np.int64(3)) == set()
+    for bad in (np.int64(-1), -(1 << 70)):
+        with pytest.raises(ValueError, match="unsigned 64-bit"):
+            c.retrieve_context(bad)
+    with pytest.raises(TypeError):
+        c.retrieve_context(None)
+    ctx.add_send_function("fn", np.int32(9))
+    assert ctx.send_functions() == {9: "fn"}

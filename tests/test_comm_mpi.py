@@ -65,3 +65,47 @@ def test_debug_info_logs_every_collective(mpirun):
     for rank in (0, 1):
         assert f"[rank {rank}] distlab.comm: group world rank {rank}: allreduce #1" in info.stderr
         assert f"[rank {rank}] distlab.comm: group world rank {rank}: broadcast_object #" in info.stderr
+
+
+def test_world_setup_times_out_naming_the_rank_that_never_arrived(mpirun):
+    result = mpirun("comm_setup.py", np=2, args=["world"], env={"DISTLAB_TIMEOUT": "2"}, timeout=90)
+    assert result.stdout.count("setup timeout reported: OK") == 2
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_group_setup_times_out_naming_the_rank_that_never_arrived(mpirun, np_):
+    result = mpirun("comm_setup.py", np=np_, args=["groups"], timeout=120)
+    assert result.stdout.count("setup timeout reported: OK") == np_
+
+
+def test_refused_calls_keep_the_group_in_step(mpirun):
+    result = mpirun("comm_checks.py", np=2, env={"DISTLAB_DEBUG": "DETAIL"})
+    assert result.stdout.count("kept the group in step: OK") == 2
+
+
+def test_dropped_groups_are_freed_and_destroy_never_waits(mpirun):
+    # 1020 groups: a group used to hold three MPI context ids until exit, and MPICH ran out near 681 groups.
+    result = mpirun("comm_lifecycle.py", np=2, args=["1020"], timeout=240)
+    assert result.stdout.count("lifecycle OK after 1020 groups") == 2
+
+
+@pytest.mark.parametrize("per_node", ["2", "1"])
+def test_missing_ranks_on_other_nodes_are_named(mpirun, per_node):
+    result = mpirun("comm_nodes.py", np=4, env={"DISTLAB_RANKS_PER_NODE": per_node}, timeout=120)
+    assert result.stdout.count(f"side channel across nodes OK ({per_node} per node)") == 4
+
+
+@pytest.mark.cluster
+def test_missing_rank_on_the_other_virtual_host_is_named(mpirun, virtual_cluster):
+    # 2 hosts, ranks in blocks ({0, 1} and {2, 3}): the late rank 3 is read off host 2's board by rank 2 and
+    # reported to host 1 over TCP; when both ranks of host 2 are late, host 1 names them as not answering.
+    result = mpirun("comm_nodes.py", np=4, args=["2"], cluster=virtual_cluster, timeout=180)
+    assert result.stdout.count("side channel across nodes OK (2 per node)") == 4
+
+
+@pytest.mark.cluster
+def test_setup_timeout_and_group_lifetime_across_virtual_hosts(mpirun, virtual_cluster):
+    result = mpirun("comm_setup.py", np=4, args=["groups"], cluster=virtual_cluster, timeout=180)
+    assert result.stdout.count("setup timeout reported: OK") == 4
+    result = mpirun("comm_lifecycle.py", np=2, args=["60"], cluster=virtual_cluster, timeout=180)
+    assert result.stdout.count("lifecycle OK after 60 groups") == 2

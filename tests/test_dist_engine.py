@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from distlab import _dist_engine as engine
+from distlab.distributed_autograd import engine
 from distlab.autograd import Function, Tensor
 from distlab.errors import DistAutogradError
 
@@ -157,7 +157,7 @@ def test_engine_errors(autograd_container):
 def test_tensors_pickle_as_data_and_requires_grad():
     import pickle
 
-    from distlab import distributed_autograd  # noqa: F401 - registers the pickling
+    from distlab.distributed_autograd import forward  # noqa: F401 - registers the pickling
     from distlab.nn import Parameter
 
     x = _leaf(7)
@@ -171,10 +171,10 @@ def test_tensors_pickle_as_data_and_requires_grad():
     assert type(p) is Parameter and p.requires_grad
 
 
-def test_rpc_hook_leaves_calls_outside_a_context_alone(autograd_container):
-    from distlab import distributed_autograd
+def test_call_wrapper_leaves_calls_outside_a_context_alone(autograd_container):
+    from distlab.distributed_autograd import forward
 
-    assert distributed_autograd._rpc_hook(1, print, (), None) is None
+    assert forward.wrap_call(1, print, (), None) is None
 
 
 def test_queue_callback_runs_when_this_workers_part_is_over(autograd_container):

@@ -10,7 +10,10 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "LIST_HEADER", "REQUEST_HEAD", "RESPONSE_HEAD", "RequestType", "ResponseType",
            "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES", "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES",
            "DTYPE_CODES", "CPU_DEVICE_ID", "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE",
-           "NUM_STATUS_BITS", "JOIN_TENSOR_NAME"]
+           "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
+           "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
+           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS",
+           "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
@@ -46,7 +49,6 @@ RPC_USER_KIND_BASE = 64
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)
 RFD_TUPLE_SIZE = 6
-
 
 # -- reduce ops: THE one table -------------------------------------------------------------------------------
 #: Reduce-op names by code; 0 (``""``) means "not a reduction". Used by the collective fingerprint, the comm layer
@@ -146,3 +148,30 @@ NUM_STATUS_BITS = 3
 
 #: The name a join request travels under.
 JOIN_TENSOR_NAME = "join.noname"
+
+# -- the comm layer's side channel and bounded set-up -------------------------------------------------------
+#: Tags the comm layer reserves on every communicator it is given or creates: the top of the range every MPI
+#: supports (0..32767). ProcessGroup.send/recv refuse them.
+COMM_RESERVED_TAGS = range(32760, 32768)
+#: Bounded setup (comm.bounded_barrier/bounded_dup): one notice from each rank to each peer, two int64 words
+#: [sender rank, check word] (the check word lets the ranks compare an argument, e.g. new_group's rank list).
+COMM_SETUP_TAG = 32767
+#: The missing-rank side channel between nodes: a note is COMM_NOTE_HEADER int64 words, then ``count`` triples
+#: (group rank, last collective seq it entered, that collective's op code) read from the sender's node board.
+COMM_NOTE_TAG = 32766
+COMM_NOTE_VERSION = 1
+COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
+COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index
+COMM_NOTE_STATES = ("elsewhere", "waiting", "gave_up")  # the sender, in this group, at seq: codes: index
+#: A rank's slot on its node's arrival board: int64 words [last collective seq entered, its op code].
+COMM_SLOT_WORDS = 2
+
+
+# -- distributed autograd (distlab.distributed_autograd) ------------------------------------------------------
+#: RPC message kinds of distributed autograd (at or above RPC_USER_KIND_BASE). Codes travel: never change them.
+#: Payloads: backward = (context id, message id, pass id, retain_graph, [gradient or None per tensor]);
+#: prepare = (context id, pass id, retain_graph); cleanup = context id.
+DIST_AUTOGRAD_KIND_CODES = {"dist_autograd_backward": 80, "dist_autograd_prepare": 81, "dist_autograd_cleanup": 82}
+#: The autograd metadata an RPC made inside a context carries ahead of its function (mirrors
+#: rpc_with_autograd.h: autogradMetadata + fromWorkerId): a tuple of these fields, in this order.
+AUTOGRAD_METADATA_FIELDS = ("context_id", "message_id", "from_worker")

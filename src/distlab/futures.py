@@ -6,32 +6,87 @@ Modelled on ``torch.futures.Future``: ``wait``, ``value``, ``done``, ``then``, `
 MPI operations progress only while some thread is inside an MPI call, so a future that stands for an MPI request
 carries a *driver*: ``wait()`` calls it to push the request to completion (with a timeout) instead of sleeping
 on a condition variable that nobody would ever signal.
+
+Timeouts (:func:`check_timeout`, used by every distlab wait): a number of seconds or a ``datetime.timedelta``.
+``None`` means the default, ``DISTLAB_TIMEOUT`` (300 s). ``inf`` means no deadline at all (as a very large
+``timedelta`` does in PyTorch): the wait may then hang, which is what the bound exists to prevent, so use it only
+under a debugger. NaN, negative values and ``0`` are refused: ``0`` means "the default" to c10d's ``Work.wait``
+and "no timeout" to torch RPC, and "do not wait" to Python's own waits; rather than guess, distlab asks for
+``None`` (the default) or ``is_completed()`` (to poll).
+
+This module does not import MPI: RPC, the autograd engine and tests use futures without an MPI job.
 """
 from __future__ import annotations
 
+import datetime
+import logging
+import math
+import numbers
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable
 
 from .errors import DistTimeoutError
 
-__all__ = ["Future", "collect_all", "default_timeout"]
+__all__ = ["Future", "collect_all", "default_timeout", "check_timeout"]
 
 _UNSET = object()
+log = logging.getLogger("distlab.futures")
+
+
+def check_timeout(value, what: str) -> float:
+    """Return ``value`` (seconds, or a ``datetime.timedelta``) as float seconds; refuse what is not a timeout.
+
+    Parameters
+    ----------
+    value : float, int or datetime.timedelta
+        The timeout. ``inf`` means no deadline.
+    what : str
+        The argument or variable it came from, named in the error (``"ProcessGroup(timeout)"``).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is neither a real number nor a ``timedelta``.
+    ValueError
+        ``value`` is NaN, negative or zero.
+    """
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{what} must be a number of seconds or a datetime.timedelta, got {value!r}")
+    if math.isnan(seconds):
+        raise ValueError(f"{what} is NaN: a timeout must be a positive number of seconds (inf for no deadline)")
+    if seconds < 0:
+        raise ValueError(f"{what}={seconds:g} is negative: a timeout must be a positive number of seconds")
+    if seconds == 0:
+        raise ValueError(f"{what}=0 is ambiguous (torch reads it as 'the default' or 'no timeout', Python as "
+                         "'do not wait'): pass None for the default timeout, a positive number of seconds, or "
+                         "inf for no deadline; poll with is_completed()")
+    return seconds
 
 
 def default_timeout() -> float:
-    """The default timeout of every blocking wait, in seconds: ``DISTLAB_TIMEOUT`` (default 300)."""
-    import os
+    """The default timeout of every blocking wait, in seconds: ``DISTLAB_TIMEOUT`` (default 300).
 
+    Checked as :func:`check_timeout` does: ``nan``, negative values and ``0`` are refused, ``inf`` means no deadline.
+    """
     value = os.environ.get("DISTLAB_TIMEOUT", "300")
     try:
         timeout = float(value)
     except ValueError:
         raise ValueError(f"DISTLAB_TIMEOUT={value!r} is not a number of seconds") from None
-    if timeout <= 0:
-        raise ValueError(f"DISTLAB_TIMEOUT must be positive, got {timeout}")
-    return timeout
+    return check_timeout(timeout, f"DISTLAB_TIMEOUT={value!r}")
+
+
+def _event_wait(event: threading.Event, deadline: float) -> bool:
+    """``event.wait`` until the monotonic ``deadline`` (inf: no deadline; ``Event.wait(inf)`` overflows)."""
+    if deadline == math.inf:
+        return event.wait()
+    return event.wait(max(deadline - time.monotonic(), 0.0))
 
 
 class Future:
@@ -94,26 +149,36 @@ class Future:
         try:
             callback(self)
         except Exception:  # noqa: BLE001
-            import logging
-
-            logging.getLogger("distlab.futures").exception("a Future callback raised")
+            log.exception("a Future callback raised")
 
     # -- waiting ----------------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None):
         """Block until completed and return the value (or raise the stored exception).
 
-        Raises :class:`~distlab.errors.DistTimeoutError` after ``timeout`` seconds (default ``DISTLAB_TIMEOUT``).
+        Parameters
+        ----------
+        timeout : float or datetime.timedelta, optional
+            Seconds to wait (default ``DISTLAB_TIMEOUT``; see :func:`check_timeout`).
+
+        Raises
+        ------
+        DistTimeoutError
+            The future did not complete in time. A future chained with :meth:`then` to one whose operation timed
+            out raises that operation's error (naming its missing ranks).
         """
         if not self.done():
-            timeout = default_timeout() if timeout is None else timeout
+            timeout = default_timeout() if timeout is None else check_timeout(timeout, "Future.wait(timeout)")
+            deadline = time.monotonic() + timeout
             if self._driver is not None:
-                self._driver(timeout)
-            else:
+                self._driver(timeout)  # completes this future (perhaps through callbacks) or raises
+            if not self.done():
+                # Completed by another thread (an RPC reply, or the callback of a parent completed elsewhere
+                # that has not yet run): sleep on an event until it is.
                 with self._lock:
                     if self._event is None:
                         self._event = threading.Event()
                     event = self._event
-                if not self.done() and not event.wait(timeout) and not self.done():
+                if not self.done() and not _event_wait(event, deadline) and not self.done():
                     raise DistTimeoutError(
                         f"{self._description} did not complete within {timeout:g} s",
                         op=self._description, timeout=timeout,
@@ -144,7 +209,13 @@ class Future:
         self._run_callback(callback)
 
     def then(self, callback: Callable[["Future"], Any]) -> "Future":
-        """Return a new future completed with ``callback(self)``; an exception in either propagates to it."""
+        """Return a new future completed with ``callback(self)``; an exception in either propagates to it.
+
+        Waiting on the new future drives this one. If this one fails (a collective timed out, an RPC raised),
+        ``callback`` still runs, as in torch, and ``self.value()`` inside it raises the error, which completes
+        the new future. If waiting on this one times out without completing it (an RPC reply that may still
+        come), the new future's ``wait`` raises that same :class:`~distlab.errors.DistTimeoutError`.
+        """
         chained = Future(driver=self._drive_then, description=f"then({self._description})")
 
         def run(parent: Future) -> None:
@@ -157,11 +228,14 @@ class Future:
         return chained
 
     def _drive_then(self, timeout: float) -> None:
-        # Waiting on a chained future drives its parent; the callback then completes the child.
+        # Waiting on a chained future drives its parent; the parent's callback then completes the child. A parent
+        # that failed completed the child with its error already; a parent still pending after its wait timed out
+        # has not, so its DistTimeoutError (with the missing ranks) is the child's too.
         try:
             self.wait(timeout)
-        except Exception:  # noqa: BLE001 - the parent's exception reaches the child through the callback
-            pass
+        except BaseException:  # noqa: BLE001
+            if not self.done():
+                raise
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("error" if self._exception is not None else "done")
@@ -169,7 +243,11 @@ class Future:
 
 
 def collect_all(futures: Iterable[Future]) -> Future:
-    """Return a future completed with the list of ``futures`` once every one of them is completed."""
+    """Return a future completed with the list of ``futures`` once every one of them is completed.
+
+    A failed future does not fail the result (inspect each one), as in torch; waiting on the result raises the
+    :class:`~distlab.errors.DistTimeoutError` of a future that timed out without completing.
+    """
     futures = list(futures)
     combined = Future(driver=lambda timeout: _wait_all(futures, timeout), description="collect_all")
     remaining = [len(futures)]
@@ -195,7 +273,7 @@ def _wait_all(futures, timeout: float) -> None:
     for fut in futures:
         try:
             fut.wait(max(deadline - time.monotonic(), 1e-6))
-        except DistTimeoutError:
-            raise
-        except Exception:  # noqa: BLE001 - collect_all completes with failed futures inside
-            pass
+        except BaseException:  # noqa: BLE001
+            if not fut.done():
+                raise  # timed out (or could not be driven): the combined future has no result to give
+            # else it failed: collect_all completes with failed futures inside

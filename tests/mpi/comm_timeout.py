@@ -9,9 +9,10 @@ from distlab.errors import DistTimeoutError, ProcessGroupBrokenError
 pg = comm.world()
 r, n = pg.rank, pg.size
 late = n - 1
+chained = comm.ProcessGroup(name="chained")
 pg.barrier()
 if r == late:
-    time.sleep(4.0)  # busy elsewhere: never enters the allreduce
+    time.sleep(6.0)  # busy elsewhere: never enters the allreduces
 else:
     start = time.monotonic()
     try:
@@ -31,4 +32,13 @@ else:
         raise AssertionError("a broken group must refuse further use")
     except ProcessGroupBrokenError as exc:
         assert "timed out" in str(exc)
+    # A future chained with then() (what fp16 comm hooks and sparse buckets do) fails with the same error.
+    work = chained.allreduce(np.ones(2), name="hooked", async_op=True)
+    doubled = work.get_future().then(lambda f: f.value() * 2)
+    try:
+        doubled.wait(timeout=1.5)
+        raise AssertionError("must time out")
+    except DistTimeoutError as exc:
+        assert exc.missing_ranks == [late] and f"ranks [{late}] have not entered it" in str(exc), str(exc)
+        assert exc.name == "hooked" and work.exception() is exc and doubled.exception() is exc
 print(f"rank {r}: timeout reported: OK", flush=True)

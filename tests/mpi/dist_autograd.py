@@ -6,7 +6,6 @@ across workers equal to the same graph run locally, remote engine errors, Distri
 import os
 import sys
 import threading
-import warnings
 
 import numpy as np
 
@@ -17,11 +16,9 @@ import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
 from distlab.autograd import Function, Tensor
-from distlab.distributed_optim import DistributedOptimizer
-from distlab._autograd_shared import K_CLEANUP
+from distlab.distributed_autograd import DistributedOptimizer, config, forward
 from distlab._wire import RPC_KIND_CODES
 from distlab.rpc.api import _call_payload
-from distlab.futures import Future
 from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError, RemoteError
 
 K_CALL = RPC_KIND_CODES["call"]
@@ -74,7 +71,7 @@ def cheap_layer(x):
 
 
 def set_inline_backward(flag):
-    dist_autograd.inline_backward = flag
+    config.inline_backward = flag
 
 
 def total(t):
@@ -106,31 +103,6 @@ class Boom(Function):
 
 def boom_stage(x):
     return Boom.apply(x)
-
-
-_flaky = {}
-
-
-def install_flaky_cleanup(mode):
-    """Make this worker's context release fail once ("fail_once") or never answer ("dead": a failed worker)."""
-    _flaky.update(calls=0)
-
-    def flaky(src, payload, meta):
-        _flaky["calls"] += 1
-        if mode == "fail_once" and _flaky["calls"] == 1:
-            raise RuntimeError("transient cleanup failure")
-        if mode == "dead":
-            return Future()  # never answered
-        return dist_autograd._handle_cleanup(src, payload, meta)
-
-    rpc.get_agent().register_handler(K_CLEANUP, flaky, _internal=True)
-
-
-def restore_cleanup():
-    rpc.get_agent().register_handler(K_CLEANUP, dist_autograd._handle_cleanup, _internal=True)
-    for cid in dist_autograd.get_container().context_ids():
-        dist_autograd.get_container().release_context_if_present(cid)
-    return _flaky["calls"]
 
 
 class FailingSGD(optim.SGD):
@@ -222,12 +194,14 @@ if rank == 0:
     assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
 
     assert dist_autograd.debug_info() == {"num_autograd_contexts": 0, "num_current_backward_passes": 0,
-                                          "num_send_functions": 0, "num_recv_functions": 0}
+                                          "num_send_functions": 0, "num_recv_functions": 0,
+                                          "num_releases_in_flight": 0}
     with dist_autograd.context() as cid:
         x = Tensor(X0.copy(), requires_grad=True)
         outs = [rpc.rpc_sync(dst, layer, (x,)) for dst in others]
         assert dist_autograd.debug_info() == {"num_autograd_contexts": 1, "num_current_backward_passes": 0,
-                                              "num_send_functions": world - 1, "num_recv_functions": world - 1}
+                                              "num_send_functions": world - 1, "num_recv_functions": world - 1,
+                                              "num_releases_in_flight": 0}
         ctx = container.retrieve_context(cid)
         assert ctx.known_worker_ids() == set(others)
         assert len(ctx.send_functions()) == world - 1 and len(ctx.recv_functions()) == world - 1
@@ -369,7 +343,7 @@ if rank == 0:
     with dist_autograd.context() as cid:
         rpc.rpc_sync(1, layer, (Tensor(X0, requires_grad=True),))
         late_meta = (cid, container.new_autograd_message_id(), 0)
-    late = rpc.get_agent().send(1, K_CALL, _call_payload(dist_autograd._autograd_call,
+    late = rpc.get_agent().send(1, K_CALL, _call_payload(forward.autograd_call,
                                                          (late_meta, layer, (Tensor(X0, requires_grad=True),), None),
                                                          None))
     try:
@@ -378,26 +352,6 @@ if rank == 0:
     except RemoteError as exc:
         assert "outlived its context" in str(exc), exc
     assert rpc.rpc_sync(1, num_contexts) == 0
-
-    # -- release with retries; a worker that never answers is reported, the others are still released ---------
-    dist_autograd.cleanup_timeout = 0.5
-    rpc.rpc_sync(1, install_flaky_cleanup, ("fail_once",))
-    with dist_autograd.context() as cid:
-        for dst in others:
-            rpc.rpc_sync(dst, layer, (Tensor(X0, requires_grad=True),))
-    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world)] == [0] * world
-    assert rpc.rpc_sync(1, restore_cleanup) == 2  # failed once, released on the retry
-    rpc.rpc_sync(1, install_flaky_cleanup, ("dead",))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with dist_autograd.context() as cid:
-            for dst in others:
-                rpc.rpc_sync(dst, layer, (Tensor(X0, requires_grad=True),))
-    assert any(f"context {cid} could not be released on" in str(w.message) for w in caught), caught
-    assert [rpc.rpc_sync(dst, num_contexts) for dst in range(world) if dst != 1] == [0] * (world - 1)
-    assert rpc.rpc_sync(1, num_contexts) == 1  # only the "failed" worker keeps it
-    assert rpc.rpc_sync(1, restore_cleanup) == 3  # every attempt was made
-    dist_autograd.cleanup_timeout = 10.0
 
     # -- DistributedOptimizer: the update equals the local one ------------------------------------------------
     rrefs = [rpc.rpc_sync(dst, param_rref) for dst in range(world)]

@@ -6,7 +6,7 @@ whether the comm layer staged through host memory and synchronised the "stream".
 """
 import numpy as np
 
-from distlab._arrays import ArrayBackend, register_backend
+from distlab.comm.device import ArrayBackend, register_backend
 
 COUNTS = {"synchronize": 0, "to_host": 0, "from_host": 0}
 

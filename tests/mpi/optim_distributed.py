@@ -14,7 +14,7 @@ import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
 from distlab.autograd import Tensor
-from distlab.distributed_optim import DistributedOptimizer
+from distlab.distributed_autograd import DistributedOptimizer
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 _done = threading.Event()

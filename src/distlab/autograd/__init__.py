@@ -3,17 +3,23 @@
 Pieces and the PyTorch code they mirror:
 
 - :class:`Tensor` (tensor.py): ndarray + ``grad``/``grad_fn``/hooks (``Variable``, ``AutogradMeta``).
-- :class:`Node`, :class:`AccumulateGrad` (node.py): backward functions (function.h, accumulate_grad.h).
+- :class:`Node` (node.py), :class:`AccumulateGrad` (accumulate_grad.py): backward functions (function.h,
+  accumulate_grad.h).
 - :func:`run_backward`, :func:`queue_callback`, :func:`graph_leaves` (engine.py): the engine (engine.cpp).
 - ops.py, shape_ops.py: differentiable operations (derivatives.yaml).
 - :class:`SparseGrad` (sparse.py): row-sparse gradients of sparse embeddings.
 - :class:`Function` (function.py): custom differentiable operations.
+
+Imports run one way: tensor.py imports none of the modules that use Tensor. The Tensor methods that need them
+are installed on the class by the module that implements them (``_grad_node`` by accumulate_grad.py,
+``backward`` by engine.py, the operators by ops.py and shape_ops.py), all of which this package imports.
 """
 from __future__ import annotations
 
-# tensor first: it binds the ops modules at its end, which import Tensor back.
-from .tensor import Tensor, _check_gradient, tensor  # isort: skip
+# Tensor is defined in tensor.py, which imports none of the modules below; accumulate_grad, engine, ops and
+# shape_ops install its autograd methods and operators when imported (importing this package imports them all).
 from ._array import array_module, to_numpy
+from .tensor import Tensor, _check_gradient, tensor
 from .engine import compute_dependencies, graph_leaves, is_backward_running, queue_callback, run_backward, walk_graph
 from .function import Function, FunctionCtx
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled

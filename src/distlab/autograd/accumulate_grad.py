@@ -1,6 +1,8 @@
 """AccumulateGrad: the sink node of a leaf tensor (mirrors torch/csrc/autograd/functions/accumulate_grad.h)."""
 from __future__ import annotations
 
+import weakref
+
 from ._array import index_add
 from .node import Node
 from .sparse import SparseGrad, add_grads
@@ -92,3 +94,19 @@ def accumulate_into(var, grad, owned: bool = False) -> None:
         index_add(old.data, grad.indices, grad.values)  # in place: .grad may be a view into a DDP bucket
     else:
         old.data += grad
+
+
+def _grad_node(self):
+    """The node that receives this tensor's gradient: grad_fn, the leaf's AccumulateGrad, or None."""
+    if self.grad_fn is not None:
+        return self.grad_fn
+    if not self.requires_grad:
+        return None
+    node = self._accumulator() if self._accumulator is not None else None
+    if node is None:
+        node = AccumulateGrad(self)
+        self._accumulator = weakref.ref(node)  # the graph keeps the node alive, the tensor only finds it
+    return node
+
+
+Tensor._grad_node = _grad_node  # a Tensor method; defined here so that tensor.py need not import this module

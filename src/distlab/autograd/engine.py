@@ -25,7 +25,7 @@ from . import grad_mode
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
 from .node import FREED_GRAPH_MESSAGE, Node
 from .sparse import add_grads
-from .tensor import Tensor
+from .tensor import Tensor, _check_gradient
 
 __all__ = ["run_backward", "queue_callback", "compute_dependencies", "walk_graph", "graph_leaves",
            "is_backward_running", "evaluate_node", "propagate"]
@@ -237,6 +237,23 @@ def propagate(node, outputs, buffers, deps, ready, order: int) -> int:
             heapq.heappush(ready, (-nxt.seq, order, nxt))
             order += 1
     return order
+
+
+def _tensor_backward(self, gradient=None, retain_graph: bool = False) -> None:
+    """Compute the gradient of this tensor with respect to the graph's leaves (see torch.Tensor.backward).
+
+    Parameters
+    ----------
+    gradient : Tensor or array, optional
+        d(loss)/d(self); may be omitted only for single-element tensors (it is then 1).
+    retain_graph : bool
+        Keep the saved values so backward can run through this graph again.
+    """
+    run_backward([self], [_check_gradient(self, gradient)], retain_graph=retain_graph)
+
+
+_tensor_backward.__name__, _tensor_backward.__qualname__ = "backward", "Tensor.backward"
+Tensor.backward = _tensor_backward  # a Tensor method; defined here so that tensor.py need not import the engine
 
 
 def _run_callbacks(task) -> None:

@@ -284,3 +284,23 @@ def matmul(a, b) -> Tensor:
     if not hasattr(db, "ndim"):
         db = np.asarray(db)
     return record(da @ db, MatmulBackward, (a, b), (da, db))
+
+
+# -- Tensor's operators and element-wise methods ----------------------------------------------------------------
+# Installed here rather than written in tensor.py, so that tensor.py imports no op module (ops import Tensor).
+# The forward operators are the ops themselves: no extra Python frame per operation.
+def _radd(self, other): return add(other, self)
+def _rsub(self, other): return sub(other, self)
+def _rmul(self, other): return mul(other, self)
+def _rtruediv(self, other): return div(other, self)
+def _rmatmul(self, other): return matmul(other, self)
+def _rpow(self, base): return pow(base, self)
+
+
+for _name, _fn in (("__add__", add), ("__radd__", _radd), ("__sub__", sub), ("__rsub__", _rsub),
+                   ("__mul__", mul), ("__rmul__", _rmul), ("__truediv__", div), ("__rtruediv__", _rtruediv),
+                   ("__matmul__", matmul), ("__rmatmul__", _rmatmul), ("__pow__", pow), ("__rpow__", _rpow),
+                   ("__neg__", neg), ("exp", exp), ("log", log), ("sqrt", sqrt), ("relu", relu), ("tanh", tanh),
+                   ("sigmoid", sigmoid), ("abs", abs)):
+    setattr(Tensor, _name, _fn)
+del _name, _fn

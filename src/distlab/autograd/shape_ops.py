@@ -197,3 +197,14 @@ def softmax(a: Tensor, axis: int = -1) -> Tensor:
     e = xp.exp(a.data - a.data.max(axis=axis, keepdims=True))
     out = e / e.sum(axis=axis, keepdims=True)
     return record(out, SoftmaxBackward, (a,), (out, axis))
+
+
+# -- Tensor's reductions, shape methods and indexing (installed here: tensor.py imports no op module) -----------
+def _flatten(self): return reshape(self, -1)
+
+
+for _name, _fn in (("sum", sum), ("mean", mean), ("reshape", reshape), ("view", reshape), ("flatten", _flatten),
+                   ("transpose", transpose), ("log_softmax", log_softmax), ("softmax", softmax),
+                   ("__getitem__", getitem)):
+    setattr(Tensor, _name, _fn)
+del _name, _fn

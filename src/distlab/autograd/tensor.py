@@ -1,8 +1,9 @@
 """The Tensor: an ndarray (numpy or cupy) plus what autograd needs (mirrors torch's ``Variable``/``AutogradMeta``).
 
 A tensor is a *leaf* when ``grad_fn`` is None (created by the user, e.g. a Parameter); otherwise ``grad_fn`` is
-the :class:`~distlab.autograd.node.Node` that computes its inputs' gradients. Operators delegate to
-:mod:`distlab.autograd.ops`.
+the :class:`~distlab.autograd.node.Node` that computes its inputs' gradients. The differentiable operators and
+methods are installed on the class by :mod:`distlab.autograd.ops` and :mod:`distlab.autograd.shape_ops` (which
+import this module, never the other way round).
 """
 from __future__ import annotations
 
@@ -154,29 +155,10 @@ class Tensor:
         return Tensor(data, requires_grad=self.requires_grad and self.is_leaf)
 
     # -- autograd -------------------------------------------------------------------------------------------
-    def _grad_node(self):
-        """The node that receives this tensor's gradient: grad_fn, the leaf's AccumulateGrad, or None."""
-        if self.grad_fn is not None:
-            return self.grad_fn
-        if not self.requires_grad:
-            return None
-        node = self._accumulator() if self._accumulator is not None else None
-        if node is None:
-            node = _accumulate_grad.AccumulateGrad(self)
-            self._accumulator = weakref.ref(node)
-        return node
-
-    def backward(self, gradient=None, retain_graph: bool = False) -> None:
-        """Compute the gradient of this tensor with respect to the graph's leaves (see torch.Tensor.backward).
-
-        Parameters
-        ----------
-        gradient : Tensor or array, optional
-            d(loss)/d(self); may be omitted only for single-element tensors (it is then 1).
-        retain_graph : bool
-            Keep the saved values so backward can run through this graph again.
-        """
-        _engine.run_backward([self], [_check_gradient(self, gradient)], retain_graph=retain_graph)
+    # Installed on the class by the modules that implement them (they import Tensor; tensor.py imports none of
+    # them, so the dependency runs one way): ``_grad_node`` by accumulate_grad.py (it makes the leaf's
+    # AccumulateGrad), ``backward`` by engine.py, the arithmetic operators and element-wise methods by ops.py,
+    # the reductions, shape methods and ``__getitem__`` by shape_ops.py. ``distlab.autograd`` imports them all.
 
     def register_hook(self, hook) -> "RemovableHandle":  # noqa: F821
         """Register ``hook(grad) -> Tensor or None``, called with this tensor's gradient before it is used.
@@ -217,22 +199,8 @@ class Tensor:
 
         self.grad_fn.register_prehook(_retain)
 
-    # -- operators (all recorded by distlab.autograd.ops) ---------------------------------------------------
-    def __add__(self, other): return _ops.add(self, other)
-    def __radd__(self, other): return _ops.add(other, self)
-    def __sub__(self, other): return _ops.sub(self, other)
-    def __rsub__(self, other): return _ops.sub(other, self)
-    def __mul__(self, other): return _ops.mul(self, other)
-    def __rmul__(self, other): return _ops.mul(other, self)
-    def __truediv__(self, other): return _ops.div(self, other)
-    def __rtruediv__(self, other): return _ops.div(other, self)
-    def __matmul__(self, other): return _ops.matmul(self, other)
-    def __rmatmul__(self, other): return _ops.matmul(other, self)
-    def __pow__(self, exponent): return _ops.pow(self, exponent)
-    def __rpow__(self, base): return _ops.pow(base, self)
-    def __neg__(self): return _ops.neg(self)
+    # -- operators: the differentiable ones are installed by ops.py and shape_ops.py (see above) -------------
     def __pos__(self): return self
-    def __getitem__(self, index): return _shape_ops.getitem(self, index)
 
     # Comparisons are not differentiable: they return plain boolean arrays.
     def __lt__(self, other): return self.data < _as_array(other)
@@ -241,22 +209,6 @@ class Tensor:
     def __ge__(self, other): return self.data >= _as_array(other)
     def __eq__(self, other): return self.data == _as_array(other)
     def __ne__(self, other): return self.data != _as_array(other)
-
-    def exp(self): return _ops.exp(self)
-    def log(self): return _ops.log(self)
-    def sqrt(self): return _ops.sqrt(self)
-    def relu(self): return _ops.relu(self)
-    def tanh(self): return _ops.tanh(self)
-    def sigmoid(self): return _ops.sigmoid(self)
-    def abs(self): return _ops.abs(self)
-    def sum(self, axis=None, keepdims=False): return _shape_ops.sum(self, axis, keepdims)
-    def mean(self, axis=None, keepdims=False): return _shape_ops.mean(self, axis, keepdims)
-    def reshape(self, *shape): return _shape_ops.reshape(self, *shape)
-    def view(self, *shape): return _shape_ops.reshape(self, *shape)
-    def flatten(self): return _shape_ops.reshape(self, -1)
-    def transpose(self, *axes): return _shape_ops.transpose(self, *axes)
-    def log_softmax(self, axis=-1): return _shape_ops.log_softmax(self, axis)
-    def softmax(self, axis=-1): return _shape_ops.softmax(self, axis)
 
 
 def _check_gradient(out: Tensor, gradient):
@@ -300,10 +252,3 @@ def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
         data = data.data
     xp = array_module(data)
     return Tensor(xp.array(data, dtype=dtype), requires_grad=requires_grad)
-
-
-# These modules import Tensor back; bound here, looked up at call time.
-from . import accumulate_grad as _accumulate_grad  # noqa: E402
-from . import engine as _engine  # noqa: E402
-from . import ops as _ops  # noqa: E402
-from . import shape_ops as _shape_ops  # noqa: E402

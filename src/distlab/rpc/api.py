@@ -11,7 +11,7 @@ from distlab._wire import RPC_KIND_CODES
 from distlab.errors import RpcError
 from distlab.futures import Future
 
-from . import framing
+from . import framing, wrappers
 from .agent import RpcAgent, WorkerInfo, check_thread_level
 
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote", "cheap", "get_agent",
@@ -92,21 +92,16 @@ def _call_payload(func, args, kwargs):
     return (framing.by_value(func), tuple(args), dict(kwargs) if kwargs else None)
 
 
-# -- distributed autograd hook (set by distlab.distributed_autograd; issue 8) ---------------------------------------
-#: None, or ``hook(dst_id, func, args, kwargs, remote=False)`` returning None (send the call as is) or
-#: ``(func, args, kwargs, unwrap)``: inside an autograd context the call carries autograd metadata and its reply
-#: passes through ``unwrap``.
-autograd_hook = None
-
-
-def _autograd_wrap(agent, to, func, args, kwargs, remote=False):
-    return autograd_hook(agent.worker_info(to).id, func, args, kwargs, remote)
+# -- call wrappers (distlab.rpc.wrappers: how distributed autograd rewrites calls made inside a context) -----------
+def _wrap(agent, to, func, args, kwargs, remote=False):
+    """None, or ``(func, args, kwargs, unwrap)`` when a registered call wrapper rewrote the call."""
+    return wrappers._wrappers and wrappers.wrap_call(agent.worker_info(to).id, func, args, kwargs, remote)
 
 
 def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
     agent = get_agent()
-    wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
+    wrapped = _wrap(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
@@ -118,7 +113,7 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
     """Like :func:`rpc_sync` but return a Future at once."""
     agent = get_agent()
-    wrapped = autograd_hook and _autograd_wrap(agent, to, func, args, kwargs)
+    wrapped = _wrap(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
@@ -132,7 +127,7 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func`` on worker ``to`` and return an RRef to its result (see :mod:`distlab.rpc.rref`)."""
     from .rref import remote as _remote
 
-    wrapped = autograd_hook and _autograd_wrap(get_agent(), to, func, args, kwargs, remote=True)
+    wrapped = _wrap(get_agent(), to, func, args, kwargs, remote=True)
     if wrapped:
         func, args, kwargs, _unwrap = wrapped
     return _remote(to, func, args, kwargs, timeout)

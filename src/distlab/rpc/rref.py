@@ -100,12 +100,13 @@ class RRef:
         r.check_usable("to_here()")
         from . import api
 
-        if api.autograd_hook is not None:  # inside a distributed autograd context the fetch carries its metadata
-            wrapped = api._autograd_wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
-            if wrapped:  # (torch: to_here records a send function on the owner, a recv function here; issue 8)
-                func, args, kwargs, unwrap = wrapped
-                return unwrap(api.get_agent().call_sync(r.owner(), api.K_CALL, api._call_payload(func, args, kwargs),
-                                                        timeout=timeout))
+        # a call wrapper (distributed autograd inside a context) turns the fetch into a call of local_value
+        # carrying its metadata (torch: to_here records a send function on the owner, a recv function here)
+        wrapped = api._wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
+        if wrapped:
+            func, args, kwargs, unwrap = wrapped
+            return unwrap(api.get_agent().call_sync(r.owner(), api.K_CALL, api._call_payload(func, args, kwargs),
+                                                    timeout=timeout))
         return api.get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
 
     def rpc_sync(self, timeout=None):

@@ -1,4 +1,4 @@
-"""Array backends: how the comm layer hands numpy, cupy (and test stand-ins) to MPI.
+"""Device buffers: how the comm layer hands numpy, cupy (and test stand-ins) to MPI.
 
 A backend says whether an array lives on a device, how to wait for the device's stream, and how to stage it
 through host memory. numpy is the host backend; cupy registers itself when cupy is importable. Tests register a
@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["ArrayBackend", "register_backend", "backend_for", "cuda_aware", "mpi_cuda_support"]
+__all__ = ["ArrayBackend", "register_backend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer",
+           "empty_like"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +133,39 @@ def cuda_aware() -> bool:
     if setting != "auto":
         raise ValueError(f"DISTLAB_CUDA_AWARE={setting!r}: expected auto, 1 or 0")
     return mpi_cuda_support() is True
+
+
+def mpi_buffer(array, what: str):
+    """Return (buffer to give MPI, step copying results back or None), staging device arrays if needed."""
+    if type(array) is np.ndarray:  # the hot path: host memory, no staging
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                             "pass np.ascontiguousarray(a) and copy the result back")
+        return array, None
+    backend = backend_for(array)
+    if not _is_contiguous(array):
+        raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                         "pass np.ascontiguousarray(a) and copy the result back")
+    if not backend.on_device:
+        return array, None
+    backend.synchronize(array)  # the kernels writing this array must finish before MPI reads it
+    if cuda_aware():
+        return array, None
+    host = backend.to_host(array)
+    return host, (lambda: backend.from_host(array, host))
+
+
+def empty_like(array, shape):
+    """An uninitialised array of ``shape`` with ``array``'s dtype, in the same memory (host or device)."""
+    backend = backend_for(array)
+    if not backend.on_device:
+        return np.empty(shape, dtype=array.dtype)
+    module = __import__(type(array).__module__.split(".")[0])
+    return module.empty(shape, dtype=array.dtype)
+
+
+def _is_contiguous(array) -> bool:
+    flags = getattr(array, "flags", None)
+    if flags is not None:
+        return bool(flags["C_CONTIGUOUS"]) if not hasattr(flags, "c_contiguous") else bool(flags.c_contiguous)
+    return True

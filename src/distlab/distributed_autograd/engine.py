@@ -1,6 +1,7 @@
 """The distributed backward engine and its graph nodes (mirrors torch/csrc/distributed/autograd/engine/
 dist_engine.cpp and functions/sendrpc_backward.cpp, recvrpc_backward.cpp). Shared plumbing, not twinned: it
-works with whichever container twin is active (``distlab._backend.load("autograd_container")``).
+works with whichever container twin is active (``distlab._backend.load("autograd_container")``). This module
+does no communication: :mod:`.backward_pass` moves a pass between workers.
 
 Forward: an RPC made inside a context records a :class:`SendRpcBackward` on the sender (its next nodes are the
 sent tensors' grad nodes) and, on the receiver, one :class:`RecvRpcBackward` per received tensor that requires
@@ -129,7 +130,7 @@ class GraphTask:
     """One worker's state of one backward pass of one context (torch's GraphTask owned by the context)."""
 
     __slots__ = ("pass_id", "retain_graph", "deps", "buffers", "lock", "order", "sends_left", "finished",
-                 "in_tree", "callbacks", "_closing")
+                 "in_tree", "prepares", "callbacks", "_closing")
 
     def __init__(self, pass_id, retain_graph: bool):
         self.pass_id = pass_id
@@ -141,7 +142,8 @@ class GraphTask:
         self.sends_left = set()  # message ids of send functions not yet run in this pass (outstanding_tasks_)
         #: completed when every send function of the context has run here (or with the first local error)
         self.finished = Future(description=f"backward pass {pass_id}")
-        self.in_tree = False  # joined the pass's tree of prepare messages (see distributed_autograd)
+        self.in_tree = False  # joined the pass's tree of prepare messages (see backward_pass)
+        self.prepares = {}  # worker -> Future of the prepare this worker forwarded to it (names who is late)
         self.callbacks = []  # queued with distlab.autograd.queue_callback during this worker's part
         self._closing = False
 

@@ -1,8 +1,11 @@
 """``DistributedOptimizer``: one local optimizer per owner of the parameters, stepped with a distributed autograd
 context's gradients (mirrors torch/distributed/optim/optimizer.py ``DistributedOptimizer`` and
-``_LocalOptimizer``).
+``_LocalOptimizer``; torch has it as ``torch.distributed.optim.DistributedOptimizer``, here it is
+``distlab.distributed_autograd.DistributedOptimizer``).
 
 ::
+
+    from distlab.distributed_autograd import DistributedOptimizer
 
     opt = DistributedOptimizer(SGD, param_rrefs, lr=0.05)
     with dist_autograd.context() as context_id:
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import threading
 
-from distlab import distributed_autograd as _dist_autograd
 from distlab import rpc
-from distlab.errors import RemoteError
+from distlab.errors import DistTimeoutError, RemoteError
+
+from . import _state
+from .api import get_container, get_gradients
 
 __all__ = ["DistributedOptimizer"]
 
@@ -32,7 +37,7 @@ class _LocalOptimizer:
         self.optim = optimizer_class(self._params, *args, **kwargs)
 
     def step(self, context_id):
-        grads = _dist_autograd.get_gradients(context_id)
+        grads = get_gradients(context_id)
         with _LocalOptimizer._lock:
             saved = [p.grad for p in self._params]
             try:
@@ -70,24 +75,43 @@ class DistributedOptimizer:
         by_owner = {}
         for r in params_rref:
             by_owner.setdefault(r.owner().id, []).append(r)
-        futures = [rpc.rpc_async(owner, _new_local_optimizer, (optimizer_class, rrefs, args, kwargs))
-                   for owner, rrefs in sorted(by_owner.items())]
-        self.remote_optimizers = _wait_all(futures, "create the local optimizers")
+        owners = sorted(by_owner)
+        futures = [rpc.rpc_async(owner, _new_local_optimizer, (optimizer_class, by_owner[owner], args, kwargs))
+                   for owner in owners]
+        self.remote_optimizers = _wait_all(futures, owners, "create the local optimizers")
 
     def step(self, context_id):
-        """Apply context ``context_id``'s gradients on every owner (concurrently); re-raise the first remote error."""
-        _dist_autograd.get_container().retrieve_context(context_id)  # an unknown context fails here, clearly
-        futures = [rpc.rpc_async(r.owner().id, _local_step, (r, context_id)) for r in self.remote_optimizers]
-        _wait_all(futures, f"step context {context_id}")
+        """Apply context ``context_id``'s gradients on every owner (concurrently); re-raise the first remote error.
+
+        Raises
+        ------
+        AutogradContextNotFoundError
+            No context ``context_id`` on this worker.
+        RemoteError
+            A local optimizer raised (the first error; every owner is waited for first).
+        DistTimeoutError
+            An owner did not answer within the RPC timeout (named, with the context id).
+        """
+        get_container().retrieve_context(context_id)  # an unknown context fails here, clearly
+        owners = [r.owner().id for r in self.remote_optimizers]
+        futures = [rpc.rpc_async(owner, _local_step, (r, context_id))
+                   for owner, r in zip(owners, self.remote_optimizers)]
+        _wait_all(futures, owners, f"step with autograd context {context_id}")
 
 
-def _wait_all(futures, what):
+def _wait_all(futures, owners, what):
+    """Wait for every owner's answer (together bounded by the RPC timeout), then raise the first error."""
+    limit = _state.timeout(rpc.get_agent())
     results, first = [], None
-    for fut in futures:
+    for owner, fut in zip(owners, futures):
         try:
-            results.append(fut.wait())
-        except RemoteError as exc:  # wait them all (each bounded by the RPC timeout), then raise the first
+            results.append(fut.wait(limit + 1.0))  # the RPC's own timeout, which names the worker, fires first
+        except RemoteError as exc:
             first = first or exc
+        except DistTimeoutError as exc:
+            first = first or DistTimeoutError(
+                f"DistributedOptimizer ({what}): worker {owner} did not answer within {limit:g} s: {exc}",
+                op=f"DistributedOptimizer {what}", missing_ranks=[owner], timeout=limit)
     if first is not None:
         raise first
     return results

@@ -1,0 +1,46 @@
+"""Process groups over MPI: the collectives every distlab component communicates with.
+
+A :class:`ProcessGroup` wraps an mpi4py communicator (a ``Dup`` of ``COMM_WORLD`` by default, so distlab's
+traffic never matches a user's own MPI calls). Its collectives work in place on the array they are given, as
+``torch.distributed``'s do::
+
+    from distlab import comm
+    pg = comm.world()
+    a = np.full(4, pg.rank, np.float32)
+    pg.allreduce(a)                         # a now holds the sum over ranks
+    work = pg.allreduce(a, op="avg", async_op=True)
+    ...                                     # compute while it runs
+    work.wait()
+
+Three promises hold for every call:
+
+* **No hang.** Every wait is bounded by ``DISTLAB_TIMEOUT`` (default 300 s), group set-up included. On timeout
+  the error names the operation, its sequence number, the tensor, and the ranks that had not entered it, read
+  through a side channel (each rank posts the last collective it entered on its node's shared-memory board;
+  ranks on other nodes are asked), not guessed.
+* **Mismatches are named.** With ``DISTLAB_DEBUG=DETAIL`` every collective's fingerprint (sequence number, op,
+  shape, dtype, root) is compared across ranks first; a mismatch raises the same
+  :class:`~distlab.errors.CollectiveMismatchError` on every rank, naming who sent what.
+* **Arrays are never pickled.** numpy arrays go to MPI as buffers; cupy arrays go to MPI directly when the MPI
+  is CUDA-aware and through host memory otherwise (see :mod:`distlab.comm.device`).
+
+MPI nonblocking operations only progress inside MPI calls. A caller that overlaps communication with compute
+should call :func:`progress` (or ``work.is_completed()``) now and then; the reducer does so from every autograd
+hook.
+
+The package, one job per module: :mod:`~distlab.comm.group` (``ProcessGroup``, :func:`world`, :func:`new_group`),
+:mod:`~distlab.comm.operations` (the collectives), :mod:`~distlab.comm.work` (``Work``, the poll loop,
+:func:`progress`), :mod:`~distlab.comm.ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device` (numpy and
+cupy buffers, CUDA-aware detection, staging), :mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the
+side channel naming missing ranks), :mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`,
+:func:`bounded_barrier`).
+"""
+from __future__ import annotations
+
+from .._types import ReduceOp
+from .group import ProcessGroup, debug_level, new_group, world
+from .setup import bounded_barrier, bounded_dup
+from .work import Work, progress
+
+__all__ = ["ProcessGroup", "Work", "world", "new_group", "progress", "debug_level", "ReduceOp", "bounded_dup",
+           "bounded_barrier"]

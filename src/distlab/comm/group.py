@@ -1,0 +1,335 @@
+"""``ProcessGroup``: a group of ranks and its collectives, and the default group (:func:`world`, :func:`new_group`).
+
+A group owns one MPI communicator (a duplicate of the one it was given) and its node's arrival board. Its
+collectives number themselves (the sequence number), post arrival on the board, check their arguments before
+either, and hand MPI the array's own buffer.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _backend
+from .._types import ReduceOp
+from .._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS
+from ..errors import CollectiveMismatchError, DistTimeoutError, ProcessGroupBrokenError
+from ..futures import check_timeout, default_timeout
+from ..timeline import get_timeline, now_us
+from .board import ArrivalBoard, node_keys
+from .missing import SideChannel, ask_lead
+from .operations import GroupOperations
+from .setup import bounded_barrier, bounded_dup, bounded_wait
+from .work import Work, _busy, spin
+
+__all__ = ["ProcessGroup", "world", "new_group", "debug_level"]
+
+log = logging.getLogger("distlab.comm")
+_OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
+_deferred_frees: list = []  # communicators released by a finalizer in a thread MPI forbids (see _release)
+
+
+def debug_level() -> str:
+    """``DISTLAB_DEBUG``: ``OFF`` (default), ``INFO`` (log each collective) or ``DETAIL`` (check fingerprints)."""
+    level = os.environ.get("DISTLAB_DEBUG", "OFF").strip().upper() or "OFF"
+    if level not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"DISTLAB_DEBUG={level!r}: expected OFF, INFO or DETAIL")
+    return level
+
+
+class ProcessGroup(GroupOperations):
+    """A group of ranks running collectives together (``torch.distributed.ProcessGroup`` over MPI).
+
+    Construction is collective over ``mpi_comm`` and bounded by ``timeout``: a rank that never arrives makes the
+    others raise :class:`~distlab.errors.DistTimeoutError` naming it. A group is a context manager (``with``
+    destroys it on exit); a group that is dropped releases its communicator when it is garbage-collected.
+
+    Parameters
+    ----------
+    mpi_comm : mpi4py.MPI.Intracomm, optional
+        The communicator to run over; it is duplicated. Default ``MPI.COMM_WORLD``.
+    timeout : float or datetime.timedelta, optional
+        Seconds any wait may block; default ``DISTLAB_TIMEOUT`` (300). ``inf`` means no deadline; NaN, negative
+        and 0 are refused (:func:`distlab.futures.check_timeout`).
+    name : str, optional
+        Used in error messages and timeline lanes.
+
+    Attributes
+    ----------
+    rank, size : int
+        This process's rank in the group, and the group's size.
+    comm : mpi4py.MPI.Intracomm
+        The group's own communicator.
+    """
+
+    def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None):
+        timeout = default_timeout() if timeout is None else check_timeout(timeout, "ProcessGroup(timeout)")
+        _free_deferred()
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        comm = bounded_dup(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
+        # Every group over COMM_WORLD has the same node layout: asked of MPI once (all ranks took part).
+        self._setup(comm, timeout, name, _world_node if parent == MPI.COMM_WORLD else None)
+        if parent == MPI.COMM_WORLD:
+            _remember_world_node((self._node_keys, self._oversubscribed))
+
+    def _setup(self, comm, timeout: float, name, node=None) -> None:
+        """Adopt ``comm`` (freed with the group): open the arrival board; ``node`` = a parent's node layout."""
+        self.comm = comm
+        self.name = name or "world"
+        self.timeout = timeout
+        try:
+            deadline = time.monotonic() + timeout
+
+            def wait(request, step: str) -> None:
+                bounded_wait(request, f"ProcessGroup {self.name!r} setup ({step})", comm, timeout, deadline)
+
+            self._node_keys, self._oversubscribed = node if node is not None else node_keys(comm, wait)
+            board = ArrivalBoard(comm, self._node_keys, wait)
+        except BaseException:
+            comm.Free()
+            raise
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._my_slot = board.my_slot
+        self._side = SideChannel(comm, board)
+        self._seq = 0
+        self._next_seq = itertools.count(1).__next__  # atomic under the GIL: no lock on the hot path
+        self._lock = threading.RLock()
+        self._broken: str | None = None
+        self._pending: set[Work] = set()  # async work not yet seen complete (progress() drives it)
+        self._timeline = get_timeline()
+        self._timeline_on = self._timeline.enabled
+        self._detail = debug_level() == "DETAIL"
+        self._info = debug_level() == "INFO"
+        if self._info:
+            _log_to_stderr(comm.Get_rank())
+        self._fingerprint = _backend.load("fingerprint")
+        # Released when the group is collected or destroyed; must not hold the group itself.
+        self._release = weakref.finalize(self, _release, comm, self._side)
+
+    # -- issuing operations ---------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise ProcessGroupBrokenError(
+                f"process group {self.name!r} cannot be used: {self._broken}. Create a new group or restart.")
+
+    def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "") -> int:
+        """Number the collective, post arrival, and (DETAIL) check it matches on every rank."""
+        if self._broken:
+            self._check_usable()
+        seq = self._seq = self._next_seq()
+        self._my_slot[1] = _OP_CODES[op]
+        self._my_slot[0] = seq
+        if self._info:
+            log.info("group %s rank %d: %s #%d %s", self.name, self.rank, op, seq, name or "")
+        if self._detail:
+            shape = None if array is None else array.shape
+            dtype = None if array is None else array.dtype
+            reduce_name = reduce_op.value if isinstance(reduce_op, ReduceOp) else reduce_op
+            self._check_fingerprint(self._fingerprint.make_fingerprint(seq, op, shape, dtype, root, reduce_name),
+                                    op, seq, name)
+        return seq
+
+    def _check_fingerprint(self, words, op: str, seq: int, name) -> None:
+        table = np.empty((self.size, FINGERPRINT_WORDS), dtype=np.int64)
+
+        def stages():
+            yield self.comm.Iallgather(words, table)
+
+        Work(self, op, seq, f"{name or op} (DETAIL fingerprint check)", table.nbytes, stages=stages()).wait()
+        message = self._fingerprint.find_mismatch(table)
+        if message is not None:
+            where = f" ({name!r})" if name else ""
+            raise CollectiveMismatchError(f"rank {self.rank}{where}: {message}", seq=seq,
+                                          groups=self._fingerprint.fingerprint_groups(table))
+
+    def _issue(self, op: str, seq: int, name, nbytes: int, request, finish, result, async_op: bool,
+               peer=None, start_us: float = 0.0):
+        """Complete a one-request operation: return a Work (async) or wait here and return ``result``.
+
+        The sync path makes no Work object: it is the hot path of small collectives.
+        """
+        if async_op:
+            work = Work(self, op, seq, name, nbytes, request, finish, result, peer, start_us=start_us)
+            self._pending.add(work)
+            _busy.add(self)
+            return work
+        if not request.Test():
+            timeout = self.timeout
+            spin(self, request.Test, time.monotonic() + timeout, timeout, op, seq, name, nbytes, peer)
+        if finish is not None:
+            finish()
+        if start_us:
+            self._record(op, name, seq, nbytes, start_us)
+        return result
+
+    def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
+        """Run a multi-request operation (``stages`` yields each request and returns the result)."""
+        start_us = now_us() if self._timeline.enabled else 0.0
+        work = Work(self, op, seq, name, nbytes, peer=peer, stages=stages, start_us=start_us)
+        if async_op:
+            if not work._done:
+                self._pending.add(work)
+                _busy.add(self)
+            return work
+        work.wait()
+        return work._result
+
+    def _record(self, op: str, name, seq: int, nbytes: int, start_us: float) -> None:
+        self._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {self.name}",
+                                args={"seq": seq, "bytes": nbytes, "op": op})
+
+    def _raise_timeout(self, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
+        label = f"{op} #{seq}" if seq else op
+        if name:
+            label += f" of {name!r}"
+        label += f" ({nbytes} bytes)" if nbytes else ""
+        if peer is not None:
+            missing, detail = [peer], f"its peer, rank {peer}, never posted the matching call"
+        elif seq:
+            missing, detail = self._side.describe(seq, ask_lead(timeout))
+            self._side.gave_up(seq)
+        else:
+            missing, detail = [], "no rank posted a matching call"
+        self._broken = f"{label} timed out and may still be in flight"
+        raise DistTimeoutError(
+            f"{label} timed out after {timeout:g} s on rank {self.rank} of group {self.name!r} "
+            f"(size {self.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
+            f"that every rank calls the same collectives.",
+            op=op, seq=seq, name=name, missing_ranks=missing, timeout=timeout)
+
+    def _start(self) -> float:
+        return now_us() if self._timeline_on else 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def new_group(self, ranks, name=None, timeout=None):
+        """Make a sub-group of ``ranks`` (every rank of this group must call it); None on non-members.
+
+        Bounded by ``timeout`` (default: this group's): ranks that never call it are named in a
+        :class:`~distlab.errors.DistTimeoutError`. Every rank must pass the same ``ranks``; a difference is a
+        ValueError on every rank. The group is a context manager: ``with pg.new_group([0, 1]) as g:``.
+        """
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
+            raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group {self.name!r} "
+                             f"(size {self.size})")
+        self._check_usable()
+        timeout = self.timeout if timeout is None else check_timeout(timeout, "new_group(timeout)")
+        what = f"new_group({ranks}) of group {self.name!r}"
+        checks = bounded_barrier(self.comm, what, timeout, check=zlib.crc32(np.asarray(ranks, np.int64)))
+        if len(set(checks)) > 1:
+            mine = [r for r, c in enumerate(checks) if c == checks[self.rank]]
+            others = [r for r, c in enumerate(checks) if c != checks[self.rank]]
+            raise ValueError(f"{what}: ranks {others} passed a different list of ranks than ranks {mine}; every "
+                             f"rank must pass the same list")
+        member = self.rank in ranks
+        sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        group = ProcessGroup.__new__(ProcessGroup)  # adopts sub (every rank is here: no second dup needed)
+        group._setup(sub, timeout, name or f"{self.name}{ranks}", (self._node_keys[ranks], self._oversubscribed))
+        return group
+
+    def destroy(self) -> None:
+        """Release the group's communicator now; the group is unusable afterwards.
+
+        Local: it waits for no peer, so it ends at once even when a peer is gone. Async work still in flight is
+        failed with :class:`~distlab.errors.ProcessGroupBrokenError` (MPI may still complete it in the
+        background; its buffers are kept alive until the process ends).
+        """
+        if not self._release.alive:
+            return
+        self._broken = "it was destroyed"
+        for work in list(self._pending):
+            _abandoned.append(work)  # MPI may still write into its buffers
+            work._complete(ProcessGroupBrokenError(
+                f"{work.op} #{work.seq} on process group {self.name!r} was still in flight when the group was "
+                f"destroyed"))
+        _busy.discard(self)
+        self._release()
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name!r} rank {self.rank}/{self.size}>"
+
+
+_abandoned: list = []  # work in flight when its group was destroyed
+
+
+def _release(comm, side) -> None:
+    """Free a group's communicator (the finalizer of a dropped or destroyed group).
+
+    Freeing a communicator is local in practice (MPICH and Open MPI release it without talking to peers), so a
+    dropped group never waits for anyone; the board is a mapped file, unmapped with its last view. A finalizer may
+    run in any thread, and in the middle of the group's own side-channel listen: without ``MPI_THREAD_MULTIPLE``
+    (only the main thread may call MPI), or while the communicator is in use, the free waits for the next group
+    the main thread creates.
+    """
+    closed = side.close()
+    if MPI.Is_finalized():
+        return
+    if closed and (threading.current_thread() is threading.main_thread()
+                   or MPI.Query_thread() == MPI.THREAD_MULTIPLE):
+        comm.Free()
+    else:
+        _deferred_frees.append(comm)
+
+
+_world_node = None  # (node keys, oversubscribed) of COMM_WORLD, once a group over it was made
+
+
+def _remember_world_node(node) -> None:
+    global _world_node
+    _world_node = node
+
+
+def _free_deferred() -> None:
+    while _deferred_frees and threading.current_thread() is threading.main_thread():
+        _deferred_frees.pop().Free()
+
+
+def _log_to_stderr(rank: int) -> None:
+    """DISTLAB_DEBUG=INFO: show distlab's INFO log on stderr, tagged with the rank (unless logging is set up)."""
+    logger = logging.getLogger("distlab")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+
+
+_world: ProcessGroup | None = None
+_world_lock = threading.Lock()
+
+
+def world() -> ProcessGroup:
+    """The default group: every rank of ``COMM_WORLD`` (created on first use; every rank must call it).
+
+    A destroyed world group is replaced by a new one on the next call.
+    """
+    global _world
+    group = _world
+    if group is None or not group._release.alive:
+        with _world_lock:
+            if _world is None or not _world._release.alive:
+                _world = ProcessGroup(name="world")
+            group = _world
+    return group
+
+
+def new_group(ranks, name=None, timeout=None):
+    """Sub-group of the world group (``torch.distributed.new_group``); every rank calls it, None on non-members."""
+    return world().new_group(ranks, name=name, timeout=timeout)

@@ -1,0 +1,185 @@
+"""The calls of a process group: collectives on arrays and objects, and point to point.
+
+Each call checks everything about its arguments (dtype and op, shapes, ranks, tags) *before* it takes its
+sequence number (``_enter``): a rank whose call is refused stays in step with its peers, and its group stays
+usable. Arrays go to MPI as their own buffers (device arrays staged through host memory unless MPI is
+CUDA-aware, see :mod:`distlab.comm.device`); only the ``_object`` calls pickle.
+"""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+from mpi4py import MPI
+
+from .._types import ReduceOp
+from .._wire import COMM_RESERVED_TAGS
+from ..timeline import now_us
+from .device import empty_like, mpi_buffer
+from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
+from .work import StatusRequest
+
+__all__ = ["GroupOperations"]
+
+
+class GroupOperations:
+    """The collective and point-to-point calls of :class:`~distlab.comm.ProcessGroup` (a mixin: it uses the
+    group's ``comm``, ``rank``, ``size``, ``_enter``, ``_issue`` and ``_staged``)."""
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    def allreduce(self, array, op="sum", async_op: bool = False, name=None):
+        """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
+        reduce_op = parse_op(op)
+        mpi_op = mpi_reduction(array.dtype, reduce_op, "allreduce", name) if hasattr(array, "dtype") else None
+        buf, copy_back = mpi_buffer(array, "allreduce")
+        seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
+        start = now_us() if self._timeline_on else 0.0
+        if is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
+            request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
+        else:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
+        finish = copy_back
+        if reduce_op is ReduceOp.AVG:
+            finish = averaging(buf, self.size, copy_back)
+        return self._issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
+
+    def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
+        """Overwrite ``array`` on every rank with rank ``src``'s copy."""
+        self._check_rank(src, "broadcast src")
+        buf, copy_back = self._movable(array, "broadcast", name)
+        seq = self._enter("broadcast", name, array, root=src)
+        start = self._start()
+        request = self.comm.Ibcast(buf, root=src)
+        return self._issue("broadcast", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
+
+    def allgather(self, array, out=None, async_op: bool = False, name=None):
+        """Gather every rank's ``array`` into ``out`` of shape ``(size,) + array.shape`` (returned)."""
+        send, _ = self._movable(array, "allgather", name)
+        if out is None:
+            out = empty_like(array, (self.size,) + tuple(array.shape))
+        if tuple(out.shape) != (self.size,) + tuple(array.shape) or out.dtype != array.dtype:
+            raise ValueError(f"allgather: out must have shape {(self.size,) + tuple(array.shape)} and dtype "
+                             f"{array.dtype}, got {tuple(out.shape)} {out.dtype}")
+        recv, copy_back = self._movable(out, "allgather", name)
+        seq = self._enter("allgather", name, array)
+        start = self._start()
+        request = self.comm.Iallgather(send, recv)
+        return self._issue("allgather", seq, name, array.nbytes, request, copy_back, out, async_op, None, start)
+
+    def reduce_scatter(self, output, input, op="sum", async_op: bool = False, name=None):  # noqa: A002
+        """Reduce ``input`` (``size`` equal blocks) across ranks; rank ``r`` receives block ``r`` in ``output``."""
+        reduce_op = parse_op(op)
+        mpi_op = mpi_reduction(input.dtype, reduce_op, "reduce_scatter", name) if hasattr(input, "dtype") else None
+        send, _ = mpi_buffer(input, "reduce_scatter")
+        recv, copy_back = mpi_buffer(output, "reduce_scatter")
+        if input.size != output.size * self.size or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
+                             f"elements of {output.dtype}, got {input.size} of {input.dtype}")
+        if is_bfloat16(input.dtype):
+            send, recv = [send.view(np.uint16), MPI.UINT16_T], [recv.view(np.uint16), MPI.UINT16_T]
+        seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)
+        start = self._start()
+        request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
+        finish = averaging(output if copy_back is None else recv, self.size, copy_back) \
+            if reduce_op is ReduceOp.AVG else copy_back
+        return self._issue("reduce_scatter", seq, name, input.nbytes, request, finish, output, async_op, None,
+                           start)
+
+    def alltoall(self, output, input, async_op: bool = False, name=None):  # noqa: A002
+        """Send block ``j`` of ``input`` to rank ``j``; block ``i`` of ``output`` comes from rank ``i``."""
+        send, _ = self._movable(input, "alltoall", name)
+        recv, copy_back = self._movable(output, "alltoall", name)
+        if input.size != output.size or input.dtype != output.dtype or input.size % self.size:
+            raise ValueError(f"alltoall: input and output need the same size and dtype, divisible by {self.size}")
+        seq = self._enter("alltoall", name, input)
+        start = self._start()
+        request = self.comm.Ialltoall(send, recv)
+        return self._issue("alltoall", seq, name, input.nbytes, request, copy_back, output, async_op, None, start)
+
+    def barrier(self, async_op: bool = False, name=None):
+        """Wait until every rank of the group reached this barrier."""
+        seq = self._enter("barrier", name)
+        start = self._start()
+        return self._issue("barrier", seq, name, 0, self.comm.Ibarrier(), None, None, async_op, None, start)
+
+    def allgather_object(self, obj, async_op: bool = False, name=None):
+        """Gather any picklable object from every rank; returns the list in rank order."""
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        seq = self._enter("allgather_object", name)
+
+        def stages():
+            sizes = np.zeros(self.size, dtype=np.int64)
+            yield self.comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)
+            data = np.empty(int(sizes.sum()), dtype=np.uint8)
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            yield self.comm.Iallgatherv(payload, [data, (sizes, offsets), MPI.BYTE])
+            return [pickle.loads(data[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+        return self._staged("allgather_object", seq, name, payload.nbytes, stages(), async_op)
+
+    def broadcast_object(self, obj=None, src: int = 0, async_op: bool = False, name=None):
+        """Return rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
+        self._check_rank(src, "broadcast_object src")
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8) \
+            if self.rank == src else None
+        seq = self._enter("broadcast_object", name, root=src)
+
+        def stages():
+            size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+            yield self.comm.Ibcast(size, root=src)
+            data = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
+            yield self.comm.Ibcast(data, root=src)
+            return obj if self.rank == src else pickle.loads(data.tobytes())
+
+        return self._staged("broadcast_object", seq, name, 0, stages(), async_op)
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def send(self, array, dst: int, tag: int = 0, async_op: bool = False, name=None):
+        """Send ``array`` to rank ``dst`` (``tag`` below 32760: the top tags are distlab's own)."""
+        self._check_usable()
+        self._check_rank(dst, "send dst")
+        _check_tag(tag, "send")
+        buf, _ = self._movable(array, "send", name)
+        start = self._start()
+        request = self.comm.Isend(buf, dest=dst, tag=tag)
+        return self._issue("send", 0, name, array.nbytes, request, None, None, async_op, dst, start)
+
+    def recv(self, array, src=None, tag: int = 0, async_op: bool = False, name=None):
+        """Receive into ``array`` from rank ``src`` (any rank when None); returns the sender's rank."""
+        self._check_usable()
+        if src is not None:
+            self._check_rank(src, "recv src")
+        _check_tag(tag, "recv")
+        buf, copy_back = self._movable(array, "recv", name)
+        status = MPI.Status()
+
+        def stages():
+            yield StatusRequest(self.comm.Irecv(buf, source=MPI.ANY_SOURCE if src is None else src, tag=tag),
+                                status)
+            if copy_back:
+                copy_back()
+            return status.Get_source()
+
+        return self._staged("recv", 0, name, array.nbytes, stages(), async_op, peer=src)
+
+    # -- argument checks --------------------------------------------------------------------------------------
+    @staticmethod
+    def _movable(array, what: str, name):
+        """``mpi_buffer`` after the dtype check; ml_dtypes arrays travel as their bits."""
+        dtype = getattr(array, "dtype", None)
+        if dtype is not None:
+            check_movable(dtype, what, name)
+        buf, copy_back = mpi_buffer(array, what)
+        if dtype is not None and dtype.kind == "V":
+            buf = buf.view(np.uint8)
+        return buf, copy_back
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+            raise ValueError(f"{what}={rank!r} is not a rank of group {self.name!r} (size {self.size})")
+
+
+def _check_tag(tag, what: str) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < COMM_RESERVED_TAGS.start:
+        raise ValueError(f"{what}: tag={tag!r} must be an int in [0, {COMM_RESERVED_TAGS.start - 1}] (tags "
+                         f"{COMM_RESERVED_TAGS.start}-{COMM_RESERVED_TAGS.stop - 1} are reserved by distlab)")

@@ -1,0 +1,169 @@
+"""The comm layer's argument checks, in this process (a world of one rank): refused before a collective takes its
+sequence number, with errors naming the call, the tensor and the dtype; timeouts; reserved tags; the poll loop.
+"""
+import math
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from distlab import comm
+from distlab.comm.work import spin
+from distlab.errors import DistTimeoutError
+
+OPS = ["sum", "avg", "min", "max", "product", "band", "bor"]
+BAD_DTYPES = [np.dtype(object), np.dtype("U3"), np.dtype("S2"), np.dtype([("a", "i4"), ("b", "f8")]),
+              np.dtype("datetime64[s]"), np.dtype("timedelta64[ms]")]
+
+
+@pytest.fixture(scope="module")
+def pg():
+    return comm.ProcessGroup(name="args", timeout=30)
+
+
+def _zeros(dtype, count=4):
+    return np.zeros(count, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=str)
+def test_unmovable_dtypes_are_refused_before_the_collective(pg, dtype):
+    calls = {
+        "allreduce": lambda a: pg.allreduce(a, name="w"),
+        "broadcast": lambda a: pg.broadcast(a, name="w"),
+        "allgather": lambda a: pg.allgather(a, name="w"),
+        "alltoall": lambda a: pg.alltoall(a.copy(), a, name="w"),
+        "reduce_scatter": lambda a: pg.reduce_scatter(a.copy(), a, name="w"),
+        "send": lambda a: pg.send(a, 0, name="w"),
+        "recv": lambda a: pg.recv(a, 0, name="w"),
+    }
+    for what, call in calls.items():
+        seq = pg._seq
+        with pytest.raises(TypeError) as caught:
+            call(_zeros(dtype))
+        text = str(caught.value)
+        assert text.startswith(f"{what} of 'w': ") and str(dtype) in text, text
+        assert pg._seq == seq  # no sequence number taken: the group stays in step with its peers
+    pg.barrier()
+
+
+@pytest.mark.parametrize("dtype, op, words", [
+    (np.complex128, "min", "undefined for complex"), (np.complex64, "max", "undefined for complex"),
+    (np.int32, "avg", "needs a floating-point array"), (np.float32, "band", "needs an integer or bool"),
+    (np.complex64, "bor", "needs an integer or bool"),
+])
+def test_ops_a_dtype_cannot_take_are_refused(pg, dtype, op, words):
+    seq = pg._seq
+    with pytest.raises(TypeError, match=words) as caught:
+        pg.allreduce(_zeros(dtype), op=op, name="bucket0")
+    assert str(caught.value).startswith(f"allreduce of 'bucket0': op '{op}'"), str(caught.value)
+    assert str(np.dtype(dtype)) in str(caught.value)
+    assert pg._seq == seq
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=hnp.scalar_dtypes() | hnp.unicode_string_dtypes() | hnp.nested_dtypes(), op=st.sampled_from(OPS))
+def test_allreduce_either_works_or_refuses_cleanly(pg, dtype, op):
+    # One rank: the reduction of one contribution is the contribution (avg divides by 1).
+    a = _zeros(dtype, 3)
+    seq = pg._seq
+    try:
+        out = pg.allreduce(a, op=op)
+    except TypeError as exc:
+        assert pg._seq == seq and str(dtype) in str(exc)
+    else:
+        assert out is a and pg._seq == seq + 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0])
+def test_bad_timeouts_are_refused(monkeypatch, pg, bad):
+    with pytest.raises(ValueError, match=r"ProcessGroup\(timeout\)"):
+        comm.ProcessGroup(timeout=bad)
+    with pytest.raises(ValueError, match=r"new_group\(timeout\)"):
+        pg.new_group([0], timeout=bad)
+    work = pg.allreduce(np.ones(2), async_op=True)
+    with pytest.raises(ValueError, match=r"Work.wait\(timeout\)"):
+        work.wait(timeout=bad)
+    work.wait()
+    monkeypatch.setenv("DISTLAB_TIMEOUT", str(bad))
+    with pytest.raises(ValueError, match="DISTLAB_TIMEOUT"):
+        comm.ProcessGroup(name="from-env")
+
+
+def test_infinite_timeout_is_no_deadline(pg):
+    with comm.ProcessGroup(timeout=math.inf, name="patient") as patient:
+        assert patient.timeout == math.inf
+        assert patient.allreduce(np.ones(2), async_op=True).wait() is True
+
+
+@pytest.mark.parametrize("tag", [-1, 32760, 32767, 2.0, True])
+def test_reserved_and_invalid_tags_are_refused(pg, tag):
+    for call in (lambda: pg.send(np.ones(1), 0, tag=tag), lambda: pg.recv(np.ones(1), 0, tag=tag)):
+        with pytest.raises(ValueError, match="reserved by distlab"):
+            call()
+
+
+def test_spin_checks_the_deadline_on_every_poll():
+    # Each poll takes 50 ms (a Test slowed by a contended MPI lock, a yield on a loaded machine). A deadline
+    # checked every 16th poll overshot 0.2 s by 0.6 s; checked on every poll, at most one poll runs past it.
+    polls_after_deadline = []
+    deadline = [0.0]
+
+    def slow_test():
+        import time
+
+        time.sleep(0.05)
+        if time.monotonic() > deadline[0]:
+            polls_after_deadline.append(1)
+        return False
+
+    def raise_timeout(timeout, op, seq, name, nbytes, peer):
+        raise DistTimeoutError("timed out", op=op, seq=seq, timeout=timeout)
+
+    side = types.SimpleNamespace(remote=[], waiting_seq=0)
+    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _raise_timeout=raise_timeout)
+    import time
+
+    deadline[0] = time.monotonic() + 0.2
+    with pytest.raises(DistTimeoutError):
+        spin(group, slow_test, deadline[0], 0.2, "allreduce", 1, None, 0, None)
+    assert len(polls_after_deadline) <= 1, len(polls_after_deadline)
+
+
+def test_non_native_byte_order_is_refused(pg):
+    with pytest.raises(TypeError, match="non-native byte order"):
+        pg.allreduce(np.zeros(2, dtype=">f8"), name="swapped")
+    with pytest.raises(TypeError, match="non-native byte order"):
+        pg.broadcast(np.zeros(2, dtype=">i4"))
+
+
+def test_setup_helpers_refuse_a_null_communicator_and_bad_timeouts():
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        comm.bounded_barrier(MPI.COMM_NULL, "init_rpc")
+    with pytest.raises(ValueError, match="init_rpc: timeout"):
+        comm.bounded_dup(MPI.COMM_WORLD, "init_rpc", float("nan"))
+    dup = comm.bounded_dup(MPI.COMM_WORLD, "init_rpc", 5)
+    assert dup.Get_size() == 1 and comm.bounded_barrier(dup, "x", 5, check=7) == [7]
+    dup.Free()
+
+
+def test_fake_nodes_setting_is_checked(monkeypatch, pg):
+    # Read where a group asks MPI for its node layout: over a communicator of its own (groups over COMM_WORLD
+    # reuse the layout found by the first one).
+    monkeypatch.setenv("DISTLAB_RANKS_PER_NODE", "two")
+    with pytest.raises(ValueError, match="DISTLAB_RANKS_PER_NODE='two'"):
+        comm.ProcessGroup(pg.comm, name="fake", timeout=5)
+
+
+def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
+    # No /dev/shm file (full, or another mount namespace): the rank keeps a private slot; peers would be asked.
+    from distlab.comm import board
+
+    monkeypatch.setattr(board, "_create", lambda nbytes: None)
+    with comm.ProcessGroup(name="private", timeout=5) as group:
+        group.allreduce(np.ones(2))
+        assert list(group._side.board.readable) == [0] and group._my_slot[0] == 1
