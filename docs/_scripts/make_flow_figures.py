@@ -330,6 +330,7 @@ def negotiation_process_sets():
     for ps in mine:
         hvd.allreduce(np.ones(2) * rank, name="grad", op=hvd.Sum, process_set=ps)
     mark(END)
+    comm.world().barrier()             # every set's work done before rank 0's shutdown stops them all
     hvd.shutdown()
 
 
