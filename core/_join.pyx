@@ -77,7 +77,7 @@ cdef class Join:
             if not throw:  # in throw mode nothing is shadowed, so nothing is posted ahead either
                 for fn in self._pre_hooks:
                     fn()
-            if self._count_nonjoined_ranks() == 0:
+            if _shared.record_count(self._count_nonjoined_ranks()) == 0:
                 break
             if throw:
                 self._notify_ranks_to_terminate()

@@ -1,13 +1,18 @@
 """Sphinx configuration of distlab's docs: `make docs` builds them into docs/_build/html (warnings are errors).
 
-The build is offline: no intersphinx, no remote images, notebooks are not executed here (the test suite
-executes them: tests/test_tutorials.py). The tutorials live in ../tutorials as jupytext percent-format .py files;
-each build converts them into docs/tutorials/*.ipynb (generated, git-ignored) for myst-nb to render.
+The build is offline: no intersphinx, no remote images. The tutorials live in ../tutorials as jupytext
+percent-format .py files; each build converts them into docs/tutorials/*.ipynb (generated, git-ignored), and
+myst-nb executes them (with jupyter-cache: a tutorial runs again only when its code or distlab's sources
+changed) so that every tutorial page shows its printed outputs and figures. A tutorial that fails to execute
+fails the build, showing the failing cell's traceback. The message-flow figures of the protocol pages are drawn
+from recorded runs by _scripts/make_flow_figures.py, again only when its inputs changed.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,8 +21,13 @@ ROOT = DOCS.parent
 
 # The API reference is generated from the reference twin: it holds the full docstrings (core docstrings are one
 # line pointing back to it), and it imports without a compiled core.
+# The tutorials run in kernels that inherit this environment: the reference twin too (the docs need no compiled
+# core), every wait on the ranks bounded well below a cell's timeout, and matplotlib's inline backend (the
+# kernel's default) so that figures become outputs; an inherited MPLBACKEND=Agg would draw nothing.
 os.environ["DISTLAB_IMPL"] = "reference"
-os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ["DISTLAB_TIMEOUT"] = os.environ.get("DISTLAB_DOCS_TIMEOUT", "60")
+os.environ.pop("MPLBACKEND", None)
+os.environ.pop("DISTLAB_TIMELINE", None)
 
 project = "distlab"
 author = "the distlab authors"
@@ -39,14 +49,21 @@ extensions = [
 
 # Markdown (MyST) pages and notebooks; conf.py, the figure scripts and the README are not pages.
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "README.md", "_scripts", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "README.md", "_scripts", "_generated", "Thumbs.db", ".DS_Store",
+                    "**.ipynb_checkpoints"]
 root_doc = "index"
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
-# Notebooks are rendered as stored (the tutorials hold no outputs); tests/test_tutorials.py executes them.
-nb_execution_mode = "off"
+# Notebooks are executed at build time and their outputs cached in docs/_build/.jupyter_cache, keyed by their
+# code cells (which include a hidden cell holding a hash of distlab's sources, see _convert_tutorials).
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(DOCS / "_build" / ".jupyter_cache")
+nb_execution_timeout = 180          # seconds per cell (a whole tutorial takes 2-20 s)
+nb_execution_in_temp = True         # the kernel works in a temporary directory: the repository is not on sys.path
+nb_execution_raise_on_error = True  # a failing tutorial fails the build...
+nb_execution_show_tb = True         # ...showing the failing cell and its traceback
 
 autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_member_order = "bysource"
@@ -60,13 +77,34 @@ html_title = f"distlab {release}"
 html_static_path = ["_static"]
 pygments_style = "sphinx"
 
+# `make linkcheck`: every link of the built site; DISTLAB_LINKCHECK_OFFLINE=1 (a machine without a network)
+# checks only local targets and anchors (-W makes a broken one an error in the html build too).
+linkcheck_anchors = True
+if os.environ.get("DISTLAB_LINKCHECK_OFFLINE"):
+    linkcheck_ignore = [r"https?://"]
+
 # Warnings are errors (-W); these are the ones that say nothing about our docs.
 suppress_warnings = ["myst.header"]
 
 
+def sources_hash(*folders: str) -> str:
+    """A hash of the Python sources under ``folders`` (relative to the repository): what executed code depends on."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _convert_tutorials() -> None:
-    """Write docs/tutorials/<name>.ipynb from each ../tutorials/<name>.py (jupytext percent format)."""
+    """Write docs/tutorials/<name>.ipynb from each ../tutorials/<name>.py (jupytext percent format).
+
+    Each notebook gets a first, hidden cell (tag ``remove-cell``) naming a hash of distlab's sources, so that the
+    execution cache, keyed by the code cells, runs a tutorial again when the library it shows has changed.
+    """
     import jupytext
+    from nbformat.v4 import new_code_cell
 
     out_dir = DOCS / "tutorials"
     out_dir.mkdir(exist_ok=True)
@@ -75,16 +113,32 @@ def _convert_tutorials() -> None:
     for stale in out_dir.glob("*.ipynb"):
         if stale.name not in wanted:
             stale.unlink()
+    stamp = f"# distlab sources {sources_hash('src', 'reference')} (a docs build stamp; not shown)"
     for src in sources:
         target = out_dir / (src.stem + ".ipynb")
-        if target.exists() and target.stat().st_mtime >= src.stat().st_mtime:
-            continue
         notebook = jupytext.read(src, fmt="py:percent")
-        jupytext.write(notebook, target, fmt="ipynb")
+        notebook.cells.insert(0, new_code_cell(stamp, metadata={"tags": ["remove-cell"]}))
+        text = jupytext.writes(notebook, fmt="ipynb")
+        if not target.exists() or target.read_text() != text:  # unchanged files keep their mtime
+            target.write_text(text)
+
+
+def _draw_flow_figures() -> None:
+    """Run docs/_scripts/make_flow_figures.py when its inputs changed (it skips the run itself otherwise)."""
+    script = DOCS / "_scripts" / "make_flow_figures.py"
+    if not script.exists():
+        return
+    done = subprocess.run([sys.executable, "-P", str(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0:
+        sys.exit(f"docs/conf.py: {script.name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    if done.stdout.strip():
+        print(done.stdout.strip())
 
 
 # Before Sphinx looks for source files.
 _convert_tutorials()
+_draw_flow_figures()
 
 _STAR = re.compile(r"(?<![\\*])\*(?=[A-Za-z_])")
 

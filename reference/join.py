@@ -37,6 +37,7 @@ from distlab._common.join import (
     missing_config_message,
     pre_hooks_of,
     prepare_join,
+    record_count,
     skew_message,
 )
 
@@ -89,7 +90,7 @@ class Join:
             if not self._throw_on_early_termination:
                 for pre_hook in self._pre_hooks:  # J4: posted before every count, the last one included
                     pre_hook()
-            if self._count_nonjoined_ranks() == 0:  # J1: matches the notification of the ranks still training
+            if record_count(self._count_nonjoined_ranks()) == 0:  # J1: matches the ranks' notification
                 all_joined = True
             else:
                 if self._throw_on_early_termination:

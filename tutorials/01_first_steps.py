@@ -193,7 +193,7 @@ for rank, message in enumerate(distlab.run(mismatch_demo, np=2, env={"DISTLAB_DE
 # With `DISTLAB_TIMELINE=path.json`, every collective is recorded as a span, and code can add its own spans
 # with `distlab.timeline.get_timeline()`. Each rank writes its part when it exits, and
 # `distlab.timeline.merge(path)` merges the parts into one Chrome trace that Perfetto (https://ui.perfetto.dev)
-# opens. Here we read it back and draw it with matplotlib instead.
+# opens. Here we read it back and draw it with `distlab.viz` instead.
 #
 # Each rank runs four "steps": it starts an asynchronous allreduce of a 2 MiB "gradient" and computes while it
 # runs, driving progress.
@@ -219,48 +219,31 @@ def traced_steps():
 
 
 # %%
-import json
 import os
 import tempfile
 
+from distlab import viz
 from distlab.timeline import merge
 
 trace_dir = tempfile.mkdtemp(prefix="distlab-tutorial-")
 trace_path = os.path.join(trace_dir, "first_steps.json")
 distlab.run(traced_steps, np=2, env={"DISTLAB_TIMELINE": trace_path})
 merge(trace_path)
-with open(trace_path) as fh:
-    events = json.load(fh)["traceEvents"]
-spans = [e for e in events if e.get("ph") == "X"]
-print(len(spans), "spans, for example:", spans[0])
+trace = viz.load_trace(trace_path)
+print(len(trace.spans), "spans; the first one as written in the file:")
+print(next(e for e in trace.events if e.get("ph") == "X"))
 
 # %% [markdown]
 # The trace holds *metadata* events naming each lane (`thread_name`) and *complete* events (`"ph": "X"`) with
-# a start `ts` and a duration `dur`, both in microseconds, a rank (`pid`) and a lane (`tid`). One row per rank
-# and lane:
+# a start `ts` and a duration `dur`, both in microseconds, a rank (`pid`) and a lane (`tid`).
+# `distlab.viz.load_trace` reads them into spans, instants and messages, and `distlab.viz.plot_timeline` draws
+# one row per rank and lane, each span coloured by its kind (the first word of its name):
 
 # %%
 import matplotlib.pyplot as plt
 
-lane_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-rows = sorted({(e["pid"], e["tid"]) for e in spans})
-colors = {"compute": "#9bbcd9", "allreduce": "#e07b5f", "barrier": "#b0b0b0"}
-
-fig, ax = plt.subplots(figsize=(9, 2.8))
-for y, row in enumerate(rows):
-    for e in spans:
-        if (e["pid"], e["tid"]) != row:
-            continue
-        kind = e["name"].split()[0]
-        ax.broken_barh([(e["ts"] / 1000, max(e["dur"], 1.0) / 1000)], (y - 0.35, 0.7),
-                       facecolors=colors.get(kind, "#cccccc"), edgecolor="black", linewidth=0.4)
-ax.invert_yaxis()                                   # rank 0 on top
-ax.set_yticks(range(len(rows)))
-ax.set_yticklabels([f"rank {pid} / {lane_names.get((pid, tid), tid)}" for pid, tid in rows])
-ax.set_xlabel("ms since the first event")
-ax.set_title("Async allreduce (red) running while each rank computes (blue)")
-fig.tight_layout()
+viz.plot_timeline(trace, colors={"compute": "#9bbcd9", "allreduce": "#e07b5f", "barrier": "#b0b0b0"},
+                  title="Async allreduce (red) running while each rank computes (blue)")
 plt.show()
 
 # %% [markdown]

@@ -136,62 +136,27 @@ def traced_training(steps=6):
 
 
 # %%
-import json
 import os
 import tempfile
 
+from distlab import viz
 from distlab.timeline import merge
 
 trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-ddp-"), "ddp.json")
 n_buckets, n_params = distlab.run(traced_training, np=2, env={"DISTLAB_TIMELINE": trace_path})[0]
 merge(trace_path)
-with open(trace_path) as fh:
-    events = json.load(fh)["traceEvents"]
-lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-         if e.get("ph") == "M" and e.get("name") == "thread_name"}
-print(f"{n_params} parameters in {n_buckets} buckets; {len(events)} events in {trace_path}")
+trace = viz.load_trace(trace_path)
+print(f"{n_params} parameters in {n_buckets} buckets; {len(trace.events)} events in {trace_path}")
 
 # %% [markdown]
-# We draw the last iteration: its gradient marks and bucket spans on each rank, with time measured from that
-# rank's first gradient of the iteration.
+# We draw the last iteration with `distlab.viz.plot_bucket_overlap`: per rank, backward as a bar from the
+# iteration's first gradient to its last (a tick per gradient), each bucket's allreduce below it, and the end of
+# backward as a dotted line; time is measured from that rank's first gradient of the iteration.
 
 # %%
 import matplotlib.pyplot as plt
 
-
-def last_iteration(rank):
-    """The last iteration's gradient marks (one per parameter) and bucket spans on ``rank``."""
-    def lane(e):
-        return lanes.get((rank, e.get("tid")))
-
-    grads = sorted((e for e in events if e.get("pid") == rank and e.get("ph") == "i" and lane(e) == "reducer grads"),
-                   key=lambda e: e["ts"])[-n_params:]
-    spans = [e for e in events if e.get("pid") == rank and e.get("ph") == "X" and lane(e) == "reducer buckets"]
-    last = max(s["args"]["iteration"] for s in spans)
-    spans = [s for s in spans if s["args"]["iteration"] == last]
-    return grads[0]["ts"], grads, spans
-
-
-fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
-for rank, ax in enumerate(axes):
-    t0, grads, spans = last_iteration(rank)
-    for g in grads:
-        ax.axvline((g["ts"] - t0) / 1000, ymin=0.55, ymax=0.95, color="#4a7ab5", linewidth=1.2)
-    for s in spans:
-        b = int(s["name"].split()[1])
-        ax.broken_barh([((s["ts"] - t0) / 1000, s["dur"] / 1000)], (0.05 + 0.4 * b / n_buckets, 0.35 / n_buckets),
-                       facecolors="#e07b5f", edgecolor="black", linewidth=0.5)
-        ax.text((s["ts"] + s["dur"] - t0) / 1000, 0.05 + 0.4 * b / n_buckets, f" bucket {b}", fontsize=7,
-                va="bottom")
-    last_grad = (max(g["ts"] for g in grads) - t0) / 1000
-    ax.axvline(last_grad, color="black", linestyle=":", linewidth=1)
-    ax.set_yticks([0.25, 0.75])
-    ax.set_yticklabels(["bucket allreduces", "gradients"])
-    ax.set_ylim(0, 1)
-    ax.set_title(f"rank {rank}: gradient arrivals (blue), bucket allreduces (red), last gradient (dotted)",
-                 fontsize=9)
-axes[-1].set_xlabel("ms since the iteration's first gradient")
-fig.tight_layout()
+viz.plot_bucket_overlap(trace)
 plt.show()
 
 # %% [markdown]

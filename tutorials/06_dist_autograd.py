@@ -148,3 +148,29 @@ for worker, info in result["after"].items():
 
 # %%
 print("contexts alive per worker after the with block:", result["alive after"])
+
+# %% [markdown]
+# ## The messages of the backward pass, as a sequence diagram
+#
+# With `DISTLAB_TIMELINE` set, the RPC agent records every message at both ends. We run the scenario again,
+# recording, and draw what happened from the start of `dist_autograd.backward` (a span on worker 0's
+# `dist_autograd` lane) to the release of the context: the `prepare` messages that find the workers taking part,
+# the one-way `backward` messages carrying gradients (one per send/recv pair), the answers, then `cleanup`.
+
+# %%
+import os
+import tempfile
+
+import matplotlib.pyplot as plt
+
+from distlab import viz
+from distlab.timeline import merge
+
+trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-dist-autograd-"), "dist_autograd.json")
+distlab.run(scenario, np=3, env={"DISTLAB_TIMELINE": trace_path})
+merge(trace_path)
+trace = viz.load_trace(trace_path)
+viz.plot_sequence(trace, window=("dist backward", "release context"), collectives=False,
+                  names={0: "worker0 (x)", 1: "worker1 (stage 1)", 2: "worker2 (stage 2)"},
+                  title="Distributed backward: prepare, gradients, answers")
+plt.show()

@@ -93,29 +93,21 @@ print("both ranks finished; final models identical:", same)
 # proof that rank 1's shadowing matched rank 0's training call for call. A timeline records the calls.
 
 # %%
-import json
 import os
 import tempfile
 
+from distlab import viz
 from distlab.timeline import merge
 
 trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-join-"), "join.json")
 distlab.run(train, args=([4, 2], True), np=2, env={"DISTLAB_TIMELINE": trace_path, "DISTLAB_DEBUG": "DETAIL"})
 merge(trace_path)
-with open(trace_path) as fh:
-    events = json.load(fh)["traceEvents"]
-
-
-def collectives(rank):
-    """The rank's collectives in call order (an async call is recorded once the rank saw it complete)."""
-    spans = [e for e in events if e.get("pid") == rank and e.get("ph") == "X" and e.get("cat") == "comm"]
-    return sorted(spans, key=lambda e: e["args"]["seq"])
-
-
-calls = {rank: collectives(rank) for rank in (0, 1)}
-print("DETAIL found no mismatch. Rank 1's collectives:")
-for e in calls[1]:
-    print(f"#{e['args']['seq']:<3d} {e['name']}")
+trace = viz.load_trace(trace_path)
+# the collectives matched across ranks by sequence number; DETAIL's own fingerprint checks left out
+calls = [c for c in trace.collectives() if "DETAIL" not in c.name]
+print("DETAIL found no mismatch. The collectives, each issued by ranks", sorted({c.ranks for c in calls}))
+for c in calls:
+    print(f"#{c.seq:<3d} {c.name}")
 
 # %% [markdown]
 # After DDP's start-up (checking the model, broadcasting rank 0's weights), each iteration is: Join's
@@ -125,43 +117,18 @@ for e in calls[1]:
 # `join: ranks still training` sums to 0: everyone has joined. Then the ranks agree on the last joiner
 # (`join: common rank`) and broadcast its final model.
 #
-# The same as a picture: one box per collective, by call number, on each rank.
+# The same as a sequence diagram, from rank 1's third notification on (when it had no data left): one lifeline
+# per rank, time downwards, each collective a band across the ranks that took part, and the notes Join records
+# on the `join` lane of a rank that has joined.
 
 # %%
 import matplotlib.pyplot as plt
 
-colors = {"join": "#b0b0b0", "bucket": "#e07b5f", "broadcast": "#9bbcd9", "other": "#e8e8e8"}
-
-
-def kind(name):
-    if "bucket" in name and "rebuild" not in name:
-        return "bucket"
-    if name.startswith("allreduce join"):
-        return "join"
-    if name.startswith("broadcast"):
-        return "broadcast"
-    return "other"
-
-
-notes = [e["args"]["seq"] for e in calls[1] if e["name"] == "allreduce join: ranks still training"]
-shadow_from, shadow_to = notes[2], notes[-1]          # rank 1's 3rd notification: it had no data left
-
-fig, ax = plt.subplots(figsize=(9, 2.2))
-for y, rank in enumerate((1, 0)):
-    for e in calls[rank]:
-        seq = e["args"]["seq"]
-        shadowed = rank == 1 and shadow_from <= seq <= shadow_to
-        ax.broken_barh([(seq - 0.45, 0.9)], (y - 0.35, 0.7), facecolors=colors[kind(e["name"])],
-                       edgecolor="black", linewidth=0.4, hatch="///" if shadowed else None)
-ax.set_yticks([0, 1])
-ax.set_yticklabels(["rank 1 (2 batches)", "rank 0 (4 batches)"])
-ax.set_ylim(-0.6, 1.6)
-ax.set_xlabel("collective number (the same on every rank)")
-handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black", linewidth=0.4) for c in colors.values()]
-handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///", linewidth=0.4))
-ax.legend(handles, ["Join count / flags", "bucket allreduce", "broadcast", "other", "rank 1 shadowing"],
-          fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.32), frameon=False)
-fig.tight_layout()
+notifications = [c for c in calls if c.name == "allreduce join: ranks still training"]
+viz.plot_sequence(trace, window=(notifications[2].start, None), notes=("join",),
+                  collectives=lambda c: "DETAIL" not in c.name,
+                  names={0: "rank 0 (4 batches)", 1: "rank 1 (2 batches)"},
+                  title="Rank 1 has run out of data: it shadows rank 0's collectives")
 plt.show()
 
 # %% [markdown]

@@ -5,19 +5,38 @@ its events in memory and writes ``path.json.rank<N>`` when it exits; the launche
 the parts into ``path.json``, which opens in Perfetto (https://ui.perfetto.dev) or ``chrome://tracing``.
 
 Every component records into the same per-rank :class:`Timeline`: the comm layer records each collective, the
-reducer each bucket, and so on. Ranks are processes (``pid``), lanes are named threads (``tid``).
+reducer each bucket, the RPC agent each message, and so on. Ranks are processes (``pid``), lanes are named
+threads (``tid``).
+
+Two rules of the format shape the merged file:
+
+- Complete events (``"ph": "X"``) on one thread must nest (a span either contains another or is disjoint from
+  it); Perfetto draws spans that partly overlap wrongly. Spans that can be in flight together (a bucket's
+  allreduce and the next bucket's, two RPCs) are recorded on one lane and split at merge time into sub-lanes
+  (``reducer buckets``, ``reducer buckets (2)``, ...) by greedy interval partitioning, so every lane nests.
+- A message between ranks is two events joined by a *flow* (``bind_id`` with ``flow_out`` on the sender's
+  event and ``flow_in`` on the receiver's): Perfetto draws the arrow, and :mod:`distlab.viz` draws sequence
+  diagrams from the same events (:meth:`Timeline.send`, :meth:`Timeline.receive`, :func:`flow_id`).
+
+Timestamps are written as whole microseconds, as Chrome's own traces are: integers are read exactly (a
+fractional microsecond is truncated to nanoseconds by Perfetto, which can turn two spans that end together
+into a partial overlap).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import threading
 import time
 
-__all__ = ["Timeline", "get_timeline", "flush_now", "merge", "now_us"]
+__all__ = ["Timeline", "get_timeline", "flush_now", "merge", "now_us", "flow_id", "nesting_lanes"]
+
+#: The lane message events go to unless a component names another.
+MESSAGE_LANE = "messages"
 
 # Wall-clock origin plus a monotonic offset: precise within a rank, comparable across ranks on one machine.
 _WALL0 = time.time()
@@ -97,6 +116,32 @@ class Timeline:
             self._events.append({"ph": "C", "name": name, "pid": self.rank, "ts": now_us() if ts is None else ts,
                                  "args": dict(values)})
 
+    def send(self, name: str, to: int, flow: int, *, cat: str = "message", lane: str = MESSAGE_LANE,
+             args: dict | None = None, start_us: float | None = None) -> None:
+        """Record that this rank sent a message to rank ``to``: a span (``ph: X``) that starts the flow ``flow``.
+
+        ``flow`` (see :func:`flow_id`) must be computable by the receiver too, which records the other end with
+        :meth:`receive`. The span runs from ``start_us`` (default: now) to now; its args gain ``"to": to``.
+        """
+        if not self.enabled:
+            return
+        self._flow_event(name, flow, "flow_out", cat, lane, {"to": to, **(args or {})}, start_us)
+
+    def receive(self, name: str, frm: int, flow: int, *, cat: str = "message", lane: str = MESSAGE_LANE,
+                args: dict | None = None, start_us: float | None = None) -> None:
+        """Record that this rank received the message of flow ``flow`` from rank ``frm`` (the arrow's head)."""
+        if not self.enabled:
+            return
+        self._flow_event(name, flow, "flow_in", cat, lane, {"from": frm, **(args or {})}, start_us)
+
+    def _flow_event(self, name, flow, direction, cat, lane, args, start_us) -> None:
+        end = now_us()
+        start = end if start_us is None else min(start_us, end)
+        with self._lock:
+            self._events.append({"ph": "X", "name": name, "cat": cat, "pid": self.rank, "tid": self._lane(lane),
+                                 "ts": start, "dur": end - start, "bind_id": int(flow), direction: True,
+                                 "args": args})
+
     @contextlib.contextmanager
     def span(self, name: str, *, cat: str = "distlab", lane: str = "main", args: dict | None = None):
         """Record the ``with`` block as one span."""
@@ -168,11 +213,7 @@ def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remov
             events.extend(json.load(fh))
     # Shift the time base so the trace starts near zero (Perfetto shows epoch microseconds awkwardly).
     origin = min((e["ts"] for e in events if "ts" in e), default=0.0)
-    for event in events:
-        if "ts" in event:
-            event["ts"] = round(event["ts"] - origin, 3)
-        if "dur" in event:
-            event["dur"] = round(event["dur"], 3)
+    events = _split_lanes(_whole_microseconds(events, origin))
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "distlab", "ranks": len(parts), "epoch_origin_us": origin}}
     if partial:
@@ -186,6 +227,102 @@ def merge(path: str, expected_parts: int | None = None, wait: float = 0.0, remov
             with contextlib.suppress(FileNotFoundError):
                 os.remove(part)
     return path
+
+
+def _whole_microseconds(events: list[dict], origin: float) -> list[dict]:
+    """Rebase timestamps on ``origin`` and round start and end to whole microseconds.
+
+    Rounding the start and the end (not the duration) is monotonic, so spans that nested still nest and spans
+    that were disjoint at most touch.
+    """
+    for event in events:
+        if "ts" not in event:
+            continue
+        start = event["ts"] - origin
+        event["ts"] = int(round(start))
+        if "dur" in event:
+            event["dur"] = max(int(round(start + event["dur"])) - event["ts"], 0)
+    return events
+
+
+def nesting_lanes(spans) -> list[int]:
+    """Assign each ``(start, end)`` span a sub-lane so that the spans on every sub-lane nest.
+
+    Greedy interval partitioning, in order of start (the longer span first on a tie): a span goes to the first
+    sub-lane where it starts after everything still open there has ended, or lies inside the innermost open
+    span; otherwise it opens a new sub-lane. Returns the sub-lane of each span, in the input order (0 is the
+    lane itself). Spans recorded with ``Timeline.span`` inside one another stay on one lane.
+    """
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1], i))
+    stacks: list[list[float]] = []  # per sub-lane: end times of the spans still open there, innermost last
+    lanes = [0] * len(spans)
+    for i in order:
+        start, end = spans[i]
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                break
+        else:
+            lane, stack = len(stacks), []
+            stacks.append(stack)
+        stack.append(end)
+        lanes[i] = lane
+    return lanes
+
+
+def _split_lanes(events: list[dict]) -> list[dict]:
+    """Move spans that partly overlap on a lane to sub-lanes of it (see :func:`nesting_lanes`).
+
+    Every rank's lanes are renumbered so that a lane's sub-lanes follow it; each ``thread_name`` names the
+    sub-lane (``"reducer buckets (2)"``) and, in ``args.lane``, the lane it belongs to. Events are written
+    metadata first, then by rank, lane and time, the longer span first on a tie, which is the order Perfetto
+    needs to nest spans that start together.
+    """
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans: dict[tuple, list[dict]] = {}
+    for event in events:
+        if event.get("ph") == "X":
+            spans.setdefault((event["pid"], event["tid"]), []).append(event)
+    sub_lanes: dict[tuple, int] = {}
+    for key, group in spans.items():
+        assigned = nesting_lanes([(e["ts"], e["ts"] + e["dur"]) for e in group])
+        for event, sub in zip(group, assigned):
+            event["_sub"] = sub
+        sub_lanes[key] = max(assigned) + 1
+    keys = sorted(set(names) | set(spans) | {(e["pid"], e["tid"]) for e in events if "tid" in e})
+    new_tid: dict[tuple, int] = {}
+    metadata = [e for e in events if e.get("ph") == "M" and e.get("name") != "thread_name"]
+    next_tid: dict[int, int] = {}
+    for pid, tid in keys:
+        lane = names.get((pid, tid), f"lane {tid}")
+        for sub in range(sub_lanes.get((pid, tid), 1)):
+            number = next_tid[pid] = next_tid.get(pid, 0) + 1
+            new_tid[(pid, tid, sub)] = number
+            metadata.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": number,
+                             "args": {"name": lane if sub == 0 else f"{lane} ({sub + 1})", "lane": lane}})
+            metadata.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": number,
+                             "args": {"sort_index": number}})
+    timed = []
+    for event in events:
+        if event.get("ph") == "M":
+            continue
+        if "tid" in event:
+            event["tid"] = new_tid[(event["pid"], event["tid"], event.pop("_sub", 0))]
+        timed.append(event)
+    timed.sort(key=lambda e: (e.get("pid", -1), e.get("tid", -1), e.get("ts", 0), -e.get("dur", 0)))
+    return metadata + timed
+
+
+def flow_id(*parts) -> int:
+    """A flow id both ends of a message can compute from what they know of it (kind, ranks, message id...).
+
+    A 52-bit hash of ``parts``' text: the same in every process (unlike ``hash``), and exact in JavaScript
+    viewers, which read numbers as doubles.
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 12
 
 
 _timeline: Timeline | None = None

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "WARN_THRESHOLD", "COUNT_NAME", "TERMINATION_CHECK_NAME", "JoinConfig", "JoinHook", "Joinable", "HostJoinable", "JoinSetup", "prepare_join",
-    "pre_hooks_of", "skew_message", "exhausted_message", "early_termination_message", "missing_config_message",
+    "pre_hooks_of", "record_count", "skew_message", "exhausted_message", "early_termination_message", "missing_config_message",
 ]
 
 #: After this many shadowed iterations Join warns once about the skew of inputs across ranks (as torch).
@@ -171,6 +171,20 @@ def _describe(obj) -> str:
     cls = type(obj)
     name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
     return f"a {name} object"
+
+
+def record_count(remaining: int) -> int:
+    """Note one round of ``Join.__exit__`` on the timeline (lane ``join``): the count, and what follows.
+
+    Returns ``remaining``, so that a twin records and tests the count in one expression.
+    """
+    from distlab.timeline import get_timeline
+
+    timeline = get_timeline()
+    if timeline.enabled:
+        timeline.instant(f"count {remaining}: " + ("all joined" if remaining == 0 else "shadow an iteration"),
+                         lane="join", args={"still_training": remaining})
+    return remaining
 
 
 def missing_config_message(joinable) -> str:

@@ -31,12 +31,14 @@ from . import framing
 from .deadlines import DeadlineWatcher
 from .dispatch import CallInfo, Dispatcher, current_call
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
-from .transport import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Transport, kind_name
+from .transport import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Transport
 from .workers import WorkerInfo, WorkerRegistry, check_name, check_thread_level
 
 __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_level", "TAG_HEADER", "TAG_BUFFER"]
 
 log = logging.getLogger("distlab.rpc")
+
+_GENERATIONS = itertools.count()  # agents started in this process: message ids restart with each
 
 #: The longest the listener waits for a message's out-of-band buffers (seconds; less when rpc_timeout is less).
 BUFFER_TIMEOUT_MAX = 30.0
@@ -86,7 +88,7 @@ class RpcAgent:
         self._transport = Transport(comm, name, self._deliver, self._has_pending, self._record_error,
                                     self._on_malformed, buffer_timeout)
         self._dispatch = Dispatcher(self.info, self._transport.transmit, self._record_error, num_threads,
-                                    self._timeline, self._registry.name_of)
+                                    self._timeline, self._registry.name_of, next(_GENERATIONS))
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid,
                                         self._transport.waiting.idle_interval,
                                         self._transport.waiting.maybe_go_idle)
@@ -167,7 +169,7 @@ class RpcAgent:
             meta = hook(dst, kind, meta)
         body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook)
         mid = next(self._mids)
-        fut = Future(description=f"rpc {kind_name(kind)} #{mid} to {self.workers[dst].name}")
+        fut = Future(description=f"rpc {self._dispatch.label(kind)} #{mid} to {self.workers[dst].name}")
         flags = (FLAG_INLINE if inline else 0) | (FLAG_NOREPLY if noreply else 0)
         if noreply:
             fut.set_result(None)
@@ -176,6 +178,8 @@ class RpcAgent:
             timeout = self.rpc_timeout if timeout is None else timeout
             if _track_timeout and timeout and timeout > 0:
                 self._watcher.add(time.monotonic() + timeout, mid, timeout)
+        if self._tl_on:
+            self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
         try:
             self._transport.transmit(dst, kind, flags, mid, buffers, meta, forks, body)
         except BaseException:
@@ -213,6 +217,8 @@ class RpcAgent:
             self._dispatch.on_request(src, kind, flags, mid, meta, forks, body, buffers)
 
     def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
+        if self._tl_on:
+            self._dispatch.trace_message(False, "response", src, "rpc response", mid)
         entry = self._pending.pop(mid, None)
         if entry is None:
             return  # the request timed out (or was failed at shutdown): drop its late response
@@ -221,7 +227,7 @@ class RpcAgent:
             for hook in self._response_hooks:
                 hook(src, mid, entry[2], meta)
         if self._tl_on:
-            self._timeline.complete(f"rpc {kind_name(entry[2])} -> {self.workers[src].name}", entry[3],
+            self._timeline.complete(f"rpc {self._dispatch.label(entry[2])} -> {self.workers[src].name}", entry[3],
                                     self._now_us(), lane="rpc", args={"mid": mid, "error": bool(flags & FLAG_ERROR)})
         if flags & FLAG_ERROR:
             fut.set_exception(self._dispatch.remote_error(body))
@@ -268,9 +274,9 @@ class RpcAgent:
         dst, kind = entry[1], entry[2]
         try:
             fut.set_exception(DistTimeoutError(
-                f"rpc {kind_name(kind)} #{mid} from worker {self.info.name!r} to worker "
+                f"rpc {self._dispatch.label(kind)} #{mid} from worker {self.info.name!r} to worker "
                 f"{self.workers[dst].name!r} got no response within {timeout:g} s",
-                op=f"rpc {kind_name(kind)}", timeout=timeout, missing_ranks=[dst]))
+                op=f"rpc {self._dispatch.label(kind)}", timeout=timeout, missing_ranks=[dst]))
         except RuntimeError:
             pass  # completed concurrently
 
@@ -321,8 +327,8 @@ class RpcAgent:
             self._pending.pop(mid, None)
             try:
                 fut.set_exception(RpcError(
-                    f"rpc {kind_name(kind)} #{mid} to worker {self.workers[dst].name!r}: the RPC agent was shut "
-                    "down before the response arrived"))
+                    f"rpc {self._dispatch.label(kind)} #{mid} to worker {self.workers[dst].name!r}: the RPC agent "
+                    "was shut down before the response arrived"))
             except RuntimeError:
                 pass
         self._dispatch.pool.shutdown(wait=graceful, timeout=timeout)

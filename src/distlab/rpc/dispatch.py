@@ -17,9 +17,10 @@ import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
-from distlab._wire import RPC_USER_KIND_BASE
+from distlab._wire import RPC_KIND_CODES, RPC_USER_KIND_BASE
 from distlab.errors import RemoteError, RpcError
 from distlab.futures import Future, collect_all
+from distlab.timeline import flow_id
 
 from . import framing
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
@@ -28,6 +29,8 @@ from .transport import K_RESPONSE, kind_name
 __all__ = ["CallInfo", "Dispatcher", "current_call"]
 
 log = logging.getLogger("distlab.rpc")
+
+K_CALL = RPC_KIND_CODES["call"]
 
 
 class CallInfo(NamedTuple):
@@ -102,16 +105,21 @@ class Dispatcher:
         Where handled requests are drawn (lane ``rpc-handler``) when the timeline is enabled.
     worker_name : callable
         ``worker_name(id) -> str`` (for the timeline).
+    generation : int
+        Which agent of this process this is (the same on every worker): message ids restart with each agent, so
+        the timeline's flow ids include it.
     """
 
     def __init__(self, info, transmit: Callable, record_error: Callable, num_threads: int, timeline,
-                 worker_name: Callable):
+                 worker_name: Callable, generation: int = 0):
         from distlab.timeline import now_us
 
         self.info = info
         self._transmit = transmit
         self._record_error = record_error
         self._handlers: dict[int, tuple[Callable, bool]] = {}
+        self._kind_labels: dict[int, str | None] = {}  # timeline labels of registered kinds (a handler's name)
+        self._generation = generation
         self._reply_hooks: list[Callable] = []
         self.pool = _Pool(max(1, num_threads), f"distlab-rpc-{info.name}")
         self._timeline = timeline
@@ -132,6 +140,7 @@ class Dispatcher:
         if kind in self._handlers and not internal:
             raise ValueError(f"a handler for message kind {kind} is already registered")
         self._handlers[kind] = (fn, inline)
+        self._kind_labels[kind] = getattr(fn, "__name__", "").removeprefix("_handle_").lstrip("_") or None
 
     def add_reply_hook(self, fn: Callable) -> Callable[[], None]:
         self._reply_hooks.append(fn)
@@ -140,6 +149,8 @@ class Dispatcher:
     # -- requests ---------------------------------------------------------------------------------------------
     def on_request(self, src, kind, flags, mid, meta, forks, body, buffers) -> None:
         """Listener thread: run the request inline or hand it to the pool."""
+        if self._tl_on:
+            self.trace_message(False, self.label(kind), src, "rpc", mid)
         entry = self._handlers.get(kind)
         if entry is None:
             self.reply_error(src, mid, flags, RpcError(
@@ -210,6 +221,25 @@ class Dispatcher:
         else:
             collect_all(waits).add_done_callback(go)
 
+    # -- the timeline's names and flows ------------------------------------------------------------------------
+    def label(self, kind: int, payload=None) -> str:
+        """A message's name: its kind, a registered kind's handler, a call's function."""
+        label = self._kind_labels.get(kind) if kind >= RPC_USER_KIND_BASE else None
+        label = label or kind_name(kind)
+        if kind == K_CALL and type(payload) is tuple and payload:
+            name = getattr(payload[0], "__name__", None) or getattr(payload[0], "name", None)
+            label = f"call {name.lstrip('_')}" if isinstance(name, str) else label
+        return label
+
+    def trace_message(self, sending: bool, name: str, peer: int, what: str, mid: int) -> None:
+        """One end of a message on the ``rpc messages`` lane; both ends compute the same flow id."""
+        src, dst = (self.info.id, peer) if sending else (peer, self.info.id)
+        flow = flow_id(what, self._generation, src, dst, mid)
+        if sending:
+            self._timeline.send(name, dst, flow, lane="rpc messages", args={"mid": mid})
+        else:
+            self._timeline.receive(name, src, flow, lane="rpc messages", args={"mid": mid})
+
     # -- replies ----------------------------------------------------------------------------------------------
     def _reply_future(self, dst, mid, flags, fut, meta=None) -> None:
         exc = fut.exception()
@@ -227,6 +257,8 @@ class Dispatcher:
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self.reply_error(dst, mid, 0, exc)
             return
+        if self._tl_on:
+            self.trace_message(True, "response", dst, "rpc response", mid)
         self._transmit(dst, K_RESPONSE, 0, mid, buffers, meta, forks, body)
 
     def reply_error(self, dst, mid, flags, exc) -> None:
@@ -240,6 +272,8 @@ class Dispatcher:
         except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
             exc_bytes = None
         body = pickle.dumps((exc_type, str(exc), tb, self.info.name, exc_bytes), protocol=5)
+        if self._tl_on:
+            self.trace_message(True, f"error ({type(exc).__name__})", dst, "rpc response", mid)
         self._transmit(dst, K_RESPONSE, FLAG_ERROR, mid, [], None, (), body)
 
     @staticmethod
