@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import sys
 import time
 import types
 
@@ -234,8 +235,12 @@ def _backward_from(value, context_id, retain_graph):
     if context_id == -1:
         value.backward(retain_graph=retain_graph)
     else:
-        from distlab import distributed_autograd
-
+        # A context id comes from distlab.distributed_autograd, which imports rpc (never the reverse): when it
+        # is not loaded here, no context can exist on this worker.
+        distributed_autograd = sys.modules.get("distlab.distributed_autograd")
+        if distributed_autograd is None:
+            raise RuntimeError(f"RRef.backward: no distributed autograd context {context_id} on this worker "
+                               "(distlab.distributed_autograd is not in use here)")
         distributed_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 

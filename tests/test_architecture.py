@@ -1,0 +1,50 @@
+"""The repository's shape, as CONTRIBUTING.md's twin rule and ARCHITECTURE.md describe it.
+
+Each check is measured by tests/_architecture.py (run it by hand to see every figure). A failure names the
+component, the pair of names, the cycle or the module to fix.
+"""
+from __future__ import annotations
+
+import pytest
+
+import _architecture as arch
+
+
+@pytest.mark.parametrize("component", sorted(arch.TWINS))
+def test_core_twin_compiles_the_hot_path_not_a_copy(component):
+    total, verbatim = arch.verbatim_share(component)
+    assert total > 0, f"{component}: no substantive lines found in its core twin (is TWINS up to date?)"
+    share = verbatim / total
+    assert share <= arch.MAX_VERBATIM_SHARE, (
+        f"{component}: {verbatim} of {total} substantive core lines ({share:.1%}) appear word for word in "
+        f"reference/ (at most {arch.MAX_VERBATIM_SHARE:.0%}): move what both twins run into the shared module")
+
+
+@pytest.mark.parametrize("component", sorted(arch.TWINS))
+def test_twins_define_their_names_in_the_same_order(component):
+    assert arch.outline_disorder(component) == [], (
+        f"{component}: these pairs come in a different order in core than in reference: "
+        f"{arch.outline_disorder(component)}")
+
+
+def test_outline_sees_both_twins_names():
+    # guards the two checks above against an outline parser that finds nothing (and so never fails)
+    for component in arch.TWINS:
+        reference_text = "\n".join((arch.REFERENCE / name).read_text() for name in arch.TWINS[component][0])
+        core_names = arch.outline(arch.core_source(arch.TWINS[component][1]))
+        shared = set(arch.outline(reference_text)) & set(core_names)
+        assert len(shared) >= 2, f"{component}: the twins share only {sorted(shared)}"
+
+
+def test_no_import_cycles():
+    assert arch.import_cycles() == []
+
+
+def test_import_graph_sees_the_packages():
+    graph = arch.import_graph()
+    assert "distlab.rpc.api" in graph and "distlab.rpc.agent" in graph["distlab.rpc.api"]
+    assert any(module.startswith("distlab.core.") for module in graph)
+
+
+def test_modules_within_their_line_limits():
+    assert arch.oversized_modules() == []
