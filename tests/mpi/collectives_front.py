@@ -91,10 +91,15 @@ hvd.broadcast_optimizer_state(fresh, root_rank=0)      # no state yet: initialis
 assert fresh.param_groups[0]["lr"] == 0.5 and len(fresh.state) == 1
 
 # -- scaling precision: half precision in float32, as Horovod ------------------------------------------------------
-h = hvd.allreduce(np.full(4, 3.0, np.float16), name="half", op=hvd.Sum, prescale_factor=1 / 3)
-assert h.dtype == np.float16 and h.tolist() == [float(np.float16(np.float32(3.0) * np.float32(1 / 3)) * n)] * 4, h
-b = hvd.allreduce(np.full(4, 3.0, ml_dtypes.bfloat16), name="bf16", op=hvd.Sum, postscale_factor=1 / 3)
-assert b.dtype == ml_dtypes.bfloat16 and float(b[0]) == float(ml_dtypes.bfloat16(np.float32(3 * n) / 3)), b
+# 5 * (1/3) rounds differently when the factor is first rounded to the array's own half precision
+half32 = float(np.float16(np.float32(5.0) * np.float32(1 / 3)))
+assert half32 != float(np.float16(5.0) * np.float16(1 / 3))  # so the check below can tell the two apart
+h = hvd.allreduce(np.full(4, 5.0, np.float16), name="half", op=hvd.Sum, prescale_factor=1 / 3)
+assert h.dtype == np.float16 and h.tolist() == [half32 * n] * 4, (h, half32 * n)  # * 2 and * 4 are exact
+bf32 = float(ml_dtypes.bfloat16(np.float32(5 * n) / 3))
+assert bf32 != float(ml_dtypes.bfloat16(5 * n) * ml_dtypes.bfloat16(1 / 3))
+b = hvd.allreduce(np.full(4, 5.0, ml_dtypes.bfloat16), name="bf16", op=hvd.Sum, postscale_factor=1 / 3)
+assert b.dtype == ml_dtypes.bfloat16 and float(b[0]) == bf32, (b, bf32)
 expect(NotImplementedError, lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum), "Adasum")
 
 # -- process sets: disjoint, overlapping, each with its own coordinator and cache --------------------------------
