@@ -247,6 +247,19 @@ def test_run_carries_lambdas_and_closures():
 
 
 @mpi
+def test_the_caller_of_run_and_the_launcher_never_start_mpi():
+    # Importing mpi4py.MPI starts MPI: the process becomes an MPI singleton with listening sockets. A notebook
+    # calling distlab.run and the `python -m distlab run` process used to; only the ranks may.
+    code = ("import sys, distlab, distlab.__main__\n"
+            "assert distlab.run(lambda: 1, np=2, timeout=120) == [1, 1]\n"
+            "print('MPI started:', 'mpi4py.MPI' in sys.modules)")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "MPI started: False", done.stdout
+
+
+@mpi
 def test_run_reraises_with_rank_and_remote_traceback():
     with pytest.raises(RankFailedError) as info:
         distlab.run(fail_on_rank_one, np=2, timeout=LAUNCH_TIMEOUT)

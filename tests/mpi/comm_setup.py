@@ -1,14 +1,17 @@
-"""Set-up that a rank never reaches times out naming it: world(), ProcessGroup(), new_group(), bounded_barrier.
+"""Set-up that a rank never reaches times out naming it: world(), ProcessGroup(), new_group(), bounded_barrier,
+collectives.init().
 
-``world`` (argument): the last rank never creates the world group; the others' ``comm.world()`` fails within
-DISTLAB_TIMEOUT. ``groups``: each phase runs over a group made while every rank was present; the last rank skips
-the phase's call, then every rank meets on a fresh group (a timed-out setup leaves its communicator unusable).
+``world`` (argument): the last rank never creates the world group; the others' ``comm.world()``, then their
+``collectives.init()``, fail within DISTLAB_TIMEOUT. ``groups``: each phase runs over a group made while every rank
+was present; the last rank skips the phase's call, then every rank meets on a fresh group (a timed-out setup leaves
+its communicator unusable).
 """
 import sys
 import time
 
 from mpi4py import MPI
 
+from distlab import collectives as hvd
 from distlab import comm
 from distlab.errors import DistTimeoutError
 
@@ -34,9 +37,12 @@ def expect_timeout(what, call, words):
 
 if mode == "world":
     if r == late:
-        time.sleep(LIMIT + 4)  # busy elsewhere (loading data, say) long after the others gave up
+        time.sleep(2 * LIMIT + 4)  # busy elsewhere (loading data, say) long after the others gave up
     else:
         expect_timeout("world", comm.world, "ProcessGroup 'world' setup")
+        # collectives.init() makes its own group the same way: bounded by DISTLAB_TIMEOUT too, and no engine
+        expect_timeout("collectives.init", hvd.init, "ProcessGroup 'collectives' setup")
+        assert not hvd.is_initialized()
     print(f"rank {r}: setup timeout reported: OK", flush=True)
     sys.exit(0)
 
