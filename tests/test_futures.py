@@ -82,6 +82,25 @@ def test_driver_is_used_to_make_progress():
     assert chained.wait(1) == 1
 
 
+def test_a_wait_without_timeout_leaves_the_driver_its_own():
+    # A collective's future is driven by its Work, whose default is its process group's timeout: a wait() without
+    # timeout (DDP's bucket wait, a hook's then()) used to impose DISTLAB_TIMEOUT on it, so a group made with
+    # timeout=1 waited 300 s for a rank that never came.
+    seen = []
+
+    def driver(timeout):
+        seen.append(timeout)
+        parent.set_result(1)
+
+    for make in (lambda: parent, lambda: parent.then(lambda f: f.value()), lambda: collect_all([parent])):
+        parent = Future(driver=driver)
+        make().wait()
+    assert seen == [None, None, None]
+    parent = Future(driver=driver)
+    collect_all([parent.then(lambda f: f.value())]).wait(timeout=7)
+    assert len(seen) == 4 and 6 < seen[-1] <= 7  # a given timeout still reaches the driver
+
+
 def test_collect_all():
     futs = [Future() for _ in range(3)]
     combined = collect_all(futs)

@@ -96,14 +96,16 @@ class Future:
     ----------
     driver : callable, optional
         ``driver(timeout)`` pushes the underlying operation to completion (it completes this future or raises
-        :class:`~distlab.errors.DistTimeoutError`). Futures completed by another thread need none.
+        :class:`~distlab.errors.DistTimeoutError`); ``timeout`` is None when the waiter gave none, and the
+        driver then applies the operation's own (a collective's: its process group's timeout). Futures
+        completed by another thread need none.
     description : str, optional
         What this future stands for, used in timeout messages.
     """
 
     __slots__ = ("_lock", "_event", "_value", "_exception", "_callbacks", "_driver", "_description")
 
-    def __init__(self, *, driver: Callable[[float], Any] | None = None, description: str = "future"):
+    def __init__(self, *, driver: Callable[[float | None], Any] | None = None, description: str = "future"):
         # A plain lock is cheap; the Event a waiting thread sleeps on is made only when someone waits
         # (most futures complete before anyone does: RPC replies, comm hooks chained with then()).
         self._lock = threading.Lock()
@@ -158,7 +160,8 @@ class Future:
         Parameters
         ----------
         timeout : float or datetime.timedelta, optional
-            Seconds to wait (default ``DISTLAB_TIMEOUT``; see :func:`check_timeout`).
+            Seconds to wait (see :func:`check_timeout`). By default the operation's own timeout when it has
+            one (a collective's future: its process group's timeout, as in torch), else ``DISTLAB_TIMEOUT``.
 
         Raises
         ------
@@ -167,10 +170,11 @@ class Future:
             out raises that operation's error (naming its missing ranks).
         """
         if not self.done():
-            timeout = default_timeout() if timeout is None else check_timeout(timeout, "Future.wait(timeout)")
+            given = None if timeout is None else check_timeout(timeout, "Future.wait(timeout)")
+            timeout = default_timeout() if given is None else given
             deadline = time.monotonic() + timeout
             if self._driver is not None:
-                self._driver(timeout)  # completes this future (perhaps through callbacks) or raises
+                self._driver(given)  # completes this future (perhaps through callbacks) or raises
             if not self.done():
                 # Completed by another thread (an RPC reply, or the callback of a parent completed elsewhere
                 # that has not yet run): sleep on an event until it is.
@@ -227,7 +231,7 @@ class Future:
         self.add_done_callback(run)
         return chained
 
-    def _drive_then(self, timeout: float) -> None:
+    def _drive_then(self, timeout: float | None) -> None:
         # Waiting on a chained future drives its parent; the parent's callback then completes the child. A parent
         # that failed completed the child with its error already; a parent still pending after its wait timed out
         # has not, so its DistTimeoutError (with the missing ranks) is the child's too.
@@ -268,11 +272,11 @@ def collect_all(futures: Iterable[Future]) -> Future:
     return combined
 
 
-def _wait_all(futures, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_all(futures, timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout  # None: each future's own timeout
     for fut in futures:
         try:
-            fut.wait(max(deadline - time.monotonic(), 1e-6))
+            fut.wait(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
         except BaseException:  # noqa: BLE001
             if not fut.done():
                 raise  # timed out (or could not be driven): the combined future has no result to give

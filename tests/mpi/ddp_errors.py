@@ -1,4 +1,5 @@
-"""DDP refuses models that differ across ranks, on every rank, naming the rank and the parameter."""
+"""DDP refuses models that differ across ranks, on every rank, naming the rank and the parameter; a compression
+hook's timeout names the rank that never reached backward."""
 import sys
 
 from distlab import comm, nn
@@ -33,4 +34,21 @@ distlab.manual_seed(pg.rank)  # deliberately different initialisation per rank
 model = DDP(nn.Linear(3, 3), impl=impl)
 gathered = pg.allgather(model.module.weight.data)
 assert all(np.array_equal(gathered[0], g) for g in gathered), "parameters must be synchronised from rank 0"
+
+# A rank that never reaches backward, under the hooks that chain the allreduce's future with then() (fp16/bf16
+# compression): backward's wait names the missing rank (then() used to report "... is not completed yet").
+from distlab.ddp_comm_hooks import bf16_compress_hook, fp16_compress_hook  # noqa: E402
+from distlab.errors import DistTimeoutError  # noqa: E402
+
+for hook in (fp16_compress_hook, bf16_compress_hook):
+    group = comm.ProcessGroup(name=hook.__name__, timeout=1.0)
+    model = DDP(nn.Linear(3, 1), process_group=group, impl=impl)
+    model.register_comm_hook(group, hook)
+    if pg.rank != last:
+        try:
+            model(distlab.tensor(np.ones((2, 3), np.float32))).sum().backward()
+            raise AssertionError(f"{hook.__name__}: backward without rank {last} must time out")
+        except DistTimeoutError as exc:
+            assert exc.missing_ranks == [last] and f"ranks [{last}] have not entered it" in str(exc), exc
+    pg.barrier()
 print(f"rank {pg.rank}: model checks OK", flush=True)

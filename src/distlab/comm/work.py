@@ -152,7 +152,7 @@ class Work:
                 self._complete_future()
         return self._future
 
-    def _drive_future(self, timeout: float) -> None:
+    def _drive_future(self, timeout: float | None) -> None:
         try:
             self.wait(timeout)
         except BaseException:  # noqa: BLE001 - a failed or timed-out work completed the future with its error
