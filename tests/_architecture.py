@@ -232,7 +232,7 @@ FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.met
            "distlab.cluster", "distlab.viz")
 #: Modules that import nothing from distlab (or only what is listed): the leaves everything else may use.
 LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(),
-          "distlab.futures": {"distlab.errors"}}
+          "distlab.futures": {"distlab.errors"}, "distlab._backend": {"distlab.errors"}}
 
 
 def _within(module: str, packages) -> bool:
@@ -245,6 +245,8 @@ def layering_violations(graph: dict[str, set[str]] | None = None) -> list[tuple[
     twins = ("distlab.reference", "distlab.core")
     rules = [
         ("a twin never imports a facade", lambda a, b: _within(a, twins) and _within(b, FACADES)),
+        ("a reference twin never imports a core twin, nor the reverse",
+         lambda a, b: _within(a, twins) and _within(b, twins) and a.split(".")[1] != b.split(".")[1]),
         ("only twins import twins (facades use _backend.load)",
          lambda a, b: not _within(a, twins) and _within(b, twins)),
         ("a shared module imports no twin, facade or comm",
@@ -253,7 +255,10 @@ def layering_violations(graph: dict[str, set[str]] | None = None) -> list[tuple[
          and _within(b, FACADES + twins + ("distlab._common",))),
         ("distributed autograd imports rpc, never the reverse",
          lambda a, b: _within(a, ("distlab.rpc",)) and _within(b, ("distlab.distributed_autograd",))),
-        ("a leaf imports nothing from distlab", lambda a, b: a in LEAVES and b not in LEAVES[a]),
+        ("a leaf imports nothing from distlab (but what LEAVES allows)",
+         lambda a, b: a in LEAVES and b not in LEAVES[a]),
+        ("the autograd engine imports only itself",
+         lambda a, b: _within(a, ("distlab.autograd",)) and not _within(b, ("distlab.autograd",))),
     ]
     out = []
     for importer, targets in sorted((import_graph() if graph is None else graph).items()):

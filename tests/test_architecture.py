@@ -58,12 +58,15 @@ def test_imports_follow_the_layering():
     ("distlab.reference.reducer", "distlab.ddp"),
     ("distlab.core._rref", "distlab.rpc.api"),
     ("distlab.ddp", "distlab.core._reducer"),
+    ("distlab.core._join", "distlab.reference.join"),
     ("distlab._common.join", "distlab.reference.join"),
     ("distlab._common.reducer", "distlab.comm"),
     ("distlab.comm.group", "distlab.collectives._engine"),
     ("distlab.rpc.rref", "distlab.distributed_autograd"),
     ("distlab.errors", "distlab._wire"),
     ("distlab.futures", "distlab.timeline"),
+    ("distlab._backend", "distlab.comm"),
+    ("distlab.autograd.engine", "distlab.comm"),
 ])
 def test_each_layering_rule_can_fail(importer, imported):
     # guards test_imports_follow_the_layering against rules that never fire; and the real graph has the edges
