@@ -24,7 +24,7 @@ from distlab._wire import (RPC_KIND_CODES, RPC_WIRE_MAGIC, RPC_WIRE_VERSION, VER
                           ResponseType)
 from distlab.errors import (AutogradContextNotFoundError, AutogradIdOverflowError, CacheStateError,
                             DistAutogradError, DistTimeoutError, MessageFormatError, RpcMessageError,
-                            RRefDeletedError, RRefProtocolError)
+                            RRefDeletedError, RRefIdOverflowError, RRefProtocolError)
 
 from conftest import IN_CI
 
@@ -192,6 +192,57 @@ def static_graph_after_the_first_iteration(m):
     reducer = m.Reducer(_params(np.float32), [[0]], comm.world())
     reducer.prepare_for_forward()
     reducer.set_static_graph()
+
+
+class _TwoBranch(nn.Module):
+    """fc1 always used, fc2 only when asked (an unused parameter otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 3, seed=1)
+        self.fc2 = nn.Linear(3, 3, seed=2)
+
+    def forward(self, x, use_fc2=True):
+        h = self.fc1(x)
+        return (self.fc2(h) if use_fc2 else h).sum()
+
+
+def _ddp(m, **kwargs):
+    from distlab.ddp import DistributedDataParallel
+
+    impl = "core" if m.__name__.startswith("distlab.core") else "reference"
+    return DistributedDataParallel(_TwoBranch(), impl=impl, **kwargs)
+
+
+def _x():
+    return distlab.tensor(np.ones((2, 4), dtype=np.float32))
+
+
+@case("reducer", RuntimeError)
+def a_forward_before_the_last_reduction_finished(m):
+    model = _ddp(m)
+    model(_x(), use_fc2=False).backward()
+    model(_x(), use_fc2=False)
+
+
+@case("reducer", RuntimeError)
+def a_static_graph_that_changes(m):
+    model = _ddp(m, static_graph=True)
+    model(_x()).backward()
+    model(_x()).backward()
+    model(_x(), use_fc2=False).backward()
+    model(_x())
+
+
+def _returns_an_int_hook(state, bucket):
+    return 1
+
+
+@case("reducer", TypeError)
+def a_comm_hook_that_returns_no_future(m):
+    model = _ddp(m)
+    model.register_comm_hook(None, _returns_an_int_hook)
+    model(_x()).backward()
 
 
 # ----------------------------------------------------------------------------------------------------- join
@@ -470,6 +521,22 @@ def the_same_pending_user_twice(m):
     ctx.add_pending_user(fork_id, m.UserRRef(1, user.rref_id, fork_id))
 
 
+@case("rref", RRefProtocolError)
+def the_same_pending_child_twice(m):
+    ctx = _context(m)
+    user, _, _ = ctx.create_remote(1)
+    child = ctx.gen_id()
+    ctx.add_pending_child(child, user)
+    ctx.add_pending_child(child, user)
+
+
+@case("rref", RRefIdOverflowError)
+def local_ids_run_out(m):
+    ctx = _context(m)
+    ctx.next_local_id = 1 << 40
+    ctx.gen_id()
+
+
 # ------------------------------------------------------------------------------------------------ rpc_framing
 LIMIT = 1 << 20
 
@@ -606,3 +673,16 @@ def a_send_function_of_none(m):
     context = container.new_context()
     container.clear_current_context_id()
     context.add_recv_function(None, 1)
+
+
+@case("autograd_container", ValueError)
+def a_negative_context_id(m):
+    m.DistAutogradContainer(3).get_or_create_context(-1)
+
+
+@case("autograd_container", ValueError)
+def a_message_id_past_64_bits(m):
+    container = m.DistAutogradContainer(3)
+    context = container.new_context()
+    container.clear_current_context_id()
+    context.add_send_function(object(), 1 << 64)
