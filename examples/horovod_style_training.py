@@ -48,7 +48,7 @@ def main() -> None:
                                    named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
-    steps = (len(sampler) - rank * 40) // options.batch    # uneven inputs: higher ranks hold fewer examples
+    steps = max(len(sampler) - 40 * rank, 0) // options.batch   # uneven inputs: higher ranks use fewer examples
     for epoch in range(options.epochs):
         sampler.set_epoch(epoch)
         for idx in islice(sampler.batches(options.batch), steps):
