@@ -101,6 +101,16 @@ assert bf32 != float(ml_dtypes.bfloat16(5 * n) * ml_dtypes.bfloat16(1 / 3))
 b = hvd.allreduce(np.full(4, 5.0, ml_dtypes.bfloat16), name="bf16", op=hvd.Sum, postscale_factor=1 / 3)
 assert b.dtype == ml_dtypes.bfloat16 and float(b[0]) == bf32, (b, bf32)
 expect(NotImplementedError, lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum), "Adasum")
+# an op the dtype cannot take, on one rank: refused at once there; it used to reach the cycle thread and stop the
+# collectives of every rank
+if r == n - 1:
+    expect(TypeError, lambda: hvd.allreduce(np.ones(2, np.complex64), name="cmax", op=hvd.Max),
+           "allreduce of 'cmax': op 'max' is undefined for complex numbers")
+    expect(TypeError, lambda: hvd.grouped_allreduce([np.ones(2, np.complex128)], name="gmin", op=hvd.Min),
+           "allreduce of 'gmin.0': op 'min' is undefined for complex numbers")
+    expect(TypeError, lambda: hvd.reducescatter(np.ones((n, 2), np.complex64), name="rsmax", op=hvd.Max),
+           "reducescatter of 'rsmax': op 'max'")
+assert hvd.allreduce(np.ones(2, np.complex64), name="csum", op=hvd.Sum).tolist() == [n, n]
 
 # -- process sets: disjoint, overlapping, each with its own coordinator and cache --------------------------------
 evens = hvd.add_process_set(range(0, n, 2))

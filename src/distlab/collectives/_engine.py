@@ -21,7 +21,7 @@ from .._wire import CPU_DEVICE_ID, GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, REDU
 from ..errors import DistlabError, DuplicateNameError, NotInitializedError, StallShutdownError
 from ..futures import Future
 from ..timeline import get_timeline, now_us
-from ._execute import execute
+from ._execute import check_reduction, execute
 from ._settings import settings
 
 __all__ = ["Handle", "OP_CODES", "KINDS", "get"]
@@ -209,6 +209,8 @@ class _Engine:
         if array is not None:
             array = np.array(array, copy=True, order="C")   # the caller may reuse its array at once
             tensor_type, shape = dtype_code(array.dtype), array.shape
+            if kind in ("allreduce", "reducescatter"):
+                check_reduction(array.dtype, op, kind, name)
         else:
             tensor_type, shape = 0, ()
         future = Future(description=f"{kind} of {name!r}")

@@ -15,7 +15,7 @@ from .._wire import DTYPE_NAMES, JOIN_TENSOR_NAME, REDUCE_OPS, RESPONSE_TYPE_NAM
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
 
-__all__ = ["execute", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
+__all__ = ["execute", "check_reduction", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
 
 
 def execute(engine, state, response):
@@ -96,6 +96,16 @@ def scale_in_place(buf, factor: float) -> None:
 def _reduce_op(response):
     op = ReduceOp.parse(REDUCE_OPS[response.reduce_op] or "sum")
     return op, ("sum" if op is ReduceOp.AVG else op.value)
+
+
+def check_reduction(dtype, op: ReduceOp, kind: str, name: str) -> None:
+    """Refuse at submission what the reduction below cannot take (complex with Min/Max, say), with comm's error.
+
+    Found in the cycle thread instead, the refusal would stop the engine, and with it every rank's collectives.
+    """
+    from ..comm.ops import mpi_reduction  # the engine runs, so MPI is up
+
+    mpi_reduction(np.dtype(dtype), ReduceOp.parse("sum" if op is ReduceOp.AVG else op.value), kind, name)
 
 
 def _allreduce(state, response, entries):
