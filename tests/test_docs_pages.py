@@ -1,6 +1,7 @@
 """What the docs must show a learner (docs/_scripts/check_pages.py, run by `make linkcheck`): the checker itself on
 small pages, the width rule on the docs' sources (no build needed), and the built site when `make docs` made one."""
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -85,3 +86,14 @@ def test_every_fenced_block_of_the_docs_fits_the_page():
 def test_the_built_site_shows_executed_tutorials_and_flow_figures():
     problems, _ = check_pages.check(SITE, DOCS / "_generated" / "flows")
     assert problems == []
+
+
+def test_getting_started_shows_what_make_demo_prints():
+    # every line `make demo` echoes, from the first run's stages to the three next steps, as the page shows it
+    makefile = (DOCS.parent / "Makefile").read_text()
+    echoed = re.findall(r'^\t@echo "(.+)"$', makefile[makefile.index("$(STAMP):"):makefile.index("\ntest:")],
+                        flags=re.M)
+    page = (DOCS / "getting-started.md").read_text()
+    shown = [line.replace("$(VENV)", ".venv").replace("$(NP)", "2").replace("\\\"", "\"") for line in echoed]
+    assert len(shown) >= 15
+    assert [line for line in shown if line not in page] == []
