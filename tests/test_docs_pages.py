@@ -56,6 +56,13 @@ def _block(language, text, output=False):
     return f'<div class="cell_output docutils container">{pre}</div>' if output else pre
 
 
+def test_a_flow_figure_wider_than_the_column_is_named(tmp_path):
+    (tmp_path / "fits.svg").write_text('<?xml version="1.0"?>\n<svg xmlns="x" width="504pt" height="900pt">')
+    (tmp_path / "wide.svg").write_text('<svg xmlns="x" width="720pt" height="300pt" viewBox="0 0 720 300">')
+    problems = check_pages.figure_width_problems(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("wide.svg: 720pt wide")
+
+
 def test_only_diagram_shell_and_text_blocks_must_fit_the_page():
     wide = "x" * (check_pages.WIDEST + 1)
     fits = "x" * check_pages.WIDEST

@@ -8,7 +8,8 @@ prints each problem and exits 1 if there is one. The rules:
 - every protocol page (``protocols/*.html`` but the index) holds at least one message-flow figure drawn from a
   recorded run by ``_scripts/make_flow_figures.py`` (an image named after a file of ``docs/_generated/flows``);
 - no diagram, shell or text block has a line wider than :data:`WIDEST` characters: the page shows about that
-  many before the block scrolls sideways and cuts off a rank's column. Cell outputs wrap instead (the site's
+  many before the block scrolls sideways and cuts off a rank's column; no flow figure is drawn wider than the
+  column (:data:`COLUMN_PT`). Cell outputs wrap instead (the site's
   ``_static/distlab.css``), and Python source follows the code's own 120-column style, so neither is held to
   it; Python lines wider than the limit are counted and printed, not failed.
 """
@@ -147,10 +148,26 @@ def fenced_block_problems(name: str, markdown: str) -> list[str]:
     return problems
 
 
+#: furo's content column, in the points matplotlib writes into an SVG (46em of 16 px at 96 px per inch).
+COLUMN_PT = 46 * 16 * 72 / 96
+_SVG_WIDTH = re.compile(r'<svg[^>]*?\swidth="([0-9.]+)pt"')
+
+
+def figure_width_problems(flows: Path) -> list[str]:
+    """Flow figures drawn wider than the column: the browser would shrink them, and their labels with them."""
+    problems = []
+    for path in sorted(flows.glob("*.svg")):
+        match = _SVG_WIDTH.search(path.read_text(errors="replace")[:4000])
+        if match and float(match.group(1)) > COLUMN_PT:
+            problems.append(f"{path.name}: {float(match.group(1)):.0f}pt wide, more than the page's "
+                            f"{COLUMN_PT:.0f}pt column (shrunk to fit, its labels become hard to read)")
+    return problems
+
+
 def check(site: Path, flows: Path) -> tuple[list[str], int]:
     """Every problem of the built ``site``; and the number of Python source lines wider than :data:`WIDEST`."""
     flow_names = {path.name for path in flows.glob("*.svg")}
-    problems, python_lines = [], 0
+    problems, python_lines = figure_width_problems(flows), 0
     tutorials = sorted((site / "tutorials").glob("*.html"))
     protocols = sorted(path for path in (site / "protocols").glob("*.html") if path.name != "index.html")
     if not tutorials:
