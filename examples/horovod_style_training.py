@@ -3,9 +3,10 @@
 The DistributedOptimizer submits each gradient's allreduce the moment backward has accumulated it (a
 post-accumulate-grad hook), under its parameter's name, so ranks may submit in any order; the background cycle
 negotiates them, fuses them into one buffer, and after the first step the response cache turns each negotiation
-into a single bit-vector allreduce (the "fast path", counted below). The ranks hold different amounts of data: a rank that runs out calls
-``join()`` and, from then on, contributes zeros to the others' allreduces until every rank has joined; join returns
-the last rank to join, whose model trained to the end, and every rank then takes that model.
+into a single bit-vector allreduce (the "fast path", counted below). Each rank reads its share of the data set
+from a DistributedSampler, and higher ranks use less of it (uneven inputs): a rank that runs out calls
+``join()`` and, from then on, contributes zeros to the others' allreduces until every rank has joined; join
+returns the last rank to join, whose model trained to the end, and every rank then takes that model.
 
     python -m distlab run -n 2 examples/horovod_style_training.py
     python -m distlab run -n 4 --timeline hvd.json examples/horovod_style_training.py   # open in Perfetto
@@ -14,12 +15,14 @@ the last rank to join, whose model trained to the end, and every rank then takes
 from __future__ import annotations
 
 import argparse
+from itertools import islice
 
 import numpy as np
 
 import distlab
 from distlab import collectives as hvd
 from distlab import nn, optim
+from distlab.data import DistributedSampler
 from train_ddp import spirals  # the same data set as the DDP example (examples/ is on sys.path when run)
 
 
@@ -35,9 +38,7 @@ def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     x, y = spirals(600)
-    shard = np.arange(rank, len(y), size)
-    keep = len(shard) - rank * 40            # uneven inputs: higher ranks hold fewer examples
-    x_local, y_local = x[shard[:keep]], y[shard[:keep]]
+    sampler = DistributedSampler(len(y), num_replicas=size, rank=rank, uneven=True)
 
     model = nn.Sequential(nn.Linear(2, options.hidden, seed=10 + rank), nn.ReLU(),
                           nn.Linear(options.hidden, options.hidden, seed=20 + rank), nn.ReLU(),
@@ -47,14 +48,12 @@ def main() -> None:
                                    named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(rank)
-    steps = len(y_local) // options.batch
+    steps = max(len(sampler) - 40 * rank, 0) // options.batch   # uneven inputs: higher ranks use fewer examples
     for epoch in range(options.epochs):
-        order = rng.permutation(len(y_local))
-        for s in range(steps):
-            idx = order[s * options.batch:(s + 1) * options.batch]
+        sampler.set_epoch(epoch)
+        for idx in islice(sampler.batches(options.batch), steps):
             opt.zero_grad()
-            loss = loss_fn(model(distlab.tensor(x_local[idx])), distlab.tensor(y_local[idx]))
+            loss = loss_fn(model(distlab.tensor(x[idx])), distlab.tensor(y[idx]))
             loss.backward()
             opt.step()
         if rank == 0 and epoch % 5 == 4:

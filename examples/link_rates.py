@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,6 +60,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="leave the cluster up")
     options = parser.parse_args()
+    if "RANK" in os.environ:  # set for every rank by `python -m distlab run` (and torchrun)
+        sys.exit("examples/link_rates.py starts its own 2-rank jobs on a virtual cluster: run it with plain python "
+                 "(as root), not under `python -m distlab run` or mpiexec")
 
     from distlab.cluster import down, parse_rate, status, up
     from distlab.launch import launch_script

@@ -1,7 +1,7 @@
 """Data-parallel training of an MLP with DistributedDataParallel over MPI.
 
 Every rank builds the same model (DDP broadcasts rank 0's parameters anyway), reads its own shard of a
-synthetic 3-class spiral data set, and steps SGD; DDP's reducer averages the gradients in buckets that are
+synthetic 3-class spiral data set (a DistributedSampler, reshuffled every epoch), and steps SGD; DDP's reducer averages the gradients in buckets that are
 reduced while backward still runs. Rank 0 shows a progress bar and the accuracy.
 
     python -m distlab run -n 2 examples/train_ddp.py
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import distlab
 from distlab import comm, nn, optim
+from distlab.data import DistributedSampler
 from distlab.ddp import DistributedDataParallel
 
 
@@ -61,31 +62,29 @@ def main() -> None:
 
     pg = comm.world()
     x, y = spirals(600)
-    shard = slice(pg.rank, None, pg.size)  # rank r takes every size-th example
-    x_local, y_local = x[shard], y[shard]
+    sampler = DistributedSampler(len(y), num_replicas=pg.size, rank=pg.rank)  # this rank's share, as torch's
 
     model = DistributedDataParallel(build_model(options.hidden, options.depth), bucket_cap_mb=options.bucket_cap_mb)
     opt = optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    steps = len(y_local) // options.batch
-    rng = np.random.default_rng(pg.rank)
+    steps = len(sampler) // options.batch
     bar = tqdm(total=options.epochs * steps, desc=f"DDP on {pg.size} ranks ({distlab.IMPL})",
                disable=pg.rank != 0, unit="step")
-    for _epoch in range(options.epochs):
-        order = rng.permutation(len(y_local))
-        for s in range(steps):
-            idx = order[s * options.batch:(s + 1) * options.batch]
+    for epoch in range(options.epochs):
+        sampler.set_epoch(epoch)  # a new permutation of the whole data set, the same on every rank
+        for idx in sampler.batches(options.batch, drop_last=True):
             opt.zero_grad()
-            loss = loss_fn(model(distlab.tensor(x_local[idx])), distlab.tensor(y_local[idx]))
+            loss = loss_fn(model(distlab.tensor(x[idx])), distlab.tensor(y[idx]))
             loss.backward()
             opt.step()
             bar.update()
             bar.set_postfix(loss=f"{float(loss.data):.3f}", refresh=False)
     bar.close()
 
+    mine = DistributedSampler(len(y), num_replicas=pg.size, rank=pg.rank, shuffle=False).indices()
     with distlab.no_grad():
-        predicted = model(distlab.tensor(x_local)).data.argmax(axis=1)
-    counts = np.array([(predicted == y_local).sum(), len(y_local)], dtype=np.int64)
+        predicted = model(distlab.tensor(x[mine])).data.argmax(axis=1)
+    counts = np.array([(predicted == y[mine]).sum(), len(mine)], dtype=np.int64)
     pg.allreduce(counts)
     accuracy = counts[0] / counts[1]
     buckets = model.reducer.get_logging_data()["bucket_indices"]

@@ -1,8 +1,10 @@
-"""Training on uneven inputs with Join: rank r has 20 + 10*r batches, nobody hangs, nobody diverges.
+"""Training on uneven inputs with Join: the ranks hold different numbers of batches, nobody hangs, nobody diverges.
 
     python -m distlab run -n 2 examples/uneven_inputs.py
-    python -m distlab run -n 4 examples/uneven_inputs.py --divide-by-active   # divide by ranks still training
+    python -m distlab run -n 4 examples/uneven_inputs.py --batches 30 --divide-by-active
 
+The data set is a list of batches, shared out by a ``DistributedSampler(uneven=True)``: unlike torch's sampler,
+it neither pads nor cuts, so with 61 batches on 2 ranks rank 0 trains on 31 and rank 1 on 30.
 The model has a SyncBatchNorm layer (batch statistics over every rank), is wrapped in DDP, and is trained by a
 ZeroRedundancyOptimizer (each rank keeps the Adam state of its shard of the parameters only); a DistributedMean
 averages the loss over ranks. Every one of them talks to the other ranks every iteration, so all of them go into
@@ -20,6 +22,7 @@ from tqdm import tqdm
 
 import distlab
 from distlab import comm, nn, optim
+from distlab.data import DistributedSampler
 from distlab.ddp import DistributedDataParallel
 from distlab.join import Join
 from distlab.metrics import DistributedMean
@@ -28,15 +31,16 @@ from distlab.optim import ZeroRedundancyOptimizer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", type=int, default=20, help="batches on rank 0; rank r has base + 10*r")
+    parser.add_argument("--batches", type=int, default=61, help="batches of 16 examples in the data set")
     parser.add_argument("--divide-by-active", action="store_true",
                         help="divide gradients by the ranks still training instead of the world size")
     options = parser.parse_args()
 
     pg = comm.world()
-    batches = options.base + 10 * pg.rank
-    rng = np.random.default_rng(pg.rank)
     true_w = np.array([[2.0], [-1.0], [0.5]], dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal((options.batches, 16, 3)).astype(np.float32)
+    y = x @ true_w
+    sampler = DistributedSampler(options.batches, uneven=True)  # rank r: ceil((batches - r) / size) batches
 
     distlab.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 16, seed=0), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1, seed=1))
@@ -48,11 +52,9 @@ def main() -> None:
     # collectives run inside it, then the optimizer and the metric, in the order the loop uses them.
     joinables = [model, *nn.SyncBatchNorm.layers_in(model), opt, loss_mean]
     with Join(joinables, divide_by_initial_world_size=not options.divide_by_active):
-        for _ in tqdm(range(batches), desc=f"rank {pg.rank}: {batches} batches", disable=pg.rank != 0):
-            x = rng.standard_normal((16, 3)).astype(np.float32)
-            y = x @ true_w
+        for b in tqdm(sampler, desc=f"rank {pg.rank}: {len(sampler)} batches", disable=pg.rank != 0):
             opt.zero_grad()
-            loss = loss_fn(model(distlab.tensor(x)), distlab.tensor(y))
+            loss = loss_fn(model(distlab.tensor(x[b])), distlab.tensor(y[b]))
             loss.backward()
             opt.step()
             loss_mean.update(float(loss.data))
@@ -63,8 +65,9 @@ def main() -> None:
         assert all(np.array_equal(everyone[0], v) for v in everyone), f"{key} differs across ranks"
     shard = sum(v.nbytes for s in opt.optim.state.values() for v in s.values() if hasattr(v, "nbytes"))
     shards = pg.allgather_object(shard)
+    batches = pg.allgather_object(len(sampler))
     if pg.rank == 0:
-        print(f"ranks had {[options.base + 10 * r for r in range(pg.size)]} batches; every rank ends with the same "
+        print(f"ranks had {batches} batches; every rank ends with the same "
               f"model ({len(state)} tensors, batch-norm running statistics included, "
               f"{int(state['1.num_batches_tracked'])} batches tracked)")
         print(f"Adam state per rank: {shards} bytes (unsharded: {sum(shards)}); mean loss over all "

@@ -99,3 +99,13 @@ def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
 def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args, env):
     result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("optimizer OK") == np_
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,per_node", [(2, None), (3, "2")], ids=["one-node", "3ranks-2-per-node"])
+def test_local_and_cross_ranks_follow_the_node_layout(mpirun, np_, per_node):
+    env = {"DISTLAB_RANKS_PER_NODE": per_node} if per_node else None
+    result = mpirun("collectives_layout.py", np=np_, args=(), timeout=60, env=env)
+    assert result.stdout.count("layout OK") == np_
+    if per_node:  # rank 2 is alone on the second node
+        assert "[2] layout OK (0, 1, 1, 2)" in result.stdout, result.stdout

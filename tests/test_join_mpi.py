@@ -61,8 +61,8 @@ def test_exception_in_forward_inside_join_propagates_without_a_hang(mpirun, impl
     assert job.elapsed < 60
 
 
-@pytest.mark.parametrize("np_,args,batches", [(2, ["--base", "4"], "[4, 14]"),
-                                               (4, ["--base", "4", "--divide-by-active"], "[4, 14, 24, 34]")])
+@pytest.mark.parametrize("np_,args,batches", [(2, ["--batches", "9"], "[5, 4]"),
+                                               (4, ["--batches", "30", "--divide-by-active"], "[8, 8, 7, 7]")])
 def test_uneven_inputs_example(mpirun, np_, args, batches):
     """SyncBatchNorm + DDP + ZeroRedundancyOptimizer under one Join; the example checks the models are equal."""
     from pathlib import Path

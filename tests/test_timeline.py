@@ -192,7 +192,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 @pytest.mark.mpi
 @pytest.mark.parametrize("script, np_, args", [
     ("train_ddp.py", 2, ["--epochs", "3", "--target", "0"]),
-    ("uneven_inputs.py", 2, ["--base", "4"]),
+    ("uneven_inputs.py", 2, ["--batches", "9"]),
     ("dist_autograd_pipeline.py", 3, []),
     ("parameter_server.py", 3, []),
 ], ids=lambda v: v if isinstance(v, str) else None)

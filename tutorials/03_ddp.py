@@ -53,12 +53,12 @@ X, Y = rng.standard_normal((8, 4)), rng.standard_normal((8, 1))
 
 
 def ddp_gradients():
-    from distlab import comm, nn
+    from distlab import nn
+    from distlab.data import DistributedSampler
     from distlab.ddp import DistributedDataParallel
 
-    pg = comm.world()
     model = DistributedDataParallel(make_model())
-    mine = slice(pg.rank * 4, pg.rank * 4 + 4)               # rank r takes examples 4r .. 4r+3
+    mine = DistributedSampler(len(X), shuffle=False).indices()   # rank r takes examples r, r + 2, r + 4, ...
     loss = nn.MSELoss()(model(distlab.tensor(X[mine])), distlab.tensor(Y[mine]))
     loss.backward()
     return {name: p.grad.data.copy() for name, p in model.module.named_parameters()}

@@ -18,7 +18,8 @@ horovod.torch's working set is here: allreduce, grouped_allreduce, allgather, br
 reducescatter, barrier and join, each ``_async`` too and each on a ``process_set``;
 :class:`~distlab.collectives.optimizer.DistributedOptimizer`, ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``broadcast_object`` and ``allgather_object``; process sets
-(``add_process_set``, ``remove_process_set``). Ranks are world ranks everywhere (``root_rank``, the value
+(``add_process_set``, ``remove_process_set``); ``rank``, ``size``, ``local_rank``, ``local_size``, ``cross_rank``
+and ``cross_size``. Ranks are world ranks everywhere (``root_rank``, the value
 ``join`` returns), as in Horovod.
 
 Settings (environment, read by :func:`init`; Horovod's defaults):
@@ -58,6 +59,10 @@ from .ops import (
     init,
     is_initialized,
     join,
+    local_rank,
+    local_size,
+    cross_rank,
+    cross_size,
     poll,
     rank,
     reducescatter,
@@ -74,7 +79,7 @@ from .process_sets import ProcessSet, global_process_set
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "init", "shutdown", "is_initialized", "rank", "size",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "allgather",
     "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "join", "poll", "synchronize", "Handle", "stats", "stall_reports", "settings",

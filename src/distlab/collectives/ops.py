@@ -25,7 +25,7 @@ from .process_sets import ProcessSet, global_process_set
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "init", "shutdown", "is_initialized", "rank", "size",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "allgather",
     "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "join", "poll", "synchronize", "Handle", "stats", "stall_reports", "settings",
@@ -109,6 +109,35 @@ def rank() -> int:
 def size() -> int:
     """The number of ranks (in the world)."""
     return _get().size
+
+
+def _node_peers(same_node: bool) -> np.ndarray:
+    """World ranks on this rank's node (``same_node``), or holding its local rank on every node (Horovod's cross
+    communicator); the node layout is the comm layer's (``DISTLAB_RANKS_PER_NODE`` simulates nodes)."""
+    engine = _get()
+    keys = engine.node_keys                      # every rank's node: the smallest world rank on it
+    local = np.array([np.count_nonzero(keys[:r] == keys[r]) for r in range(engine.size)])
+    return np.flatnonzero(keys == keys[engine.rank] if same_node else local == local[engine.rank])
+
+
+def local_rank() -> int:
+    """This rank's index among the ranks on its node (Horovod's ``local_rank``)."""
+    return int(np.searchsorted(_node_peers(True), _get().rank))
+
+
+def local_size() -> int:
+    """The number of ranks on this rank's node."""
+    return len(_node_peers(True))
+
+
+def cross_rank() -> int:
+    """This rank's index among the ranks with its local rank, one per node (the index of its node)."""
+    return int(np.searchsorted(_node_peers(False), _get().rank))
+
+
+def cross_size() -> int:
+    """The number of ranks with this rank's local rank (the number of nodes, when nodes are alike)."""
+    return len(_node_peers(False))
 
 
 def _reduce_op(op, what: str) -> ReduceOp:
