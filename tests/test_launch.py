@@ -616,6 +616,7 @@ def test_help_is_plain_text_and_lists_the_environment():
                  "DISTLAB_LAUNCHER", "DISTLAB_JOB_DIR", "DISTLAB_TIMELINE", "DISTLAB_TIMEOUT", "-np", "-m module",
                  "--no-prefix", "--timeout", "--timeline"):
         assert name in done.stdout, name
+    assert "130   interrupted by Ctrl-C" in done.stdout and "124   --timeout" in done.stdout
 
 
 def test_every_variable_the_launcher_sets_is_listed_for_help(monkeypatch, tmp_path):
