@@ -51,18 +51,18 @@ test: build
 
 # The docs: Sphinx with warnings as errors, offline once the `docs` extra is installed. Installs only the extra's
 # requirements (the project itself is installed by $(STAMP)); the API reference is generated from the reference
-# twin, so the docs need no compiled core. Output: docs/_build/html/index.html.
+# twin, so the docs need no compiled core. Output: docs/_build/html/index.html. Then what the pages must show
+# (check_pages.py: executed tutorials with figures and outputs, a generated flow figure per protocol page, no
+# diagram wider than the page), so that a build that lost them fails like a warning does.
 docs: $(STAMP)
 	$(PY) -m pip install -q $$($(PY) docs/_scripts/extra_requirements.py docs)
 	$(PY) -P -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) docs/_scripts/check_pages.py docs/_build/html
 
-# The docs' links: every internal link and anchor of the built site (check_links.py); what its pages must show
-# (check_pages.py: executed tutorials with figures, a generated flow figure per protocol page, no diagram wider
-# than the page); then Sphinx's linkcheck of the external URLs (DISTLAB_LINKCHECK_OFFLINE=1 skips those, for a
-# machine without a network).
+# The docs' links: every internal link and anchor of the built site (check_links.py), then Sphinx's linkcheck
+# of the external URLs (DISTLAB_LINKCHECK_OFFLINE=1 skips those, for a machine without a network).
 linkcheck: docs
 	$(PY) docs/_scripts/check_links.py docs/_build/html
-	$(PY) docs/_scripts/check_pages.py docs/_build/html
 	$(PY) -P -m sphinx -b linkcheck docs docs/_build/linkcheck
 
 bench: build

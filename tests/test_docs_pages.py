@@ -1,4 +1,4 @@
-"""What the docs must show a learner (docs/_scripts/check_pages.py, run by `make linkcheck`): the checker itself on
+"""What the docs must show a learner (docs/_scripts/check_pages.py, run by `make docs`): the checker itself on
 small pages, the width rule on the docs' sources (no build needed), and the built site when `make docs` made one."""
 import importlib.util
 import re

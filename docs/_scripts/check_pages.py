@@ -1,6 +1,6 @@
 """Check that the built site shows what a learner needs: executed tutorials, drawn flows, blocks that fit.
 
-``make linkcheck`` runs it after ``make docs``. Usage: ``python docs/_scripts/check_pages.py [docs/_build/html]``;
+``make docs`` runs it after Sphinx (so ``make linkcheck`` does too). Usage: ``python docs/_scripts/check_pages.py [docs/_build/html]``;
 prints each problem and exits 1 if there is one. The rules:
 
 - every tutorial page (``tutorials/*.html``) holds at least one figure and at least one printed output, both
