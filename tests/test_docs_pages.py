@@ -89,6 +89,15 @@ def test_every_fenced_block_of_the_docs_fits_the_page():
     assert problems == []
 
 
+def test_the_tutorials_code_fits_the_page():
+    source = "\n".join(["# %% [markdown]", "# " + "p" * 120, "# %%", "x = 1", "y = " + "2" * 100])
+    assert [p.split(":")[1] for p in check_pages.tutorial_code_problems("t.py", source)] == ["5"]
+    tutorials = sorted((DOCS.parent / "tutorials").glob("[0-9]*.py"))
+    assert len(tutorials) >= 7
+    assert [problem for path in tutorials
+            for problem in check_pages.tutorial_code_problems(path.name, path.read_text())] == []
+
+
 def _site_is_current() -> bool:
     """A site built after every change to the pages' sources (Sphinx writes .buildinfo at the end of each build)."""
     stamp = SITE / ".buildinfo"

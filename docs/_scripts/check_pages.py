@@ -9,7 +9,7 @@ prints each problem and exits 1 if there is one. The rules:
   recorded run by ``_scripts/make_flow_figures.py`` (an image named after a file of ``docs/_generated/flows``);
 - no diagram, shell or text block has a line wider than :data:`WIDEST` characters: the page shows about that
   many before the block scrolls sideways and cuts off a rank's column; no flow figure is drawn wider than the
-  column (:data:`COLUMN_PT`). Cell outputs wrap instead (the site's
+  column (:data:`COLUMN_PT`); and the tutorials' code, shown as written, stays within :data:`WIDEST` too. Cell outputs wrap instead (the site's
   ``_static/distlab.css``), and Python source follows the code's own 120-column style, so neither is held to
   it; Python lines wider than the limit are counted and printed, not failed.
 """
@@ -148,6 +148,18 @@ def fenced_block_problems(name: str, markdown: str) -> list[str]:
     return problems
 
 
+def tutorial_code_problems(name: str, source: str) -> list[str]:
+    """Code lines of a tutorial (jupytext percent format) wider than :data:`WIDEST`: its page shows them as they
+    are. Markdown cells are prose, which the page wraps."""
+    problems, markdown = [], False
+    for number, line in enumerate(source.splitlines(), 1):
+        if line.startswith("# %%"):
+            markdown = "[markdown]" in line
+        elif not markdown and len(line) > WIDEST:
+            problems.append(f"{name}:{number}: a code line {len(line)} characters wide (at most {WIDEST})")
+    return problems
+
+
 #: furo's content column, in the points matplotlib writes into an SVG (46em of 16 px at 96 px per inch).
 COLUMN_PT = 46 * 16 * 72 / 96
 _SVG_WIDTH = re.compile(r'<svg[^>]*?\swidth="([0-9.]+)pt"')
@@ -174,6 +186,8 @@ def check(site: Path, flows: Path) -> tuple[list[str], int]:
         problems.append(f"{site}: no tutorial pages (tutorials/*.html)")
     if not protocols:
         problems.append(f"{site}: no protocol pages (protocols/*.html)")
+    for source in sorted((Path(__file__).resolve().parents[2] / "tutorials").glob("[0-9]*.py")):
+        problems += tutorial_code_problems(f"tutorials/{source.name}", source.read_text())
     for path in sorted(site.rglob("*.html")):
         name = str(path.relative_to(site))
         if name.startswith("_modules"):  # highlighted sources (viewcode): the code as it is
