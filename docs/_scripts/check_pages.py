@@ -10,8 +10,8 @@ prints each problem and exits 1 if there is one. The rules:
 - no diagram, shell or text block has a line wider than :data:`WIDEST` characters: the page shows about that
   many before the block scrolls sideways and cuts off a rank's column; no flow figure is drawn wider than the
   column (:data:`COLUMN_PT`); and the tutorials' code, shown as written, stays within :data:`WIDEST` too. Cell outputs wrap instead (the site's
-  ``_static/distlab.css``), and Python source follows the code's own 120-column style, so neither is held to
-  it; Python lines wider than the limit are counted and printed, not failed.
+  ``_static/distlab.css``), and Python quoted from the code follows its own 120-column style, so neither is
+  held to it; Python lines wider than the limit are counted and printed, not failed.
 """
 from __future__ import annotations
 
