@@ -44,13 +44,13 @@ def make_fingerprint(seq, op, shape=None, dtype=None, root=-1, reduce_op=""):
     cdef Py_ssize_t i, n, maxd = _MAX_DIMS
     cdef long long tail
     w[_VERSION] = _FORMAT_VERSION
-    w[_SEQ] = seq
+    w[_SEQ] = int(seq)
     code = _OP_CODES.get(op)
     if code is None:
         raise unknown_op(op)
     w[_OP] = code
     w[_REDUCE] = _REDUCE_OP_CODES[str(reduce_op)]
-    w[_ROOT] = root
+    w[_ROOT] = int(root)
     w[_DTYPE] = _dtype_word(dtype)
     if shape is None:
         w[_NDIM] = -1

@@ -68,7 +68,7 @@ from distlab._wire import (
     RequestType,
     ResponseType,
 )
-from distlab._stall import StallInspector
+from distlab._common.stall import StallInspector
 from distlab.errors import CacheEvictionWarning, MessageFormatError
 
 cdef extern from *:

@@ -36,6 +36,7 @@ from distlab._common.reducer import (
     ReducerBase,
     check_hook_result,
     grad_mismatch,
+    grad_shape_mismatch,
     marked_twice,
     sparse_allreduce,
     static_graph_changed,
@@ -257,6 +258,8 @@ cdef class Reducer:
         data = _data_of(grad)
         if isinstance(data, SparseGrad) or data.dtype != self._param_dtypes[index]:
             raise TypeError(grad_mismatch(self.param_names, index, self._param_dtypes[index], data))
+        if data.shape != view.shape:
+            raise ValueError(grad_shape_mismatch(self.param_names, index, view.shape, data.shape))
         scale = 1.0 if self.comm_hook is not None else self._inverse_divide_factor()  # a hook divides by itself
         if data is view:
             if scale != 1.0:

@@ -13,8 +13,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from distlab._common import rpc_framing as _shared
-from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_counts, bad_magic, bad_pickle, bad_version,
-                                         short_message, too_short)
+from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_counts, bad_fork_record, bad_magic,
+                                         bad_pickle, bad_version, short_message, too_short)
 from distlab._wire import RFD_TUPLE_SIZE, RPC_WIRE_MAGIC
 
 __all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
@@ -83,7 +83,7 @@ def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body):
             i = HEADER_SIZE + 8 * nbuf
             for fork in forks:
                 if len(fork) != FORK_INTS:
-                    raise ValueError(f"an RRef fork record has {FORK_INTS} ints, got {fork!r}")
+                    raise bad_fork_record(fork)
                 for value in fork:
                     _put(p + i, value, 8)
                     i += 8

@@ -156,5 +156,18 @@ def _escape_stars_in_types(app, what, name, obj, options, lines) -> None:
             lines[i] = head + sep + _STAR.sub(r"\\*", tail)
 
 
+def _repository_links(app, relative_path, parent_docname, content) -> None:
+    """Make the links of ../ARCHITECTURE.md (written for the repository, included by architecture.md) fit the site.
+
+    Its links are relative to the repository root, as GitHub shows them: a link into docs/ becomes a link between
+    pages, and a link to a file outside the docs (CONTRIBUTING.md, tests/README.md) becomes the file's name.
+    """
+    if Path(relative_path).name != "ARCHITECTURE.md":
+        return
+    text = re.sub(r"\]\(\./docs/", "](", content[0])
+    content[0] = re.sub(r"\[([^\]]+)\]\(\./[^)]+\)", r"`\1`", text)
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _escape_stars_in_types, priority=600)
+    app.connect("include-read", _repository_links)

@@ -110,7 +110,7 @@ class Coordinator:
         The process set; lists for another one are refused.
     fusion_threshold : int
         Fusion buffer size in bytes.
-    stall : distlab._stall.StallInspector
+    stall : distlab._common.stall.StallInspector
         Told when a tensor starts and stops waiting for ranks.
     timeline : distlab.timeline.Timeline, optional
         Gets an instant when a tensor's negotiation starts.

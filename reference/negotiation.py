@@ -32,7 +32,7 @@ import threading
 from collections import deque
 
 from distlab._common.negotiation import CACHEABLE_RESPONSE_TYPES, COUNTERS, HIT, INVALID, MISS, process_set_error
-from distlab._stall import StallInspector
+from distlab._common.stall import StallInspector
 from distlab._wire import GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, NO_GROUP, RequestType, ResponseType
 from distlab.reference.coordinator import Coordinator, fuse_responses
 from distlab.reference.messages import Request, RequestList, Response, ResponseList

@@ -39,6 +39,7 @@ from distlab._common.reducer import (
     ReducerBase,
     check_hook_result,
     grad_mismatch,
+    grad_shape_mismatch,
     marked_twice,
     sparse_allreduce,
     static_graph_changed,
@@ -186,6 +187,8 @@ class Reducer(ReducerBase):
         data = grad.data
         if isinstance(data, SparseGrad) or data.dtype != self.params[index].data.dtype:
             raise TypeError(grad_mismatch(self.param_names, index, self.params[index].data.dtype, data))
+        if data.shape != view.shape:  # mirrors reducer.cpp's check that grad and bucket view hold as many elements
+            raise ValueError(grad_shape_mismatch(self.param_names, index, view.shape, data.shape))
         if self.comm_hook is not None:
             if data is not view:
                 view[...] = data  # a hook sees the plain sum of gradients and divides itself

@@ -41,8 +41,12 @@ _COUNT_WIDTH = {OP_COUNT1: 1, OP_COUNT4: 4, OP_COUNT8: 8, OP_FRAME: 8}
 def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body) -> bytes:
     """The header message: fixed header, buffer sizes, fork records, metadata bytes, body.
 
-    ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body.
+    ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body
+    (a tuple that is not ``RFD_TUPLE_SIZE`` ints is a ValueError).
     """
+    for fork in forks:
+        if len(fork) != RFD_TUPLE_SIZE:
+            raise shared.bad_fork_record(fork)
     fixed = HEADER.pack(MAGIC, VERSION, 0, kind, flags, mid, len(sizes), len(forks), len(meta))
     sizes_bytes = struct.pack(f"<{len(sizes)}q", *sizes)
     fork_bytes = struct.pack(f"<{RFD_TUPLE_SIZE * len(forks)}q", *[x for fork in forks for x in fork])

@@ -14,7 +14,8 @@ The rules they check (CONTRIBUTING.md, "The twin rule"):
   :data:`CORE_ONLY_MARKER` and are not compared;
 - no import cycle anywhere in src/distlab, reference/ or core/ (every import statement counts, also inside
   functions, except under ``if TYPE_CHECKING:``);
-- no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`.
+- no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`;
+- imports go in the direction ARCHITECTURE.md draws (:func:`layering_violations`).
 """
 from __future__ import annotations
 
@@ -225,6 +226,47 @@ def import_cycles() -> list[list[str]]:
     return found
 
 
+#: The public facades: the modules a twin must never import (they load the twins, not the other way round).
+FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.metrics", "distlab.collectives",
+           "distlab.rpc", "distlab.distributed_autograd", "distlab.nn", "distlab.optim", "distlab.launch",
+           "distlab.cluster", "distlab.viz")
+#: Modules that import nothing from distlab (or only what is listed): the leaves everything else may use.
+LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(),
+          "distlab.futures": {"distlab.errors"}, "distlab._backend": {"distlab.errors"}}
+
+
+def _within(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def layering_violations(graph: dict[str, set[str]] | None = None) -> list[tuple[str, str, str]]:
+    """(importer, imported, rule broken) for each import of ``graph`` (default: :func:`import_graph`) against
+    the direction ARCHITECTURE.md draws."""
+    twins = ("distlab.reference", "distlab.core")
+    rules = [
+        ("a twin never imports a facade", lambda a, b: _within(a, twins) and _within(b, FACADES)),
+        ("a reference twin never imports a core twin, nor the reverse",
+         lambda a, b: _within(a, twins) and _within(b, twins) and a.split(".")[1] != b.split(".")[1]),
+        ("only twins import twins (facades use _backend.load)",
+         lambda a, b: not _within(a, twins) and _within(b, twins)),
+        ("a shared module imports no twin, facade or comm",
+         lambda a, b: _within(a, ("distlab._common",)) and _within(b, twins + FACADES + ("distlab.comm",))),
+        ("comm imports none of the components built on it", lambda a, b: _within(a, ("distlab.comm",))
+         and _within(b, FACADES + twins + ("distlab._common",))),
+        ("distributed autograd imports rpc, never the reverse",
+         lambda a, b: _within(a, ("distlab.rpc",)) and _within(b, ("distlab.distributed_autograd",))),
+        ("a leaf imports nothing from distlab (but what LEAVES allows)",
+         lambda a, b: a in LEAVES and b not in LEAVES[a]),
+        ("the autograd engine imports only itself",
+         lambda a, b: _within(a, ("distlab.autograd",)) and not _within(b, ("distlab.autograd",))),
+    ]
+    out = []
+    for importer, targets in sorted((import_graph() if graph is None else graph).items()):
+        for imported in sorted(targets):
+            out += [(importer, imported, rule) for rule, broken in rules if broken(importer, imported)]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ line counts
 def oversized_modules() -> list[tuple[str, int, int]]:
     """(path, lines, limit) of each module over its limit."""
@@ -252,6 +294,9 @@ def main() -> int:
     print("import cycles:")
     for cycle in import_cycles():
         print("  " + " <-> ".join(cycle))
+    print("imports against the layering:")
+    for importer, imported, rule in layering_violations():
+        print(f"  {importer} -> {imported}: {rule}")
     print("modules over their line limit:")
     for path, lines, limit in oversized_modules():
         print(f"  {path}: {lines} > {limit}")

@@ -48,3 +48,36 @@ def test_import_graph_sees_the_packages():
 
 def test_modules_within_their_line_limits():
     assert arch.oversized_modules() == []
+
+
+def test_imports_follow_the_layering():
+    assert arch.layering_violations() == []
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("distlab.reference.reducer", "distlab.ddp"),
+    ("distlab.core._rref", "distlab.rpc.api"),
+    ("distlab.ddp", "distlab.core._reducer"),
+    ("distlab.core._join", "distlab.reference.join"),
+    ("distlab._common.join", "distlab.reference.join"),
+    ("distlab._common.reducer", "distlab.comm"),
+    ("distlab.comm.group", "distlab.collectives._engine"),
+    ("distlab.rpc.rref", "distlab.distributed_autograd"),
+    ("distlab.errors", "distlab._wire"),
+    ("distlab.futures", "distlab.timeline"),
+    ("distlab._backend", "distlab.comm"),
+    ("distlab.autograd.engine", "distlab.comm"),
+])
+def test_each_layering_rule_can_fail(importer, imported):
+    # guards test_imports_follow_the_layering against rules that never fire; and the real graph has the edges
+    # the rules are about (twins import shared modules, distributed autograd imports rpc)
+    assert arch.layering_violations({importer: {imported}}), f"{importer} -> {imported} was allowed"
+    graph = arch.import_graph()
+    assert "distlab._common.stall" in graph["distlab.reference.negotiation"]
+    assert "distlab.rpc.api" in graph["distlab.distributed_autograd._state"]
+
+
+def test_the_twin_registries_agree():
+    import distlab._backend as backend
+
+    assert set(arch.TWINS) == set(backend.COMPONENTS)

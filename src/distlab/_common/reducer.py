@@ -28,6 +28,7 @@ from .reducer_messages import (
     check_hook_result,
     check_hook_value,
     grad_mismatch,
+    grad_shape_mismatch,
     hook_name,
     marked_twice,
     prior_reduction_unfinished,
@@ -38,7 +39,7 @@ from .reducer_stats import ReducerStats
 __all__ = ["AUTO", "MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
            "build_buckets", "compute_bucket_assignment_by_size", "empty_sparse_grad", "sparse_allreduce",
            "NO_SIZE_LIMIT", "ReducerStats", "marked_twice", "prior_reduction_unfinished", "static_graph_changed",
-           "grad_mismatch", "check_hook_result", "check_hook_value"]
+           "grad_mismatch", "grad_shape_mismatch", "check_hook_result", "check_hook_value"]
 
 MiB = 1024 * 1024
 #: The anchor's defaults: buckets of 25 MiB, and a first bucket of 1 MiB after the rebuild.

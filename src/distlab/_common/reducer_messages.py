@@ -63,6 +63,12 @@ def grad_mismatch(names, index, param_dtype, grad) -> str:
             "declared sparse, such as Embedding(sparse=True))")
 
 
+def grad_shape_mismatch(names, index, param_shape, grad_shape) -> str:
+    """A gradient of the wrong shape reached the reducer (torch asserts the element counts match)."""
+    return (f"parameter {names[index]!r} (index {index}) has shape {tuple(param_shape)} but its gradient has shape "
+            f"{tuple(grad_shape)}; the reducer needs a gradient of the parameter's shape")
+
+
 def hook_name(hook) -> str:
     return getattr(hook, "__name__", None) or repr(hook)
 

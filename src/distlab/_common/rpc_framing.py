@@ -101,6 +101,11 @@ OP_CLASSES = _op_classes()
 
 
 # -- errors (both twins raise exactly these) --------------------------------------------------------------------
+def bad_fork_record(fork) -> ValueError:
+    """A fork record handed to ``pack_header`` that is not ``RFD_TUPLE_SIZE`` ints (a caller's bug, not a message's)."""
+    return ValueError(f"an RRef fork record has {RFD_TUPLE_SIZE} ints, got {fork!r}")
+
+
 def short_message(n) -> RpcMessageError:
     return RpcMessageError(f"malformed RPC message: {n} bytes, shorter than the {HEADER.size}-byte header")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 import warnings
 
-from ._wire import REQUEST_TYPE_NAMES
-from .errors import StallWarning
+from .._wire import REQUEST_TYPE_NAMES
+from ..errors import StallWarning
 
 __all__ = ["StallInspector"]
 
