@@ -15,11 +15,11 @@ all: build
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || { echo "==> creating the virtual environment $(VENV) with $$($(PYTHON3) --version 2>&1)"; \
 	  $(PYTHON3) -m venv $(VENV) || { echo "make: '$(PYTHON3) -m venv' failed; on Debian/Ubuntu: apt install python3-venv"; exit 1; }; }
-	@echo "==> installing the build tools and distlab's dependencies from PyPI (numpy, mpi4py, the mpich wheel" \
-	  "that brings mpiexec, Jupyter for the tutorials)"
+	@echo "==> installing the build tools and distlab's dependencies from PyPI"
+	@echo "    (numpy, mpi4py, the mpich wheel that brings mpiexec, Jupyter for the tutorials)"
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0" "numpy>=2.0"
-	@echo "==> installing distlab itself (editable), which compiles the Cython core twin (core/*.pyx, C and C++):" \
-	  "the longest stage, several minutes on a 2-core machine"
+	@echo "==> installing distlab itself (editable), which compiles the Cython core twin (core/*.pyx)"
+	@echo "    to C and C++: the longest stage, several minutes on a 2-core machine"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	@touch $(STAMP)
 
@@ -30,20 +30,20 @@ build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
 demo: $(STAMP)
-	@echo "==> bringing the compiled core up to date (core/*.pyx changed since the install are recompiled:" \
-	  "seconds when none did)"
+	@echo "==> bringing the compiled core up to date (seconds when no core/*.pyx changed since the install)"
 	@$(PY) setup.py -q build_ext --inplace -j 2
-	@echo "==> training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py)," \
-	  "recording its timeline"
+	@echo "==> training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py),"
+	@echo "    recording its timeline"
 	$(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
 	@echo ""
 	@echo "Done. Three things to try next:"
-	@echo "  1. Open ddp_timeline.json in https://ui.perfetto.dev (Open trace file): one row per rank, each"
-	@echo "     bucket's allreduce overlapping backward (lanes 'reducer grads' and 'reducer buckets')."
-	@echo "  2. Run a tutorial: $(VENV)/bin/python tutorials/03_ddp.py (a notebook in percent format, runnable as a"
-	@echo "     script), or read all seven executed, with their figures: make docs, then docs/_build/html/tutorials.html"
-	@echo "  3. Read a protocol page: docs/protocols/reducer.md (how DDP's buckets are built and reduced), or"
-	@echo "     docs/_build/html/protocols/reducer.html after make docs"
+	@echo "  1. Open ddp_timeline.json in https://ui.perfetto.dev (Open trace file): one row per rank,"
+	@echo "     each bucket's allreduce overlapping backward (lanes 'reducer grads', 'reducer buckets')."
+	@echo "  2. Run a tutorial: $(VENV)/bin/python tutorials/03_ddp.py (a notebook in percent format,"
+	@echo "     runnable as a script), or read all seven executed, with their figures: make docs,"
+	@echo "     then open docs/_build/html/tutorials.html"
+	@echo "  3. Read a protocol page: docs/protocols/reducer.md (how DDP's buckets are built and"
+	@echo "     reduced), or docs/_build/html/protocols/reducer.html after make docs"
 
 # The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path.
 test: build
@@ -51,10 +51,13 @@ test: build
 
 # The docs: Sphinx with warnings as errors, offline once the `docs` extra is installed. Installs only the extra's
 # requirements (the project itself is installed by $(STAMP)); the API reference is generated from the reference
-# twin, so the docs need no compiled core. Output: docs/_build/html/index.html.
+# twin, so the docs need no compiled core. Output: docs/_build/html/index.html. Then what the pages must show
+# (check_pages.py: executed tutorials with figures and outputs, a generated flow figure per protocol page, no
+# diagram wider than the page), so that a build that lost them fails like a warning does.
 docs: $(STAMP)
 	$(PY) -m pip install -q $$($(PY) docs/_scripts/extra_requirements.py docs)
 	$(PY) -P -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) docs/_scripts/check_pages.py docs/_build/html
 
 # The docs' links: every internal link and anchor of the built site (check_links.py), then Sphinx's linkcheck
 # of the external URLs (DISTLAB_LINKCHECK_OFFLINE=1 skips those, for a machine without a network).

@@ -75,6 +75,7 @@ napoleon_use_rtype = False
 html_theme = "furo"
 html_title = f"distlab {release}"
 html_static_path = ["_static"]
+html_css_files = ["distlab.css"]  # cell outputs wrap (see the file)
 pygments_style = "sphinx"
 
 # `make linkcheck`: every link of the built site; DISTLAB_LINKCHECK_OFFLINE=1 (a machine without a network)

@@ -414,6 +414,10 @@ def test_module_runs_with_its_own_argv_and_no_prefix(tmp_path):
     assert done.returncode == 0, done.stderr
     expected = "__main__ " + os.path.join("mypkg", "train.py") + " ['--epochs', '3']"
     assert sorted(done.stdout.splitlines()) == [f"0 {expected}", f"1 {expected}"]
+    # mpiexec's spelling of -n, and the prefix on by default with -m too
+    done = launch("-np", 2, "-m", "mypkg.train", "--epochs", 3, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"[0] 0 {expected}", f"[1] 1 {expected}"]
 
 
 @mpi
@@ -625,6 +629,19 @@ def test_help_is_plain_text_and_lists_the_environment():
                  "DISTLAB_LAUNCHER", "DISTLAB_JOB_DIR", "DISTLAB_TIMELINE", "DISTLAB_TIMEOUT", "-np", "-m module",
                  "--no-prefix", "--timeout", "--timeline"):
         assert name in done.stdout, name
+    assert "130   interrupted by Ctrl-C" in done.stdout and "124   --timeout" in done.stdout
+
+
+def test_every_variable_the_launcher_sets_is_listed_for_help(monkeypatch, tmp_path):
+    from distlab.launch import RANK_VARIABLES, job_environment
+
+    listed = {name for names, _ in RANK_VARIABLES for name in re.findall(r"[A-Z][A-Z0-9_]{2,}", names)}
+    for name in list(os.environ):  # from an empty environment, everything the ranks get is the launcher's doing
+        monkeypatch.delenv(name)
+    env = job_environment({"DISTLAB_TIMELINE": str(tmp_path / "t.json")}, np=2, job_dir=tmp_path)
+    assert len(env) >= 9 and set(env) <= listed, set(env) - listed
+    # the bootstrap adds the torchrun-style rank variables on each rank
+    assert {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= listed
 
 
 def test_bad_command_lines_get_a_clear_error():

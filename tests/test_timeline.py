@@ -103,6 +103,17 @@ def _merged(tmp_path, per_rank_spans, lane="comm world"):
     return json.load(open(path))
 
 
+def test_partial_overlaps_finds_spans_that_cross_on_one_lane_only():
+    # the check the example traces rely on: it must see a crossing pair, and only on the lane that has it
+    meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": t, "args": {"name": f"lane {t}"}} for t in (1, 2)]
+    spans = [{"ph": "X", "name": n, "pid": 0, "tid": t, "ts": ts, "dur": dur}
+             for n, t, ts, dur in [("a", 1, 0, 50), ("b", 1, 30, 50), ("outer", 2, 0, 100), ("inner", 2, 10, 20),
+                                   ("next", 2, 100, 5)]]
+    bad = partial_overlaps({"traceEvents": meta + spans})
+    assert list(bad) == [(0, "lane 1")]
+    assert bad[(0, "lane 1")] == [((0, 50, "a"), (30, 80, "b"))]
+
+
 def test_spans_in_flight_together_go_to_sub_lanes_that_nest(tmp_path):
     # bucket 0 and bucket 1 overlap partly; "step" contains both; "inner" lies inside bucket 0 (and bucket 1)
     trace = _merged(tmp_path, {0: [("step", 0, 100), ("bucket 0", 10, 50), ("bucket 1", 30, 80),

@@ -128,7 +128,8 @@ def timeout_demo():
     try:
         pg.allreduce(np.ones(8, dtype=np.float32), name="grad.bucket3")
     except DistTimeoutError as exc:
-        return {"message": str(exc), "missing_ranks": exc.missing_ranks, "op": exc.op, "seq": exc.seq}
+        return {"message": str(exc), "missing_ranks": exc.missing_ranks,
+                "op": exc.op, "seq": exc.seq}
 
 
 report = distlab.run(timeout_demo, np=2)[0]
@@ -212,7 +213,7 @@ def traced_steps():
         work = pg.allreduce(grad, async_op=True, name=f"grad step {step}")
         with tl.span(f"compute {step}", lane="compute"):
             for _ in range(10):
-                x = np.sin(x) + 0.5          # element-wise numpy: one core per rank, no BLAS threads
+                x = np.sin(x) + 0.5   # element-wise numpy: one core per rank, no BLAS threads
                 comm.progress()
         work.wait()
     pg.barrier()
@@ -242,7 +243,8 @@ print(next(e for e in trace.events if e.get("ph") == "X"))
 # %%
 import matplotlib.pyplot as plt
 
-viz.plot_timeline(trace, colors={"compute": "#9bbcd9", "allreduce": "#e07b5f", "barrier": "#b0b0b0"},
+viz.plot_timeline(trace,
+                  colors={"compute": "#9bbcd9", "allreduce": "#e07b5f", "barrier": "#b0b0b0"},
                   title="Async allreduce (red) running while each rank computes (blue)")
 plt.show()
 

@@ -54,7 +54,8 @@ for node in autograd.walk_graph(loss):
     print("  ", type(node).__name__)
 
 leaves = autograd.graph_leaves(loss)
-print("w1 reachable:", w1 in leaves, "| w2 reachable:", w2 in leaves, "| unused reachable:", unused in leaves)
+print("w1 reachable:", w1 in leaves, "| w2 reachable:", w2 in leaves,
+      "| unused reachable:", unused in leaves)
 
 # %% [markdown]
 # `graph_leaves` is DDP's `find_unused_parameters`: a parameter that cannot be reached from this step's output
@@ -116,7 +117,8 @@ def make_data(n=64, seed=0):
 
 def make_model():
     distlab.manual_seed(0)
-    return nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return nn.Sequential(nn.Linear(2, 16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
 inputs, targets = make_data()
@@ -178,10 +180,10 @@ def data_parallel_training(steps=150):
     for step in range(steps):
         opt.zero_grad()
         loss = loss_fn(net(distlab.tensor(inputs[mine])), distlab.tensor(targets[mine]))
-        loss.backward()                               # gradients are averaged across ranks when this returns
+        loss.backward()           # gradients are averaged across ranks when this returns
         opt.step()
         local = np.array([loss.item()])
-        losses.append(float(pg.allreduce(local, op="avg")[0]))   # the full batch's loss, for the plot
+        losses.append(float(pg.allreduce(local, op="avg")[0]))  # the full batch's loss
     return losses, [p.data.copy() for p in net.parameters()]
 
 

@@ -45,7 +45,8 @@ def make_model():
     from distlab import nn
 
     distlab.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(4, 32), nn.Tanh(),
+                         nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
 rng = np.random.default_rng(0)
@@ -58,7 +59,8 @@ def ddp_gradients():
     from distlab.ddp import DistributedDataParallel
 
     model = DistributedDataParallel(make_model())
-    mine = DistributedSampler(len(X), shuffle=False).indices()   # rank r takes examples r, r + 2, r + 4, ...
+    # rank r takes examples r, r + 2, r + 4, ...
+    mine = DistributedSampler(len(X), shuffle=False).indices()
     loss = nn.MSELoss()(model(distlab.tensor(X[mine])), distlab.tensor(Y[mine]))
     loss.backward()
     return {name: p.grad.data.copy() for name, p in model.module.named_parameters()}
@@ -71,7 +73,8 @@ nn.MSELoss()(local(distlab.tensor(X)), distlab.tensor(Y)).backward()
 for name, p in local.named_parameters():
     same_on_ranks = np.array_equal(per_rank[0][name], per_rank[1][name])
     close = np.allclose(per_rank[0][name], p.grad.data, rtol=1e-5, atol=1e-7)
-    print(f"{name:10s} identical on both ranks: {same_on_ranks}   equals the full-batch gradient: {close}")
+    print(f"{name:10s} identical on both ranks: {same_on_ranks}   "
+          f"equals the full-batch gradient: {close}")
 
 # %% [markdown]
 # Identical on both ranks, bit for bit: both ranks received the same allreduce result. Equal to the full batch
@@ -200,9 +203,11 @@ def skipping_a_layer(find_unused):
     try:
         for step in range(2):
             model.zero_grad()
-            loss = model(distlab.tensor(X[:4]), skip_a=(pg.rank == 1)).sum()   # rank 1 never uses head_a
+            # rank 1 never uses head_a
+            loss = model(distlab.tensor(X[:4]), skip_a=(pg.rank == 1)).sum()
             loss.backward()
-        out["head_a.weight grad"] = [round(float(v), 4) for v in model.module.head_a.weight.grad.data.ravel()[:3]]
+        grad = model.module.head_a.weight.grad.data.ravel()[:3]
+        out["head_a.weight grad"] = [round(float(v), 4) for v in grad]
     except RuntimeError as exc:
         out["error"] = str(exc)
     return out
@@ -221,5 +226,6 @@ for rank, result in enumerate(distlab.run(skipping_a_layer, args=(True,), np=2))
 # out (we set `DISTLAB_TIMEOUT` to 3 s) with an error naming rank 1. Both are caught above and returned:
 
 # %%
-for rank, result in enumerate(distlab.run(skipping_a_layer, args=(False,), np=2, env={"DISTLAB_TIMEOUT": "3"})):
+results = distlab.run(skipping_a_layer, args=(False,), np=2, env={"DISTLAB_TIMEOUT": "3"})
+for rank, result in enumerate(results):
     print(f"rank {rank}: {result.get('error', result)}\n")

@@ -56,17 +56,18 @@ def train(iterations=18):
     rows = []
     for it in range(iterations):
         if it == 8:
-            grads["grad.new"] = np.ones(32, dtype=np.float32)          # a new parameter: a miss, then hits
+            grads["grad.new"] = np.ones(32, dtype=np.float32)   # a new parameter: a miss, then hits
         if it == 12:
-            grads["grad.2"] = np.ones(100, dtype=np.float32)           # a changed shape: the entry is invalid
+            grads["grad.2"] = np.ones(100, dtype=np.float32)    # a changed shape: entry invalid
         names = sorted(grads) if rank == 0 else sorted(grads, reverse=True)
         before = hvd.stats()
         handles = [hvd.allreduce_async(grads[name], name=name) for name in names]
         results = [hvd.synchronize(h) for h in handles]
         after = hvd.stats()
-        row = {key: after[key] - before[key] for key in ("cycles", "fast_path", "slow_path", "hits", "misses",
-                                                          "invalid", "requeued")}
-        row["agreed"] = all(np.allclose(r, r.flat[0]) for r in results)   # the same average on every element
+        keys = ("cycles", "fast_path", "slow_path", "hits", "misses", "invalid", "requeued")
+        row = {key: after[key] - before[key] for key in keys}
+        # the same average on every element
+        row["agreed"] = all(np.allclose(r, r.flat[0]) for r in results)
         rows.append(row)
     hvd.shutdown()
     return rows
@@ -110,7 +111,8 @@ import matplotlib.pyplot as plt
 
 
 def hit_rate(rs):
-    return [r["hits"] / max(1, r["hits"] + r["misses"]) for r in rs]   # an invalid lookup is also a miss
+    # an invalid lookup is also a miss
+    return [r["hits"] / max(1, r["hits"] + r["misses"]) for r in rs]
 
 
 fig, ax = plt.subplots(figsize=(8, 3))

@@ -58,14 +58,15 @@ class Holder:
 
         self.kept.append(rref)                  # worker2's own user RRef: a fork
         deadline = time.monotonic() + timeout
-        while not rref.confirmed_by_owner():    # the owner answers worker2's fork request asynchronously
+        # the owner answers worker2's fork request asynchronously
+        while not rref.confirmed_by_owner():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the owner did not confirm {rref!r} within {timeout} s")
             time.sleep(0.001)
         return repr(rref)
 
     def drop(self):
-        self.kept.clear()                       # the last Python reference goes: the user is released
+        self.kept.clear()     # the last Python reference goes: the user is released
 
 
 def scenario():
@@ -97,7 +98,8 @@ def scenario():
         ids["worker0"] = repr(a)
         owner_counts("worker0: remote()")
         holder = rpc.remote("worker2", Holder)
-        ids["worker2"] = holder.rpc_sync().keep(a)   # a travels to worker2: a fork, child of worker0's
+        # a travels to worker2: a fork, child of worker0's
+        ids["worker2"] = holder.rpc_sync().keep(a)
         owner_counts("worker0 -> worker2: fork")
         holder.rpc_sync().drop()
         wait_for_forks(1)
@@ -105,7 +107,7 @@ def scenario():
         del a
         wait_for_forks(0)
         owner_counts("worker0 drops its RRef")
-    rpc.shutdown()                              # graceful: waits until no reference is left anywhere
+    rpc.shutdown()            # graceful: waits until no reference is left anywhere
     return steps, ids
 
 
@@ -141,7 +143,10 @@ import re
 
 
 def fork_label(text):
-    """'fork <created_on>.<local_id>' from a UserRRef's repr (fork_id=GloballyUniqueId(created_on=.., local_id=..))."""
+    """'fork <created_on>.<local_id>' from a UserRRef's repr.
+
+    The repr holds ``fork_id=GloballyUniqueId(created_on=.., local_id=..)``.
+    """
     found = re.search(r"fork_id=\D*(\d+)\D+(\d+)", text)
     return f"fork {found.group(1)}.{found.group(2)}" if found else "fork"
 
@@ -164,7 +169,8 @@ tree.axis("off")
 tree.set_title("Who holds what (ids from the run)", fontsize=9)
 
 labels = [label for label, _ in steps]
-counts.step(range(len(steps)), [c["num_forks"] for _, c in steps], where="post", marker="o", label="forks")
+counts.step(range(len(steps)), [c["num_forks"] for _, c in steps], where="post", marker="o",
+            label="forks")
 counts.step(range(len(steps)), [c["num_owner_rrefs"] for _, c in steps], where="post", marker="s",
             label="owner RRefs (values kept alive)")
 counts.set_xticks(range(len(steps)))

@@ -37,7 +37,7 @@ print("twin:", distlab.IMPL)
 
 # %%
 class Stage:
-    """One stage of the model, living on one worker: tanh(x @ W), then (optionally) the next stage's RRef."""
+    """One stage of the model, on one worker: tanh(x @ W), then the next stage's RRef (if any)."""
 
     def __init__(self, weight, next_stage=None):
         from distlab.autograd import Tensor
@@ -55,8 +55,10 @@ class Stage:
 
         ctx = dist_autograd.get_container().retrieve_context(context_id)
         grad = dist_autograd.get_gradients(context_id).get(self.w)
-        return {"known workers": sorted(ctx.known_worker_ids()), "send functions": len(ctx.send_functions()),
-                "recv functions": len(ctx.recv_functions()), "grad of W": None if grad is None else grad.data}
+        return {"known workers": sorted(ctx.known_worker_ids()),
+                "send functions": len(ctx.send_functions()),
+                "recv functions": len(ctx.recv_functions()),
+                "grad of W": None if grad is None else grad.data}
 
 
 def scenario():
@@ -88,20 +90,23 @@ def scenario():
             ctx = dist_autograd.get_container().retrieve_context(context_id)
             before = {0: {"known workers": sorted(ctx.known_worker_ids()), "send functions":
                           len(ctx.send_functions()), "recv functions": len(ctx.recv_functions())},
-                      1: first.rpc_sync().report(context_id), 2: second.rpc_sync().report(context_id)}
+                      1: first.rpc_sync().report(context_id),
+                      2: second.rpc_sync().report(context_id)}
             dist_autograd.backward(context_id, [loss])
-            after = {1: first.rpc_sync().report(context_id), 2: second.rpc_sync().report(context_id)}
+            after = {1: first.rpc_sync().report(context_id),
+                     2: second.rpc_sync().report(context_id)}
             grad_x = dist_autograd.get_gradients(context_id)[x].data
         alive = [rpc.rpc_sync(w, contexts_alive) for w in range(3)]
-        out = {"context id": context_id, "x": x.data, "weights": weights, "before": before, "after": after,
-               "grad x": grad_x, "x.grad": x.grad, "alive after": alive}
+        out = {"context id": context_id, "x": x.data, "weights": weights, "before": before,
+               "after": after, "grad x": grad_x, "x.grad": x.grad, "alive after": alive}
         del first, second
-    rpc.shutdown()                                      # graceful: every worker waits for the others
+    rpc.shutdown()            # graceful: every worker waits for the others
     return out
 
 
 result = distlab.run(scenario, np=3)[0]
-print(f"context id {result['context id']:#x}: worker 0 minted it (the high 16 bits are the worker id)")
+print(f"context id {result['context id']:#x}: worker 0 minted it "
+      "(the high 16 bits are the worker id)")
 
 # %% [markdown]
 # ## What each worker recorded during the forward pass
@@ -114,7 +119,8 @@ print(f"context id {result['context id']:#x}: worker 0 minted it (the high 16 bi
 # %%
 for worker, info in result["before"].items():
     print(f"worker {worker}: knows {info['known workers']}, {info['send functions']} send / "
-          f"{info['recv functions']} recv functions, gradient of its W so far: {info.get('grad of W')}")
+          f"{info['recv functions']} recv functions, "
+          f"gradient of its W so far: {info.get('grad of W')}")
 
 # %% [markdown]
 # ## After `backward`: the gradients are in the context on each worker, equal to local autograd
@@ -127,7 +133,8 @@ import numpy as np
 
 from distlab.autograd import Tensor
 
-ws = [None] + [Tensor(w.copy(), requires_grad=True) for w in result["weights"]]  # W of worker 1 and 2
+# W of worker 1 and 2
+ws = [None] + [Tensor(w.copy(), requires_grad=True) for w in result["weights"]]
 x = Tensor(result["x"].copy(), requires_grad=True)
 y = x
 for w in ws[1:]:

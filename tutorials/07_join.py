@@ -100,12 +100,14 @@ from distlab import viz
 from distlab.timeline import merge
 
 trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-join-"), "join.json")
-distlab.run(train, args=([4, 2], True), np=2, env={"DISTLAB_TIMELINE": trace_path, "DISTLAB_DEBUG": "DETAIL"})
+distlab.run(train, args=([4, 2], True), np=2,
+            env={"DISTLAB_TIMELINE": trace_path, "DISTLAB_DEBUG": "DETAIL"})
 merge(trace_path)
 trace = viz.load_trace(trace_path)
 # the collectives matched across ranks by sequence number; DETAIL's own fingerprint checks left out
 calls = [c for c in trace.collectives() if "DETAIL" not in c.name]
-print("DETAIL found no mismatch. The collectives, each issued by ranks", sorted({c.ranks for c in calls}))
+print("DETAIL found no mismatch. The collectives, each issued by ranks",
+      sorted({c.ranks for c in calls}))
 for c in calls:
     print(f"#{c.seq:<3d} {c.name}")
 
@@ -143,7 +145,8 @@ plt.show()
 by_world = distlab.run(train, args=([4, 2], True, True), np=2)[0]["weights"]
 by_active = distlab.run(train, args=([4, 2], True, False), np=2)[0]["weights"]
 print("final models differ:", not all(np.allclose(a, b) for a, b in zip(by_world, by_active)))
-print("largest difference in a weight:", max(float(np.abs(a - b).max()) for a, b in zip(by_world, by_active)))
+print("largest difference in a weight:",
+      max(float(np.abs(a - b).max()) for a, b in zip(by_world, by_active)))
 
 # %% [markdown]
 # ## More joinables: SyncBatchNorm and ZeroRedundancyOptimizer
