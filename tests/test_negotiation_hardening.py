@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import struct
-import time
 import tracemalloc
 
 import pytest
@@ -230,7 +229,6 @@ def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
     """Thousands of mutated messages per run (40 seeds x 60 mutants x 4 seeds messages), both twins."""
     twins = _twins()
     rng = random.Random(seed)
-    start = time.monotonic()
     for index, base in enumerate(_seeds(twins["reference"])):
         kind = "RequestList" if base[:4] == b"DLRQ" else "ResponseList"
         for _ in range(60):
@@ -242,7 +240,6 @@ def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
             if outcomes["core"][0] == "ok":
                 # what parsed is well formed: written again, it is the same message (a fixed point)
                 assert outcomes["core"][1] == data, data.hex()
-    assert time.monotonic() - start < 30
 
 
 def test_parsed_fuzz_survivor_memory_is_bounded():
