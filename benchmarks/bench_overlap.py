@@ -22,7 +22,12 @@ between user and system time is (system time is the kernel's TCP work; from ``ge
 ``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
 few steps of the core twin with the automatic bucket size at that rate
 (``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
-Python computes, and what moves it (:func:`progress_probe`).
+Python computes, and what moves it (:func:`progress_probe`). ``--horovod`` measures instead the Horovod-style
+front on the same model (:func:`horovod_worker`): ``distlab.collectives.DistributedOptimizer`` submits each
+gradient's ``allreduce_async`` from its hook during backward and a background thread negotiates and runs them
+(nobody polls), for several fusion thresholds and cycle times (``DISTLAB_FUSION_THRESHOLD``,
+``DISTLAB_CYCLE_TIME``: one job per setting, as they are read at ``init``); writes
+``benchmarks/results/bench_overlap_horovod.json``.
 """
 from __future__ import annotations
 
@@ -226,19 +231,100 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def _run_rate(rate: str, options, part: Path, timeline: str | None = None):
-    """One job at ``rate``: the measurements into ``part``, or with ``timeline`` a few traced steps."""
+HOROVOD_SETTINGS = ((128 * 2**20, 1.0), (8 * 2**20, 1.0), (1 * 2**20, 1.0), (128 * 2**20, 5.0), (8 * 2**20, 5.0))
+
+
+def horovod_worker(out: str, rounds: int) -> None:
+    """Runs on every rank: the Horovod-style step against the local step and one negotiated allreduce alone.
+
+    ``sync`` is the time from the end of backward to the end of ``synchronize()``: the communication the step
+    still waits for. Less than the allreduce alone means the background thread moved the gradients while
+    backward computed, without the training loop calling into MPI.
+    """
+    import numpy as np
+
+    import distlab
+    from distlab import collectives as hvd
+    from distlab import nn, optim
+
+    hvd.init()
+
+    def mlp():
+        distlab.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+    rng = np.random.default_rng(hvd.rank())
+    x = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+    y = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+    loss_fn = nn.MSELoss()
+    local_model, model = mlp(), mlp()
+    local_opt = optim.SGD(local_model.parameters(), lr=1e-4)
+    opt = hvd.DistributedOptimizer(optim.SGD(model.parameters(), lr=1e-4), named_parameters=model.named_parameters())
+    buffer = np.ones(sum(p.data.size for p in model.parameters()), dtype=np.float32)
+    times = {"local": [], "allreduce": [], "step": [], "backward": [], "sync": []}
+
+    def local_step():
+        local_opt.zero_grad()
+        loss_fn(local_model(x), y).backward()
+        local_opt.step()
+
+    def horovod_step():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        start = time.perf_counter()
+        loss.backward()  # each gradient's hook submits its allreduce_async
+        ended = time.perf_counter()
+        opt.synchronize()
+        synced = time.perf_counter()
+        with opt.skip_synchronize():
+            opt.step()
+        times["backward"].append(ended - start)
+        times["sync"].append(synced - ended)
+
+    for round_ in range(rounds + 3):  # 3 warm-up rounds (the response cache fills in the first)
+        for key, step in (("local", local_step), ("allreduce", lambda: hvd.allreduce(buffer, name="alone")),
+                          ("step", horovod_step)):
+            hvd.barrier()
+            start = time.perf_counter()
+            step()
+            times[key].append(time.perf_counter() - start)
+    row = {key: statistics.median(values[-rounds:]) * 1e3 for key, values in times.items()}
+    gathered = hvd.allgather_object(row)
+    if hvd.rank() == 0:  # a step is as slow as its slowest rank
+        Path(out).write_text(json.dumps({key: max(g[key] for g in gathered) for key in row}))
+    hvd.shutdown()
+
+
+def horovod_table(rows) -> str:
+    head = (f"{'link':>8} {'fusion':>8} {'cycle':>6} {'step':>8} {'floor':>8} {'step/floor':>10} "
+            f"{'backward':>8} {'sync after':>10} {'allreduce':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        floor = max(r["local"], r["allreduce"])
+        lines.append(f"{r['rate']:>8} {r['fusion MiB']:>5.0f}MiB {r['cycle ms']:>4.0f}ms {r['step']:>6.1f}ms "
+                     f"{floor:>6.1f}ms {r['step'] / floor:>10.2f} {r['backward']:>6.1f}ms {r['sync']:>8.1f}ms "
+                     f"{r['allreduce']:>7.1f}ms")
+    return "\n".join(lines)
+
+
+def _run_rate(rate: str, options, part: Path, timeline: str | None = None, setting=None):
+    """One job at ``rate``: the measurements into ``part``, or with ``timeline`` a few traced steps; with
+    ``setting`` (fusion threshold, cycle time) the Horovod-style front's."""
     from distlab.launch import launch_script
 
     args = ["--worker", str(part), "--rounds", str(options.rounds), "--caps", *map(str, options.caps),
             "--twins", *options.twins, "--views", *map(str, options.views)]
     if options.progress:
         args.append("--progress")
+    if options.horovod:
+        args.append("--horovod")
     if options.cpu:
         args.append("--cpu")
     if timeline:
         args += ["--trace-steps", "6"]
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if setting is not None:
+        env.update(DISTLAB_FUSION_THRESHOLD=str(setting[0]), DISTLAB_CYCLE_TIME=str(setting[1]))
     if rate == "local":
         return launch_script(__file__, np=2, args=args, timeout=3600, env=env, timeline=timeline)
     import importlib.util
@@ -265,6 +351,8 @@ def main() -> None:
     parser.add_argument("--timeline", metavar="RATE", help="also record a trace of one auto-capped step here")
     parser.add_argument("--progress", action="store_true",
                         help="instead: does an 8 MiB allreduce move while Python computes (progress_probe)")
+    parser.add_argument("--horovod", action="store_true",
+                        help="instead: the Horovod-style DistributedOptimizer per fusion threshold and cycle time")
     parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
     parser.add_argument("--keep", action="store_true", help="leave the virtual cluster up")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -275,6 +363,8 @@ def main() -> None:
     if options.worker:
         if options.progress:
             progress_probe(options.worker, options.rounds)
+        elif options.horovod:
+            horovod_worker(options.worker, options.rounds)
         else:
             worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
                    options.cpu, options.trace_steps)
@@ -284,6 +374,15 @@ def main() -> None:
     rows = []
     try:
         for rate in options.rates:
+            if options.horovod:
+                for setting in HOROVOD_SETTINGS:
+                    if _run_rate(rate, options, part, setting=setting).returncode != 0:
+                        sys.exit(f"bench_overlap --horovod at {rate}, {setting} failed")
+                    rows.append({"rate": rate, "fusion MiB": setting[0] / 2**20, "cycle ms": setting[1],
+                                 **json.loads(part.read_text())})
+                    part.unlink()
+                    print(horovod_table(rows[-1:]), flush=True)
+                continue
             job = _run_rate(rate, options, part)
             if job.returncode != 0:
                 sys.exit(f"bench_overlap at {rate} failed (exit {job.returncode})")
@@ -306,10 +405,11 @@ def main() -> None:
                 cluster.down(options.cluster)
     report = {"benchmark": "bench_overlap", "command": " ".join(["python -P"] + sys.argv), "rounds": options.rounds,
               "host_cores": os.cpu_count(), "rows": rows}
-    name = "bench_overlap_progress.json" if options.progress else "bench_overlap.json"
+    name = ("bench_overlap_progress.json" if options.progress else
+            "bench_overlap_horovod.json" if options.horovod else "bench_overlap.json")
     (RESULTS / name).write_text(json.dumps(report, indent=1))
     print()
-    print((progress_table if options.progress else table)(rows))
+    print((progress_table if options.progress else horovod_table if options.horovod else table)(rows))
     print(f"\nwritten to {RESULTS / name}")
 
 
