@@ -4,7 +4,8 @@
     python -m distlab run -n 4 examples/uneven_inputs.py --batches 30 --divide-by-active
 
 The data set is a list of batches, shared out by a ``DistributedSampler(uneven=True)``: unlike torch's sampler,
-it neither pads nor cuts, so with 61 batches on 2 ranks rank 0 trains on 31 and rank 1 on 30.
+it neither pads nor cuts, so with 61 batches on 2 ranks rank 0 trains on 31 per epoch and rank 1 on 30; over
+``--epochs`` epochs the difference adds up (rank 0 runs ``epochs`` more iterations than rank 1).
 The model has a SyncBatchNorm layer (batch statistics over every rank), is wrapped in DDP, and is trained by a
 ZeroRedundancyOptimizer (each rank keeps the Adam state of its shard of the parameters only); a DistributedMean
 averages the loss over ranks. Every one of them talks to the other ranks every iteration, so all of them go into
@@ -32,6 +33,7 @@ from distlab.optim import ZeroRedundancyOptimizer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=61, help="batches of 16 examples in the data set")
+    parser.add_argument("--epochs", type=int, default=5, help="passes over the data set")
     parser.add_argument("--divide-by-active", action="store_true",
                         help="divide gradients by the ranks still training instead of the world size")
     options = parser.parse_args()
@@ -51,13 +53,19 @@ def main() -> None:
     # The model first (its forward starts each iteration, so it issues Join's count), then the layers whose
     # collectives run inside it, then the optimizer and the metric, in the order the loop uses them.
     joinables = [model, *nn.SyncBatchNorm.layers_in(model), opt, loss_mean]
+    mine = options.epochs * len(sampler)
     with Join(joinables, divide_by_initial_world_size=not options.divide_by_active):
-        for b in tqdm(sampler, desc=f"rank {pg.rank}: {len(sampler)} batches", disable=pg.rank != 0):
-            opt.zero_grad()
-            loss = loss_fn(model(distlab.tensor(x[b])), distlab.tensor(y[b]))
-            loss.backward()
-            opt.step()
-            loss_mean.update(float(loss.data))
+        progress = tqdm(total=mine, desc=f"rank {pg.rank}: {mine} iterations", disable=pg.rank != 0)
+        for epoch in range(options.epochs):
+            sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank
+            for b in sampler:
+                opt.zero_grad()
+                loss = loss_fn(model(distlab.tensor(x[b])), distlab.tensor(y[b]))
+                loss.backward()
+                opt.step()
+                loss_mean.update(float(loss.data))
+                progress.update()
+        progress.close()
 
     state = model.module.state_dict()
     for key, value in state.items():
@@ -65,13 +73,18 @@ def main() -> None:
         assert all(np.array_equal(everyone[0], v) for v in everyone), f"{key} differs across ranks"
     shard = sum(v.nbytes for s in opt.optim.state.values() for v in s.values() if hasattr(v, "nbytes"))
     shards = pg.allgather_object(shard)
-    batches = pg.allgather_object(len(sampler))
+    batches = pg.allgather_object(mine)
+    model.module.eval()  # batch norm with the running statistics every rank agrees on; no collective in eval mode
+    with distlab.no_grad():
+        final = np.mean([float(loss_fn(model.module(distlab.tensor(xb)), distlab.tensor(yb)).data)
+                         for xb, yb in zip(x, y)])
     if pg.rank == 0:
-        print(f"ranks had {batches} batches; every rank ends with the same "
+        print(f"ranks had {batches} iterations; every rank ends with the same "
               f"model ({len(state)} tensors, batch-norm running statistics included, "
               f"{int(state['1.num_batches_tracked'])} batches tracked)")
-        print(f"Adam state per rank: {shards} bytes (unsharded: {sum(shards)}); mean loss over all "
-              f"{loss_mean.count} batches {loss_mean.compute():.4f}")
+        print(f"Adam state per rank: {shards} bytes (unsharded: {sum(shards)}); mean training loss over all "
+              f"{loss_mean.count} iterations {loss_mean.compute():.4f}; final model's loss on the whole data "
+              f"set {final:.4f}")
 
 
 if __name__ == "__main__":
