@@ -92,6 +92,19 @@ def test_bad_timeouts_are_refused(monkeypatch, pg, bad):
         comm.ProcessGroup(name="from-env")
 
 
+def test_fingerprint_checks_follow_the_variable_unless_the_group_says(pg, monkeypatch):
+    monkeypatch.setenv("DISTLAB_DEBUG", "DETAIL")
+    with comm.ProcessGroup(name="checked") as checked, \
+            comm.ProcessGroup(name="unchecked", fingerprint_checks=False) as unchecked:
+        assert checked._detail and not unchecked._detail
+        assert unchecked.allreduce(np.ones(2)) is not None
+    monkeypatch.setenv("DISTLAB_DEBUG", "OFF")
+    with comm.ProcessGroup(name="asked", fingerprint_checks=True) as asked:
+        assert asked._detail
+    with pytest.raises(TypeError, match="fingerprint_checks"):
+        comm.ProcessGroup(name="bad", fingerprint_checks="yes")
+
+
 def test_infinite_timeout_is_no_deadline(pg):
     with comm.ProcessGroup(timeout=math.inf, name="patient") as patient:
         assert patient.timeout == math.inf

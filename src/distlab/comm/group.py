@@ -60,6 +60,12 @@ class ProcessGroup(GroupOperations):
         and 0 are refused (:func:`distlab.futures.check_timeout`).
     name : str, optional
         Used in error messages and timeline lanes.
+    fingerprint_checks : bool, optional
+        Whether each collective's fingerprint is compared across ranks before it is posted (a blocking allgather;
+        see :doc:`/comm`). Default (None): when ``DISTLAB_DEBUG=DETAIL``. ``True`` checks regardless of the
+        variable (every rank must agree). ``False`` keeps a group unchecked even under DETAIL,
+        for a group whose collectives some rank issues out of step with another group's (a joined rank's
+        SyncBatchNorm shadows: the check would make it wait for ranks that wait for it).
 
     Attributes
     ----------
@@ -69,13 +75,18 @@ class ProcessGroup(GroupOperations):
         The group's own communicator.
     """
 
-    def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None):
+    def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
+                 fingerprint_checks: bool | None = None):
         timeout = default_timeout() if timeout is None else check_timeout(timeout, "ProcessGroup(timeout)")
+        if fingerprint_checks not in (None, True, False):
+            raise TypeError(f"ProcessGroup(fingerprint_checks): True, False or None, got {fingerprint_checks!r}")
         _free_deferred()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         comm = bounded_dup(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
         # Every group over COMM_WORLD has the same node layout: asked of MPI once (all ranks took part).
         self._setup(comm, timeout, name, _world_node if parent == MPI.COMM_WORLD else None)
+        if fingerprint_checks is not None:
+            self._detail = fingerprint_checks
         if parent == MPI.COMM_WORLD:
             _remember_world_node((self._node_keys, self._oversubscribed))
 

@@ -171,12 +171,12 @@ class SyncBatchNorm(_BatchNorm, HostJoinable):
         self._join = _backend.load("join").Join
         # A communicator of its own: the statistics allreduces of a training rank run in the middle of DDP's
         # backward, so on a shared communicator a joined rank could not reproduce their order.
-        self._stats_group = comm.ProcessGroup(self.process_group.comm, timeout=self.process_group.timeout,
-                                              name=f"{self.process_group.name}: SyncBatchNorm")
         # DISTLAB_DEBUG=DETAIL checks each collective's fingerprint with a blocking allgather before posting it;
         # that would make a joined rank's pre_hook wait for the training ranks, which are waiting for DDP's
         # collectives that this rank issues after it. The per-layer group therefore stays unchecked.
-        self._stats_group._detail = False
+        self._stats_group = comm.ProcessGroup(self.process_group.comm, timeout=self.process_group.timeout,
+                                              name=f"{self.process_group.name}: SyncBatchNorm",
+                                              fingerprint_checks=False)
 
     def forward(self, x):
         self._check_input(x)
