@@ -105,6 +105,13 @@ def test_fingerprint_checks_follow_the_variable_unless_the_group_says(pg, monkey
         comm.ProcessGroup(name="bad", fingerprint_checks="yes")
 
 
+def test_node_keys_are_public_and_read_only(pg):
+    keys = pg.node_keys
+    assert keys.dtype == np.int64 and len(keys) == pg.size and keys[pg.rank] <= pg.rank
+    with pytest.raises(ValueError):
+        keys[0] = 99
+
+
 def test_infinite_timeout_is_no_deadline(pg):
     with comm.ProcessGroup(timeout=math.inf, name="patient") as patient:
         assert patient.timeout == math.inf

@@ -133,7 +133,7 @@ class _Engine:
         self.timeline = get_timeline()
         group = comm.ProcessGroup(name="collectives")
         self.rank, self.size = group.rank, group.size
-        self.node_keys = group._node_keys               # the node layout the comm layer asked MPI for (local_rank)
+        self.node_keys = group.node_keys                # the node layout the comm layer asked MPI for (local_rank)
         self.sets: dict[int, _SetState] = {}
         self.sets[GLOBAL_PROCESS_SET_ID] = _SetState(self, GLOBAL_PROCESS_SET_ID, range(self.size), group)
         self.next_set_id = GLOBAL_PROCESS_SET_ID + 1

@@ -125,6 +125,15 @@ class ProcessGroup(GroupOperations):
         # Released when the group is collected or destroyed; must not hold the group itself.
         self._release = weakref.finalize(self, _release, comm, self._side)
 
+    @property
+    def node_keys(self):
+        """Every member's node, by group rank, as an int64 array: a node's key is the smallest world rank on it
+        (MPI's shared-memory split; ``DISTLAB_RANKS_PER_NODE`` simulates nodes). Read-only; Horovod's
+        ``local_rank`` and ``cross_rank`` are computed from it."""
+        keys = self._node_keys.view()
+        keys.flags.writeable = False
+        return keys
+
     # -- issuing operations ---------------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._broken:
