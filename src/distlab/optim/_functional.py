@@ -6,8 +6,9 @@ from ..autograd.sparse import SparseGrad
 __all__ = ["dense_grad", "check_non_negative"]
 
 
-def dense_grad(optimizer, p, maximize: bool):
-    """``p``'s gradient as a dense array, negated for ``maximize`` (a new array then; never written in place).
+def dense_grad(optimizer, p, maximize: bool, weight_decay: float = 0.0):
+    """``p``'s gradient as a dense array, negated for ``maximize``, plus ``weight_decay * p`` (torch's coupled
+    weight decay); a new array whenever either applies, so the gradient itself is never written in place.
 
     Raises RuntimeError for a sparse gradient, as torch does for every optimizer but SGD, Adagrad and SparseAdam.
     """
@@ -15,7 +16,8 @@ def dense_grad(optimizer, p, maximize: bool):
         raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients (as in torch); use SGD "
                            "or Adagrad for sparse embeddings")
     grad = p.grad.data
-    return -grad if maximize else grad
+    grad = -grad if maximize else grad
+    return grad + weight_decay * p.data if weight_decay != 0 else grad
 
 
 def check_non_negative(**values) -> None:

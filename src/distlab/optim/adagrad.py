@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..autograd._array import array_module
 from ..autograd.sparse import SparseGrad
-from ._functional import check_non_negative
+from ._functional import check_non_negative, dense_grad
 from .optimizer import Optimizer
 
 __all__ = ["Adagrad"]
@@ -34,21 +34,9 @@ class Adagrad(Optimizer):
                                       initial_accumulator_value=initial_accumulator_value, eps=eps,
                                       maximize=maximize))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _state(self, p, group) -> dict:
-        state = self.state.get(p)
-        if state is None:  # torch creates the state in the constructor; here on first use (same values)
-            xp = array_module(p.data)
-            state = self.state[p] = {"step": 0, "sum": xp.full_like(p.data, group["initial_accumulator_value"])}
-        return state
+    def _init_state(self, p, group, xp) -> dict:
+        # torch creates this state in the constructor; here on first use (the same values)
+        return {"step": 0, "sum": xp.full_like(p.data, group["initial_accumulator_value"])}
 
     def _update(self, p, group) -> None:
         state = self._state(p, group)
@@ -57,9 +45,7 @@ class Adagrad(Optimizer):
         if isinstance(p.grad, SparseGrad):
             self._sparse_update(p, p.grad, state["sum"], clr, group)
             return
-        grad = -p.grad.data if group["maximize"] else p.grad.data
-        if group["weight_decay"] != 0:
-            grad = grad + group["weight_decay"] * p.data
+        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state_sum = state["sum"]
         state_sum += grad * grad
         std = array_module(p.data).sqrt(state_sum) + group["eps"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from ..autograd._array import array_module
-from ..autograd.sparse import SparseGrad
+from ._functional import dense_grad
 from .optimizer import Optimizer
 
 __all__ = ["Adam", "AdamW"]
@@ -33,41 +33,23 @@ class Adam(Optimizer):
                                       amsgrad=amsgrad, maximize=maximize,
                                       decoupled_weight_decay=decoupled_weight_decay))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _state(self, p, group) -> dict:
-        state = self.state.get(p)
-        if state is None:
-            xp = array_module(p.data)
-            state = self.state[p] = {"step": 0, "exp_avg": xp.zeros_like(p.data),
-                                     "exp_avg_sq": xp.zeros_like(p.data)}
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = xp.zeros_like(p.data)
+    def _init_state(self, p, group, xp) -> dict:
+        state = {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_avg_sq": xp.zeros_like(p.data)}
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = xp.zeros_like(p.data)
         return state
 
     def _update(self, p, group) -> None:
-        if isinstance(p.grad, SparseGrad):
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                               "(as in torch); use SGD for sparse embeddings")
         xp = array_module(p.data)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        grad = -p.grad.data if group["maximize"] else p.grad.data
+        decoupled = group["decoupled_weight_decay"]
+        grad = dense_grad(self, p, group["maximize"], 0.0 if decoupled else wd)
         state = self._state(p, group)
         state["step"] += 1
         step = state["step"]
-        if wd != 0:
-            if group["decoupled_weight_decay"]:
-                p.data *= 1 - lr * wd
-            else:
-                grad = grad + wd * p.data
+        if wd != 0 and decoupled:
+            p.data *= 1 - lr * wd
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m += (1 - beta1) * (grad - m)
         v *= beta2

@@ -28,30 +28,15 @@ class Adamax(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       maximize=maximize))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _state(self, p) -> dict:
-        state = self.state.get(p)
-        if state is None:
-            xp = array_module(p.data)
-            state = self.state[p] = {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_inf": xp.zeros_like(p.data)}
-        return state
+    def _init_state(self, p, group, xp) -> dict:
+        return {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_inf": xp.zeros_like(p.data)}
 
     def _update(self, p, group) -> None:
         xp = array_module(p.data)
-        grad = dense_grad(self, p, group["maximize"])
-        state = self._state(p)
+        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
+        state = self._state(p, group)
         state["step"] += 1
         beta1, beta2 = group["betas"]
-        if group["weight_decay"] != 0:
-            grad = grad + group["weight_decay"] * p.data
         exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
         exp_avg += (1 - beta1) * (grad - exp_avg)
         exp_inf *= beta2

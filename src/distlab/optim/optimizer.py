@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+from ..autograd._array import array_module
 from ..autograd.tensor import Tensor, zero_grads
 
 __all__ = ["Optimizer", "required"]
@@ -59,6 +60,25 @@ class Optimizer:
         zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):
+        """Update every parameter that has a gradient (``_update(p, group)``); returns ``closure()`` if given."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p, group) -> None:
+        raise NotImplementedError
+
+    def _state(self, p, group) -> dict:
+        """``p``'s state, made by ``_init_state`` on first use (torch makes it lazily too, for most optimizers)."""
+        state = self.state.get(p)
+        if state is None:
+            state = self.state[p] = self._init_state(p, group, array_module(p.data))
+        return state
+
+    def _init_state(self, p, group, xp) -> dict:
         raise NotImplementedError
 
     def _params_with_grad(self, group):

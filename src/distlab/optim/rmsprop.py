@@ -31,34 +31,20 @@ class RMSprop(Optimizer):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                                       centered=centered, maximize=maximize))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _state(self, p, group) -> dict:
-        state = self.state.get(p)
-        if state is None:
-            xp = array_module(p.data)
-            state = self.state[p] = {"step": 0, "square_avg": xp.zeros_like(p.data)}
-            if group["momentum"] > 0:
-                state["momentum_buffer"] = xp.zeros_like(p.data)
-            if group["centered"]:
-                state["grad_avg"] = xp.zeros_like(p.data)
+    def _init_state(self, p, group, xp) -> dict:
+        state = {"step": 0, "square_avg": xp.zeros_like(p.data)}
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = xp.zeros_like(p.data)
+        if group["centered"]:
+            state["grad_avg"] = xp.zeros_like(p.data)
         return state
 
     def _update(self, p, group) -> None:
         xp = array_module(p.data)
-        grad = dense_grad(self, p, group["maximize"])
+        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state = self._state(p, group)
         state["step"] += 1
         alpha, eps = group["alpha"], group["eps"]
-        if group["weight_decay"] != 0:
-            grad = grad + group["weight_decay"] * p.data
         square_avg = state["square_avg"]
         square_avg *= alpha
         square_avg += (1 - alpha) * grad * grad

@@ -28,22 +28,8 @@ class Rprop(Optimizer):
             raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
         super().__init__(params, dict(lr=lr, etas=tuple(etas), step_sizes=tuple(step_sizes), maximize=maximize))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _state(self, p, group) -> dict:
-        state = self.state.get(p)
-        if state is None:
-            xp = array_module(p.data)
-            state = self.state[p] = {"step": 0, "prev": xp.zeros_like(p.data),
-                                     "step_size": xp.full_like(p.data, group["lr"])}
-        return state
+    def _init_state(self, p, group, xp) -> dict:
+        return {"step": 0, "prev": xp.zeros_like(p.data), "step_size": xp.full_like(p.data, group["lr"])}
 
     def _update(self, p, group) -> None:
         xp = array_module(p.data)
