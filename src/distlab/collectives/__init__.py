@@ -33,58 +33,13 @@ interleaves with the program's own collectives.
 """
 from __future__ import annotations
 
-from ..errors import CollectiveError, DuplicateNameError, NotInitializedError, StallShutdownError
-from ._settings import settings
+from . import ops as _ops
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .ops import (
-    Adasum,
-    Average,
-    Handle,
-    Max,
-    Min,
-    Product,
-    Sum,
-    add_process_set,
-    allgather,
-    allgather_async,
-    allreduce,
-    allreduce_async,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_async,
-    grouped_allreduce,
-    grouped_allreduce_async,
-    init,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    cross_rank,
-    cross_size,
-    poll,
-    rank,
-    reducescatter,
-    reducescatter_async,
-    remove_process_set,
-    shutdown,
-    size,
-    stall_reports,
-    stats,
-    synchronize,
-)
+from .ops import *  # noqa: F403 - the Horovod-style operations, settings, ProcessSet and errors (ops.__all__)
 from .optimizer import Compression, DistributedOptimizer
-from .process_sets import ProcessSet, global_process_set
 
 __all__ = [
-    "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "allgather",
-    "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "barrier", "join", "poll", "synchronize", "Handle", "stats", "stall_reports", "settings",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    *_ops.__all__,
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object",
-    "CollectiveError", "DuplicateNameError", "NotInitializedError", "StallShutdownError",
 ]
