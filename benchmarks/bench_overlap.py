@@ -47,27 +47,39 @@ RATES = ("local", "1gbit", "2.5gbit", "10gbit")
 CLUSTER = "dloverlap"
 
 
+def mlp():
+    """The benchmark's model: LAYERS x Linear(WIDTH, WIDTH), the same weights on every rank."""
+    import distlab
+    from distlab import nn
+
+    distlab.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def batch(rank: int):
+    """This rank's input and target tensors (BATCH x WIDTH, seeded by the rank)."""
+    import numpy as np
+
+    import distlab
+
+    rng = np.random.default_rng(rank)
+    return tuple(distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32)) for _ in range(2))
+
+
 def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: int) -> None:
     """Runs on every rank: builds the models, times them round-robin, writes rank 0's (worst-rank) rows."""
     import numpy as np
 
-    import distlab
     from distlab import comm, nn, optim
     from distlab.ddp import DistributedDataParallel
 
     pg = comm.world()
 
-    def mlp():
-        distlab.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-
     class Step:
         def __init__(self, model):
             self.model = model
             self.opt = optim.SGD(model.parameters(), lr=1e-4)
-            rng = np.random.default_rng(pg.rank)
-            self.x = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
-            self.y = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+            self.x, self.y = batch(pg.rank)
             self.loss_fn = nn.MSELoss()
 
         def __call__(self):
@@ -243,19 +255,11 @@ def horovod_worker(out: str, rounds: int) -> None:
     """
     import numpy as np
 
-    import distlab
     from distlab import collectives as hvd
     from distlab import nn, optim
 
     hvd.init()
-
-    def mlp():
-        distlab.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-
-    rng = np.random.default_rng(hvd.rank())
-    x = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
-    y = distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
+    x, y = batch(hvd.rank())
     loss_fn = nn.MSELoss()
     local_model, model = mlp(), mlp()
     local_opt = optim.SGD(local_model.parameters(), lr=1e-4)
