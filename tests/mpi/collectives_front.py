@@ -15,19 +15,10 @@ import ml_dtypes  # noqa: E402
 
 from distlab import _backend, collectives as hvd, optim  # noqa: E402
 from distlab.autograd.tensor import Tensor  # noqa: E402
+from scenario_checks import expect  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-
-
-def expect(exc_type, fn, *texts):
-    try:
-        fn()
-    except exc_type as exc:
-        for text in texts:
-            assert text in str(exc), (text, str(exc))
-        return exc
-    raise AssertionError(f"expected {exc_type.__name__}")
 
 
 # -- grouped allreduce: one response for the group, repeated (the cache), then a member missing on one rank ------

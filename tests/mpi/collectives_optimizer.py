@@ -16,6 +16,7 @@ if "mixed" in sys.argv[1:]:
 import distlab  # noqa: E402
 from distlab import collectives as hvd, comm, nn, optim  # noqa: E402
 from distlab.ddp import DistributedDataParallel as DDP  # noqa: E402
+from scenario_checks import expect  # noqa: E402
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -43,16 +44,6 @@ def batch(step, rows):
 def make():
     distlab.manual_seed(0)
     return Net()
-
-
-def expect(exc_type, fn, *texts):
-    try:
-        fn()
-    except exc_type as exc:
-        for text in texts:
-            assert text in str(exc), (text, str(exc))
-        return
-    raise AssertionError(f"expected {exc_type.__name__}")
 
 
 mine = np.arange(rank * SHARD, (rank + 1) * SHARD)

@@ -15,20 +15,11 @@ if "mixed" in sys.argv[1:]:
 
 from distlab import _backend, collectives as hvd  # noqa: E402
 from distlab.errors import StallWarning  # noqa: E402
+from scenario_checks import expect  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 assert hvd.stats()["impl"] == _backend.active_impl()
-
-
-def expect(exc_type, fn, *texts):
-    try:
-        fn()
-    except exc_type as exc:
-        for text in texts:
-            assert text in str(exc), (text, str(exc))
-        return exc
-    raise AssertionError(f"expected {exc_type.__name__}")
 
 
 # -- values of every op, scale factors ----------------------------------------------------------------------

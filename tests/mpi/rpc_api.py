@@ -14,6 +14,7 @@ from distlab.errors import DistTimeoutError, RemoteError, RRefError
 from distlab.futures import Future
 from distlab.rpc import RRef, WorkerInfo
 from distlab.rpc.functions import async_execution
+from scenario_checks import expect  # noqa: E402
 
 rank = int(os.environ["RANK"])
 assert int(os.environ["WORLD_SIZE"]) == 2
@@ -83,15 +84,6 @@ class Dynamic:
 
 def square_sum(x):
     return (x * x).sum()
-
-
-def expect(exc_type, call, *words):
-    try:
-        call()
-    except exc_type as exc:
-        assert all(w in str(exc) for w in words), (words, str(exc))
-        return exc
-    raise AssertionError(f"{exc_type.__name__} not raised: {words}")
 
 
 rpc.init_rpc(f"w{rank}")
