@@ -52,6 +52,8 @@ def check_timeout(value, what: str) -> float:
     ValueError
         ``value`` is NaN, negative or zero.
     """
+    if type(value) is float and 0.0 < value:  # the common case, checked first: it runs on every wait (NaN fails)
+        return value
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):

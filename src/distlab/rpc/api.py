@@ -153,14 +153,15 @@ _call_payload = framing.call_payload
 
 # -- call wrappers (distlab.rpc.wrappers: how distributed autograd rewrites calls made inside a context) -----------
 def _wrap(agent, to, func, args, kwargs, remote=False):
-    """None, or ``(func, args, kwargs, unwrap)`` when a registered call wrapper rewrote the call."""
+    """None, or ``(func, args, kwargs, unwrap)`` when a registered call wrapper rewrote the call (callers on
+    the per-call path test ``wrappers._wrappers`` first: no call at all when none is registered)."""
     return wrappers._wrappers and wrappers.wrap_call(agent.worker_info(to).id, func, args, kwargs, remote)
 
 
 def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
     agent = get_agent()
-    wrapped = _wrap(agent, to, func, args, kwargs)
+    wrapped = wrappers._wrappers and _wrap(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
@@ -172,7 +173,7 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
     """Like :func:`rpc_sync` but return a Future at once."""
     agent = get_agent()
-    wrapped = _wrap(agent, to, func, args, kwargs)
+    wrapped = wrappers._wrappers and _wrap(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
