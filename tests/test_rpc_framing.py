@@ -120,6 +120,15 @@ def test_loads_refuses_a_terabyte_pickle_and_wraps_unpickling_errors():
         framing.loads(b"cno_such_module\nf\n.")
 
 
+def test_a_function_sent_by_value_is_checked_before_it_is_loaded():
+    # The cloudpickle bytes of a function travel as plain bytes inside the body's pickle: the body's walk skips
+    # them, so they are walked when loaded. A terabyte claim there is refused, not allocated.
+    for wrapper in (framing._ByValue(TERA_PICKLE), framing._MainFunction("no_such_function_here", TERA_PICKLE)):
+        body, _, _ = framing.dumps((wrapper, (), None))
+        with pytest.raises(RpcMessageError, match="claims 1099511627776 bytes"):
+            framing.loads(body)
+
+
 def test_lambdas_travel_by_value_and_importable_functions_by_name():
     assert framing.by_value(np.add) is np.add
     square = framing.by_value(lambda x: x * x)

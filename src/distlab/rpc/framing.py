@@ -73,6 +73,13 @@ def _fork_placeholder(index):
     return resolved[index]
 
 
+def _load_by_value(data):
+    """Load a function's cloudpickle bytes, checked first like any pickle a message carries (they are a pickle
+    inside the body's pickle, which the body's check skips as plain bytes)."""
+    _codec.check_pickle(data)
+    return cloudpickle.loads(data)
+
+
 class _ByValue:
     """Wraps cloudpickle bytes of a function so plain pickle carries it by value."""
 
@@ -82,7 +89,7 @@ class _ByValue:
         self.data = data
 
     def __reduce__(self):
-        return cloudpickle.loads, (self.data,)
+        return _load_by_value, (self.data,)
 
 
 _by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -97,7 +104,7 @@ def _resolve_main(name, data):
     if data is None:
         raise pickle.UnpicklingError(
             f"function {name!r} is not defined in this worker's __main__ and could not travel by value")
-    return cloudpickle.loads(data)
+    return _load_by_value(data)
 
 
 class _MainFunction:
