@@ -60,10 +60,18 @@ def test_a_slow_link_gets_small_buckets_one_host_gets_one_bucket():
     assert as_dict["cap_bytes"] == 8 * MiB and as_dict["contention"] == 1.0 and len(as_dict["predicted_s"]) == 8
 
 
-def test_near_ties_go_to_the_larger_cap():
+def test_near_ties_go_to_the_larger_cap_unless_the_wire_is_the_bottleneck():
     order, params, arrivals = _layers()
     free = choose_bucket_caps(order, params, arrivals, LinkModel(0.0, 1e15, 0.0))  # communication costs nothing
     assert free.cap == 8 * MiB
+    # 1 MB/s: the wire takes 8 s against 70 ms of backward. Every cap starts it with the same 1 MiB first bucket
+    # and keeps it busy from then on, so all tie; the smallest of at least 1 MiB wins.
+    slow = choose_bucket_caps(order, params, arrivals, LinkModel(0.0, 1e6, 0.0))
+    assert max(slow.predicted.values()) <= min(slow.predicted.values()) * (1 + reducer_autocap.TIE)
+    assert slow.cap == MiB
+    assert reducer_autocap._break_tie([MiB // 4, MiB // 2], wire_bound=True) == MiB // 2
+    assert reducer_autocap._break_tie([MiB // 2, 2 * MiB, 4 * MiB], wire_bound=True) == 2 * MiB
+    assert reducer_autocap._break_tie([MiB // 2, 2 * MiB, 4 * MiB], wire_bound=False) == 4 * MiB
 
 
 def test_sparse_parameters_count_as_latency_only():

@@ -22,8 +22,10 @@ with its last gradient and its allreduce starts when it is ready and the previou
 strictly in order); an allreduce takes ``latency + bytes / bandwidth``. While backward and communication run
 at the same time, each progresses at ``1 / (1 + contention)`` of its speed. The predicted cost of a bucket size
 is the time from the first gradient until the last allreduce ends. :func:`choose_bucket_caps` evaluates the
-candidate sizes and keeps the largest whose cost is within 3% of the best (fewer buckets when it hardly
-matters: the model is only a model). The first bucket's cap is ``min(1 MiB, cap)``, as the anchor's.
+candidate sizes; those within 3% of the best are ties, which the model cannot tell apart (it is only a model).
+Where the wire takes longer than backward, the smallest tie of at least 1 MiB wins (an idle wire lengthens the
+step for good, and a bucket more costs little); elsewhere the largest (fewer buckets). The first bucket's cap
+is ``min(1 MiB, cap)``, as the anchor's.
 """
 from __future__ import annotations
 
@@ -156,9 +158,24 @@ def choose_bucket_caps(order, tensors, arrivals, model: LinkModel, expect_sparse
                                       min(FIRST_BUCKET_CAP, cap), cap)
         predicted[cap] = predict_end(nbytes, ready, model)
     best = min(predicted.values())
-    cap = max(c for c, seconds in predicted.items() if seconds <= best * (1 + TIE))
+    ties = [c for c, seconds in predicted.items() if seconds <= best * (1 + TIE)]
     backward = float(max((float(arrivals[i]) for i in order), default=0.0))
+    wire = sum(wire_bytes[i] for i in dense) / model.bandwidth
+    cap = _break_tie(ties, wire_bound=wire > backward)
     return AutoCapChoice(min(FIRST_BUCKET_CAP, cap), cap, predicted, backward, model)
+
+
+def _break_tie(ties, wire_bound: bool) -> int:
+    """The cap to keep among candidates the model cannot tell apart.
+
+    Where the wire takes longer than backward, every moment it stands idle lengthens the step for good, while a
+    bucket more costs only its latency: keep the smallest tie of at least ``FIRST_BUCKET_CAP`` (smaller buckets
+    add per-bucket work the latency probe does not see). Otherwise the cores backward needs do the reducer's
+    per-bucket work too: keep the largest tie (fewer buckets).
+    """
+    if wire_bound:
+        return min((c for c in ties if c >= FIRST_BUCKET_CAP), default=max(ties))
+    return max(ties)
 
 
 def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.ndarray]:
