@@ -223,26 +223,18 @@ def progress_table(rows) -> str:
     return "\n".join(lines)
 
 
-def overlap_floor(row) -> float:
-    """The shortest step overlap can give: forward, loss and the optimizer step (local step minus backward)
-    cannot overlap the wire (no gradient exists before backward; the update needs the last reduced bucket), so
-    only backward and the allreduce can hide behind each other."""
-    return row["local ms"] - row["backward ms"] + max(row["backward ms"], row["allreduce ms"])
-
-
 def table(rows) -> str:
     """One line per (rate, twin, gradient_as_bucket_view, cap).
 
-    ``floor`` is max(local step, allreduce alone); ``ofloor`` is :func:`overlap_floor`; ``over/ar`` is DDP's
-    step minus the local step over the allreduce alone (what DDP adds, against what the wire alone costs).
+    ``floor`` is max(local step, allreduce alone); ``over/ar`` is DDP's step minus the local step over the
+    allreduce alone (what DDP adds to the step, against what the allreduce alone costs).
     """
     head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
-            f"{'step/floor':>10} {'ofloor':>7} {'step/ofloor':>11} {'over/ar':>7}   {'local step':>10} "
+            f"{'step/floor':>10} {'over/ar':>7}   {'local step':>10} "
             f"{'backward':>8} {'allreduce':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         floor = max(r["local ms"], r["allreduce ms"])
-        ofloor = overlap_floor(r)
         for key in [k[:-3] for k in r if k.startswith("ddp") and k.endswith(" ms") and "user" not in k
                     and "sys" not in k]:
             _, impl, cap, view = key.split()
@@ -252,7 +244,7 @@ def table(rows) -> str:
             step = r[key + " ms"]
             lines.append(f"{r['rate']:>8} {impl:>9} {view.split('=')[1]:>4} {cap_text:>5} "
                          f"{r[key + ' buckets']:>7} {step:>7.1f}ms {floor:>5.1f}ms {step / floor:>10.2f} "
-                         f"{ofloor:>5.1f}ms {step / ofloor:>11.2f} {(step - r['local ms']) / r['allreduce ms']:>7.2f}"
+                         f"{(step - r['local ms']) / r['allreduce ms']:>7.2f}"
                          f"   {r['local ms']:>8.1f}ms {r['backward ms']:>6.1f}ms {r['allreduce ms']:>7.1f}ms")
     return "\n".join(lines)
 
