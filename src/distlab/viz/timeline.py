@@ -132,6 +132,10 @@ def plot_bucket_overlap(trace, *, iteration=None, ranks=None, fig=None, title=No
     return fig
 
 
+#: At most this many bucket rows of a panel are labelled.
+MAX_BUCKET_LABELS = 10
+
+
 def _overlap_panel(ax, trace, rank, iteration) -> None:
     iterations = _iterations(trace, rank)
     if iteration not in iterations:
@@ -159,8 +163,10 @@ def _overlap_panel(ax, trace, rank, iteration) -> None:
                        edgecolor="black", linewidth=0.4)
     ax.axvline(last_grad, color="black", linestyle=":", linewidth=1)
     ax.set_ylim(rows, 0)
-    ax.set_yticks([0.5] + [1.5 + i for i in range(len(buckets))])
-    ax.set_yticklabels(["backward"] + [f"bucket {b}" for b in buckets], fontsize=7)
+    every = -(-len(buckets) // MAX_BUCKET_LABELS)  # many small buckets: label every few, readable
+    shown = range(every - 1, len(buckets), every)  # (bucket 0 would crowd "backward")
+    ax.set_yticks([0.5] + [1.5 + i for i in shown])
+    ax.set_yticklabels(["backward"] + [f"bucket {buckets[i]}" for i in shown], fontsize=7)
     ax.tick_params(axis="x", labelsize=8)
     ax.set_title(f"{trace.rank_label(rank)}: {overlapped} of {len(spans)} bucket allreduces started before "
                  "backward ended", fontsize=8.5, loc="left")
