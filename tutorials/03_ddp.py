@@ -314,10 +314,10 @@ RATES = ("1gbit", "10gbit")
 # What this cell measured as root on the development machine (2 cores, otherwise idle); a run moves
 # by several ms, and auto's choice between neighbouring caps with it
 STORED_RESULTS = {
-    "1gbit": {"local": 12.1, "allreduce": 60.8, "auto": 63.7, "25": 70.2, "4": 64.4, "1": 60.3,
-              "auto cap MB": 4.0},
-    "10gbit": {"local": 8.9, "allreduce": 5.5, "auto": 17.8, "25": 17.3, "4": 17.7, "1": 18.7,
-               "auto cap MB": 4.0},
+    "1gbit": {"local": 9.4, "allreduce": 53.1, "auto": 58.6, "25": 60.1, "4": 59.6, "1": 58.1,
+              "auto cap MB": 1.0},
+    "10gbit": {"local": 8.3, "allreduce": 4.9, "auto": 16.0, "25": 15.1, "4": 15.4, "1": 15.4,
+               "auto cap MB": 2.0},
 }
 live = os.geteuid() == 0 and importlib.util.find_spec("pyroute2") is not None
 if live:
