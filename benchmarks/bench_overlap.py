@@ -12,7 +12,9 @@ host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over 
 - ``local``: the plain model's step (zero_grad, forward, loss, backward, SGD) and its backward alone;
 - ``allreduce``: one blocking allreduce of the model's bytes through distlab (the wire's share of a step);
 - ``ddp``: DistributedDataParallel's step for each bucket cap (``auto``, 25, 4, 1 MB), with and without
-  ``gradient_as_bucket_view``, for each twin.
+  ``gradient_as_bucket_view``, for each twin; with ``--fused`` also with auto caps and the optimizer fused into
+  DDP's hook (``_register_fused_optim``: each bucket's parameters are updated as soon as it is reduced), shown
+  as cap ``f<MB>``.
 
 The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be
 hidden behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu``
@@ -66,7 +68,7 @@ def batch(rank: int):
     return tuple(distlab.tensor(rng.standard_normal((BATCH, WIDTH), dtype=np.float32)) for _ in range(2))
 
 
-def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: int) -> None:
+def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: int, fused: bool = False) -> None:
     """Runs on every rank: builds the models, times them round-robin, writes rank 0's (worst-rank) rows."""
     import numpy as np
 
@@ -76,16 +78,19 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
     pg = comm.world()
 
     class Step:
-        def __init__(self, model):
+        def __init__(self, model, fused=False):
             self.model = model
-            self.opt = optim.SGD(model.parameters(), lr=1e-4)
+            self.fused = fused  # the optimizer runs inside DDP's hook, as each bucket is reduced
+            self.opt = (model._register_fused_optim(optim.SGD, lr=1e-4) if fused
+                        else optim.SGD(model.parameters(), lr=1e-4))
             self.x, self.y = batch(pg.rank)
             self.loss_fn = nn.MSELoss()
 
         def __call__(self):
             self.opt.zero_grad()
             self.loss_fn(self.model(self.x), self.y).backward()
-            self.opt.step()
+            if not self.fused:
+                self.opt.step()
 
         def backward_only(self):
             self.opt.zero_grad()
@@ -113,6 +118,9 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
                 key = f"ddp {impl} cap={cap} view={int(view)}"
                 model = DistributedDataParallel(mlp(), bucket_cap_mb=cap, gradient_as_bucket_view=view, impl=impl)
                 steps[key] = Step(model)
+            if fused:
+                model = DistributedDataParallel(mlp(), bucket_cap_mb="auto", gradient_as_bucket_view=view, impl=impl)
+                steps[f"ddp {impl} cap=auto view={int(view)} fused"] = Step(model, fused=True)
     for step in steps.values():  # warm-up; DDP rebuilds its buckets (and chooses "auto" caps) after iteration 1
         for _ in range(3):
             step()
@@ -237,10 +245,10 @@ def table(rows) -> str:
         floor = max(r["local ms"], r["allreduce ms"])
         for key in [k[:-3] for k in r if k.startswith("ddp") and k.endswith(" ms") and "user" not in k
                     and "sys" not in k]:
-            _, impl, cap, view = key.split()
+            _, impl, cap, view, *fused = key.split()
             cap_text = cap.split("=")[1]
             if cap_text == "auto":
-                cap_text = f"a{r[key + ' cap MB']:.1f}"
+                cap_text = f"{'f' if fused else 'a'}{r[key + ' cap MB']:.1f}"
             step = r[key + " ms"]
             lines.append(f"{r['rate']:>8} {impl:>9} {view.split('=')[1]:>4} {cap_text:>5} "
                          f"{r[key + ' buckets']:>7} {step:>7.1f}ms {floor:>5.1f}ms {step / floor:>10.2f} "
@@ -330,6 +338,8 @@ def _run_rate(rate: str, options, part: Path, timeline: str | None = None, setti
         args.append("--horovod")
     if options.cpu:
         args.append("--cpu")
+    if options.fused:
+        args.append("--fused")
     if timeline:
         args += ["--trace-steps", "6"]
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -358,6 +368,8 @@ def main() -> None:
     parser.add_argument("--twins", nargs="+", default=["core", "reference"])
     parser.add_argument("--views", nargs="+", default=[0, 1], type=int, help="gradient_as_bucket_view values")
     parser.add_argument("--cpu", action="store_true", help="CPU time per step (user, system)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also DDP with auto caps and the optimizer fused into its hook (_register_fused_optim)")
     parser.add_argument("--timeline", metavar="RATE", help="also record a trace of one auto-capped step here")
     parser.add_argument("--progress", action="store_true",
                         help="instead: does an 8 MiB allreduce move while Python computes (progress_probe)")
@@ -377,7 +389,7 @@ def main() -> None:
             horovod_worker(options.worker, options.rounds)
         else:
             worker(options.worker, options.rounds, options.caps, options.twins, [bool(v) for v in options.views],
-                   options.cpu, options.trace_steps)
+                   options.cpu, options.trace_steps, options.fused)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     part = RESULTS / "bench_overlap.part.json"

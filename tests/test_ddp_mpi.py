@@ -87,3 +87,10 @@ def test_buffers_are_broadcast_from_rank_0_before_each_forward_only_when_asked(m
 def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl):
     job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300)
     assert job.stdout.count("agreed") == np_ and job.stdout.count("uneven inputs with auto caps OK") == np_
+
+
+@pytest.mark.parametrize("np_, impl", [(2, "core"), (3, "mixed")])
+def test_fused_optimizer_equals_stepping_after_backward_and_follows_join(mpirun, np_, impl):
+    job = mpirun("ddp_fused_optim.py", np=np_, args=[impl], timeout=300)
+    assert job.stdout.count("fused optimizer equals local training") == np_
+    assert job.stdout.count("fused optimizer under Join OK") == np_

@@ -242,6 +242,74 @@ def test_comm_hooks(impl):
         fresh.register_comm_hook(None, lambda bucket: bucket)
 
 
+def _train(impl, fused, steps=3, **hyper):
+    """TwoBranch with fc2 used twice (a weight shared by two graph nodes), one bucket per parameter."""
+    model = DDP(TwoBranch(), bucket_cap_mb=1e-5, impl=impl)
+    if fused:
+        opt = model._register_fused_optim(optim.SGD, **hyper)
+    else:
+        opt = optim.SGD(model.parameters(), **hyper)
+    for _ in range(steps):
+        model.zero_grad()
+        model(x(), twice=True).backward()
+        if not fused:
+            opt.step()
+    return model, opt
+
+
+def test_fused_optimizer_updates_as_buckets_are_reduced_exactly_like_step_after_backward(impl):
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
+    fused, fused_opt = _train(impl, True, **hyper)
+    plain, _ = _train(impl, False, **hyper)
+    assert len(fused.reducer.get_grad_buckets()) == 4
+    for (name, p), q in zip(fused.module.named_parameters(), plain.parameters()):
+        np.testing.assert_array_equal(p.data, q.data, err_msg=name)
+        np.testing.assert_array_equal(p.grad.data, q.grad.data, err_msg=name)  # .grad still holds the average
+    assert len(fused_opt.state) == 4  # momentum buffers, one per parameter
+
+
+def test_fused_optimizer_on_some_parameters_and_its_errors(impl):
+    model = DDP(TwoBranch(), impl=impl)
+    before = [p.data.copy() for p in model.parameters()]
+    model._register_fused_optim(optim.SGD, lr=0.1, optim_params=list(model.module.fc1.parameters()))
+    model(x()).backward()
+    changed = [not np.array_equal(b, p.data) for b, p in zip(before, model.parameters())]
+    assert changed == [True, True, False, False]  # fc1 updated, fc2 left to another optimizer
+    with pytest.raises(RuntimeError, match="_register_fused_optim can only be called once"):
+        model._register_fused_optim(optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="register_comm_hook can only be called once"):
+        model.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="no_sync.. cannot be used with an optimizer registered by"):
+        with model.no_sync():
+            pass
+    hooked = DDP(TwoBranch(), impl=impl)
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="does not compose with register_comm_hook"):
+        hooked._register_fused_optim(optim.SGD, lr=0.1)
+    other = optim.SGD(TwoBranch().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"step_param: the parameter \(shape \(3, 4\)\) is not in any of this SGD"):
+        other.step_param(model.module.fc1.weight, np.zeros((3, 4), np.float32))
+
+
+def test_step_param_equals_step_for_every_optimizer():
+    for cls, hyper in [(optim.Adam, dict(lr=0.01, weight_decay=0.1)), (optim.RMSprop, dict(lr=0.01, momentum=0.5)),
+                       (optim.Adagrad, dict(lr=0.1)), (optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1))]:
+        a, b = TwoBranch(), TwoBranch()
+        opt_a, opt_b = cls(a.parameters(), **hyper), cls(b.parameters(), **hyper)
+        for _ in range(2):
+            a.zero_grad()
+            b.zero_grad()
+            a(x()).backward()
+            b(x()).backward()
+            opt_a.step()
+            for p in b.parameters():
+                kept = p.grad
+                opt_b.step_param(p, p.grad.data.copy())
+                assert p.grad is kept  # the gradient given is used, .grad left as it was
+        for p, q in zip(a.parameters(), b.parameters()):
+            np.testing.assert_array_equal(p.data, q.data, err_msg=cls.__name__)
+
+
 def not_a_future_hook(state, bucket):
     return 1
 

@@ -107,6 +107,7 @@ class DistributedDataParallel(HostJoinable, Module):
         # "auto" starts from the default layout; the reducer chooses the caps when it rebuilds the buckets.
         self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if auto else int(bucket_cap_mb * MiB)
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
+        self._fused_optimizer = None  # set by _register_fused_optim
         self._divide_by_initial_world_size = True
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
@@ -215,6 +216,10 @@ class DistributedDataParallel(HostJoinable, Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally inside the block; the first backward after it synchronises them all."""
+        if self._fused_optimizer is not None:
+            raise RuntimeError("no_sync() cannot be used with an optimizer registered by _register_fused_optim: "
+                               "it updates the parameters as each bucket is reduced, so gradients cannot "
+                               "accumulate over several backward passes (torch does not support it either)")
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -231,6 +236,31 @@ class DistributedDataParallel(HostJoinable, Module):
             raise TypeError(f"a communication hook takes (state, bucket); {getattr(hook, '__name__', hook)!r} "
                             f"takes {params}")
         self.reducer.register_comm_hook(state, hook)
+
+    def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs):
+        """Update each parameter as soon as its bucket is reduced, with ``optim(params, *args, **kwargs)``.
+
+        Mirrors torch's ``DistributedDataParallel._register_fused_optim``: the optimizer's update runs inside the
+        communication hook (:func:`~distlab.ddp_comm_hooks.hook_then_optimizer` around ``allreduce_hook``), while
+        later buckets are still being reduced, instead of after the last one; ``backward()`` returns with the
+        parameters updated, and the training loop calls no ``step()``. ``optim_params`` (default: every
+        parameter) limits it to some parameters. As in torch it is called once, does not compose with
+        :meth:`register_comm_hook`, and refuses :meth:`no_sync`. Returns the optimizer.
+        """
+        from .ddp_comm_hooks import OptimizerHookState, allreduce_hook, hook_then_optimizer
+
+        if self._fused_optimizer is not None:
+            raise RuntimeError("_register_fused_optim can only be called once on a DistributedDataParallel "
+                               f"(a {type(self._fused_optimizer).__name__} is registered)")
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("_register_fused_optim does not compose with register_comm_hook: a communication "
+                               "hook is already registered")
+        params = list(self.module.parameters() if optim_params is None else optim_params)
+        optimizer = optim(params, *args, **kwargs)
+        self.register_comm_hook(None, hook_then_optimizer(allreduce_hook, OptimizerHookState(
+            optimizer, None if optim_params is None else params)))
+        self._fused_optimizer = optimizer
+        return optimizer
 
     def _get_ddp_logging_data(self):
         return self.reducer.get_logging_data()

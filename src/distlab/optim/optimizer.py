@@ -68,6 +68,30 @@ class Optimizer:
                     self._update(p, group)
         return loss
 
+    def step_param(self, param, grad) -> None:
+        """Update one parameter with ``grad`` now, as :meth:`step` would (torch's functional optimizers'
+        ``step_param``): what :func:`distlab.ddp_comm_hooks.hook_then_optimizer` runs for each parameter of a
+        bucket as soon as the bucket is reduced. ``param`` must belong to one of this optimizer's groups."""
+        group = self._group_of(param)
+        kept = param.grad
+        param.grad = grad if isinstance(grad, Tensor) else Tensor._wrap(grad)
+        try:
+            self._update_in(param, group)
+        finally:
+            param.grad = kept
+
+    def _group_of(self, param) -> dict:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise ValueError(f"step_param: the parameter (shape {tuple(param.shape)}) is not in any of this "
+                         f"{type(self).__name__}'s parameter groups")
+
+    def _update_in(self, p, group) -> None:
+        """``step``'s update of one parameter of ``group`` (an optimizer whose ``_update`` takes other arguments
+        overrides this)."""
+        self._update(p, group)
+
     def _update(self, p, group) -> None:
         raise NotImplementedError
 

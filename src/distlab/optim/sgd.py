@@ -35,12 +35,19 @@ class SGD(Optimizer):
         """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            hyper = (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
-                     group["nesterov"], group["maximize"])
+            hyper = self._hyper(group)
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, *hyper)
         return loss
+
+    @staticmethod
+    def _hyper(group) -> tuple:
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
+                group["maximize"])
+
+    def _update_in(self, p, group) -> None:
+        self._update(p, *self._hyper(group))
 
     def _update(self, p, lr, momentum, dampening, wd, nesterov, maximize) -> None:
         grad = p.grad
