@@ -81,9 +81,13 @@ class Optimizer:
             param.grad = kept
 
     def _group_of(self, param) -> dict:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
+        groups = self.__dict__.get("_group_by_param")
+        if groups is None or len(groups) != sum(len(g["params"]) for g in self.param_groups):
+            # (re)built on first use and after add_param_group: step_param runs once per parameter per step
+            groups = self._group_by_param = {id(p): g for g in self.param_groups for p in g["params"]}
+        group = groups.get(id(param))
+        if group is not None:
+            return group
         raise ValueError(f"step_param: the parameter (shape {tuple(param.shape)}) is not in any of this "
                          f"{type(self).__name__}'s parameter groups")
 
