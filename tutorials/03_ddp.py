@@ -366,7 +366,9 @@ plt.show()
 # early: the default's big second bucket leaves the link idle for most of backward. On the fast link the
 # allreduce is short and costs CPU that this 2-core machine also needs for backward, so splitting it into many
 # buckets gains little. `auto` picks a cap from its measurements on every rank alike; the choice, with the
-# prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`.
+# prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
+# network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the overlap:
+# each bucket's parameters are updated as soon as it is reduced (the DDP reducer page measures it).
 #
 # The overlap benchmark (`benchmarks/bench_overlap.py`) measures the same on a 26 MB model at three link
 # rates, both twins, with and without `gradient_as_bucket_view`; the DDP reducer page shows its table.
