@@ -7,27 +7,23 @@ import sys
 
 import numpy as np
 
-import distlab
 from distlab import comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
+from scenario_checks import seeded_mlp, sharded_batch, twin_of
 
 impl_arg = sys.argv[1]
 world = comm.world()
 rank, size = world.rank, world.size
-impl = impl_arg if impl_arg != "mixed" else ("reference" if rank % 2 == 0 else "core")
+impl = twin_of(rank, impl_arg)
 SHARD, WIDTH = 4, 128
 
 
 def mlp():
-    distlab.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+    return seeded_mlp(WIDTH)
 
 
 def batch(step, rows):
-    rng = np.random.default_rng(step)
-    x = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
-    y = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
-    return distlab.tensor(x[rows]), distlab.tensor(y[rows])
+    return sharded_batch(step, rows, SHARD * size, WIDTH)
 
 
 # Every rank agrees, and DDP equals one process training on the whole batch.

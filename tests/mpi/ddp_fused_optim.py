@@ -9,33 +9,29 @@ import sys
 
 import numpy as np
 
-import distlab
 from distlab import comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
+from scenario_checks import seeded_mlp, sharded_batch, twin_of
 
 impl_arg = sys.argv[1]
 world = comm.world()
 rank, size = world.rank, world.size
-impl = impl_arg if impl_arg != "mixed" else ("reference" if rank % 2 == 0 else "core")
+impl = twin_of(rank, impl_arg)
 SHARD, WIDTH = 4, 64
 HYPER = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
 
 
 def mlp():
-    distlab.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+    return seeded_mlp(WIDTH)
 
 
 def batch(step, rows):
-    rng = np.random.default_rng(step)
-    x = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
-    y = rng.standard_normal((SHARD * size, WIDTH)).astype(np.float32)
-    return distlab.tensor(x[rows]), distlab.tensor(y[rows])
+    return sharded_batch(step, rows, SHARD * size, WIDTH)
 
 
 # 16 KiB buckets: one layer's weight each, so the updates of the last layers run while earlier buckets reduce.
 model, local = DDP(mlp(), bucket_cap_mb=1 / 64, impl=impl), mlp()
-fused = model._register_fused_optim(optim.SGD, **HYPER)
+model._register_fused_optim(optim.SGD, **HYPER)
 local_opt = optim.SGD(local.parameters(), **HYPER)
 loss_fn = nn.MSELoss()
 before = [p.data.copy() for p in model.parameters()]
