@@ -286,6 +286,13 @@ def test_fused_optimizer_on_some_parameters_and_its_errors(impl):
     hooked.register_comm_hook(None, allreduce_hook)
     with pytest.raises(RuntimeError, match="does not compose with register_comm_hook"):
         hooked._register_fused_optim(optim.SGD, lr=0.1)
+    later = TwoBranch()
+    grown = optim.SGD(later.fc1.parameters(), lr=0.1)
+    grown.step_param(later.fc1.weight, np.zeros((3, 4), np.float32))
+    grown.add_param_group({"params": list(later.fc2.parameters()), "lr": 0.5})  # found after the map was built
+    kept = later.fc2.bias.data.copy()
+    grown.step_param(later.fc2.bias, np.ones(3, np.float32))
+    np.testing.assert_allclose(later.fc2.bias.data, kept - 0.5)
     other = optim.SGD(TwoBranch().parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"step_param: the parameter \(shape \(3, 4\)\) is not in any of this SGD"):
         other.step_param(model.module.fc1.weight, np.zeros((3, 4), np.float32))

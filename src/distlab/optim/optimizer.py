@@ -81,11 +81,13 @@ class Optimizer:
             param.grad = kept
 
     def _group_of(self, param) -> dict:
+        # step_param runs once per parameter per step: a map by id, built on first use and rebuilt on a miss
+        # (a parameter added since, by add_param_group or to a group's list) or when its group was replaced
         groups = self.__dict__.get("_group_by_param")
-        if groups is None or len(groups) != sum(len(g["params"]) for g in self.param_groups):
-            # (re)built on first use and after add_param_group: step_param runs once per parameter per step
+        group = groups.get(id(param)) if groups is not None else None
+        if group is None or not any(g is group for g in self.param_groups):
             groups = self._group_by_param = {id(p): g for g in self.param_groups for p in g["params"]}
-        group = groups.get(id(param))
+            group = groups.get(id(param))
         if group is not None:
             return group
         raise ValueError(f"step_param: the parameter (shape {tuple(param.shape)}) is not in any of this "
