@@ -220,16 +220,16 @@ def render(report):
         lines.append(f"{np_} ranks, us per cycle (median of the slowest rank):")
         lines.append(f"{'tensors':>8} {'floor mpi4py':>13} {'floor group':>12} {'hit ref':>9} {'hit core':>9} "
                      f"{'miss ref':>9} {'miss core':>10} {'miss/hit core':>14} {'hit core-floor':>15}")
-        for count in COUNTS:
-            g = {k.split("/")[0]: v for k, v in res.items() if k.endswith(f"/{count}")}
+        by_count = {count: {k.split("/")[0]: v for k, v in res.items() if k.endswith(f"/{count}")}
+                    for count in COUNTS}
+        for count, g in by_count.items():
             lines.append(f"{count:>8} {g['floor-mpi4py']:>13.1f} {g['floor-group']:>12.1f} {g['hit-reference']:>9.1f} "
                          f"{g['hit-core']:>9.1f} {g['miss-reference']:>9.1f} {g['miss-core']:>10.1f} "
                          f"{g['miss-core'] / g['hit-core']:>13.1f}x {g['hit-core'] - g['floor-mpi4py']:>15.1f}")
         lines.append("  grouped (one group of every tensor), hit path, us per cycle:")
         lines.append(f"{'tensors':>8} {'hit ref':>9} {'hit core':>9} {'grouped ref':>12} {'grouped core':>13} "
                      f"{'grouped/single core':>20}")
-        for count in COUNTS:
-            g = {k.split("/")[0]: v for k, v in res.items() if k.endswith(f"/{count}")}
+        for count, g in by_count.items():
             lines.append(f"{count:>8} {g['hit-reference']:>9.1f} {g['hit-core']:>9.1f} "
                          f"{g['hit-reference-grouped']:>12.1f} {g['hit-core-grouped']:>13.1f} "
                          f"{g['hit-core-grouped'] / g['hit-core']:>19.2f}x")

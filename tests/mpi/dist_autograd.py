@@ -15,11 +15,13 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
 import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
-from distlab.autograd import Function, Tensor
+from distlab.autograd import Tensor
 from distlab.distributed_autograd import DistributedOptimizer, config, forward
 from distlab._wire import RPC_KIND_CODES
 from distlab.rpc.api import _call_payload
 from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError, RemoteError
+
+from autograd_checks import Boom
 
 K_CALL = RPC_KIND_CODES["call"]
 rank = int(os.environ["RANK"])
@@ -89,16 +91,6 @@ def context_state(context_id):
 
 def ignore_and_return_constant(x):
     return Tensor(np.ones(2))  # does not require grad: the sender's send function gets no gradient path back
-
-
-class Boom(Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("boom in backward")
 
 
 def boom_stage(x):

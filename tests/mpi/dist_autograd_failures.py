@@ -14,11 +14,13 @@ import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import optim
 from distlab._wire import DIST_AUTOGRAD_KIND_CODES
-from distlab.autograd import Function, Tensor
+from distlab.autograd import Tensor
 from distlab.distributed_autograd import DistributedOptimizer, cleanup, config
 from distlab.errors import DistBackwardError, DistTimeoutError
 from distlab.futures import Future
 from distlab.nn import Parameter
+
+from autograd_checks import Boom
 
 T = 2.0  # the RPC timeout of this scenario
 K_CLEANUP = DIST_AUTOGRAD_KIND_CODES["dist_autograd_cleanup"]
@@ -46,16 +48,6 @@ def reset_stalls():
 
 def num_contexts():
     return dist_autograd.get_container().num_autograd_contexts()
-
-
-class Boom(Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("boom in backward")
 
 
 def boom_stage(x):
