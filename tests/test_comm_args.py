@@ -183,7 +183,7 @@ def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
     # No /dev/shm file (full, or another mount namespace): the rank keeps a private slot; peers would be asked.
     from distlab.comm import board
 
-    monkeypatch.setattr(board, "_create", lambda nbytes: None)
+    monkeypatch.setattr(board, "_create", lambda nbytes, kind, reserve: None)
     with comm.ProcessGroup(name="private", timeout=5) as group:
         group.allreduce(np.ones(2))
         assert list(group._side.board.readable) == [0] and group._my_slot[0] == 1

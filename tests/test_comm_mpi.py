@@ -30,6 +30,17 @@ def test_missing_rank_is_named_on_timeout(mpirun, np_):
     assert result.stdout.count("timeout reported: OK") == np_
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_shared_memory_allreduce_in_place(mpirun, np_):
+    result = mpirun("comm_shared.py", np=np_, args=["one-node"], timeout=120)
+    assert result.stdout.count("shared arena OK") == np_
+
+
+def test_no_shared_memory_across_nodes(mpirun):
+    result = mpirun("comm_shared.py", np=2, args=["two-nodes"], env={"DISTLAB_RANKS_PER_NODE": "1"})
+    assert result.stdout.count("shared arena refused across nodes: OK") == 2
+
+
 def test_raising_rank_aborts_the_job_with_its_traceback(mpirun):
     result = mpirun("comm_uncaught.py", np=2, args=["raise"], expect_failure=True, timeout=60)
     assert "[1] Traceback" in result.stderr and "[1] ValueError: rank 1 ran out of data" in result.stderr

@@ -19,7 +19,7 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
     "none", "allreduce", "broadcast", "allgather", "allgather_object", "reduce_scatter",
-    "alltoall", "barrier", "send", "recv", "gather_object", "broadcast_object",
+    "alltoall", "barrier", "send", "recv", "gather_object", "broadcast_object", "shared_allreduce",
 )
 
 #: A collective fingerprint is FINGERPRINT_WORDS int64 words:

@@ -124,7 +124,7 @@ class ReducerBase:
     def _build_buckets(self, bucket_indices):
         """The buckets for ``bucket_indices`` (the twin's ``initialize_buckets`` then locates each parameter)."""
         return build_buckets(bucket_indices, self.params, self.param_names, self.expect_sparse_gradients,
-                             self.reduce_dtype, self.gradient_as_bucket_view)
+                             self.reduce_dtype, self.gradient_as_bucket_view, group=self.process_group)
 
     def get_grad_buckets(self):
         """The current buckets as :class:`GradBucket` objects (for tests and inspection)."""
@@ -347,8 +347,10 @@ class ReducerBase:
         for b, bucket in enumerate(self.buckets):
             if bucket.expect_sparse_gradient:
                 zeros = empty_sparse_grad(self.params[bucket.variable_indices[0]])
-            else:
-                zeros = np.zeros_like(bucket.gradients)
+            else:  # the bucket itself, zeroed: shared-memory buckets are reduced in place, so every rank must
+                # pass its own (the anchor allocates zeros; the joined rank's gradients are replaced anyway)
+                zeros = bucket.gradients
+                zeros[...] = 0
             buckets.append(GradBucket.of_bucket(b, len(self.buckets), bucket, self.params, zeros))
         return buckets
 

@@ -182,11 +182,15 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
     """Probe the group's allreduce and agree on the measurements (every rank calls this at the same point).
 
     Returns the :class:`LinkModel` and ``arrivals`` with every value the maximum over ranks. The collectives
-    issued (in order): 3 tiny allreduces, 2 allreduces of the probe size, one more started while computing,
-    then one ``allreduce(max)`` of the measurements, all named ``auto bucket cap ...``.
+    issued (in order): a shared arena's set-up (one node only), 3 tiny allreduces, 2 allreduces of the probe
+    size, one more started while computing, then one ``allreduce(max)`` of the measurements, all named ``auto
+    bucket cap ...``.
     """
-    probe = np.zeros(int(np.clip(gradient_bytes, *PROBE_BYTES)) // 4, dtype=np.float32)
-    tiny = np.zeros(LATENCY_PROBE_ELEMENTS, dtype=np.float32)
+    specs = [(int(np.clip(gradient_bytes, *PROBE_BYTES)) // 4, np.float32), (LATENCY_PROBE_ELEMENTS, np.float32)]
+    # Probe the path the buckets will take: in shared memory when the group's ranks share a node (the buckets are
+    # placed there too, see distlab.comm.shared), else through MPI. ``placed`` keeps the arena alive.
+    placed = group.shared_arrays(specs) if hasattr(group, "shared_arrays") else None
+    probe, tiny = placed[1] if placed is not None else [np.zeros(count, dtype) for count, dtype in specs]
     latency = min(_timed(group, lambda: group.allreduce(tiny, name="auto bucket cap: latency")) for _ in range(3))
     alone = min(_timed(group, lambda: group.allreduce(probe, name="auto bucket cap: bandwidth")) for _ in range(2))
     compute_alone = _timed(group, lambda: _compute_for(alone, None))

@@ -190,6 +190,9 @@ class Bucket:
         The parameters in this bucket.
     gradients : ndarray or SparseGrad or None
         The flat buffer (dense buckets); for a sparse bucket, the sparse gradient once ready.
+    arena : SharedArena or None
+        The node-shared memory ``gradients`` lives in (kept alive here: allreduce reduces it in place only while
+        its arena lives), or None for private memory.
     offsets, lengths, sizes : list
         Where each parameter's gradient lives in ``gradients``.
     views_in : list of ndarray
@@ -208,7 +211,7 @@ class Bucket:
     """
 
     __slots__ = ("variable_indices", "expect_sparse_gradient", "size_limit", "gradients", "offsets", "lengths",
-                 "sizes", "views_in", "views_out", "pending", "future")
+                 "sizes", "views_in", "views_out", "pending", "future", "arena")
 
     def __init__(self, variable_indices, expect_sparse_gradient, size_limit):
         self.variable_indices = list(variable_indices)
@@ -219,6 +222,7 @@ class Bucket:
         self.views_in, self.views_out = [], []
         self.pending = len(self.variable_indices)
         self.future = None
+        self.arena = None  # the shared-memory arena holding ``gradients``, when the group's ranks share a node
 
     def nbytes(self) -> int:
         """Bytes on the wire for a dense bucket (0 for a sparse one: its size changes every step)."""
@@ -226,7 +230,7 @@ class Bucket:
 
 
 def build_buckets(bucket_indices, params, names, expect_sparse, reduce_dtype, gradient_as_bucket_view,
-                  size_limits=None) -> list:
+                  size_limits=None, group=None) -> list:
     """Allocate every bucket's flat buffer and views, checking what may share a bucket.
 
     Mirrors ``initialize_buckets`` and ``initialize_bucket_views`` in reducer.cpp. Every check names the
@@ -242,6 +246,8 @@ def build_buckets(bucket_indices, params, names, expect_sparse, reduce_dtype, gr
     limits = list(size_limits) if size_limits is not None else [0] * len(bucket_indices)
     buckets = [_build_bucket(b, indices, params, names, expect_sparse, limits[b], reduce_dtype)
                for b, indices in enumerate(bucket_indices)]
+    if group is not None and hasattr(group, "shared_arrays"):
+        _place_in_shared_memory(buckets, group)
     if gradient_as_bucket_view:
         for bucket in buckets:
             if not bucket.expect_sparse_gradient:
@@ -278,11 +284,32 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
         bucket.sizes.append(shape)
         offset += length
     xp = np if isinstance(first, np.ndarray) else __import__(type(first).__module__.split(".")[0])
-    bucket.gradients = xp.zeros(offset, dtype=dtype)
-    bucket.views_in = [bucket.gradients[o:o + n].reshape(s)
-                       for o, n, s in zip(bucket.offsets, bucket.lengths, bucket.sizes)]
-    bucket.views_out = bucket.views_in
+    _use_buffer(bucket, xp.zeros(offset, dtype=dtype))
     return bucket
+
+
+def _use_buffer(bucket, gradients) -> None:
+    bucket.gradients = gradients
+    bucket.views_in = [gradients[o:o + n].reshape(s) for o, n, s in zip(bucket.offsets, bucket.lengths, bucket.sizes)]
+    bucket.views_out = bucket.views_in
+
+
+def _place_in_shared_memory(buckets, group) -> None:
+    """Move the dense host buckets into one shared-memory arena when the group's ranks share a node.
+
+    Collective (every rank builds its buckets at the same point). The group's allreduce then reduces each bucket
+    in place, every rank adding up its block of all ranks' copies, instead of copying it through MPI (see
+    :mod:`distlab.comm.shared`; no counterpart in the anchor, whose gloo and NCCL buckets are private).
+    """
+    dense = [bucket for bucket in buckets
+             if not bucket.expect_sparse_gradient and type(bucket.gradients) is np.ndarray]
+    placed = group.shared_arrays([(bucket.gradients.size, bucket.gradients.dtype) for bucket in dense])
+    if placed is None:  # on every rank, when any rank cannot or will not
+        return
+    arena, arrays = placed
+    for bucket, gradients in zip(dense, arrays):
+        _use_buffer(bucket, gradients)
+        bucket.arena = arena
 
 
 def _point_grads_at_views(bucket, params) -> None:

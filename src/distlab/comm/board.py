@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from .._wire import COMM_SLOT_WORDS
 
-__all__ = ["ArrivalBoard", "node_keys", "RANKS_PER_NODE_VAR", "usable_cores"]
+__all__ = ["ArrivalBoard", "node_keys", "map_node_file", "RANKS_PER_NODE_VAR", "usable_cores"]
 
 #: Test switch: pretend every ``N`` consecutive world ranks form a node of their own (each fake node gets its own
 #: board), so the side channel between nodes can be exercised on one host. Unset: MPI's notion of a node.
@@ -79,23 +79,16 @@ class ArrivalBoard:
         me = comm.Get_rank()
         node = [int(rank) for rank in np.flatnonzero(keys == keys[me])]  # group ranks on this node, in order
         nbytes = _SLOT_BYTES * len(node)
-        leader = node[0] == me
-        path = _create(nbytes) if leader else None
-        paths = np.zeros((comm.Get_size(), _PATH_BYTES), dtype=np.uint8)
-        mine = np.zeros(_PATH_BYTES, dtype=np.uint8)
-        if path:
-            encoded = path.encode()[:_PATH_BYTES]
-            mine[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-        wait(comm.Iallgather(mine, paths), "board files")
-        leader_path = paths[node[0]].tobytes().rstrip(b"\0").decode()
-        memory = _attach(leader_path, nbytes) if leader_path else None
+
+        def all_gather(mine: np.ndarray, what: str) -> np.ndarray:
+            table = np.empty((comm.Get_size(),) + mine.shape, dtype=mine.dtype)
+            wait(comm.Iallgather(mine, table), what)
+            return table
+
+        memory, mapped = map_node_file(all_gather, node[0] == me, node[0], nbytes, "board")
         shared = memory is not None
         if not shared:  # no shared file (full /dev/shm, another mount namespace): the side channel asks for us
             memory = mmap.mmap(-1, nbytes)
-        mapped = np.empty(comm.Get_size(), dtype=np.int8)
-        wait(comm.Iallgather(np.array([shared], dtype=np.int8), mapped), "board mapping")  # all mapped now
-        if path:
-            os.unlink(path)
         index = node.index(me)
         self.my_slot = memoryview(memory)[index * _SLOT_BYTES:(index + 1) * _SLOT_BYTES].cast("q")
         self.readable: dict[int, np.ndarray] = {}
@@ -126,10 +119,33 @@ def _simulated_ranks_per_node() -> int:
     return int(value)
 
 
-def _create(nbytes: int) -> str | None:
-    """Create a zero-filled file of ``nbytes`` for the board; its path, or None when none can be made."""
+def map_node_file(all_gather, leader: bool, leader_rank: int, nbytes: int, kind: str, reserve: bool = False):
+    """Map one file of ``nbytes`` on every rank of a node: ``(mmap or None, whether each rank mapped it)``.
+
+    Collective over the ranks ``all_gather(array, what)`` gathers from (it returns the table, one row per rank).
+    The ``leader`` creates the file; everyone maps it; the leader unlinks it once every rank has, so nothing is
+    left behind however the job ends. ``reserve`` allocates the file's pages now: tmpfs pages are otherwise
+    allocated on first touch, and a full ``/dev/shm`` would then kill the toucher with SIGBUS instead of
+    failing here.
+    """
+    path = _create(nbytes, kind, reserve) if leader else None
+    mine = np.zeros(_PATH_BYTES, dtype=np.uint8)
+    if path:
+        encoded = path.encode()
+        mine[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+    paths = all_gather(mine, f"{kind} files")
+    leader_path = paths[leader_rank].tobytes().rstrip(b"\0").decode()
+    memory = _attach(leader_path, nbytes) if leader_path else None
+    mapped = all_gather(np.array([memory is not None], dtype=np.int8), f"{kind} mapping")[:, 0]  # all mapped now
+    if path:
+        os.unlink(path)
+    return memory, mapped
+
+
+def _create(nbytes: int, kind: str, reserve: bool) -> str | None:
+    """Create a zero-filled file of ``nbytes`` in ``/dev/shm``; its path, or None when none can be made."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    path = os.path.join(folder, f"distlab-board-{os.getpid()}-{secrets.token_hex(6)}")
+    path = os.path.join(folder, f"distlab-{kind}-{os.getpid()}-{secrets.token_hex(6)}")
     if len(path.encode()) > _PATH_BYTES:
         return None
     try:
@@ -137,7 +153,10 @@ def _create(nbytes: int) -> str | None:
     except OSError:
         return None
     try:
-        os.ftruncate(fd, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
     except OSError:
         os.close(fd)
         os.unlink(path)

@@ -26,14 +26,14 @@ from ..timeline import get_timeline, now_us
 from .board import ArrivalBoard, node_keys
 from .missing import SideChannel, ask_lead
 from .operations import GroupOperations
-from .setup import bounded_barrier, bounded_dup, bounded_wait
+from .setup import _deferred_frees, _free_deferred, bounded_barrier, bounded_dup, bounded_wait
+from .shared import aligned, create_arena
 from .work import Work, _busy, spin
 
 __all__ = ["ProcessGroup", "world", "new_group", "debug_level"]
 
 log = logging.getLogger("distlab.comm")
 _OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
-_deferred_frees: list = []  # communicators released by a finalizer in a thread MPI forbids (see _release)
 
 
 def debug_level() -> str:
@@ -114,7 +114,8 @@ class ProcessGroup(GroupOperations):
         self._next_seq = itertools.count(1).__next__  # atomic under the GIL: no lock on the hot path
         self._lock = threading.RLock()
         self._broken: str | None = None
-        self._pending: set[Work] = set()  # async work not yet seen complete (progress() drives it)
+        self._pending: dict[Work, None] = {}  # async work not yet seen complete, in issue order (progress())
+        self._arenas: list = []  # shared-memory arenas whose arrays allreduce reduces in place
         self._timeline = get_timeline()
         self._timeline_on = self._timeline.enabled
         self._detail = debug_level() == "DETAIL"
@@ -133,6 +134,33 @@ class ProcessGroup(GroupOperations):
         keys = self._node_keys.view()
         keys.flags.writeable = False
         return keys
+
+    def shared_arena(self, nbytes: int):
+        """Collective: ``nbytes`` of shared memory per rank, whose arrays :meth:`allreduce` reduces in place.
+
+        Returns a :class:`~distlab.comm.shared.SharedArena` (take arrays with ``arena.array(offset, count,
+        dtype)``), or None on every rank when the group spans several nodes, has one rank, or shared memory is
+        off or full (see :mod:`distlab.comm.shared`). Arrays are reduced in place while the arena object lives:
+        keep it as long as them (its memory lives as long as any array of it does).
+        """
+        arena = create_arena(self, nbytes)
+        if arena is not None:
+            self._arenas = [a for a in self._arenas if a() is not None] + [weakref.ref(arena)]
+        return arena
+
+    def shared_arrays(self, specs):
+        """Collective: one shared-memory array per ``(count, dtype)`` of ``specs``, each cache-line aligned.
+
+        Returns ``(arena, arrays)``, or None on every rank when :meth:`shared_arena` would.
+        """
+        starts, total = [], 0
+        for count, dtype in specs:
+            starts.append(total)
+            total += aligned(int(count) * np.dtype(dtype).itemsize)
+        arena = self.shared_arena(total)  # collective even when this rank has nothing to place
+        if arena is None:
+            return None
+        return arena, [arena.array(start, count, dtype) for start, (count, dtype) in zip(starts, specs)]
 
     # -- issuing operations ---------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -178,7 +206,7 @@ class ProcessGroup(GroupOperations):
         """
         if async_op:
             work = Work(self, op, seq, name, nbytes, request, finish, result, peer, start_us=start_us)
-            self._pending.add(work)
+            self._pending[work] = None
             _busy.add(self)
             return work
         if not request.Test():
@@ -196,7 +224,7 @@ class ProcessGroup(GroupOperations):
         work = Work(self, op, seq, name, nbytes, peer=peer, stages=stages, start_us=start_us)
         if async_op:
             if not work._done:
-                self._pending.add(work)
+                self._pending[work] = None
                 _busy.add(self)
             return work
         work.wait()
@@ -313,11 +341,6 @@ _world_node = None  # (node keys, oversubscribed) of COMM_WORLD, once a group ov
 def _remember_world_node(node) -> None:
     global _world_node
     _world_node = node
-
-
-def _free_deferred() -> None:
-    while _deferred_frees and threading.current_thread() is threading.main_thread():
-        _deferred_frees.pop().Free()
 
 
 def _log_to_stderr(rank: int) -> None:

@@ -14,9 +14,12 @@ from mpi4py import MPI
 
 from .._types import ReduceOp
 from .._wire import COMM_RESERVED_TAGS
+from ..errors import CollectiveMismatchError
 from ..timeline import now_us
+from . import shared
 from .device import empty_like, mpi_buffer
 from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
+from .shared import check_headers, reducible
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
@@ -31,6 +34,12 @@ class GroupOperations:
         """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
         reduce_op = parse_op(op)
         mpi_op = mpi_reduction(array.dtype, reduce_op, "allreduce", name) if hasattr(array, "dtype") else None
+        if self._arenas and getattr(array, "nbytes", 0) >= shared.SHARED_MIN_BYTES:
+            for arena_ref in self._arenas:
+                arena = arena_ref()
+                offset = None if arena is None else arena.locate(array)
+                if offset is not None and reducible(array.dtype, reduce_op):
+                    return self._shared_allreduce(arena, offset, array, reduce_op, async_op, name)
         buf, copy_back = mpi_buffer(array, "allreduce")
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
         start = now_us() if self._timeline_on else 0.0
@@ -42,6 +51,27 @@ class GroupOperations:
         if reduce_op is ReduceOp.AVG:
             finish = averaging(buf, self.size, copy_back)
         return self._issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
+
+    def _shared_allreduce(self, arena, offset: int, array, reduce_op, async_op: bool, name):
+        """``allreduce`` of an array living in a shared-memory arena: arrive, reduce a block, done (see
+        :mod:`distlab.comm.shared`)."""
+        header = arena.header(offset, array)
+        table = np.empty((self.size, header.size), dtype=np.int64)
+        seq = self._enter("shared_allreduce", name, array, reduce_op=reduce_op)
+        done = arena.expect_done(seq)
+
+        def stages():
+            yield self.comm.Iallgather(header, table)
+            try:
+                check_headers(table, header, self.rank, "allreduce", seq, name)
+            except CollectiveMismatchError:
+                done.cancel()
+                raise
+            arena.reduce_block(offset, array.size, array.dtype, reduce_op is ReduceOp.AVG)
+            yield done.send()
+            return array
+
+        return self._staged("allreduce", seq, name, array.nbytes, stages(), async_op)
 
     def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
         """Overwrite ``array`` on every rank with rank ``src``'s copy."""

@@ -18,6 +18,7 @@ A timed-out setup leaves the communicator it ran on unusable (peers may later ma
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -31,6 +32,15 @@ from .missing import listen_all
 __all__ = ["bounded_barrier", "bounded_dup", "bounded_wait"]
 
 _orphans: list = []  # requests (and their buffers) of timed-out setups: MPI may still use the buffers
+
+
+_deferred_frees: list = []  # communicators released by a finalizer in a thread MPI forbids (group's _release)
+
+
+def _free_deferred() -> None:
+    """Free the communicators finalizers left behind (called from the main thread, when a group is made)."""
+    while _deferred_frees and threading.current_thread() is threading.main_thread():
+        _deferred_frees.pop().Free()
 
 
 def bounded_barrier(comm, what: str, timeout=None, check: int = 0) -> list[int]:

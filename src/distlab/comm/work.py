@@ -82,7 +82,7 @@ class Work:
     def _complete(self, exception) -> None:
         self._done, self._exception, self._request = True, exception, None
         group = self.group
-        group._pending.discard(self)
+        group._pending.pop(self, None)
         if not group._pending:
             _busy.discard(group)
         if self._start_us:
@@ -219,10 +219,19 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
 
 
 def progress() -> int:
-    """Drive every outstanding async operation of every group one step; returns how many are still pending."""
+    """Drive the outstanding async operations of every group; returns how many may still be pending.
+
+    Each group's operations are tested in the order they were issued, up to the first one still running (any
+    test moves all of MPI's traffic; the later ones are looked at once the earlier ones are done, or by their
+    own ``wait``).
+    """
     pending = 0
     for group in list(_busy):
-        for work in list(group._pending):
+        works = list(group._pending)
+        for index, work in enumerate(works):
             if not work._poll():
-                pending += 1
+                # Operations of one group finish in the order they were issued, as a rule: the first one still
+                # running says the rest are too (testing them all cost ~7 us per DDP gradient hook).
+                pending += len(works) - index
+                break
     return pending
