@@ -1,8 +1,9 @@
 """distlab's allreduce (sync and async) against raw mpi4py ``Allreduce`` on the same buffers.
 
 Run: ``python benchmarks/bench_comm.py`` (or ``make bench``). It launches itself on 2 and 4 ranks
-(``--np 2 4``), and in each job measures, for every size from 4 KiB to 64 MiB, the three methods interleaved
-round by round (raw, distlab sync, distlab async+wait), so the machine's state drifts equally for all three.
+(``--np 2 4``), and in each job measures, for every size from 4 KiB to 64 MiB, the four methods interleaved
+round by round (raw, distlab sync, distlab async+wait, and distlab sync on an array of a shared-memory arena,
+reduced in place as DDP's buckets are: see ``distlab.comm.shared``), so the machine's state drifts equally for all.
 Bandwidth on this 2-core machine switches between two levels from one launch to the next: compare within a
 table, never across runs. Prints a table and writes ``benchmarks/results/bench_comm.json``.
 """
@@ -54,7 +55,15 @@ def worker(out_path: str, sizes: list[int]) -> None:
         def async_wait():
             pg.allreduce(a, async_op=True).wait()
 
+        placed = pg.shared_arrays([(a.size, a.dtype)])  # None when the ranks span nodes: no such column then
+
+        def shared():
+            pg.allreduce(placed[1][0])
+
         methods = {"raw_mpi4py": raw, "distlab_sync": sync, "distlab_async": async_wait}
+        if placed is not None:
+            placed[1][0][:] = 1
+            methods["distlab_shared"] = shared
         samples = {name: [] for name in methods}
         for fn in methods.values():  # warm-up
             fn()
@@ -81,12 +90,13 @@ def _human(nbytes: int) -> str:
 
 def table(rows: list[dict]) -> str:
     head = f"{'ranks':>5} {'size':>8} {'raw mpi4py us':>14} {'distlab sync us':>16} {'ratio':>6} " \
-           f"{'distlab async us':>17} {'ratio':>6} {'sync-raw us':>12}"
+           f"{'distlab async us':>17} {'ratio':>6} {'sync-raw us':>12} {'shared us':>10} {'ratio':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         raw, sync, asy = r["raw_mpi4py"], r["distlab_sync"], r["distlab_async"]
+        shared = f"{r['distlab_shared']:>10.1f} {r['distlab_shared'] / raw:>6.2f}" if "distlab_shared" in r else ""
         lines.append(f"{r['np']:>5} {_human(r['bytes']):>8} {raw:>14.1f} {sync:>16.1f} {sync / raw:>6.2f} "
-                     f"{asy:>17.1f} {asy / raw:>6.2f} {sync - raw:>12.1f}")
+                     f"{asy:>17.1f} {asy / raw:>6.2f} {sync - raw:>12.1f} {shared}")
     return "\n".join(lines)
 
 
