@@ -167,3 +167,74 @@ def test_bad_reducer_cap(impl):
     with pytest.raises(ValueError, match="bucket_bytes_cap must be a number of bytes or 'auto', got 'big'"):
         _backend.load("reducer", impl).Reducer([nn.Parameter(np.ones(2, np.float32))], [[0]], comm.world(),
                                                 bucket_bytes_cap="big")
+
+
+class _FakeClock:
+    """The probes' clock, advanced only by the fake work below: the contention probe without timing noise."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _Product:
+    """Stands for the probe's layer-sized matrix product: 1 ms of this rank's core."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def __matmul__(self, other):
+        self.clock.now += 1e-3
+
+
+class _ProbeGroup:
+    """One rank whose allreduce of the probe takes 20 ms: CPU work done while polled (``cpu``: MPI through shared
+    memory on one host, or the shared-memory arena), or moved meanwhile by someone else (a NIC)."""
+
+    size, rank = 1, 0
+
+    def __init__(self, clock, cpu: bool):
+        self.clock, self.cpu = clock, cpu
+
+    def barrier(self, name=None):
+        pass
+
+    def allreduce(self, array, op="sum", async_op=False, name=None):
+        cost = 20e-3 if array.nbytes > 64 * 1024 else 1e-5
+        if not async_op:
+            self.clock.now += cost
+            return array
+        return _ProbeWork(self.clock, cost, self.cpu)
+
+
+class _ProbeWork:
+    def __init__(self, clock, cost, cpu):
+        self.clock, self.left, self.cpu, self.end = clock, cost, cpu, clock.now + cost
+
+    def is_completed(self):
+        if self.cpu:  # each poll does a slice of the work on this core
+            step = min(self.left, 1e-3)
+            self.clock.now += step
+            self.left -= step
+            return self.left <= 0
+        return self.clock.now >= self.end
+
+    def wait(self):
+        if self.cpu:
+            self.clock.now += self.left
+            self.left = 0.0
+        else:
+            self.clock.now = max(self.clock.now, self.end)
+
+
+@pytest.mark.parametrize("cpu, expected", [(True, 1.0), (False, 0.0)])
+def test_the_contention_probe_sees_an_allreduce_that_takes_the_core(monkeypatch, cpu, expected):
+    # The probe computes a fixed number of products beside the allreduce: computing until a deadline would end
+    # on time however much of the core the allreduce took, and measured 0.12 on one host where it is 1.
+    clock = _FakeClock()
+    monkeypatch.setattr(reducer_autocap, "time", clock)
+    monkeypatch.setattr(reducer_autocap, "_A", _Product(clock))
+    model, _ = reducer_autocap.measure_link(_ProbeGroup(clock, cpu), 8 * MiB, np.zeros(3))
+    assert model.contention == pytest.approx(expected, abs=0.1)

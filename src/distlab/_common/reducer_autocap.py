@@ -12,9 +12,10 @@ add latency.
 **What is measured.** During the first synchronised iteration each gradient's arrival time (since the
 iteration's first gradient) is recorded. At the one-time bucket rebuild that follows (``rebuild_buckets``),
 three probes run on every rank (:func:`measure_link`): the latency of a tiny allreduce, the time of one allreduce
-of a few MB alone (the bandwidth), and the same allreduce started while the rank computes matrix products,
-driving MPI between them as the reducer's hooks do (the *contention*: 0 when the two overlap perfectly, as when
-a NIC or the kernel moves the bytes; 1 when they share one core and take turns). One ``allreduce(max)`` of
+of a few MB alone (the bandwidth), and the same allreduce started while the rank computes as many matrix
+products as fill that time alone, driving MPI between them as the reducer's hooks do (the *contention*: 0 when
+the two overlap perfectly, as when a NIC or the kernel moves the bytes; 1 when they share one core and take
+turns, as on one host). One ``allreduce(max)`` of
 everything makes every rank decide on the same numbers, so every rank picks the same caps.
 
 **The cost model** (:func:`predict_end`). Backward delivers gradients at the recorded times; a bucket is ready
@@ -193,11 +194,15 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
     probe, tiny = placed[1] if placed is not None else [np.zeros(count, dtype) for count, dtype in specs]
     latency = min(_timed(group, lambda: group.allreduce(tiny, name="auto bucket cap: latency")) for _ in range(3))
     alone = min(_timed(group, lambda: group.allreduce(probe, name="auto bucket cap: bandwidth")) for _ in range(2))
-    compute_alone = _timed(group, lambda: _compute_for(alone, None))
+    # A fixed amount of work, not a deadline: computing "for as long as the allreduce takes" would end on time
+    # however much of the core the allreduce took meanwhile, and the probe would see no contention where the
+    # allreduce is CPU work on the same core (one host: measured 0.12 that way).
+    products = _products_in(alone)
+    compute_alone = _timed(group, lambda: _compute(products, None))
 
     def overlapped():
         work = group.allreduce(probe, async_op=True, name="auto bucket cap: contention")
-        _compute_for(alone, work)
+        _compute(products, work)
         work.wait()
 
     together = _timed(group, overlapped)
@@ -221,10 +226,18 @@ _A = np.full((32, 256), 0.5, dtype=np.float32)
 _W = np.full((256, 256), 0.5, dtype=np.float32)
 
 
-def _compute_for(seconds: float, work) -> None:
-    """Matrix products like a layer's backward for ``seconds``, testing ``work`` between them as the hooks do."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _products_in(seconds: float) -> int:
+    """How many of the layer-sized matrix products below fit in ``seconds`` on this rank (at least one)."""
+    count, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end or count == 0:
+        _A @ _W
+        count += 1
+    return count
+
+
+def _compute(products: int, work) -> None:
+    """``products`` matrix products like a layer's backward, testing ``work`` between them as the hooks do."""
+    for _ in range(products):
         _A @ _W
         if work is not None:
             work.is_completed()
