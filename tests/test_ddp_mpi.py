@@ -50,6 +50,25 @@ def test_mixed_world_matches_either_twin(runs, np_):
             assert reference[rank][config]["trace"] == mixed[rank][config]["trace"]
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_buckets_reduced_in_shared_memory_train_as_through_mpi(runs, tmp_path, np_):
+    # Every bucket through the shared-memory arena (its size threshold lifted): the same collectives, and the
+    # same parameters as through MPI (bit for bit on 2 ranks, where every order of two addends is one sum; on 4
+    # the orders differ, by float16 rounding in the mixed-precision configuration).
+    from _mpi import run_scenario
+
+    prefix = str(tmp_path / "shared")
+    job = run_scenario("ddp_train.py", np=np_, args=["core", prefix], timeout=300,
+                       env={"DISTLAB_SHARED_MIN_BYTES": "0"})
+    assert job.stdout.count("DDP configurations match local training") == np_
+    shared, through_mpi = _load(prefix, np_), runs[np_, "core"]
+    for rank in range(np_):
+        for config in through_mpi[rank]:
+            assert shared[rank][config]["trace"] == through_mpi[rank][config]["trace"], (rank, config)
+            for a, b in zip(shared[rank][config]["params"], through_mpi[rank][config]["params"]):
+                assert np.array_equal(a, b) if np_ == 2 else np.allclose(a, b, rtol=1e-3, atol=1e-4), (rank, config)
+
+
 def test_trace_shows_buckets_in_order_then_the_used_map(runs):
     trace = runs[2, "core"][0]["find_unused"]["trace"]
     names = [name for op, name, *_ in trace if op == "allreduce"]

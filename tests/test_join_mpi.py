@@ -40,6 +40,22 @@ def test_final_model_is_the_same_on_every_rank(runs, np_):
             assert all(np.array_equal(a, b) for a, b in zip(first, runs[np_, "core"][rank][case]["params"]))
 
 
+def test_join_over_shared_memory_buckets_equals_join_through_mpi(runs, tmp_path):
+    # Every bucket through the shared-memory arena (size threshold lifted), the joined rank shadowing with its
+    # own zeroed buckets: the same collectives and, on 2 ranks, the same bits as through MPI.
+    from _mpi import run_scenario
+
+    prefix = str(tmp_path / "shared")
+    job = run_scenario("join_uneven.py", np=2, args=["core", prefix], timeout=300,
+                       env={"DISTLAB_SHARED_MIN_BYTES": "0"})
+    assert job.stdout.count("join scenarios OK") == 2
+    for rank in range(2):
+        shared = pickle.load(open(f"{prefix}.rank{rank}.pkl", "rb"))
+        for case, through_mpi in runs[2, "core"][rank].items():
+            assert all(np.array_equal(a, b) for a, b in zip(shared[case]["params"], through_mpi["params"])), case
+            assert shared[case]["trace"] == through_mpi["trace"], case
+
+
 def test_joined_rank_shadows_the_training_ranks_collectives(runs):
     """Rank 0 runs out first: its trace still pairs with rank 1's, collective for collective."""
     ranks = runs[2, "core"]

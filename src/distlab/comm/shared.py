@@ -56,7 +56,9 @@ __all__ = ["SharedArena", "create_arena", "aligned", "SHARED_MEMORY_VAR", "share
 SHARED_MEMORY_VAR = "DISTLAB_SHARED_MEMORY"
 #: Smaller arrays go through MPI even from an arena: two synchronisations and the Python steps cost about 30 us,
 #: against 5-8 us for MPI's small allreduce; at 256 KiB the two tie (benchmarks/bench_comm.py, 2 ranks).
-SHARED_MIN_BYTES = 256 * 1024
+#: ``DISTLAB_SHARED_MIN_BYTES`` overrides it (0: every arena array, which the tests use to run DDP's scenarios
+#: through this path).
+SHARED_MIN_BYTES = int(os.environ.get("DISTLAB_SHARED_MIN_BYTES", 256 * 1024))
 PIECE_BYTES = 256 * 1024  # reduce this much at a time: the sum stays in cache while it is copied to every slot
 ALIGN = 64  # every region starts on a cache line
 MAX_PLANS = 1024  # regions whose views are kept for the next reduction
