@@ -311,9 +311,9 @@ def in_a_thread(fn, *args, **kwargs):
 
 
 RATES = ("1gbit", "10gbit")
-# What this cell measured as root on the development machine (2 cores, otherwise idle, 2026-11-24); a run
-# moves by several ms, and auto's choice between neighbouring caps with it (at 10 Gbit/s it chose 1 MiB in one
-# of three runs, the whole 6 MB model in two)
+# What this cell measured as root on the development machine (2 cores, otherwise idle,
+# 2026-11-24); a run moves by several ms, and auto's choice between neighbouring caps with it
+# (at 10 Gbit/s it chose 1 MiB in one of three runs, the whole 6 MB model in two)
 STORED_RESULTS = {
     "1gbit": {"local": 8.9, "allreduce": 55.0, "auto": 57.6, "25": 60.2, "4": 61.1, "1": 59.4,
               "auto cap MB": 1.0},
