@@ -50,19 +50,30 @@ from .board import map_node_file
 from .setup import _deferred_frees, bounded_dup
 
 __all__ = ["SharedArena", "create_arena", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
-           "SHARED_MIN_BYTES"]
+           "SHARED_MIN_BYTES", "SHARED_MIN_BYTES_VAR"]
 
 #: ``0`` turns shared-memory arenas off (DDP's buckets then live in private memory and go through MPI).
 SHARED_MEMORY_VAR = "DISTLAB_SHARED_MEMORY"
-#: Smaller arrays go through MPI even from an arena: two synchronisations and the Python steps cost about 30 us,
-#: against 5-8 us for MPI's small allreduce; at 256 KiB the two tie (benchmarks/bench_comm.py, 2 ranks).
-#: ``DISTLAB_SHARED_MIN_BYTES`` overrides it (0: every arena array, which the tests use to run DDP's scenarios
-#: through this path).
-SHARED_MIN_BYTES = int(os.environ.get("DISTLAB_SHARED_MIN_BYTES", 256 * 1024))
+#: Overrides :data:`SHARED_MIN_BYTES` (0: every arena array, which the tests use to run DDP's scenarios here).
+SHARED_MIN_BYTES_VAR = "DISTLAB_SHARED_MIN_BYTES"
 PIECE_BYTES = 256 * 1024  # reduce this much at a time: the sum stays in cache while it is copied to every slot
 ALIGN = 64  # every region starts on a cache line
 MAX_PLANS = 1024  # regions whose views are kept for the next reduction
-_HEADER_WORDS = 4
+MAX_HANDED = 4096  # arrays handed out whose offsets are remembered (dead ones are dropped past this)
+
+
+def _min_bytes() -> int:
+    value = os.environ.get(SHARED_MIN_BYTES_VAR, "").strip()
+    if not value:
+        return 256 * 1024
+    if not value.isdigit():
+        raise ValueError(f"{SHARED_MIN_BYTES_VAR}={value!r}: expected a number of bytes (0 or more)")
+    return int(value)
+
+
+#: Smaller arrays go through MPI even from an arena: two synchronisations and the Python steps cost about 30 us,
+#: against 5-8 us for MPI's small allreduce; at 256 KiB the two tie (benchmarks/bench_comm.py, 2 ranks).
+SHARED_MIN_BYTES = _min_bytes()
 
 
 def shared_memory_enabled() -> bool:
@@ -101,6 +112,8 @@ class SharedArena:
             raise ValueError(f"SharedArena.array: offset {offset} and {count} x {dtype} do not fit an aligned "
                              f"region of the {self.slot_bytes}-byte slot")
         array = self.slots[self.rank][offset:offset + count * dtype.itemsize].view(dtype)
+        if len(self._handed) >= MAX_HANDED:
+            self._handed = {key: entry for key, entry in self._handed.items() if entry[0]() is not None}
         self._handed[id(array)] = (weakref.ref(array), offset)
         return array
 
