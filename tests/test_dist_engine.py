@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distlab.distributed_autograd import engine
-from distlab.autograd import Function, Tensor
+from distlab.autograd import Tensor
 from distlab.errors import DistAutogradError
 
 
@@ -127,14 +127,7 @@ def test_unreachable_recv_group_is_silent_and_unused_inputs_answer_none(autograd
 
 
 def test_engine_errors(autograd_container):
-    class Boom(Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1.0
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise ValueError("boom")
+    from mpi.autograd_checks import Boom  # the scenario scripts' failing Function (tests/mpi)
 
     ctx = autograd_container.DistAutogradContext(4)
     loss = Boom.apply(_leaf(5)).sum()

@@ -26,7 +26,7 @@ from ..timeline import get_timeline, now_us
 from .board import ArrivalBoard, node_keys
 from .missing import SideChannel, ask_lead
 from .operations import GroupOperations
-from .setup import _deferred_frees, _free_deferred, bounded_barrier, bounded_dup, bounded_wait
+from .setup import _free_deferred, bounded_barrier, bounded_dup, bounded_wait, release_comm
 from .shared import aligned, create_arena
 from .work import Work, _busy, spin
 
@@ -325,14 +325,7 @@ def _release(comm, side) -> None:
     (only the main thread may call MPI), or while the communicator is in use, the free waits for the next group
     the main thread creates.
     """
-    closed = side.close()
-    if MPI.Is_finalized():
-        return
-    if closed and (threading.current_thread() is threading.main_thread()
-                   or MPI.Query_thread() == MPI.THREAD_MULTIPLE):
-        comm.Free()
-    else:
-        _deferred_frees.append(comm)
+    release_comm(comm, now=side.close())
 
 
 _world_node = None  # (node keys, oversubscribed) of COMM_WORLD, once a group over it was made

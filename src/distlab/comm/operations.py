@@ -19,7 +19,6 @@ from ..timeline import now_us
 from . import shared
 from .device import empty_like, mpi_buffer
 from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
-from .shared import check_headers, reducible
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
@@ -38,7 +37,7 @@ class GroupOperations:
             for arena_ref in self._arenas:
                 arena = arena_ref()
                 offset = None if arena is None else arena.locate(array)
-                if offset is not None and reducible(array.dtype, reduce_op):
+                if offset is not None and shared.reducible(array.dtype, reduce_op):
                     return self._shared_allreduce(arena, offset, array, reduce_op, async_op, name)
         buf, copy_back = mpi_buffer(array, "allreduce")
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
@@ -63,7 +62,7 @@ class GroupOperations:
         def stages():
             yield self.comm.Iallgather(header, table)
             try:
-                check_headers(table, header, self.rank, "allreduce", seq, name)
+                shared.check_headers(table, header, self.rank, "allreduce", seq, name)
             except CollectiveMismatchError:
                 done.cancel()
                 raise

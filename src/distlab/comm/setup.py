@@ -43,6 +43,18 @@ def _free_deferred() -> None:
         _deferred_frees.pop().Free()
 
 
+def release_comm(comm, now: bool = True) -> None:
+    """Free ``comm`` from a finalizer: now when this thread may call MPI (the main thread, or any thread under
+    ``MPI_THREAD_MULTIPLE``) and ``now`` allows it, else when the main thread next makes a group."""
+    if MPI.Is_finalized():
+        return
+    if now and (threading.current_thread() is threading.main_thread()
+                or MPI.Query_thread() == MPI.THREAD_MULTIPLE):
+        comm.Free()
+    else:
+        _deferred_frees.append(comm)
+
+
 def bounded_barrier(comm, what: str, timeout=None, check: int = 0) -> list[int]:
     """Wait until every rank of ``comm`` called this, or raise DistTimeoutError naming those that did not.
 

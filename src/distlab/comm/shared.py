@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import os
 import secrets
-import threading
 import weakref
 import zlib
 
@@ -47,7 +46,7 @@ from mpi4py import MPI
 from .._types import ReduceOp
 from ..errors import CollectiveMismatchError
 from .board import map_node_file
-from .setup import _deferred_frees, bounded_dup
+from .setup import bounded_dup, release_comm
 
 __all__ = ["SharedArena", "create_arena", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
            "SHARED_MIN_BYTES", "SHARED_MIN_BYTES_VAR"]
@@ -98,7 +97,7 @@ class SharedArena:
         self.comm = comm  # the done messages travel here, tagged by sequence number
         self._tag_limit = int(comm.Get_attr(MPI.TAG_UB)) + 1
         self._peers = [k for k in range(size) if k != rank]
-        weakref.finalize(self, _free_comm, comm)
+        weakref.finalize(self, release_comm, comm)  # freed with the arena
         self.slots = [np.frombuffer(memory, np.uint8, slot_bytes, k * slot_bytes) for k in range(size)]
         self._start = self.slots[rank].__array_interface__["data"][0]
         self._scratch = np.empty(PIECE_BYTES, dtype=np.uint8)  # the running sum of one piece
@@ -250,16 +249,6 @@ def reducible(dtype, reduce_op) -> bool:
     if reduce_op is ReduceOp.SUM:
         return dtype.kind in "fciu"
     return reduce_op is ReduceOp.AVG and dtype.kind in "fc"
-
-
-def _free_comm(comm) -> None:
-    """Free an arena's communicator with the arena (from the main thread; else when the next group is made)."""
-    if MPI.Is_finalized():
-        return
-    if threading.current_thread() is threading.main_thread():
-        comm.Free()
-    else:
-        _deferred_frees.append(comm)
 
 
 @functools.lru_cache(maxsize=None)
