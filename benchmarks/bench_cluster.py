@@ -3,13 +3,15 @@ link's floor.
 
 Run as root: ``sudo .venv/bin/python -P benchmarks/bench_cluster.py`` (``--rates unshaped 10gbit 1gbit`` is the
 default). For each rate it brings a 2-host cluster (``dlbench``) up or reshapes it, runs one job of 2 ranks, one
-per host, and takes the cluster down at the end (``--keep`` leaves it). In each job, for every size from 4 KiB
+per host (``--np 4``: two per host, allreduce only), and takes the cluster down at the end (``--keep`` leaves
+it). In each job, for every size from 4 KiB
 to 64 MiB, raw mpi4py ``Allreduce``, distlab's ``allreduce`` and distlab's ``allreduce(async_op=True).wait()``
 are timed round by round, interleaved, so the machine's drift falls on all three alike; then an RPC round trip
 (no-op, and a 1 MiB echo) against a raw ``Send``/``Recv`` ping-pong.
 
 The floor is what the link allows: a ring allreduce sends ``2 (n-1)/n`` times the buffer per rank, so with
-n = 2 ranks ``bytes / rate``. MPICH does not run a ring here: for a sum of floats it takes recursive doubling up
+n = 2 ranks ``bytes / rate``; with 2 ranks per host it is the same, each host's half of the data crossing once
+each way (MPI's allreduce over 4 ranks may send more). MPICH does not run a ring here: for a sum of floats it takes recursive doubling up
 to 2 KiB and Rabenseifner's reduce-scatter + allgather above; with 2 ranks each sends its whole buffer once
 either way, the same bytes as the ring. The floor counts payload only; Ethernet, IP and TCP headers add about
 4% on the wire, which the ``wire/payload`` column measures from the link's byte counter.
@@ -46,7 +48,7 @@ def _plan(seconds_per_call: float) -> tuple[int, int]:
     return min(40, max(5, rounds)), batch
 
 
-def allreduce_rows(pg, raw_comm, sizes, rate_bps):
+def allreduce_rows(pg, raw_comm, sizes, rate_bps, hosts: int = 2):
     import numpy as np
     from mpi4py import MPI
 
@@ -76,7 +78,7 @@ def allreduce_rows(pg, raw_comm, sizes, rate_bps):
                     wire += _tx_bytes() - sent
         medians = {name: statistics.median(v) for name, v in samples.items()}
         worst = {name: raw_comm.allreduce(m, op=MPI.MAX) * 1e6 for name, m in medians.items()}
-        floor = nbytes * 2 * (pg.size - 1) / pg.size / (rate_bps / 8) * 1e6 if rate_bps else None
+        floor = nbytes * 2 * (hosts - 1) / hosts / (rate_bps / 8) * 1e6 if rate_bps else None
         rows.append({"bytes": nbytes, **worst, "floor_us": floor, "rounds": rounds, "batch": batch,
                      "wire_per_payload": wire / (rounds * batch * nbytes)})
     return rows
@@ -135,7 +137,7 @@ def worker(out_path: str, sizes: list[int], rate_bps: int | None, quick: bool) -
     pg = comm.world()
     raw_comm = MPI.COMM_WORLD.Dup()
     rows = allreduce_rows(pg, raw_comm, sizes, rate_bps)
-    rpc = rpc_rows(raw_comm, quick)
+    rpc = rpc_rows(raw_comm, quick) if pg.size == 2 else {}  # the round trips are between one rank per host
     if pg.rank == 0:
         Path(out_path).write_text(json.dumps({"allreduce": rows, "rpc": rpc}))
 
@@ -182,6 +184,8 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["unshaped", "10gbit", "1gbit"])
     parser.add_argument("--max-mib", type=int, default=64, help="largest size in MiB (default 64)")
     parser.add_argument("--quick", action="store_true", help="fewer RPC round trips")
+    parser.add_argument("--np", type=int, choices=(2, 4), default=2,
+                        help="ranks: 2 (one per host, default) or 4 (two per host; no RPC rows)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -207,7 +211,7 @@ def main() -> None:
             up(2, bps, CLUSTER)
             part = RESULTS / "bench_cluster.part.json"
             args = ["--worker", str(part), str(bps or 0), "--max-mib", str(options.max_mib)]
-            job = launch_script(__file__, np=2, args=args + (["--quick"] if options.quick else []),
+            job = launch_script(__file__, np=options.np, args=args + (["--quick"] if options.quick else []),
                                 timeout=1800, cluster=CLUSTER)
             if job.returncode != 0:
                 sys.exit(f"bench_cluster at {rate} failed (exit {job.returncode})")
@@ -220,7 +224,7 @@ def main() -> None:
 
     load = os.getloadavg()
     report = {"benchmark": "bench_cluster", "impl": distlab.IMPL, "command": " ".join(sys.argv),
-              "host_cores": os.cpu_count(), "load_average": load, "hosts": 2, "ranks": 2,
+              "host_cores": os.cpu_count(), "load_average": load, "hosts": 2, "ranks": options.np,
               "mpich_allreduce": "recursive doubling <= 2 KiB, Rabenseifner reduce-scatter + allgather above",
               "runs": runs, "acceptance_1gbit": acceptance(runs)}
     (RESULTS / "bench_cluster.json").write_text(json.dumps(report, indent=1))

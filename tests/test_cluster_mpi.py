@@ -93,6 +93,24 @@ def test_run_a_function_on_the_cluster(virtual_cluster):
                                                          ("2", "0", f"{c}-h2"), ("3", "1", f"{c}-h2")]
 
 
+def test_hosts_on_one_machine_share_its_cores(virtual_cluster):
+    # The virtual hosts are two nodes to MPI but one machine: the poll loop yields the core when the ranks of the
+    # machine outnumber its cores, as on one host (without it a 4 KiB allreduce took 5.2 ms here, not 0.15).
+    from distlab.launch import run
+
+    def layout():
+        from distlab import comm
+
+        group = comm.world()
+        return group.node_keys.tolist(), group._oversubscribed
+
+    cores = len(os.sched_getaffinity(0))
+    for np_ in (2, 4):
+        seen = run(layout, np=np_, cluster=virtual_cluster, timeout=120)
+        keys = [0] * (np_ // 2) + [np_ // 2] * (np_ // 2)
+        assert seen == [(keys, np_ > cores)] * np_, (np_, cores, seen)
+
+
 def no_processes_left(cluster: str) -> None:
     from distlab.cluster import layout, netlink
 

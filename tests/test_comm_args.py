@@ -187,3 +187,30 @@ def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
     with comm.ProcessGroup(name="private", timeout=5) as group:
         group.allreduce(np.ones(2))
         assert list(group._side.board.readable) == [0] and group._my_slot[0] == 1
+
+
+def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_share():
+    import os
+
+    from distlab.comm.board import MASK_WORDS, core_mask, machine_id, machine_oversubscribed
+
+    def mask(*cores):
+        bits = np.zeros(MASK_WORDS * 64, dtype=bool)
+        bits[list(cores)] = True
+        return np.packbits(bits, bitorder="little").view(np.int64)
+
+    one, other = 11, 22
+    # Four ranks on two virtual hosts of one machine with two cores: oversubscribed, on every rank.
+    machines, masks = np.array([one] * 4), np.stack([mask(0, 1)] * 4)
+    assert all(machine_oversubscribed(machines, masks, rank) for rank in range(4))
+    # Two ranks pinned to a core each: not oversubscribed, though each sees one core.
+    assert not machine_oversubscribed(np.array([one, one]), np.stack([mask(0), mask(1)]), 0)
+    # Two ranks pinned to the same core are; core 4095 counts.
+    assert machine_oversubscribed(np.array([one, one]), np.stack([mask(4095), mask(4095)]), 1)
+    # Two machines of two cores, two ranks each: neither is.
+    machines = np.array([one, one, other, other])
+    assert not any(machine_oversubscribed(machines, np.stack([mask(0, 1)] * 4), rank) for rank in range(4))
+    # This process: its mask holds exactly its cores, and its machine id is stable.
+    assert np.unpackbits(core_mask().view(np.uint8), bitorder="little").nonzero()[0].tolist() == sorted(
+        os.sched_getaffinity(0))
+    assert machine_id() == machine_id() > 0

@@ -17,9 +17,11 @@ oversubscribed peer).
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import secrets
+import socket
 import tempfile
 
 import numpy as np
@@ -27,32 +29,71 @@ from mpi4py import MPI
 
 from .._wire import COMM_SLOT_WORDS
 
-__all__ = ["ArrivalBoard", "node_keys", "map_node_file", "RANKS_PER_NODE_VAR", "usable_cores"]
+__all__ = ["ArrivalBoard", "node_keys", "map_node_file", "RANKS_PER_NODE_VAR", "machine_id", "core_mask",
+           "machine_oversubscribed"]
 
 #: Test switch: pretend every ``N`` consecutive world ranks form a node of their own (each fake node gets its own
 #: board), so the side channel between nodes can be exercised on one host. Unset: MPI's notion of a node.
 RANKS_PER_NODE_VAR = "DISTLAB_RANKS_PER_NODE"
 _SLOT_BYTES = 8 * COMM_SLOT_WORDS
+MASK_WORDS = 64  # core masks cover cores 0 to 4095
 _PATH_BYTES = 256
 
 
 def node_keys(comm, wait) -> tuple[np.ndarray, bool]:
-    """``(node key of every rank of comm, whether this rank's node is oversubscribed)``; collective.
+    """``(node key of every rank of comm, whether this rank's machine is oversubscribed)``; collective.
 
     A node's key is the smallest world rank on it. ``wait(request, what)`` completes a nonblocking request
-    under the set-up deadline.
+    under the set-up deadline. Oversubscription is a property of the machine, not of MPI's node: the hosts of
+    a virtual cluster (network namespaces) are nodes to MPI but share one kernel's cores, so every rank also
+    posts its machine (the kernel's boot id) and the cores it may run on (:func:`machine_oversubscribed`).
     """
     real = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        oversubscribed = real.Get_size() > usable_cores()
         world_ranks = _world_ranks(real)
     finally:
         real.Free()
     per_node = _simulated_ranks_per_node()
     mine = MPI.COMM_WORLD.Get_rank() // per_node * per_node if per_node else min(world_ranks)
-    keys = np.empty(comm.Get_size(), dtype=np.int64)
-    wait(comm.Iallgather(np.array([mine], dtype=np.int64), keys), "node keys")
-    return keys, oversubscribed
+    row = np.concatenate([np.array([mine, machine_id()], dtype=np.int64), core_mask()])
+    table = np.empty((comm.Get_size(), row.size), dtype=np.int64)
+    wait(comm.Iallgather(row, table), "node keys")
+    return table[:, 0].copy(), machine_oversubscribed(table[:, 1], table[:, 2:], comm.Get_rank())
+
+
+def machine_id() -> int:
+    """This machine as a number: a hash of the running kernel's boot id (the host name where there is none).
+
+    Network namespaces, containers and virtual-cluster hosts on one kernel share its boot id, and its cores.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            identity = f.read().strip()
+    except OSError:
+        identity = socket.gethostname().encode()
+    return int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "little") >> 1
+
+
+def core_mask() -> np.ndarray:
+    """The cores this process may run on, as a bit mask of ``MASK_WORDS`` 64-bit words (cores 0 to 4095)."""
+    try:
+        cores = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cores = range(os.cpu_count() or 1)
+    bits = np.zeros(MASK_WORDS * 64, dtype=bool)
+    bits[[core for core in cores if core < bits.size]] = True
+    return np.packbits(bits, bitorder="little").view(np.int64)
+
+
+def machine_oversubscribed(machines: np.ndarray, masks: np.ndarray, rank: int) -> bool:
+    """Whether more ranks run on ``rank``'s machine than the cores they may use together.
+
+    ``machines``: every rank's :func:`machine_id`; ``masks``: every rank's :func:`core_mask`, one row each.
+    Two ranks pinned to a core each are not oversubscribed; four ranks on two shared cores are.
+    """
+    same = machines == machines[rank]
+    cores = np.bitwise_or.reduce(masks[same], axis=0)
+    return int(same.sum()) > int(np.unpackbits(cores.view(np.uint8)).sum())
 
 
 class ArrivalBoard:
@@ -176,11 +217,3 @@ def _attach(path: str, nbytes: int) -> mmap.mmap | None:
         return None
     finally:
         os.close(fd)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (the affinity mask, not the machine's total)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
