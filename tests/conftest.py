@@ -6,6 +6,7 @@ as ``fingerprint`` below, which yields that twin's module of a component.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,15 @@ from distlab import _backend
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _interrupts_reach_the_launchers():
+    """Ctrl-C must reach the launchers the interrupt tests start: a shell starts a background job (``make test &``,
+    ``nohup``) with SIGINT ignored, and children inherit that; a handled SIGINT is reset to the default in them."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -95,7 +95,7 @@ def test_run_a_function_on_the_cluster(virtual_cluster):
 
 def test_hosts_on_one_machine_share_its_cores(virtual_cluster):
     # The virtual hosts are two nodes to MPI but one machine: the poll loop yields the core when the ranks of the
-    # machine outnumber its cores, as on one host (without it a 4 KiB allreduce took 5.2 ms here, not 0.15).
+    # machine outnumber its cores, as on one host (without it a 4 KiB allreduce took 5.2-5.7 ms here, not 0.15).
     from distlab.launch import run
 
     def layout():

@@ -473,6 +473,8 @@ def test_a_killed_rank_is_named_with_its_pid_and_signal_and_the_others_keep_thei
         pg = comm.world()
         print("pid", os.getpid(), flush=True)
         pg.allreduce(np.ones(2), name="before")
+        shm = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/dev/shm/mpich_shm_" in line})
+        print("shm", *shm, flush=True)
         if pg.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         pg.allreduce(np.ones(2), name="after")
@@ -480,6 +482,9 @@ def test_a_killed_rank_is_named_with_its_pid_and_signal_and_the_others_keep_thei
     trace = tmp_path / "kill.json"
     done = launch("-n", 2, "--timeline", trace, script)
     assert done.returncode == 128 + 9, done.stderr  # as a shell reports a process killed by SIGKILL
+    # MPICH's shared-memory files, which only MPI_Finalize removes, are gone with the job all the same.
+    shm = {path for line in re.findall(r"\] shm (.*)", done.stdout) for path in line.split()}
+    assert shm and not any(os.path.exists(path) for path in shm), shm
     pid = re.search(r"\[1\] pid (\d+)", done.stdout).group(1)
     assert done.stderr.splitlines()[:2] == [f"distlab: rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)",
                                             "distlab: the job failed with exit status 137; rank 0 was stopped"]
@@ -685,3 +690,33 @@ def test_harness_fails_a_scenario_whose_rank_vanished(mpirun, mode, ending):
     pid = re.search(r"\[1\] rank 1 pid (\d+)", result.stdout).group(1)
     assert f"distlab: rank 1 (pid {pid}) {ending}" in result.stderr
     assert "rank 1 finished" not in result.stdout and "rank 0 finished" not in result.stdout
+
+
+def test_leftover_mpi_shared_memory_is_removed_only_when_no_process_holds_it(tmp_path):
+    import mmap
+    import time
+
+    from distlab import _leftovers
+
+    since = time.time() - 1.0
+    names = [f"{_leftovers.SHM_DIR}/{_leftovers.PREFIX}distlabtest_{os.getpid()}_{k}" for k in range(3)]
+    other = f"{_leftovers.SHM_DIR}/distlabtest_not_mpi_{os.getpid()}"
+    for path in names + [other]:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    mapped_fd = os.open(names[0], os.O_RDWR)
+    mapping = mmap.mmap(mapped_fd, 4096)
+    os.close(mapped_fd)  # held by its mapping only
+    open_fd = os.open(names[1], os.O_RDONLY)  # held by a descriptor only
+    try:  # (other jobs' leftovers of the last second may go too: hence "in", not "==")
+        assert names[2] not in _leftovers.remove_leftovers(time.time() + 60)  # older than the job: not its own
+        removed = _leftovers.remove_leftovers(since)
+        assert names[2] in removed and names[0] not in removed and names[1] not in removed, removed
+        assert os.path.exists(names[0]) and os.path.exists(names[1]) and os.path.exists(other)
+        assert not os.path.exists(names[2])
+    finally:
+        mapping.close()
+        os.close(open_fd)
+    assert set(names[:2]) <= set(_leftovers.remove_leftovers(since))
+    assert not any(os.path.exists(path) for path in names)
+    os.unlink(other)

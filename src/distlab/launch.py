@@ -17,7 +17,9 @@ re-raised here as :class:`~distlab.errors.RankFailedError` with the rank and its
 How a job is run, in one place each: :func:`mpiexec_command` builds the command line, :func:`job_environment`
 the ranks' environment, and ``_launch`` supervises the job (output, interrupts, timeouts) and judges how it
 ended from the records its ranks left in a job directory (a start record with the pid, a completion record, a
-failure record, and the exit status or signal seen by a small watcher process per rank).
+failure record, and the exit status or signal seen by a small watcher process per rank). When the job has
+ended, the shared-memory files MPI leaves behind for ranks that never finalized are removed
+(:mod:`distlab._leftovers`).
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _jobdir, _supervise
+from . import _jobdir, _leftovers, _supervise
 from .errors import DistlabError, RankFailedError
 
 __all__ = ["find_mpiexec", "mpiexec_command", "job_environment", "launch_script", "run", "JobResult"]
@@ -203,6 +206,7 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     cluster_job = _cluster_job(np, cluster, rate)
     own_dir = job_dir is None
     job_dir = Path(tempfile.mkdtemp(prefix="distlab-job-")) if own_dir else job_dir
+    started = time.time() - 1.0  # file times lag the clock by up to a tick
     try:
         pattern, marker = _supervise.new_marker()
         command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job)
@@ -214,6 +218,7 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     finally:
         if cluster_job is not None:
             cluster_job.end_survivors()  # no process of the job may outlive it on any host
+        _leftovers.remove_leftovers(started)  # what killed ranks left in /dev/shm
         if own_dir:
             shutil.rmtree(job_dir, ignore_errors=True)
     verdict = _jobdir.verdict(records, outcome.status, outcome.interrupted,

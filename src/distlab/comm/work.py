@@ -7,8 +7,8 @@ across a network link still needs progress calls to feed the socket: with 1 ms s
 1 Gbit/s took 1.20x raw mpi4py's, with 0.2 ms 1.03x, in benchmarks/bench_cluster.py); when the machine runs
 more ranks than they have cores it also yields the core every fourth poll, or a spinning rank would keep its
 peer from running the other half of the collective (measured: 8.5 ms for a 4 KiB allreduce without yielding,
-36 us raw; on 4 ranks over 2 virtual hosts sharing 2 cores, 5.2 ms against 0.15 ms yielding). The machine,
-not MPI's node, because virtual hosts on one kernel share its cores (:func:`~distlab.comm.board.node_keys`).
+36 us raw; on 4 ranks over 2 virtual hosts sharing 2 cores, 5.2-5.7 ms against 0.14-0.15 ms yielding). The
+machine, not MPI's node, because virtual hosts on one kernel share its cores (:func:`~distlab.comm.board.node_keys`).
 Past its spin phase a waiting rank reads the side channel's notes between sleeps (:mod:`distlab.comm.missing`),
 and near its deadline it asks the other nodes where their ranks are.
 """
