@@ -5,6 +5,7 @@ argv[1]: ``one-node`` (every rank shares the node) or ``two-nodes`` (DISTLAB_RAN
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -46,6 +47,15 @@ for dtype in (np.float32, np.float64, np.int64):
     assert pg.allreduce(shared, name="shared sum") is shared and pg._my_slot[1] == SHARED_OP
     pg.allreduce(private, name="private sum")
     assert np.array_equal(shared, private) and shared[7] == 7 * n * (n + 1) // 2, (dtype, shared[:8])
+# A sum that overflows is inf on both paths, and no warning on either (numpy would warn, MPI does not).
+huge = arena.array(0, 64, np.float32)
+huge[:] = np.finfo(np.float32).max
+private = huge.copy()
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pg.allreduce(huge, name="overflow")
+    pg.allreduce(private, name="overflow, private")
+assert np.array_equal(huge, private) and np.all(np.isinf(huge)), huge[:4]
 averaged = arena.array(2048, 100, np.float64)
 averaged[:] = r
 pg.allreduce(averaged, op="avg")

@@ -154,16 +154,17 @@ class SharedArena:
             plan = self._plans[key] = self._plan(offset, count, np.dtype(dtype))
         views, first, stop, step, scratch = plan
         size = len(views)
-        for start in range(first, stop, step):
-            end = min(start + step, stop)
-            total = scratch[:end - start]
-            np.add(views[0][start:end], views[1][start:end], out=total)
-            for view in views[2:]:
-                np.add(total, view[start:end], out=total)
-            if average:
-                total /= size
-            for view in views:
-                view[start:end] = total
+        with np.errstate(over="ignore", invalid="ignore"):  # as MPI: a sum that overflows is inf, silently
+            for start in range(first, stop, step):
+                end = min(start + step, stop)
+                total = scratch[:end - start]
+                np.add(views[0][start:end], views[1][start:end], out=total)
+                for view in views[2:]:
+                    np.add(total, view[start:end], out=total)
+                if average:
+                    total /= size
+                for view in views:
+                    view[start:end] = total
 
 
 class DoneMessages:
