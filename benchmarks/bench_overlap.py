@@ -18,9 +18,9 @@ host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over 
 
 The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be
 hidden behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu``
-each row also reports the rank's CPU time per step (user and system): the MPI library
-busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done; the split
-between user and system time is (system time is the kernel's TCP work; from ``getrusage``). Prints a table and writes
+a second table gives each step's CPU time (user and system, from ``getrusage``) beside its wall time: the MPI
+library busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done, but
+system time is the kernel's TCP work. Prints the tables and writes
 ``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
 few steps of the core twin with the automatic bucket size at that rate
 (``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
@@ -257,6 +257,22 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows) -> str:
+    """With ``--cpu``: each step's CPU time (user, system) beside its wall time, each the largest over the ranks.
+
+    The library busy-polls while it waits, so CPU during a wait is no measure of work; the allreduce alone's
+    system time is the kernel's TCP work, which shares the rank's core with everything else.
+    """
+    head = f"{'link':>8} {'step':<34} {'wall':>8} {'user':>8} {'system':>8} {'cpu/wall':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for key in [k[:-8] for k in r if k.endswith(" user ms")]:
+            wall, user, system = r[f"{key} ms"], r[f"{key} user ms"], r[f"{key} sys ms"]
+            lines.append(f"{r['rate']:>8} {key:<34} {wall:>6.1f}ms {user:>6.1f}ms {system:>6.1f}ms "
+                         f"{(user + system) / wall:>8.2f}")
+    return "\n".join(lines)
+
+
 HOROVOD_SETTINGS = ((128 * 2**20, 1.0), (8 * 2**20, 1.0), (1 * 2**20, 1.0), (128 * 2**20, 5.0), (8 * 2**20, 5.0))
 
 
@@ -432,6 +448,9 @@ def main() -> None:
     (RESULTS / name).write_text(json.dumps(report, indent=1))
     print()
     print((progress_table if options.progress else horovod_table if options.horovod else table)(rows))
+    if options.cpu and not (options.progress or options.horovod):
+        print()
+        print(cpu_table(rows))
     print(f"\nwritten to {RESULTS / name}")
 
 
