@@ -4,8 +4,8 @@ MPICH's ranks on one node share memory through files named ``mpich_shm_*`` in ``
 the node, more for communicators with shared-memory collectives), and MPICH removes them in ``MPI_Finalize``.
 A rank that never finalizes leaves them behind: it was killed, its job timed out, a peer failed and the job was
 stopped, or Ctrl-C. They are files in memory (tmpfs), so each one holds its RAM until someone deletes it or
-the machine reboots. Measured here: one stopped 2-rank job, one 2 MB file; over a few days of test runs,
-1,800 files and 3.5 GB.
+the machine reboots. Measured here: one stopped 2-rank job, one 2 MB file; over a day of test and benchmark
+runs, 1,800 files and 3.5 GB.
 
 When a job ends, the launcher (:mod:`distlab.launch`) removes the files it can prove are such leftovers:
 
