@@ -4,17 +4,16 @@ link's floor.
 Run as root: ``sudo .venv/bin/python -P benchmarks/bench_cluster.py`` (``--rates unshaped 10gbit 1gbit`` is the
 default). For each rate it brings a 2-host cluster (``dlbench``) up or reshapes it, runs one job of 2 ranks, one
 per host (``--np 4``: two per host, allreduce only), and takes the cluster down at the end (``--keep`` leaves
-it). In each job, for every size from 4 KiB
-to 64 MiB, raw mpi4py ``Allreduce``, distlab's ``allreduce`` and distlab's ``allreduce(async_op=True).wait()``
-are timed round by round, interleaved, so the machine's drift falls on all three alike; then an RPC round trip
-(no-op, and a 1 MiB echo) against a raw ``Send``/``Recv`` ping-pong.
+it). In each job, for every size from 4 KiB to 64 MiB, raw mpi4py ``Allreduce``, distlab's ``allreduce`` and
+distlab's ``allreduce(async_op=True).wait()`` are timed round by round, interleaved, so the machine's drift falls
+on all three alike; then an RPC round trip (no-op, and a 1 MiB echo) against a raw ``Send``/``Recv`` ping-pong.
 
-The floor is what the link allows: a ring allreduce sends ``2 (n-1)/n`` times the buffer per rank, so with
-n = 2 ranks ``bytes / rate``; with 2 ranks per host it is the same, each host's half of the data crossing once
-each way (MPI's allreduce over 4 ranks may send more). MPICH does not run a ring here: for a sum of floats it takes recursive doubling up
-to 2 KiB and Rabenseifner's reduce-scatter + allgather above; with 2 ranks each sends its whole buffer once
-either way, the same bytes as the ring. The floor counts payload only; Ethernet, IP and TCP headers add about
-4% on the wire, which the ``wire/payload`` column measures from the link's byte counter.
+The floor is what the link allows: a ring allreduce sends ``2 (n-1)/n`` times the buffer per rank, so with n = 2
+ranks ``bytes / rate``; with 2 ranks per host it is the same, each host's half of the data crossing once each way
+(MPI's allreduce over 4 ranks may send more). MPICH does not run a ring here: for a sum of floats it takes
+recursive doubling up to 2 KiB and Rabenseifner's reduce-scatter + allgather above; with 2 ranks each sends its
+whole buffer once either way, the same bytes as the ring. The floor counts payload only; Ethernet, IP and TCP
+headers add about 4% on the wire, which the ``wire/payload`` column measures from the link's byte counter.
 
 Prints a table and writes ``benchmarks/results/bench_cluster.json``. Timings on a loaded 2-core machine are
 noisy: compare within a table (same rate, same launch), and run it on a quiet machine for figures to quote.
@@ -32,6 +31,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 CLUSTER = "dlbench"
+HOSTS = 2  # the cluster's hosts; ranks are placed on them in blocks
 
 
 def _tx_bytes() -> int:
@@ -48,7 +48,7 @@ def _plan(seconds_per_call: float) -> tuple[int, int]:
     return min(40, max(5, rounds)), batch
 
 
-def allreduce_rows(pg, raw_comm, sizes, rate_bps, hosts: int = 2):
+def allreduce_rows(pg, raw_comm, sizes, rate_bps):
     import numpy as np
     from mpi4py import MPI
 
@@ -78,7 +78,7 @@ def allreduce_rows(pg, raw_comm, sizes, rate_bps, hosts: int = 2):
                     wire += _tx_bytes() - sent
         medians = {name: statistics.median(v) for name, v in samples.items()}
         worst = {name: raw_comm.allreduce(m, op=MPI.MAX) * 1e6 for name, m in medians.items()}
-        floor = nbytes * 2 * (hosts - 1) / hosts / (rate_bps / 8) * 1e6 if rate_bps else None
+        floor = nbytes * 2 * (HOSTS - 1) / HOSTS / (rate_bps / 8) * 1e6 if rate_bps else None
         rows.append({"bytes": nbytes, **worst, "floor_us": floor, "rounds": rounds, "batch": batch,
                      "wire_per_payload": wire / (rounds * batch * nbytes)})
     return rows
@@ -208,7 +208,7 @@ def main() -> None:
     try:
         for rate in options.rates:
             bps = parse_rate(rate)
-            up(2, bps, CLUSTER)
+            up(HOSTS, bps, CLUSTER)
             part = RESULTS / "bench_cluster.part.json"
             args = ["--worker", str(part), str(bps or 0), "--max-mib", str(options.max_mib)]
             job = launch_script(__file__, np=options.np, args=args + (["--quick"] if options.quick else []),
@@ -224,7 +224,7 @@ def main() -> None:
 
     load = os.getloadavg()
     report = {"benchmark": "bench_cluster", "impl": distlab.IMPL, "command": " ".join(sys.argv),
-              "host_cores": os.cpu_count(), "load_average": load, "hosts": 2, "ranks": options.np,
+              "host_cores": os.cpu_count(), "load_average": load, "hosts": HOSTS, "ranks": options.np,
               "mpich_allreduce": "recursive doubling <= 2 KiB, Rabenseifner reduce-scatter + allgather above",
               "runs": runs, "acceptance_1gbit": acceptance(runs)}
     (RESULTS / "bench_cluster.json").write_text(json.dumps(report, indent=1))

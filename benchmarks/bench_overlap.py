@@ -16,14 +16,14 @@ host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over 
   DDP's hook (``_register_fused_optim``: each bucket's parameters are updated as soon as it is reduced), shown
   as cap ``f<MB>``.
 
-The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be
-hidden behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu``
-a second table gives each step's CPU time (user and system, from ``getrusage``) beside its wall time: the MPI
-library busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done, but
-system time is the kernel's TCP work. Prints the tables and writes
-``benchmarks/results/bench_overlap.json``; ``--timeline RATE`` also records, in a job of its own, a trace of a
-few steps of the core twin with the automatic bucket size at that rate
-(``benchmarks/results/overlap_timeline.json``, drawn by ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
+The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be hidden
+behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu`` a second
+table gives each step's CPU time (user and system, from ``getrusage``) beside its wall time: the MPI library
+busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done, but system time is
+the kernel's TCP work. Prints the tables and writes ``benchmarks/results/bench_overlap.json``; ``--timeline
+RATE`` also records, in a job of its own, a trace of a few steps of the core twin with the automatic bucket size
+at that rate (``benchmarks/results/overlap_timeline.json``, drawn by
+``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
 Python computes, and what moves it (:func:`progress_probe`). ``--horovod`` measures instead the Horovod-style
 front on the same model (:func:`horovod_worker`): ``distlab.collectives.DistributedOptimizer`` submits each
 gradient's ``allreduce_async`` from its hook during backward and a background thread negotiates and runs them

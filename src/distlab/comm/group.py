@@ -26,7 +26,7 @@ from ..timeline import get_timeline, now_us
 from .board import ArrivalBoard, node_keys
 from .missing import SideChannel, ask_lead
 from .operations import GroupOperations
-from .setup import _free_deferred, bounded_barrier, bounded_dup, bounded_wait, release_comm
+from .setup import free_deferred, bounded_barrier, bounded_dup, bounded_wait, release_comm
 from .shared import aligned, create_arena
 from .work import Work, _busy, spin
 
@@ -80,7 +80,7 @@ class ProcessGroup(GroupOperations):
         timeout = default_timeout() if timeout is None else check_timeout(timeout, "ProcessGroup(timeout)")
         if fingerprint_checks not in (None, True, False):
             raise TypeError(f"ProcessGroup(fingerprint_checks): True, False or None, got {fingerprint_checks!r}")
-        _free_deferred()
+        free_deferred()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         comm = bounded_dup(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
         # Every group over COMM_WORLD has the same node layout: asked of MPI once (all ranks took part).

@@ -33,11 +33,12 @@ class GroupOperations:
         """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
         reduce_op = parse_op(op)
         mpi_op = mpi_reduction(array.dtype, reduce_op, "allreduce", name) if hasattr(array, "dtype") else None
-        if self._arenas and getattr(array, "nbytes", 0) >= shared.SHARED_MIN_BYTES:
+        if (self._arenas and getattr(array, "nbytes", 0) >= shared.SHARED_MIN_BYTES
+                and shared.reducible(array.dtype, reduce_op)):
             for arena_ref in self._arenas:
                 arena = arena_ref()
                 offset = None if arena is None else arena.locate(array)
-                if offset is not None and shared.reducible(array.dtype, reduce_op):
+                if offset is not None:
                     return self._shared_allreduce(arena, offset, array, reduce_op, async_op, name)
         buf, copy_back = mpi_buffer(array, "allreduce")
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op)

@@ -37,7 +37,7 @@ _orphans: list = []  # requests (and their buffers) of timed-out setups: MPI may
 _deferred_frees: list = []  # communicators released by a finalizer in a thread MPI forbids (group's _release)
 
 
-def _free_deferred() -> None:
+def free_deferred() -> None:
     """Free the communicators finalizers left behind (called from the main thread, when a group is made)."""
     while _deferred_frees and threading.current_thread() is threading.main_thread():
         _deferred_frees.pop().Free()
