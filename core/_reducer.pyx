@@ -89,6 +89,7 @@ cdef class Reducer:
     cdef int* pending
     cdef int* bucket_params
     cdef char* bucket_sparse
+    cdef char* bucket_arena  # the bucket lives in a shared-memory arena (see ReducerBase._reduction_divides)
     cdef list _bucket_names
     cdef double _inv_div  # 1 / div_factor, for the div_factor object in _inv_of
     cdef object _inv_of
@@ -106,6 +107,7 @@ cdef class Reducer:
     _mark_unused_parameters_ready = ReducerBase._mark_unused_parameters_ready
     _queue_finalize_backward = ReducerBase._queue_finalize_backward
     mark_variable_ready_sparse = ReducerBase.mark_variable_ready_sparse
+    _reduction_divides = ReducerBase._reduction_divides
     all_reduce_local_used_map = ReducerBase.all_reduce_local_used_map
     _read_reduced_used_map = ReducerBase._read_reduced_used_map
     delay_all_reduce = ReducerBase.delay_all_reduce
@@ -159,6 +161,7 @@ cdef class Reducer:
             bucket = buckets[b]
             self.bucket_params[b] = len(bucket.variable_indices)
             self.bucket_sparse[b] = bucket.expect_sparse_gradient
+            self.bucket_arena[b] = bucket.arena is not None
             for position in range(self.bucket_params[b]):
                 self._locate(bucket.variable_indices[position], b, position,
                              None if self.bucket_sparse[b] else bucket.views_in[position])
@@ -260,7 +263,7 @@ cdef class Reducer:
             raise TypeError(grad_mismatch(self.param_names, index, self._param_dtypes[index], data))
         if data.shape != view.shape:
             raise ValueError(grad_shape_mismatch(self.param_names, index, view.shape, data.shape))
-        scale = 1.0 if self.comm_hook is not None else self._inverse_divide_factor()  # a hook divides by itself
+        scale = self._scale_into_bucket(self.loc_bucket[index])
         if data is view:
             if scale != 1.0:
                 view *= scale
@@ -286,7 +289,8 @@ cdef class Reducer:
         elif self.bucket_sparse[b]:
             future = sparse_allreduce(self.process_group, bucket.gradients, name=self._bucket_names[b])
         else:
-            future = self.process_group.allreduce(bucket.gradients, async_op=True,
+            op = "avg" if self._reduction_divides(bucket) else "sum"
+            future = self.process_group.allreduce(bucket.gradients, op=op, async_op=True,
                                                   name=self._bucket_names[b]).get_future()
         bucket.future = future
         if self._observe:
@@ -355,7 +359,13 @@ cdef class Reducer:
             memset(self.dst_ptr[index], 0, self.dst_len[index] * _itemsize(kind))
             return True
         return _scaled_copy(_data_of(grad), self.dst_ptr[index], self.dst_len[index], kind,
-                            1.0 if self.comm_hook is not None else self._inverse_divide_factor())
+                            self._scale_into_bucket(self.loc_bucket[index]))
+
+    cdef inline double _scale_into_bucket(self, Py_ssize_t b) except? -1.0:
+        """See :meth:`distlab.reference.reducer.Reducer._scale_into_bucket`."""
+        if self.comm_hook is not None or (self.bucket_arena[b] and self.forward_work_static_world):
+            return 1.0
+        return self._inverse_divide_factor()
 
     cdef inline double _inverse_divide_factor(self) except? -1.0:
         """``1 / div_factor``, recomputed only when ReducerBase._set_divide_factor set a new factor."""
@@ -387,7 +397,7 @@ cdef class Reducer:
         self.n = self.nbuckets = self.n_rebuilt = 0
         self.loc_bucket = self.loc_pos = self._hook_counts = self._hook_counts_left = self.rebuilt = NULL
         self.pending = self.bucket_params = self.kind = NULL
-        self.ready = self.bucket_sparse = NULL
+        self.ready = self.bucket_sparse = self.bucket_arena = NULL
         self.dst_ptr = NULL
         self.dst_len = NULL
         self.slot_type = NULL
@@ -396,6 +406,7 @@ cdef class Reducer:
         free(self.loc_bucket); free(self.loc_pos); free(self.ready); free(self._hook_counts)
         free(self._hook_counts_left); free(self.rebuilt); free(self.dst_ptr); free(self.dst_len); free(self.kind)
         free(self.slot_type); free(self.pending); free(self.bucket_params); free(self.bucket_sparse)
+        free(self.bucket_arena)
 
     cdef int _allocate(self, Py_ssize_t n) except -1:
         """The per-parameter C arrays, zeroed."""
@@ -417,12 +428,13 @@ cdef class Reducer:
 
     cdef int _allocate_buckets(self, Py_ssize_t nbuckets) except -1:
         """The per-bucket C arrays for a new layout (the old one is dropped)."""
-        free(self.pending); free(self.bucket_params); free(self.bucket_sparse)
+        free(self.pending); free(self.bucket_params); free(self.bucket_sparse); free(self.bucket_arena)
         self.nbuckets = nbuckets
         self.pending = <int*>calloc(max(nbuckets, 1), sizeof(int))
         self.bucket_params = <int*>calloc(max(nbuckets, 1), sizeof(int))
         self.bucket_sparse = <char*>calloc(max(nbuckets, 1), sizeof(char))
-        if not (self.pending and self.bucket_params and self.bucket_sparse):
+        self.bucket_arena = <char*>calloc(max(nbuckets, 1), sizeof(char))
+        if not (self.pending and self.bucket_params and self.bucket_sparse and self.bucket_arena):
             raise MemoryError()
         return 0
 

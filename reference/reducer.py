@@ -189,13 +189,21 @@ class Reducer(ReducerBase):
             raise TypeError(grad_mismatch(self.param_names, index, self.params[index].data.dtype, data))
         if data.shape != view.shape:  # mirrors reducer.cpp's check that grad and bucket view hold as many elements
             raise ValueError(grad_shape_mismatch(self.param_names, index, view.shape, data.shape))
-        if self.comm_hook is not None:
-            if data is not view:
-                view[...] = data  # a hook sees the plain sum of gradients and divides itself
-        elif data is view:
-            view *= 1.0 / self.div_factor  # gradient_as_bucket_view: the grad already lives in the bucket
+        scale = self._scale_into_bucket(bucket)
+        if data is view:  # gradient_as_bucket_view: backward computed the gradient in the bucket
+            if scale != 1.0:
+                view *= scale
+        elif scale == 1.0:
+            view[...] = data
         else:
-            np.multiply(data, 1.0 / self.div_factor, out=view, casting="unsafe")  # one pass: copy and scale
+            np.multiply(data, scale, out=view, casting="unsafe")  # one pass: copy and scale
+
+    def _scale_into_bucket(self, bucket):
+        """``1 / div_factor``, or 1 when a comm hook divides by itself (it sees the plain sum of gradients) or the
+        bucket's reduction divides (a shared-memory bucket, see ``_reduction_divides``)."""
+        if self.comm_hook is not None or self._reduction_divides(bucket):
+            return 1.0
+        return 1.0 / self.div_factor
 
     def mark_bucket_ready(self, bucket_index):
         """Launch ready buckets strictly in order (``mark_bucket_ready``): every rank reduces the same sequence (G1)."""
@@ -214,7 +222,8 @@ class Reducer(ReducerBase):
         elif bucket.expect_sparse_gradient:
             bucket.future = sparse_allreduce(self.process_group, bucket.gradients, name=f"bucket{b}")
         else:
-            work = self.process_group.allreduce(bucket.gradients, async_op=True, name=f"bucket{b}")
+            op = "avg" if self._reduction_divides(bucket) else "sum"
+            work = self.process_group.allreduce(bucket.gradients, op=op, async_op=True, name=f"bucket{b}")
             bucket.future = work.get_future()
         self.stats.bucket_launched(b, bucket.nbytes(), len(bucket.variable_indices), bucket.future)
 

@@ -316,3 +316,105 @@ def test_grad_mode_and_backward_state_are_per_thread():
         t.join()
     assert seen == {"grad_enabled": True, "backward_running": False}
     np.testing.assert_allclose(x.grad.data, 3.0)
+
+
+# -- gradient buffers: a leaf's first gradient computed in place (what DDP's bucket views use) ---------------------
+def _buffered(model):
+    """Give every parameter a buffer full of NaN; return them in parameter order."""
+    buffers = [np.full(p.data.shape, np.nan, p.data.dtype) for p in model.parameters()]
+    for p, buffer in zip(model.parameters(), buffers):
+        ag.accumulate_grad.set_grad_buffer(p, buffer)
+    return buffers
+
+
+def _plain_grads(model, run):
+    for p in model.parameters():
+        p.grad = None
+    run()
+    grads = [p.grad.data.copy() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+def test_linear_computes_the_first_gradient_into_the_buffer_bit_for_bit():
+    model = mlp()
+    x = distlab.tensor(np.random.default_rng(1).standard_normal((5, 4)))
+    expected = _plain_grads(model, lambda: model(x).tanh().sum().backward())
+    buffers = _buffered(model)
+    delivered = {}
+    for p in model.parameters():  # what the reducer's hook sees: the buffer itself, already holding the gradient
+        p.register_post_accumulate_grad_hook(lambda t: delivered.__setitem__(id(t), t.grad.data))
+    model(x).tanh().sum().backward()
+    for p, buffer, grad in zip(model.parameters(), buffers, expected):
+        assert p.grad.data is buffer and delivered[id(p)] is buffer
+        assert np.array_equal(buffer, grad)
+
+
+def test_a_second_gradient_accumulates_as_usual():
+    model = mlp()
+    x = distlab.tensor(np.ones((2, 4)))
+    once = _plain_grads(model, lambda: model(x).sum().backward())
+    buffers = _buffered(model)
+    model(x).sum().backward()
+    model(x).sum().backward()  # .grad is the buffer now: the second gradient is added into it
+    for p, buffer, grad in zip(model.parameters(), buffers, once):
+        assert p.grad.data is buffer
+        np.testing.assert_allclose(buffer, 2 * grad)
+
+
+def test_a_leaf_used_twice_gets_the_sum_whichever_producer_took_the_buffer():
+    distlab.manual_seed(0)
+    layer = nn.Linear(4, 4, dtype=np.float64)
+    x = distlab.tensor(np.random.default_rng(2).standard_normal((3, 4)))
+    expected = _plain_grads(layer, lambda: layer(layer(x).tanh()).sum().backward())
+    _buffered(layer)
+    layer(layer(x).tanh()).sum().backward()
+    for p, grad in zip(layer.parameters(), expected):
+        np.testing.assert_allclose(p.grad.data, grad, rtol=1e-12)
+    layer.weight.grad = layer.bias.grad = None
+    layer(layer(x).tanh()).sum().backward()  # the claim did not outlive the pass
+    for p, grad in zip(layer.parameters(), expected):
+        np.testing.assert_allclose(p.grad.data, grad, rtol=1e-12)
+
+
+def test_a_tensor_hook_or_a_sink_keeps_the_gradient_out_of_the_buffer():
+    model = mlp(depth=1)
+    x = distlab.tensor(np.ones((2, 4)))
+    expected = _plain_grads(model, lambda: model(x).sum().backward())
+    buffers = _buffered(model)
+    shown = []
+    model[0].weight.register_hook(lambda g: shown.append(g))  # a hook may keep what it was shown
+    model(x).sum().backward()
+    assert model[0].weight.grad.data is not buffers[0] and np.isnan(buffers[0]).all()
+    assert shown[0].data is not buffers[0]
+    assert model[0].bias.grad.data is buffers[1]
+    np.testing.assert_allclose(model[0].weight.grad.data, expected[0])
+    model[0].bias.grad = None
+    got = {}
+    out = model(x).sum()
+    ag.run_backward([out], [np.ones(())], accumulate=lambda t, g: got.__setitem__(id(t), g))
+    assert got[id(model[0].bias)] is not buffers[1]  # a distributed autograd context keeps its own arrays
+    assert model[0].bias.grad is None
+
+
+def test_embedding_and_mismatched_dtypes():
+    distlab.manual_seed(0)
+    emb = nn.Embedding(6, 3)
+    tokens = np.array([[1, 2, 2], [5, 0, 1]])
+    expected = _plain_grads(emb, lambda: emb(tokens).sum().backward())
+    (buffer,) = _buffered(emb)
+    emb(tokens).sum().backward()
+    assert emb.weight.grad.data is buffer and np.array_equal(buffer, expected[0])
+    layer = nn.Linear(4, 2, dtype=np.float32)
+    buffers = _buffered(layer)
+    layer(distlab.tensor(np.ones((2, 4)))).sum().backward()  # float64 input: the weight's gradient is float64
+    assert layer.weight.grad.data is not buffers[0] and layer.weight.grad.dtype == np.float32
+
+
+def test_set_grad_buffer_checks_the_buffer():
+    p = nn.Parameter(np.zeros((2, 3), np.float32))
+    for bad in (np.zeros((3, 2), np.float32), np.zeros((2, 3)), np.zeros((3, 2), np.float32).T, [[0.0] * 3] * 2):
+        with pytest.raises(ValueError, match=r"set_grad_buffer: the buffer must be .* shape \(2, 3\) and dtype float32"):
+            ag.accumulate_grad.set_grad_buffer(p, bad)
+    ag.accumulate_grad.set_grad_buffer(p, None)

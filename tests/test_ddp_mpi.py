@@ -69,6 +69,32 @@ def test_buckets_reduced_in_shared_memory_train_as_through_mpi(runs, tmp_path, n
                 assert np.array_equal(a, b) if np_ == 2 else np.allclose(a, b, rtol=1e-3, atol=1e-4), (rank, config)
 
 
+def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
+    # On one node the buckets live in a shared-memory arena, whose reduction divides each piece it sums: the
+    # bucket allreduces are "avg" and gradients enter undivided. In private memory (arenas off) they are divided
+    # on the way in and summed, with the same bits on 2 ranks; a comm hook always gets the plain sum to divide.
+    from _mpi import run_scenario
+
+    prefix = str(tmp_path / "private")
+    job = run_scenario("ddp_train.py", np=2, args=["core", prefix], timeout=300,
+                       env={"DISTLAB_SHARED_MEMORY": "0"})
+    assert job.stdout.count("DDP configurations match local training") == 2
+    private, shared = _load(prefix, 2), runs[2, "core"]
+
+    def bucket_ops(trace):
+        return {detail for op, name, _, _, detail in trace if op == "allreduce" and name.startswith("bucket")}
+
+    for rank in range(2):
+        for config, result in shared[rank].items():
+            if "hook" in config:  # the hook's own collectives, named by the hook
+                assert bucket_ops(result["trace"]) == bucket_ops(private[rank][config]["trace"]) == set(), config
+            else:
+                assert bucket_ops(result["trace"]) == {"avg"}, config
+                assert bucket_ops(private[rank][config]["trace"]) == {"sum"}, config
+            for a, b in zip(result["params"], private[rank][config]["params"]):
+                assert np.array_equal(a, b), (rank, config)
+
+
 def test_trace_shows_buckets_in_order_then_the_used_map(runs):
     trace = runs[2, "core"][0]["find_unused"]["trace"]
     names = [name for op, name, *_ in trace if op == "allreduce"]

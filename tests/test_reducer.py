@@ -99,6 +99,40 @@ def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad
     assert any(np.shares_memory(model.module.fc1.weight.grad.data, buf) for buf in buffers)
 
 
+def test_gradient_as_bucket_view_has_backward_compute_into_the_views(impl):
+    """Each gradient is computed in its bucket view (the anchor computes it elsewhere and copies it in): what the
+    reducer's hook is handed is the view itself, every iteration, and the values are those of plain training."""
+    model, plain = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl), TwoBranch()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    handed = {}
+    for p in model.parameters():  # registered after the reducer's hooks: runs once the reducer took the grad
+        p.register_post_accumulate_grad_hook(lambda t: handed.__setitem__(id(t), t.grad.data))
+    for _ in range(3):
+        opt.zero_grad()  # set_to_none: the next gradient is computed into the view
+        handed.clear()
+        model(x()).backward()
+        plain.zero_grad()
+        plain(x()).backward()
+        views = {id(model.reducer.params[i]): bucket.views_in[position]  # (the buckets are rebuilt once)
+                 for bucket in model.reducer.buckets for position, i in enumerate(bucket.variable_indices)}
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            assert handed[id(p)] is views[id(p)] and p.grad.data is views[id(p)], name
+            assert np.array_equal(p.grad.data, q.grad.data), name
+        opt.step()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            q.data[...] = p.data
+    model.reducer.remove_hooks()  # a discarded DDP no longer has backward write into its buckets
+    assert all(p._grad_buffer is None for p in model.parameters())
+
+
+def test_without_bucket_views_gradients_are_computed_apart(impl):
+    model = DDP(TwoBranch(), impl=impl)
+    model(x()).backward()
+    assert all(p._grad_buffer is None for p in model.parameters())
+    buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+    assert not any(np.shares_memory(p.grad.data, buf) for p in model.parameters() for buf in buffers)
+
+
 def test_no_sync_accumulates_then_syncs(impl):
     model, plain = DDP(TwoBranch(), find_unused_parameters=True, impl=impl), TwoBranch()
     with model.no_sync():

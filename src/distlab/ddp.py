@@ -77,7 +77,9 @@ class DistributedDataParallel(HostJoinable, Module):
     find_unused_parameters : bool
         Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
     gradient_as_bucket_view : bool
-        ``.grad`` becomes a view into the bucket: saves a copy and the memory of one gradient set.
+        ``.grad`` becomes a view into the bucket, and backward computes each gradient of a ``linear`` or
+        ``embedding`` straight into it (:func:`distlab.autograd.set_grad_buffer`): saves the copies in and out
+        and the memory of one gradient set. As in torch, a ``.grad`` kept from an earlier step is overwritten.
     static_graph : bool
         Promise that every iteration uses the same parameters, the same number of times.
     broadcast_buffers : bool
@@ -364,6 +366,7 @@ class _DDPJoinHook:
         ddp.require_forward_param_sync = should_sync  # no_sync on the others: no buffer sync next time either
         if not should_sync:
             return
+        ddp.reducer.forward_work_static_world = ddp._divide_by_initial_world_size  # as the others' forward set it
         ddp._match_all_reduce_for_bwd_pass()
         if ddp.find_unused_parameters and not ddp.static_graph:
             ddp._match_unused_params_allreduce()

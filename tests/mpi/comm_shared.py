@@ -132,8 +132,13 @@ def train(shared_memory: bool, view: bool):
     return [p.data.copy() for p in model.parameters()]
 
 
+# The arena's buckets are averaged by their reduction, (a + b + c) / 3, where through MPI each gradient is divided
+# on its way in, a/3 + b/3 + c/3: the same bits when dividing by a power of two, within rounding otherwise.
 for view in (False, True):
-    assert all(np.array_equal(a, b) for a, b in zip(train(True, view), train(False, view))), view
+    shared, through_mpi = train(True, view), train(False, view)
+    assert all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(shared, through_mpi)), view  # a few ulp
+    if n in (2, 4):
+        assert all(np.array_equal(a, b) for a, b in zip(shared, through_mpi)), view
 
 # Join over shared-memory buckets: the joined rank shadows each bucket by reducing its own arena bucket, zeroed
 # (every rank must pass its view of the same region), and every rank ends with the same model as over MPI.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import SparseGrad, graph_leaves, queue_callback
+from ..autograd.accumulate_grad import set_grad_buffer
 from .reducer_autocap import AUTO, choose_bucket_caps, measure_link
 from .reducer_buckets import (
     NO_SIZE_LIMIT,
@@ -176,6 +177,16 @@ class ReducerBase:
             raise TypeError(grad_mismatch(self.param_names, index, param.data.dtype, grad.data))
         bucket.gradients = grad if self.comm_hook is not None else grad * (1.0 / self.div_factor)
 
+    def _reduction_divides(self, bucket) -> bool:
+        """Whether ``bucket``'s allreduce averages (op "avg"), so that its gradients enter it undivided.
+
+        Only a shared-memory bucket's reduction divides for nothing: it scales each cache-sized piece it has just
+        summed, where a division on the way in is a pass of its own over a gradient computed in place (no
+        counterpart in the anchor, which divides on the way in). It must divide by the group size, which under
+        Join with ``divide_by_initial_world_size=False`` it does not; and a comm hook divides by itself.
+        """
+        return bucket.arena is not None and self.comm_hook is None and self.forward_work_static_world
+
     def all_reduce_local_used_map(self):
         """Sum the used-parameter flags over ranks (``all_reduce_local_used_map``), after the last bucket (G1, G3)."""
         self.local_used_work = self.process_group.allreduce(self.local_used_map.copy(), async_op=True,
@@ -335,6 +346,8 @@ class ReducerBase:
         for handle in self.hook_handles:
             handle.remove()
         self.hook_handles = []
+        for param in self.params:
+            set_grad_buffer(param, None)  # backward no longer writes into this reducer's buckets
 
     # -- Join: what a rank that ran out of inputs needs to shadow an iteration --------------------------------
     # DDP's join hook (distlab.ddp) calls these; they mirror the Reducer methods that distributed.py's
@@ -361,7 +374,8 @@ class ReducerBase:
             return check_hook_result(self.comm_hook, self.comm_hook(self.comm_hook_state, grad_bucket))
         if self.buckets[b].expect_sparse_gradient:
             return sparse_allreduce(self.process_group, grad_bucket.buffer(), name=f"bucket{b}")
-        return self.process_group.allreduce(grad_bucket.buffer(), async_op=True, name=f"bucket{b}").get_future()
+        op = "avg" if self._reduction_divides(self.buckets[b]) else "sum"
+        return self.process_group.allreduce(grad_bucket.buffer(), op=op, async_op=True, name=f"bucket{b}").get_future()
 
     def _get_local_used_map(self):
         """A joined rank used no parameter: zeros (the anchor sends its stale map from its last iteration)."""

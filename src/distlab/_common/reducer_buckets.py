@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import SparseGrad, Tensor
+from ..autograd.accumulate_grad import set_grad_buffer
 from ..futures import Future
 
 __all__ = ["NO_SIZE_LIMIT", "compute_bucket_assignment_by_size", "GradBucket", "Bucket", "build_buckets",
@@ -248,10 +249,10 @@ def build_buckets(bucket_indices, params, names, expect_sparse, reduce_dtype, gr
                for b, indices in enumerate(bucket_indices)]
     if group is not None and hasattr(group, "shared_arrays"):
         _place_in_shared_memory(buckets, group)
-    if gradient_as_bucket_view:
-        for bucket in buckets:
-            if not bucket.expect_sparse_gradient:
-                _point_grads_at_views(bucket, params)
+    for bucket in buckets:
+        if gradient_as_bucket_view and not bucket.expect_sparse_gradient:
+            _point_grads_at_views(bucket, params)
+        _set_grad_buffers(bucket, params, gradient_as_bucket_view)
     return buckets
 
 
@@ -319,6 +320,17 @@ def _point_grads_at_views(bucket, params) -> None:
         if grad is not None and grad.data is not view:
             view[...] = grad.data
             params[i].grad = Tensor._wrap(view)
+
+
+def _set_grad_buffers(bucket, params, gradient_as_bucket_view) -> None:
+    """gradient_as_bucket_view: backward computes each gradient straight into its view (no counterpart in the
+    anchor, which copies it there); otherwise, and for views numpy cannot write, no buffer (``set_grad_buffer``)."""
+    for position, i in enumerate(bucket.variable_indices):
+        view = None if bucket.expect_sparse_gradient or not gradient_as_bucket_view else bucket.views_in[position]
+        if view is not None and (type(view) is not np.ndarray or view.dtype != params[i].data.dtype
+                                 or type(params[i].data) is not np.ndarray):
+            view = None
+        set_grad_buffer(params[i], view)
 
 
 # -- sparse gradients -----------------------------------------------------------------------------------------

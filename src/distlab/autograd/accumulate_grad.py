@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from ._array import index_add
 from .node import Node
 from .sparse import SparseGrad, add_grads
 from .tensor import Tensor, _as_array
 
-__all__ = ["AccumulateGrad", "accumulate_into", "run_tensor_hooks"]
+__all__ = ["AccumulateGrad", "accumulate_into", "run_tensor_hooks", "set_grad_buffer"]
 
 _INF = float("inf")
 
@@ -22,9 +24,11 @@ class AccumulateGrad(Node):
 
     One AccumulateGrad exists per leaf while a graph uses it (the tensor keeps a weak reference and the graph
     keeps it alive), so a leaf used twice still gets one summed gradient and one hook call per backward.
+    ``buffer_claimed`` is set while a node's output computed into the leaf's gradient buffer is on its way here
+    (see ``leaf_grad_buffer`` in engine.py), so a second producer computes its own array.
     """
 
-    __slots__ = ("variable",)
+    __slots__ = ("variable", "buffer_claimed")
 
     def __init__(self, variable):
         # Node.__init__ inlined: one is created per parameter per forward pass
@@ -34,6 +38,7 @@ class AccumulateGrad(Node):
         self.pre_hooks = None
         self.freed = False
         self.variable = variable
+        self.buffer_claimed = False
 
     def apply(self, grad):
         self.accumulate(grad, True)
@@ -47,6 +52,7 @@ class AccumulateGrad(Node):
         ``owned`` says the engine holds the only reference to ``grad``, so it may be stored without a copy.
         """
         var = self.variable
+        self.buffer_claimed = False
         if var._hooks:
             owned = False  # a hook may keep the gradient it was shown
             grad = run_tensor_hooks(var._hooks, grad)
@@ -81,7 +87,9 @@ def accumulate_into(var, grad, owned: bool = False) -> None:
     """
     old = var.grad
     if old is None:
-        if isinstance(grad, SparseGrad):
+        if grad is var._grad_buffer:  # computed in place by the node that produced it: it is the gradient
+            var.grad = Tensor._wrap(grad)
+        elif isinstance(grad, SparseGrad):
             var.grad = grad.clone()
         elif owned and grad.base is None and grad.flags.c_contiguous and grad.dtype == var.data.dtype:
             var.grad = Tensor._wrap(grad)
@@ -94,6 +102,32 @@ def accumulate_into(var, grad, owned: bool = False) -> None:
         index_add(old.data, grad.indices, grad.values)  # in place: .grad may be a view into a DDP bucket
     else:
         old.data += grad
+
+
+def set_grad_buffer(tensor, buffer) -> None:
+    """Give a leaf an array its first gradient of a backward pass may be computed in, or None to take it away.
+
+    When ``tensor.grad`` is None and the node producing its gradient can write its result in place (``linear``
+    and ``embedding`` can), it computes the gradient into ``buffer``, and ``buffer`` becomes ``.grad``; no
+    gradient array is allocated and none is copied. Any other gradient arrives as usual. DDP with
+    ``gradient_as_bucket_view=True`` gives each parameter its bucket view, so that backward writes the gradients
+    straight into the buckets (the anchor copies each gradient into its view, see ``mark_variable_ready_dense``).
+    A hook registered on the tensor, or a distributed autograd context, turns this off: they may keep the
+    gradient they are shown.
+
+    Raises
+    ------
+    ValueError
+        When ``buffer`` is not a C-contiguous numpy array of the tensor's shape and dtype.
+    """
+    if buffer is not None:
+        data = tensor.data
+        if (type(buffer) is not np.ndarray or not buffer.flags.c_contiguous or not buffer.flags.writeable
+                or buffer.shape != data.shape or buffer.dtype != data.dtype):
+            raise ValueError(f"set_grad_buffer: the buffer must be a writeable C-contiguous numpy array of shape "
+                             f"{tuple(data.shape)} and dtype {data.dtype}, got {type(buffer).__name__} "
+                             f"{getattr(buffer, 'dtype', '')}{list(getattr(buffer, 'shape', ()))}")
+    tensor._grad_buffer = buffer
 
 
 def _grad_node(self):

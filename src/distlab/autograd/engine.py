@@ -21,6 +21,8 @@ import sys
 import threading
 from collections import deque
 
+import numpy as np
+
 from . import grad_mode
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
 from .node import FREED_GRAPH_MESSAGE, Node
@@ -28,7 +30,7 @@ from .sparse import add_grads
 from .tensor import Tensor, _check_gradient
 
 __all__ = ["run_backward", "queue_callback", "compute_dependencies", "walk_graph", "graph_leaves",
-           "is_backward_running", "evaluate_node", "propagate"]
+           "is_backward_running", "evaluate_node", "propagate", "leaf_grad_buffer"]
 
 
 class _Tasks(threading.local):
@@ -80,6 +82,29 @@ def queue_callback(fn) -> None:
             "queue_callback() can only be called during a backward pass (from a hook or a node's apply); "
             "no backward pass is running in this thread")
     _tasks.stack[-1].callbacks.append(fn)
+
+
+def leaf_grad_buffer(node, i: int, shape: tuple, *operands):
+    """The array ``node`` may compute its gradient for input ``i`` into, or None to allocate one as usual.
+
+    That is the input's gradient buffer (:func:`~distlab.autograd.accumulate_grad.set_grad_buffer`) when the input
+    is a leaf whose ``.grad`` is None, with no tensor hook, reached by a backward pass that accumulates into
+    ``.grad`` (not a distributed autograd context), and when the gradient, of ``shape`` and of the result dtype
+    of the numpy ``operands``, fits it. The first producer claims the buffer; a leaf used twice gets its second
+    gradient in a fresh array, and the engine adds the two into another (``add_grads`` never writes in place).
+    """
+    leaf = node.next_nodes[i]
+    if type(leaf) is not AccumulateGrad or leaf.buffer_claimed:
+        return None
+    var = leaf.variable
+    buffer = var._grad_buffer
+    if buffer is None or var.grad is not None or var._hooks or _tasks.stack[-1].sink is not True:
+        return None
+    if buffer.shape != shape or any(type(a) is not np.ndarray for a in operands) \
+            or np.result_type(*operands) != buffer.dtype:
+        return None
+    leaf.buffer_claimed = True
+    return buffer
 
 
 def compute_dependencies(roots) -> dict:

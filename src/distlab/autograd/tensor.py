@@ -38,7 +38,7 @@ class Tensor:
     """
 
     __slots__ = ("data", "grad", "requires_grad", "grad_fn", "_accumulator", "_hooks", "_post_acc_hooks",
-                 "_retains_grad", "__weakref__", "__dict__")
+                 "_retains_grad", "_grad_buffer", "__weakref__", "__dict__")
     __array_priority__ = 1000  # ndarray <op> Tensor defers to Tensor's reflected operator
     __hash__ = object.__hash__  # identity hash (== is element-wise), so tensors can key optimizer state
     is_sparse = False
@@ -56,6 +56,7 @@ class Tensor:
         self._hooks = None
         self._post_acc_hooks = None
         self._retains_grad = False
+        self._grad_buffer = None  # where a first gradient may be computed in place (see set_grad_buffer)
 
     @classmethod
     def _wrap(cls, data, grad_fn=None):
@@ -69,6 +70,7 @@ class Tensor:
         t._hooks = None
         t._post_acc_hooks = None
         t._retains_grad = False
+        t._grad_buffer = None
         return t
 
     # -- metadata -------------------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ born. The rest are compositions of autograd ops, so their gradients come from al
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..autograd import ops, shape_ops
 from ..autograd._array import array_module, index_add, is_cupy
+from ..autograd.engine import leaf_grad_buffer
 from ..autograd.node import Node
 from ..autograd.ops import record
 from ..autograd.sparse import SparseGrad
@@ -30,9 +33,11 @@ class LinearBackward(Node):
             gx = g @ w
         if self.needs(1):
             x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-            gw = g2.T @ x2
+            gw = g2.T @ x2 if (out := leaf_grad_buffer(self, 1, w.shape, g2, x2)) is None \
+                else np.matmul(g2.T, x2, out=out)  # DDP's bucket view, when it gave the weight one
         if len(self.next_nodes) > 2 and self.needs(2):
-            gb = g2.sum(axis=0)
+            gb = g2.sum(axis=0) if (out := leaf_grad_buffer(self, 2, g2.shape[1:], g2)) is None \
+                else g2.sum(axis=0, out=out)
         return gx, gw, gb
 
 
@@ -58,7 +63,11 @@ class EmbeddingBackward(Node):
             rows = rows * (flat != padding_idx)[:, None]  # the padding row never receives a gradient
         if sparse:
             return (None, SparseGrad(flat, rows, shape))
-        dense = array_module(g).zeros(shape, dtype=g.dtype)
+        dense = leaf_grad_buffer(self, 1, shape, g)
+        if dense is None:
+            dense = array_module(g).zeros(shape, dtype=g.dtype)
+        else:
+            dense[...] = 0
         index_add(dense, flat, rows)
         return (None, dense)
 
