@@ -12,10 +12,10 @@ assignment and :class:`~distlab.ddp.GradBucket` in :mod:`distlab._common.reducer
    ``search_unused_parameters`` (shared) walks the autograd graph back from ``outputs`` and notes the parameters
    it cannot reach.
 3. Backward runs. Each parameter's post-accumulate-grad hook calls ``autograd_hook(index)``, which marks the
-   parameter ready: its gradient is copied (divided by the world size) into its bucket's view. When a bucket's
-   last gradient is in, the bucket is launched, strictly in bucket order, as one asynchronous allreduce that
-   overlaps with the rest of backward. After the last bucket, ``finalize_backward`` is queued to run when
-   backward ends.
+   parameter ready: its gradient is copied (divided by the world size, unless the bucket's reduction divides)
+   into its bucket's view, or is already there (``gradient_as_bucket_view``). When a bucket's last gradient is
+   in, the bucket is launched, strictly in bucket order, as one asynchronous allreduce that overlaps with the
+   rest of backward. After the last bucket, ``finalize_backward`` is queued to run when backward ends.
 4. ``finalize_backward`` (shared) waits for each bucket, and ``finalize_bucket_dense`` writes the averaged
    gradients back into ``.grad``.
 
@@ -69,7 +69,7 @@ class Reducer(ReducerBase):
     find_unused_parameters : bool
         Walk the graph each iteration to find parameters that get no gradient.
     gradient_as_bucket_view : bool
-        Make ``.grad`` a view into the bucket (saves a copy and memory).
+        Make ``.grad`` a view into the bucket, which backward computes the gradient in (saves copies and memory).
     param_names : sequence of str, optional
         Names used in error messages (default ``"param<i>"``).
     reduce_dtype : numpy dtype, optional
@@ -178,7 +178,8 @@ class Reducer(ReducerBase):
             self._queue_finalize_backward()
 
     def mark_variable_ready_dense(self, index, bucket, position):
-        """Copy ``grad / div_factor`` into the bucket view, or zeros for a missing grad (``..._dense``)."""
+        """Copy ``grad / div_factor`` into the bucket view, or zeros for a missing grad (``..._dense``); a gradient
+        computed in its view is only divided there, if its bucket's reduction does not divide."""
         view = bucket.views_in[position]
         grad = self.params[index].grad
         if grad is None:
