@@ -418,3 +418,42 @@ def test_set_grad_buffer_checks_the_buffer():
         with pytest.raises(ValueError, match=r"set_grad_buffer: the buffer must be .* shape \(2, 3\) and dtype float32"):
             ag.accumulate_grad.set_grad_buffer(p, bad)
     ag.accumulate_grad.set_grad_buffer(p, None)
+
+
+# -- pickling and deepcopy: data and requires_grad travel, this process's autograd state does not ---------------
+def test_a_trained_module_pickles_without_its_graph_gradients_or_buffers():
+    import pickle
+
+    model = mlp(depth=2)
+    model[0].weight.note = "kept"  # the instance's own attributes travel, as torch's
+    _buffered(model)
+    out = model(distlab.tensor(np.ones((2, 4)))).sum()  # a graph is alive: accumulators are set
+    out.backward(retain_graph=True)
+    copy = pickle.loads(pickle.dumps(model))
+    for p, q in zip(model.parameters(), copy.parameters()):
+        assert type(q) is nn.Parameter and q.requires_grad and q.is_leaf
+        assert np.array_equal(p.data, q.data) and not np.shares_memory(p.data, q.data)
+        assert q.grad is None and q._grad_buffer is None and q._accumulator is None
+    assert copy[0].weight.note == "kept"
+    restored = pickle.loads(pickle.dumps(out))  # a non-leaf arrives as a leaf that requires grad
+    assert restored.is_leaf and restored.requires_grad and restored.item() == out.item()
+
+
+def test_deepcopy_of_a_module_is_independent_of_the_original_graph():
+    import copy
+
+    model = mlp(depth=2)
+    x = distlab.tensor(np.ones((2, 4)))
+    model(x).sum().backward()
+    grads = [p.grad.data.copy() for p in model.parameters()]
+    alive = model(x).sum()  # the original's AccumulateGrad nodes are alive now
+    twin = copy.deepcopy(model)
+    for p, q, g in zip(model.parameters(), twin.parameters(), grads):
+        assert np.array_equal(q.grad.data, g) and not np.shares_memory(q.grad.data, p.grad.data)
+    for q in twin.parameters():
+        q.grad = None
+    twin(x).sum().backward()  # accumulates into the copy, never into the original's parameters
+    for p, q, g in zip(model.parameters(), twin.parameters(), grads):
+        assert np.array_equal(p.grad.data, g) and np.array_equal(q.grad.data, g)
+    with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
+        copy.deepcopy(alive)

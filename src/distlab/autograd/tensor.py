@@ -7,6 +7,7 @@ import this module, never the other way round).
 """
 from __future__ import annotations
 
+import copy
 import weakref
 
 import numpy as np
@@ -15,6 +16,15 @@ from ._array import array_module, is_cupy, to_numpy
 from .node import add_hook
 
 __all__ = ["Tensor", "tensor"]
+
+
+def _rebuild_tensor(cls, data, requires_grad: bool, attributes=None):
+    """A leaf of class ``cls`` (Tensor, Parameter or a subclass) around ``data``: what unpickling calls."""
+    tensor = object.__new__(cls)
+    Tensor.__init__(tensor, data, requires_grad=requires_grad)
+    if attributes:
+        tensor.__dict__.update(attributes)
+    return tensor
 
 
 def _as_array(value):
@@ -116,6 +126,40 @@ class Tensor:
         extra = f", grad_fn=<{self.grad_fn.name()}>" if self.grad_fn is not None else (
             ", requires_grad=True" if self.requires_grad else "")
         return f"tensor({self.data!r}{extra})"
+
+    # -- pickling and copying (torch/_tensor.py __reduce_ex__ and __deepcopy__) -----------------------------
+    def __reduce_ex__(self, protocol):
+        """Pickle the data, ``requires_grad`` and the instance's own attributes, as torch does.
+
+        Not the graph, the gradient, hooks or a gradient buffer: they belong to this process's backward passes
+        (a ``grad_fn`` holds the saved arrays of a whole graph). A tensor arrives as a leaf; distributed
+        autograd, which sends tensors through RPC this way, then gives it a recv function.
+        """
+        return _rebuild_tensor, (type(self), self.data, bool(self.requires_grad), self.__dict__ or None)
+
+    def __deepcopy__(self, memo):
+        """A leaf with its own copy of the data and of ``.grad`` (torch's ``__deepcopy__``).
+
+        The copy shares nothing with the original's autograd state: a backward pass through the copy accumulates
+        into the copy, even while a graph through the original is alive (its ``AccumulateGrad`` nodes are the
+        original's), and the copy has no hooks and no gradient buffer (a DDP bucket of the original's).
+
+        Raises
+        ------
+        RuntimeError
+            For a tensor that is not a leaf, as torch.
+        """
+        if self.grad_fn is not None:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment")
+        copied = memo.get(id(self))
+        if copied is None:
+            attributes = copy.deepcopy(self.__dict__, memo) if self.__dict__ else None
+            copied = memo[id(self)] = _rebuild_tensor(type(self), copy.deepcopy(self.data, memo),
+                                                      self.requires_grad, attributes)
+            if self.grad is not None:
+                copied.grad = copy.deepcopy(self.grad, memo)
+        return copied
 
     # -- conversion -----------------------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:

@@ -9,17 +9,14 @@ the tensors that require grad, the callee a ``RecvRpcBackward`` per such tensor,
 context, and does the same for the reply. Every RPC records its destination as a known worker of the context,
 even without tensors (forced grad recording), so that the release reaches it.
 
-Tensors travel as their data and ``requires_grad`` (arriving as leaves, then given a recv function); importing
-this module registers that pickling for :class:`~distlab.autograd.Tensor` and :class:`~distlab.nn.Parameter`.
+Tensors travel as their data and ``requires_grad`` (``Tensor.__reduce_ex__``), arriving as leaves, then given a
+recv function.
 """
 from __future__ import annotations
-
-import copyreg
 
 from distlab.autograd import grad_mode
 from distlab.autograd.tensor import Tensor
 from distlab.errors import DistAutogradError
-from distlab.nn.parameter import Parameter
 from distlab.rpc import framing
 
 from . import _state
@@ -29,20 +26,6 @@ __all__ = ["wrap_call", "autograd_call", "autograd_remote"]
 
 
 # -- tensors over the wire --------------------------------------------------------------------------------------
-def _rebuild_tensor(cls, data, requires_grad):
-    t = cls.__new__(cls)
-    Tensor.__init__(t, data, requires_grad=requires_grad)
-    return t
-
-
-def _reduce_tensor(t):
-    return _rebuild_tensor, (type(t), t.data, bool(t.requires_grad))
-
-
-copyreg.pickle(Tensor, _reduce_tensor)
-copyreg.pickle(Parameter, _reduce_tensor)
-
-
 def _tensors(obj, out):
     """Collect the Tensors inside ``obj`` (nested tuples, lists and dict values), in order."""
     if isinstance(obj, Tensor):
