@@ -57,6 +57,11 @@ CONFIGS = {
     "default": dict(),
     "small_buckets": dict(ddp=dict(bucket_cap_mb=200 / 2**20)),
     "bucket_view": dict(ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=300 / 2**20)),
+    # gradients computed in their views, then accumulated there by a no_sync micro-batch, or counted first
+    "bucket_view_no_sync": dict(ddp=dict(gradient_as_bucket_view=True, find_unused_parameters=True), micro=2,
+                                spare=lambda s: s == 0),
+    "bucket_view_static": dict(ddp=dict(gradient_as_bucket_view=True, static_graph=True,
+                                        bucket_cap_mb=300 / 2**20), spare=lambda s: False),
     "find_unused": dict(ddp=dict(find_unused_parameters=True, bucket_cap_mb=300 / 2**20), spare=lambda s: s % 2 == 1),
     "static": dict(ddp=dict(static_graph=True, bucket_cap_mb=300 / 2**20), spare=lambda s: False),
     "no_sync": dict(ddp=dict(find_unused_parameters=True), micro=2, spare=lambda s: s == 0),

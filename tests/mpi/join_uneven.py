@@ -122,9 +122,9 @@ def shard(r, i):
 
 
 loss_fn = nn.MSELoss()
-for divide_initial in (True, False):
+for divide_initial, view in ((True, False), (False, False), (True, True), (False, True)):
     group = RecordingGroup(world)
-    model = DDP(net(), process_group=group, bucket_cap_mb=100 / 2**20, impl=impl)
+    model = DDP(net(), process_group=group, bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=view, impl=impl)
     opt = optim.SGD(model.parameters(), lr=0.1)
     metric = DistributedMean(group)
     with Join([model, metric], divide_by_initial_world_size=divide_initial):
@@ -152,9 +152,9 @@ for divide_initial in (True, False):
             p.grad = distlab.tensor(g)
         local_opt.step()
     for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
-        assert np.allclose(a.data, b.data, atol=1e-5), (divide_initial, name, np.abs(a.data - b.data).max())
+        assert np.allclose(a.data, b.data, atol=1e-5), (divide_initial, view, name, np.abs(a.data - b.data).max())
     assert metric.count == sum(3 + r for r in range(size)), metric.count
-    out[f"ddp divide_initial={divide_initial}"] = {
+    out[f"ddp divide_initial={divide_initial} view={view}"] = {
         "params": [p.data.copy() for p in model.module.parameters()], "trace": group.trace}
 
 with open(f"{prefix}.rank{rank}.pkl", "wb") as fh:
