@@ -457,3 +457,16 @@ def test_deepcopy_of_a_module_is_independent_of_the_original_graph():
         assert np.array_equal(p.grad.data, g) and np.array_equal(q.grad.data, g)
     with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
         copy.deepcopy(alive)
+
+
+def test_a_node_prehook_or_a_node_applied_by_hand_gets_no_buffer():
+    model = mlp(depth=1)
+    x = distlab.tensor(np.ones((2, 4)))
+    buffers = _buffered(model)
+    out = model(x).sum()
+    out.grad_fn.next_nodes[0].apply(np.ones((2, 4)))  # by hand, outside any backward pass
+    assert np.isnan(buffers[0]).all() and model[0].weight.grad is None
+    out = model(x).sum()
+    model[0].weight._grad_node().register_prehook(lambda g: None)  # a pre-hook is shown the gradient
+    out.backward()
+    assert model[0].weight.grad.data is not buffers[0] and model[0].bias.grad.data is buffers[1]

@@ -88,17 +88,20 @@ def leaf_grad_buffer(node, i: int, shape: tuple, *operands):
     """The array ``node`` may compute its gradient for input ``i`` into, or None to allocate one as usual.
 
     That is the input's gradient buffer (:func:`~distlab.autograd.accumulate_grad.set_grad_buffer`) when the input
-    is a leaf whose ``.grad`` is None, with no tensor hook, reached by a backward pass that accumulates into
-    ``.grad`` (not a distributed autograd context), and when the gradient, of ``shape`` and of the result dtype
-    of the numpy ``operands``, fits it. The first producer claims the buffer; a leaf used twice gets its second
-    gradient in a fresh array, and the engine adds the two into another (``add_grads`` never writes in place).
+    is a leaf whose ``.grad`` is None, with no hook that may keep what it is shown, reached by a backward pass
+    (not a node applied by hand) that accumulates into ``.grad`` (not a distributed autograd context), and when
+    the gradient, of ``shape`` and of the result dtype of the numpy ``operands``, fits it. The first producer
+    claims the buffer; a leaf used twice gets its second gradient in a fresh array, and the engine adds the two
+    into another (``add_grads`` never writes in place).
     """
     leaf = node.next_nodes[i]
-    if type(leaf) is not AccumulateGrad or leaf.buffer_claimed:
+    if type(leaf) is not AccumulateGrad or leaf.buffer_claimed or leaf.pre_hooks:
         return None
     var = leaf.variable
     buffer = var._grad_buffer
-    if buffer is None or var.grad is not None or var._hooks or _tasks.stack[-1].sink is not True:
+    if buffer is None or var.grad is not None or var._hooks or not _tasks.stack:
+        return None
+    if _tasks.stack[-1].sink is not True:
         return None
     if buffer.shape != shape or any(type(a) is not np.ndarray for a in operands) \
             or np.result_type(*operands) != buffer.dtype:
