@@ -15,8 +15,9 @@ three probes run on every rank (:func:`measure_link`): the latency of a tiny all
 of a few MB alone (the bandwidth), and the same allreduce started while the rank computes as many matrix
 products as fill that time alone, driving MPI between them as the reducer's hooks do (the *contention*: 0 when
 the two overlap perfectly, as when a NIC or the kernel moves the bytes; 1 when they share one core and take
-turns, as on one host). One ``allreduce(max)`` of
-everything makes every rank decide on the same numbers, so every rank picks the same caps.
+turns). On one node the probes use the shared-memory arena the buckets live in, whose reduction is the rank's
+own work in its polls: the contention is 1 there by construction, and it is not probed. One ``allreduce(max)``
+of everything makes every rank decide on the same numbers, so every rank picks the same caps.
 
 **The cost model** (:func:`predict_end`). Backward delivers gradients at the recorded times; a bucket is ready
 with its last gradient and its allreduce starts when it is ready and the previous bucket's is done (buckets go
@@ -184,8 +185,8 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
 
     Returns the :class:`LinkModel` and ``arrivals`` with every value the maximum over ranks. The collectives
     issued (in order): a shared arena's set-up (one node only), 3 tiny allreduces, 2 allreduces of the probe
-    size, one more started while computing, then one ``allreduce(max)`` of the measurements, all named ``auto
-    bucket cap ...``.
+    size, one more started while computing (across nodes only: in an arena the contention is known), then one
+    ``allreduce(max)`` of the measurements, all named ``auto bucket cap ...``.
     """
     specs = [(int(np.clip(gradient_bytes, *PROBE_BYTES)) // 4, np.float32), (LATENCY_PROBE_ELEMENTS, np.float32)]
     # Probe the path the buckets will take: in shared memory when the group's ranks share a node (the buckets are
@@ -194,9 +195,32 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
     probe, tiny = placed[1] if placed is not None else [np.zeros(count, dtype) for count, dtype in specs]
     latency = min(_timed(group, lambda: group.allreduce(tiny, name="auto bucket cap: latency")) for _ in range(3))
     alone = min(_timed(group, lambda: group.allreduce(probe, name="auto bucket cap: bandwidth")) for _ in range(2))
-    # A fixed amount of work, not a deadline: computing "for as long as the allreduce takes" would end on time
-    # however much of the core the allreduce took meanwhile, and the probe would see no contention where the
-    # allreduce is CPU work on the same core (one host: measured 0.12 that way).
+    compute_alone = together = 0.0
+    if placed is None:
+        compute_alone, together = _contention_probe(group, probe, alone)
+    mine = np.concatenate([[latency, alone, compute_alone, together], np.nan_to_num(np.asarray(arrivals, float))])
+    group.allreduce(mine, op="max", name="auto bucket cap: measurements")
+    latency, alone, compute_alone, together = mine[:4]
+    bandwidth = probe.nbytes / max(alone - latency, 1e-9)
+    if placed is not None:
+        # In a shared-memory arena the reduction is this rank's own work, done on its thread in the polls between
+        # backward's computations: it cannot run beside backward, so the contention is 1 by construction. Probed,
+        # it read anything from 0.2 to 0.95 on one host (the ranks' memory-bound reductions run faster when they
+        # do not coincide, which the probe takes for overlap), and auto then chose 4 MB where the whole model
+        # does best.
+        return LinkModel(float(latency), float(bandwidth), 1.0), mine[4:]
+    shorter = min(alone, compute_alone)
+    contention = float(np.clip((together - max(alone, compute_alone)) / max(shorter, 1e-9), 0.0, 1.0))
+    return LinkModel(float(latency), float(bandwidth), contention), mine[4:]
+
+
+def _contention_probe(group, probe, alone: float) -> tuple[float, float]:
+    """Seconds of a fixed amount of layer-sized computation alone, and with an allreduce of ``probe`` beside it.
+
+    A fixed amount of work, not a deadline: computing "for as long as the allreduce takes" would end on time
+    however much of the core the allreduce took meanwhile, and the probe would see no contention where the
+    allreduce is CPU work on the same core (one host: measured 0.12 that way).
+    """
     products = _products_in(alone)
     compute_alone = _timed(group, lambda: _compute(products, None))
 
@@ -205,14 +229,7 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
         _compute(products, work)
         work.wait()
 
-    together = _timed(group, overlapped)
-    mine = np.concatenate([[latency, alone, compute_alone, together], np.nan_to_num(np.asarray(arrivals, float))])
-    group.allreduce(mine, op="max", name="auto bucket cap: measurements")
-    latency, alone, compute_alone, together = mine[:4]
-    bandwidth = probe.nbytes / max(alone - latency, 1e-9)
-    shorter = min(alone, compute_alone)
-    contention = float(np.clip((together - max(alone, compute_alone)) / max(shorter, 1e-9), 0.0, 1.0))
-    return LinkModel(float(latency), float(bandwidth), contention), mine[4:]
+    return compute_alone, _timed(group, overlapped)
 
 
 def _timed(group, fn) -> float:
