@@ -363,7 +363,8 @@ cdef class Reducer:
 
     cdef inline double _scale_into_bucket(self, Py_ssize_t b) except? -1.0:
         """See :meth:`distlab.reference.reducer.Reducer._scale_into_bucket`."""
-        if self.comm_hook is not None or (self.bucket_arena[b] and self.forward_work_static_world):
+        if self.comm_hook is not None or (self.gradient_as_bucket_view and self.bucket_arena[b]
+                                          and self.forward_work_static_world):
             return 1.0
         return self._inverse_divide_factor()
 

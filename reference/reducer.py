@@ -201,7 +201,8 @@ class Reducer(ReducerBase):
 
     def _scale_into_bucket(self, bucket):
         """``1 / div_factor``, or 1 when a comm hook divides by itself (it sees the plain sum of gradients) or the
-        bucket's reduction divides (a shared-memory bucket, see ``_reduction_divides``)."""
+        bucket's reduction divides (a shared-memory bucket holding gradients computed in place, see
+        ``_reduction_divides``)."""
         if self.comm_hook is not None or self._reduction_divides(bucket):
             return 1.0
         return 1.0 / self.div_factor

@@ -132,8 +132,9 @@ def train(shared_memory: bool, view: bool):
     return [p.data.copy() for p in model.parameters()]
 
 
-# The arena's buckets are averaged by their reduction, (a + b + c) / 3, where through MPI each gradient is divided
-# on its way in, a/3 + b/3 + c/3: the same bits when dividing by a power of two, within rounding otherwise.
+# With the view the arena's buckets are averaged by their reduction, (a + b + c) / 3, where through MPI each
+# gradient is divided on its way in, a/3 + b/3 + c/3: the same bits when dividing by a power of two, within
+# rounding otherwise (without the view both divide on the way in).
 for view in (False, True):
     shared, through_mpi = train(True, view), train(False, view)
     assert all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(shared, through_mpi)), view  # a few ulp

@@ -180,12 +180,15 @@ class ReducerBase:
     def _reduction_divides(self, bucket) -> bool:
         """Whether ``bucket``'s allreduce averages (op "avg"), so that its gradients enter it undivided.
 
-        Only a shared-memory bucket's reduction divides for nothing: it scales each cache-sized piece it has just
-        summed, where a division on the way in is a pass of its own over a gradient computed in place (no
-        counterpart in the anchor, which divides on the way in). It must divide by the group size, which under
-        Join with ``divide_by_initial_world_size=False`` it does not; and a comm hook divides by itself.
+        With ``gradient_as_bucket_view`` backward computes the gradients in the bucket, and dividing them there is
+        a pass of its own, where a shared-memory bucket's reduction divides for nothing: it scales each
+        cache-sized piece it has just summed (no counterpart in the anchor, which divides on the way in). Without
+        the view each gradient is copied in anyway, and the copy divides for nothing. The reduction must divide
+        by the group size, which under Join with ``divide_by_initial_world_size=False`` it does not; and a comm
+        hook divides by itself.
         """
-        return bucket.arena is not None and self.comm_hook is None and self.forward_work_static_world
+        return (self.gradient_as_bucket_view and bucket.arena is not None and self.comm_hook is None
+                and self.forward_work_static_world)
 
     def all_reduce_local_used_map(self):
         """Sum the used-parameter flags over ranks (``all_reduce_local_used_map``), after the last bucket (G1, G3)."""
