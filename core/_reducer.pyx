@@ -108,6 +108,7 @@ cdef class Reducer:
     _queue_finalize_backward = ReducerBase._queue_finalize_backward
     mark_variable_ready_sparse = ReducerBase.mark_variable_ready_sparse
     _reduction_divides = ReducerBase._reduction_divides
+    _allreduce_dense = ReducerBase._allreduce_dense
     all_reduce_local_used_map = ReducerBase.all_reduce_local_used_map
     _read_reduced_used_map = ReducerBase._read_reduced_used_map
     delay_all_reduce = ReducerBase.delay_all_reduce
@@ -289,9 +290,7 @@ cdef class Reducer:
         elif self.bucket_sparse[b]:
             future = sparse_allreduce(self.process_group, bucket.gradients, name=self._bucket_names[b])
         else:
-            op = "avg" if self._reduction_divides(bucket) else "sum"
-            future = self.process_group.allreduce(bucket.gradients, op=op, async_op=True,
-                                                  name=self._bucket_names[b]).get_future()
+            future = self._allreduce_dense(bucket, bucket.gradients, self._bucket_names[b])
         bucket.future = future
         if self._observe:
             self.stats.bucket_launched(b, bucket.nbytes(), self.bucket_params[b], future)

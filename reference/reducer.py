@@ -224,9 +224,7 @@ class Reducer(ReducerBase):
         elif bucket.expect_sparse_gradient:
             bucket.future = sparse_allreduce(self.process_group, bucket.gradients, name=f"bucket{b}")
         else:
-            op = "avg" if self._reduction_divides(bucket) else "sum"
-            work = self.process_group.allreduce(bucket.gradients, op=op, async_op=True, name=f"bucket{b}")
-            bucket.future = work.get_future()
+            bucket.future = self._allreduce_dense(bucket, bucket.gradients, f"bucket{b}")
         self.stats.bucket_launched(b, bucket.nbytes(), len(bucket.variable_indices), bucket.future)
 
     def finalize_bucket_dense(self, bucket):

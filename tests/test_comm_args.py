@@ -192,12 +192,10 @@ def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
 def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_share():
     import os
 
-    from distlab.comm.board import MASK_WORDS, core_mask, machine_id, machine_oversubscribed
+    from distlab.comm.board import core_mask, machine_id, machine_oversubscribed
 
     def mask(*cores):
-        bits = np.zeros(MASK_WORDS * 64, dtype=bool)
-        bits[list(cores)] = True
-        return np.packbits(bits, bitorder="little").view(np.int64)
+        return core_mask(cores)
 
     one, other = 11, 22
     # Four ranks on two virtual hosts of one machine with two cores: oversubscribed, on every rank.

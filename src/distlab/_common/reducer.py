@@ -190,6 +190,11 @@ class ReducerBase:
         return (self.gradient_as_bucket_view and bucket.arena is not None and self.comm_hook is None
                 and self.forward_work_static_world)
 
+    def _allreduce_dense(self, bucket, gradients, name):
+        """Start the allreduce of a dense bucket's ``gradients`` without a comm hook; returns its future."""
+        op = "avg" if self._reduction_divides(bucket) else "sum"
+        return self.process_group.allreduce(gradients, op=op, async_op=True, name=name).get_future()
+
     def all_reduce_local_used_map(self):
         """Sum the used-parameter flags over ranks (``all_reduce_local_used_map``), after the last bucket (G1, G3)."""
         self.local_used_work = self.process_group.allreduce(self.local_used_map.copy(), async_op=True,
@@ -377,8 +382,7 @@ class ReducerBase:
             return check_hook_result(self.comm_hook, self.comm_hook(self.comm_hook_state, grad_bucket))
         if self.buckets[b].expect_sparse_gradient:
             return sparse_allreduce(self.process_group, grad_bucket.buffer(), name=f"bucket{b}")
-        op = "avg" if self._reduction_divides(self.buckets[b]) else "sum"
-        return self.process_group.allreduce(grad_bucket.buffer(), op=op, async_op=True, name=f"bucket{b}").get_future()
+        return self._allreduce_dense(self.buckets[b], grad_bucket.buffer(), f"bucket{b}")
 
     def _get_local_used_map(self):
         """A joined rank used no parameter: zeros (the anchor sends its stale map from its last iteration)."""

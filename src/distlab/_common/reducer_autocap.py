@@ -202,15 +202,12 @@ def measure_link(group, gradient_bytes: int, arrivals) -> tuple[LinkModel, np.nd
     group.allreduce(mine, op="max", name="auto bucket cap: measurements")
     latency, alone, compute_alone, together = mine[:4]
     bandwidth = probe.nbytes / max(alone - latency, 1e-9)
-    if placed is not None:
-        # In a shared-memory arena the reduction is this rank's own work, done on its thread in the polls between
-        # backward's computations: it cannot run beside backward, so the contention is 1 by construction. Probed,
-        # it read anything from 0.2 to 0.95 on one host (the ranks' memory-bound reductions run faster when they
-        # do not coincide, which the probe takes for overlap), and auto then chose 4 MB where the whole model
-        # does best.
-        return LinkModel(float(latency), float(bandwidth), 1.0), mine[4:]
-    shorter = min(alone, compute_alone)
-    contention = float(np.clip((together - max(alone, compute_alone)) / max(shorter, 1e-9), 0.0, 1.0))
+    # In a shared-memory arena the reduction is this rank's own work, done on its thread in the polls between
+    # backward's computations: it cannot run beside backward, so the contention is 1 by construction. Probed, it
+    # read anything from 0.2 to 0.95 on one host (the ranks' memory-bound reductions run faster when they do not
+    # coincide, which the probe takes for overlap), and auto then chose 4 MB where the whole model does best.
+    contention = 1.0 if placed is not None else float(
+        np.clip((together - max(alone, compute_alone)) / max(min(alone, compute_alone), 1e-9), 0.0, 1.0))
     return LinkModel(float(latency), float(bandwidth), contention), mine[4:]
 
 

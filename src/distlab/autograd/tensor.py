@@ -152,13 +152,11 @@ class Tensor:
         if self.grad_fn is not None:
             raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
                                "protocol at the moment")
-        copied = memo.get(id(self))
-        if copied is None:
-            attributes = copy.deepcopy(self.__dict__, memo) if self.__dict__ else None
-            copied = memo[id(self)] = _rebuild_tensor(type(self), copy.deepcopy(self.data, memo),
-                                                      self.requires_grad, attributes)
-            if self.grad is not None:
-                copied.grad = copy.deepcopy(self.grad, memo)
+        attributes = copy.deepcopy(self.__dict__, memo) if self.__dict__ else None
+        copied = memo[id(self)] = _rebuild_tensor(type(self), copy.deepcopy(self.data, memo), self.requires_grad,
+                                                  attributes)
+        if self.grad is not None:
+            copied.grad = copy.deepcopy(self.grad, memo)
         return copied
 
     # -- conversion -----------------------------------------------------------------------------------------

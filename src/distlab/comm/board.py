@@ -74,12 +74,14 @@ def machine_id() -> int:
     return int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "little") >> 1
 
 
-def core_mask() -> np.ndarray:
-    """The cores this process may run on, as a bit mask of ``MASK_WORDS`` 64-bit words (cores 0 to 4095)."""
-    try:
-        cores = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        cores = range(os.cpu_count() or 1)
+def core_mask(cores=None) -> np.ndarray:
+    """``cores`` (default: those this process may run on) as a bit mask of ``MASK_WORDS`` 64-bit words (cores 0
+    to 4095)."""
+    if cores is None:
+        try:
+            cores = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            cores = range(os.cpu_count() or 1)
     bits = np.zeros(MASK_WORDS * 64, dtype=bool)
     bits[[core for core in cores if core < bits.size]] = True
     return np.packbits(bits, bitorder="little").view(np.int64)

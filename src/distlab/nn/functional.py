@@ -36,8 +36,7 @@ class LinearBackward(Node):
             gw = g2.T @ x2 if (out := leaf_grad_buffer(self, 1, w.shape, g2, x2)) is None \
                 else np.matmul(g2.T, x2, out=out)  # DDP's bucket view, when it gave the weight one
         if len(self.next_nodes) > 2 and self.needs(2):
-            gb = g2.sum(axis=0) if (out := leaf_grad_buffer(self, 2, g2.shape[1:], g2)) is None \
-                else g2.sum(axis=0, out=out)
+            gb = g2.sum(axis=0, out=leaf_grad_buffer(self, 2, g2.shape[1:], g2))
         return gx, gw, gb
 
 
