@@ -6,7 +6,7 @@ and, for the two models of bench_autograd (big: 100 x Linear(256, 256), 26 MB in
 batch 32, round-robin over:
 
 - ``local``: the plain model, no DDP (the floor);
-- ``ddp reference`` / ``ddp core``: DistributedDataParallel with each reducer twin;
+- ``ddp reference`` / ``ddp core``: DistributedDataParallel, default arguments, with each reducer twin;
 - ``bookkeeping reference`` / ``bookkeeping core``: the same with a no-op communication hook, so only the
   reducer's own work is left (hooks, ready marking, copies into buckets and back).
 

@@ -49,6 +49,14 @@ def test_ddp_matches_local_training_across_hosts(mpirun, virtual_cluster, tmp_pa
 
 
 @pytest.mark.parametrize("np_,world", WORLDS)
+def test_auto_bucket_caps_across_hosts(mpirun, virtual_cluster, np_, world):
+    # The probes measure a real link here (contention included), and the bucket layout leaves the bits alone
+    # (DISTLAB_SHARED_MEMORY=0 only tells the script so: a group spanning hosts has no arena anyway).
+    job = run_across(mpirun, virtual_cluster, "ddp_auto.py", np_, args=[world], env={"DISTLAB_SHARED_MEMORY": "0"})
+    assert job.stdout.count("agreed") == np_ and job.stdout.count("train the same bits") == np_
+
+
+@pytest.mark.parametrize("np_,world", WORLDS)
 def test_join_uneven_inputs_across_hosts(mpirun, virtual_cluster, tmp_path, np_, world):
     job = run_across(mpirun, virtual_cluster, "join_uneven.py", np_, args=[world, str(tmp_path / "join")])
     assert job.stdout.count("join scenarios OK") == np_

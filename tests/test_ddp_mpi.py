@@ -129,10 +129,12 @@ def test_buffers_are_broadcast_from_rank_0_before_each_forward_only_when_asked(m
     assert job.stdout.count("DDP buffer checks OK") == 2
 
 
-@pytest.mark.parametrize("np_, impl", [(2, "reference"), (2, "core"), (4, "mixed")])
-def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl):
-    job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300)
+@pytest.mark.parametrize("np_, impl, shared", [(2, "reference", "1"), (2, "core", "1"), (3, "core", "0"),
+                                               (4, "mixed", "1"), (4, "mixed", "0")])
+def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl, shared):
+    job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300, env={"DISTLAB_SHARED_MEMORY": shared})
     assert job.stdout.count("agreed") == np_ and job.stdout.count("uneven inputs with auto caps OK") == np_
+    assert job.stdout.count("train the same bits") == (np_ if shared == "0" else 0)
 
 
 @pytest.mark.parametrize("np_, impl", [(2, "core"), (3, "mixed")])

@@ -56,6 +56,10 @@ def test_a_slow_link_gets_small_buckets_one_host_gets_one_bucket():
     one_host = choose_bucket_caps(order, params, arrivals, LinkModel(5e-5, 3e9, 1.0))  # a copy by the same core
     assert one_host.cap == 8 * MiB  # overlap gains nothing, every bucket costs latency
     assert set(one_host.predicted) == {2 ** k for k in range(16, 24)}
+    # A wire slower than backward on one host still gets the whole model: with full contention nothing overlaps,
+    # so there is no idle wire for small buckets to fill, and the choice never depends on the measurements there.
+    one_host_slow = choose_bucket_caps(order, params, arrivals, LinkModel(5e-5, 1e8, 1.0))
+    assert sum(p.nbytes for p in params) / 1e8 > 70e-3 and one_host_slow.cap == 8 * MiB
     as_dict = one_host.as_dict()
     assert as_dict["cap_bytes"] == 8 * MiB and as_dict["contention"] == 1.0 and len(as_dict["predicted_s"]) == 8
 
@@ -119,6 +123,25 @@ def test_ddp_auto_chooses_at_the_rebuild_and_trains_like_the_plain_model(impl, f
     assert data["bucket_cap_bytes"] == choice["cap_bytes"] < 25 * MiB  # 10 MB/s: small buckets
     assert data["first_bucket_cap_bytes"] == choice["first_cap_bytes"]
     assert len(data["bucket_indices"]) > 1 and 0 < choice["backward_s"] < 60
+
+
+@pytest.mark.parametrize("spelling", [{}, {"bucket_cap_mb": None}, {"bucket_cap_mb": 25}])
+def test_auto_is_the_default_and_a_number_fixes_the_caps(impl, fixed_link, monkeypatch, spelling):
+    probes = []
+    measure = reducer_autocap.measure_link  # fixed_link's
+    monkeypatch.setattr("distlab._common.reducer.measure_link", lambda *a: probes.append(1) or measure(*a))
+    model = DDP(mlp(), impl=impl, **spelling)
+    x = distlab.tensor(np.ones((4, 128), dtype=np.float32))
+    for _ in range(3):
+        model(x).sum().backward()
+    data = model.reducer.get_logging_data()
+    fixed = spelling.get("bucket_cap_mb") == 25
+    assert data["has_rebuilt_buckets"] and data["bucket_cap_auto"] is not fixed and len(probes) == (not fixed)
+    if fixed:  # torch's layout: the 400 KB model in the 1 MiB first bucket, and nothing measured
+        assert data["auto_bucket_cap"] is None and data["bucket_cap_bytes"] == 25 * MiB
+        assert len(data["bucket_indices"]) == 1
+    else:
+        assert data["bucket_cap_bytes"] == data["auto_bucket_cap"]["cap_bytes"] < 25 * MiB
 
 
 def test_ddp_auto_rebuilds_also_with_find_unused_parameters(impl, fixed_link):

@@ -235,12 +235,12 @@ for rank, result in enumerate(results):
 #
 # On one machine the ranks' allreduce is a memory copy, done by the same cores that compute backward. Across a
 # network link the bytes travel at the link's rate, and a bucket's allreduce can run while backward computes the
-# next gradients, but only if the bucket is ready early: the default layout (a 1 MiB first bucket, then 25 MiB)
-# puts most of a 6 MB model in a bucket that is ready only when backward ends. Smaller buckets start the wire
-# early, at a fixed cost per bucket. `bucket_cap_mb="auto"` lets the reducer choose: it records when gradients
-# arrive in the first iteration, probes the link's latency, bandwidth and how much communication slows
-# computation on this machine, and picks the cap its cost model predicts fastest (the "DDP reducer" docs page
-# explains the model).
+# next gradients, but only if the bucket is ready early: PyTorch's default layout (`bucket_cap_mb=25`: a 1 MiB
+# first bucket, then 25 MiB) puts most of a 6 MB model in a bucket that is ready only when backward ends.
+# Smaller buckets start the wire early, at a fixed cost per bucket. distlab's default, `bucket_cap_mb="auto"`,
+# lets the reducer choose: it records when gradients arrive in the first iteration, probes the link's latency,
+# bandwidth and how much communication slows computation on this machine, and picks the cap its cost model
+# predicts fastest (the "DDP reducer" docs page explains the model).
 #
 # distlab's virtual cluster (`python -m distlab cluster`) puts two "hosts" on this machine in network
 # namespaces joined by a link shaped to a chosen rate, and runs the ranks across them over TCP. It needs root;
@@ -353,7 +353,7 @@ for ax, (rate, r) in zip(axes, results.items()):
     ax.axhline(floor, color="black", linestyle=":", linewidth=1)
     ax.text(len(caps) - 0.5, floor, " floor", va="bottom", ha="right", fontsize=8)
     ax.set_xticks(range(len(caps)))
-    labels = [f"auto\n({r['auto cap MB']:.2g} MiB)"] + [f"{c} MiB" for c in caps[1:]]
+    labels = [f"auto, default\n({r['auto cap MB']:.2g} MiB)"] + [f"{c} MiB" for c in caps[1:]]
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("DDP step, ms")
     title = f"link {rate}: local step {r['local']:.0f} ms, allreduce {r['allreduce']:.0f} ms"
@@ -364,7 +364,7 @@ plt.show()
 # %% [markdown]
 # The dotted line is the floor, max(local step, allreduce alone): neither computing nor moving the bytes can
 # be hidden entirely behind the other. On the slow link the wire dominates, and what matters is that it starts
-# early: the default's big second bucket leaves the link idle for most of backward. On the fast link the
+# early: PyTorch's big second bucket (25 MiB) leaves the link idle for most of backward. On the fast link the
 # allreduce is short and costs CPU that this 2-core machine also needs for backward, so splitting it into many
 # buckets gains little. `auto` picks a cap from its measurements on every rank alike; the choice, with the
 # prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a

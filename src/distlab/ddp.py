@@ -4,7 +4,7 @@ Mirrors torch/nn/parallel/distributed.py. The wrapper checks that every rank hol
 0's parameters and buffers to every rank, buckets the parameters, and hands them to the active twin's
 :class:`~distlab.reference.reducer.Reducer`, whose hooks reduce gradients during backward::
 
-    model = DistributedDataParallel(MLP(), bucket_cap_mb=25)
+    model = DistributedDataParallel(MLP())
     loss = loss_fn(model(x), y)
     loss.backward()          # gradients are averaged over ranks when backward returns
     opt.step()
@@ -70,10 +70,11 @@ class DistributedDataParallel(HostJoinable, Module):
         The model; every rank must build the same one (checked).
     process_group : distlab.comm.ProcessGroup, optional
         Default: :func:`distlab.comm.world`.
-    bucket_cap_mb : float or "auto"
-        Bucket size in MiB (default 25, as PyTorch). ``"auto"`` measures the first iteration's backward pass and
-        the group's allreduce, and chooses the size at the bucket rebuild after it (see the reducer's docs page:
-        it pays off across slow links, where the default's last bucket cannot overlap with backward).
+    bucket_cap_mb : float, "auto" or None
+        Bucket size in MiB. The default, ``"auto"`` (``None`` too, torch's spelling of "the default"), measures
+        the first iteration's backward pass and the group's allreduce and chooses the size at the bucket rebuild
+        after it: the whole model on one host, small buckets across a slow link (the reducer's docs page). A
+        number fixes the size and measures nothing; 25 is PyTorch's default layout.
     find_unused_parameters : bool
         Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
     gradient_as_bucket_view : bool
@@ -90,7 +91,7 @@ class DistributedDataParallel(HostJoinable, Module):
         Which reducer twin to use (default: ``distlab.IMPL``).
     """
 
-    def __init__(self, module, process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+    def __init__(self, module, process_group=None, bucket_cap_mb=AUTO, find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False, broadcast_buffers=True, reduce_dtype=None,
                  impl=None):
         super().__init__()
@@ -101,6 +102,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        bucket_cap_mb = AUTO if bucket_cap_mb is None else bucket_cap_mb
         auto = isinstance(bucket_cap_mb, str)
         if auto and bucket_cap_mb != AUTO:
             raise ValueError(f"bucket_cap_mb must be a number of MiB or {AUTO!r}, got {bucket_cap_mb!r}")

@@ -1,5 +1,6 @@
 """bucket_cap_mb="auto" on several ranks: every rank chooses the same caps and layout (also in a mixed world),
-training equals local training on the whole batch, and a rank that joined early shadows the probes (Join).
+training equals local training on the whole batch, a rank that joined early shadows the probes (Join), and,
+through MPI (arenas off: DISTLAB_SHARED_MEMORY=0), the bucket layout does not change a bit of the result.
 
 argv: impl ("reference", "core" or "mixed": even ranks reference, odd ranks core).
 """
@@ -8,6 +9,7 @@ import sys
 import numpy as np
 
 from distlab import comm, nn, optim
+from distlab.comm.shared import shared_memory_enabled
 from distlab.ddp import DistributedDataParallel as DDP
 from scenario_checks import seeded_mlp, sharded_batch, twin_of
 
@@ -66,3 +68,29 @@ data = model.reducer.get_logging_data()
 agreed = world.allgather_object((data["has_rebuilt_buckets"], data["bucket_cap_bytes"], data["bucket_indices"]))
 assert all(a == agreed[0] for a in agreed) and agreed[0][0], agreed
 print(f"rank {rank} ({impl}): uneven inputs with auto caps OK", flush=True)
+
+# Across hosts, the layout does not change the bits: MPICH's allreduce sums every element in the same order
+# whatever the message's size (checked here through MPI, with the arenas off). So two runs in which "auto" measures
+# differently and chooses different caps still train the same parameters. On one node (the arenas on) "auto"
+# probes nothing and always picks the whole model, so its layout cannot differ there; a layout chosen by hand can
+# (on more than 2 ranks, buckets under SHARED_MIN_BYTES go through MPI, whose order of summation is not the
+# arena's rank order).
+def trained(cap, view):
+    model = DDP(mlp(), bucket_cap_mb=cap, gradient_as_bucket_view=view, impl=impl)
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, np.arange(rank * SHARD, (rank + 1) * SHARD))
+        loss_fn(model(x), y).backward()
+        opt.step()
+    buckets = len(model.reducer.get_logging_data()["bucket_indices"])
+    return [p.data.copy() for p in model.module.parameters()], buckets
+
+
+if not shared_memory_enabled():
+    for view in (False, True):
+        (whole, one), (split, many) = trained(25, view), trained(0.06, view)  # one bucket; one per weight
+        assert one == 1 and many >= 6, (one, many)
+        assert all(np.array_equal(a, b) for a, b in zip(whole, split)), max(
+            float(np.abs(a - b).max()) for a, b in zip(whole, split))
+    print(f"rank {rank} ({impl}): one bucket and one per layer train the same bits", flush=True)

@@ -25,8 +25,10 @@ strictly in order); an allreduce takes ``latency + bytes / bandwidth``. While ba
 at the same time, each progresses at ``1 / (1 + contention)`` of its speed. The predicted cost of a bucket size
 is the time from the first gradient until the last allreduce ends. :func:`choose_bucket_caps` evaluates the
 candidate sizes; those within 3% of the best are ties, which the model cannot tell apart (it is only a model).
-Where the wire takes longer than backward, the smallest tie of at least 1 MiB wins (an idle wire lengthens the
-step for good, and a bucket more costs little); elsewhere the largest (fewer buckets). The first bucket's cap
+Where the wire takes longer than backward and can run beside it, the smallest tie of at least 1 MiB wins (an idle
+wire lengthens the step for good, and a bucket more costs little); elsewhere the largest (fewer buckets). On one
+host (contention 1) that is always the whole model: every bucket more only adds its latency, so the choice does
+not depend on what was measured, and the layout is the same in every run. The first bucket's cap
 is ``min(1 MiB, cap)``, as the anchor's.
 """
 from __future__ import annotations
@@ -163,7 +165,8 @@ def choose_bucket_caps(order, tensors, arrivals, model: LinkModel, expect_sparse
     ties = [c for c, seconds in predicted.items() if seconds <= best * (1 + TIE)]
     backward = float(max((float(arrivals[i]) for i in order), default=0.0))
     wire = sum(wire_bytes[i] for i in dense) / model.bandwidth
-    cap = _break_tie(ties, wire_bound=wire > backward)
+    # With full contention (one host) communication and backward take turns on the core: no wire stands idle.
+    cap = _break_tie(ties, wire_bound=wire > backward and model.contention < 1.0)
     return AutoCapChoice(min(FIRST_BUCKET_CAP, cap), cap, predicted, backward, model)
 
 
