@@ -126,7 +126,8 @@ def test_ddp_auto_chooses_at_the_rebuild_and_trains_like_the_plain_model(impl, f
 
 
 @pytest.mark.parametrize("spelling", [{}, {"bucket_cap_mb": None}, {"bucket_cap_mb": 25}])
-def test_auto_is_the_default_and_a_number_fixes_the_caps(impl, fixed_link, monkeypatch, spelling):
+def test_auto_is_the_default_and_a_number_fixes_the_caps(impl, fixed_link, monkeypatch, caplog, spelling):
+    caplog.set_level("INFO", logger="distlab.ddp")
     probes = []
     measure = reducer_autocap.measure_link  # fixed_link's
     monkeypatch.setattr("distlab._common.reducer.measure_link", lambda *a: probes.append(1) or measure(*a))
@@ -137,11 +138,18 @@ def test_auto_is_the_default_and_a_number_fixes_the_caps(impl, fixed_link, monke
     data = model.reducer.get_logging_data()
     fixed = spelling.get("bucket_cap_mb") == 25
     assert data["has_rebuilt_buckets"] and data["bucket_cap_auto"] is not fixed and len(probes) == (not fixed)
+    said = [r.getMessage() for r in caplog.records if r.name == "distlab.ddp"]
     if fixed:  # torch's layout: the 400 KB model in the 1 MiB first bucket, and nothing measured
         assert data["auto_bucket_cap"] is None and data["bucket_cap_bytes"] == 25 * MiB
-        assert len(data["bucket_indices"]) == 1
+        assert len(data["bucket_indices"]) == 1 and not said
     else:
-        assert data["bucket_cap_bytes"] == data["auto_bucket_cap"]["cap_bytes"] < 25 * MiB
+        choice = data["auto_bucket_cap"]
+        assert data["bucket_cap_bytes"] == choice["cap_bytes"] < 25 * MiB
+        # The choice is logged once, with what it was made from (fixed_link's 10 MB/s, 100 us, no contention).
+        assert len(said) == 1 and said[0].startswith(
+            f"bucket_cap_mb='auto' chose {choice['cap_bytes'] / MiB:.3g} MiB, first bucket ")
+        assert "allreduce 0.01 GB/s + 100 us, contention 0.00" in said[0], said[0]
+        assert "(the whole model in one bucket: " in said[0] and "A number for bucket_cap_mb fixes" in said[0]
 
 
 def test_ddp_auto_rebuilds_also_with_find_unused_parameters(impl, fixed_link):

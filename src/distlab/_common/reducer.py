@@ -11,11 +11,13 @@ runtime statistics in :mod:`distlab._common.reducer_stats`; this module re-expor
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..autograd import SparseGrad, graph_leaves, queue_callback
 from ..autograd.accumulate_grad import set_grad_buffer
-from .reducer_autocap import AUTO, choose_bucket_caps, measure_link
+from .reducer_autocap import AUTO, choose_bucket_caps, describe_auto_choice, measure_link
 from .reducer_buckets import (
     NO_SIZE_LIMIT,
     Bucket,
@@ -36,6 +38,8 @@ from .reducer_messages import (
     static_graph_changed,
 )
 from .reducer_stats import ReducerStats
+
+log = logging.getLogger("distlab.ddp")
 
 __all__ = ["AUTO", "MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
            "build_buckets", "compute_bucket_assignment_by_size", "empty_sparse_grad", "sparse_allreduce",
@@ -285,6 +289,8 @@ class ReducerBase:
                                                                             name="rebuild_buckets")
             self.first_bucket_bytes_cap = self.auto_choice["first_cap_bytes"]
             self.bucket_bytes_cap = self.auto_choice["cap_bytes"]
+            if self.process_group.rank == 0:
+                log.info("%s", describe_auto_choice(self.auto_choice, len(indices)))
         else:
             indices = self.process_group.broadcast_object(indices, src=0, name="rebuild_buckets")
         self.has_rebuilt_bucket = True

@@ -41,7 +41,7 @@ import numpy as np
 from .reducer_buckets import compute_bucket_assignment_by_size
 
 __all__ = ["AUTO", "CANDIDATE_CAPS", "LinkModel", "AutoCapChoice", "predict_end", "choose_bucket_caps",
-           "measure_link"]
+           "measure_link", "describe_auto_choice"]
 
 MiB = 1024 * 1024
 #: The value of ``bucket_cap_mb`` (and of the reducer's ``bucket_bytes_cap``) that asks for the choice.
@@ -168,6 +168,18 @@ def choose_bucket_caps(order, tensors, arrivals, model: LinkModel, expect_sparse
     # With full contention (one host) communication and backward take turns on the core: no wire stands idle.
     cap = _break_tie(ties, wire_bound=wire > backward and model.contention < 1.0)
     return AutoCapChoice(min(FIRST_BUCKET_CAP, cap), cap, predicted, backward, model)
+
+
+def describe_auto_choice(choice: dict, buckets: int) -> str:
+    """One line saying what "auto" chose and why (``choice`` is :meth:`AutoCapChoice.as_dict`); DDP logs it."""
+    predicted = {int(cap): seconds for cap, seconds in choice["predicted_s"].items()}
+    cap, whole = choice["cap_bytes"], max(predicted)
+    against = "" if cap == whole else f" (the whole model in one bucket: {predicted[whole] * 1e3:.1f} ms)"
+    return (f"bucket_cap_mb='auto' chose {cap / MiB:.3g} MiB, first bucket {choice['first_cap_bytes'] / MiB:.3g} "
+            f"MiB, {buckets} buckets. Measured: backward {choice['backward_s'] * 1e3:.1f} ms, allreduce "
+            f"{choice['bandwidth_Bps'] / 1e9:.3g} GB/s + {choice['latency_s'] * 1e6:.0f} us, contention "
+            f"{choice['contention']:.2f}. Predicted: {predicted[cap] * 1e3:.1f} ms from the first gradient to the "
+            f"last allreduce's end{against}. A number for bucket_cap_mb fixes the size.")
 
 
 def _break_tie(ties, wire_bound: bool) -> int:
