@@ -105,7 +105,7 @@ def test_trace_shows_buckets_in_order_then_the_used_map(runs):
 
 
 @pytest.mark.parametrize("impl", ["reference", "core"])
-def test_model_mismatch_is_refused_on_every_rank(mpirun, impl):
+def test_model_or_argument_mismatch_is_refused_on_every_rank(mpirun, impl):
     job = mpirun("ddp_errors.py", np=4, args=[impl])
     assert job.stdout.count("model checks OK") == 4
 

@@ -67,7 +67,8 @@ class DistributedDataParallel(HostJoinable, Module):
     Parameters
     ----------
     module : distlab.nn.Module
-        The model; every rank must build the same one (checked).
+        The model; every rank must build the same one and pass the same arguments (both checked; ``impl`` may
+        differ).
     process_group : distlab.comm.ProcessGroup, optional
         Default: :func:`distlab.comm.world`.
     bucket_cap_mb : float, "auto" or None
@@ -116,7 +117,12 @@ class DistributedDataParallel(HostJoinable, Module):
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
         self._module_buffers = list(self.module.named_buffers())  # re-read at every sync (_sync_buffers)
-        self._verify_model_across_ranks(named)
+        # Arguments that change which collectives a rank issues must agree (the twin, ``impl``, need not).
+        options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                       gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                       broadcast_buffers=broadcast_buffers,
+                       reduce_dtype=None if reduce_dtype is None else np.dtype(reduce_dtype).name)
+        self._verify_model_across_ranks(named, options)
         self._sync_module_states()
         names = [name for name, _ in named]
         params = [p for _, p in named]
@@ -146,12 +152,20 @@ class DistributedDataParallel(HostJoinable, Module):
                              "requires a gradient")
         return named
 
-    def _verify_model_across_ranks(self, named):
-        """Same number of parameters and same shapes on every rank, else an error naming the rank (all raise)."""
+    def _verify_model_across_ranks(self, named, options):
+        """Same arguments, same number of parameters and same shapes on every rank, else an error naming the rank
+        (every rank raises). PyTorch checks the shapes only; ranks given different arguments issue different
+        collectives, which fail only later, as a timeout that does not say why."""
         mine = [(name, tuple(p.data.shape), str(p.data.dtype)) for name, p in named]
-        everyone = self.process_group.allgather_object(mine, name="verify model")
-        reference = everyone[0]
-        for rank, theirs in enumerate(everyone[1:], 1):
+        everyone = self.process_group.allgather_object((options, mine), name="verify model")
+        for rank, (theirs, _) in enumerate(everyone[1:], 1):
+            differ = [f"{key}={theirs[key]!r} on rank {rank} but {value!r} on rank 0"
+                      for key, value in everyone[0][0].items() if theirs[key] != value]
+            if differ:
+                raise ValueError("DistributedDataParallel expects the same arguments on every rank: "
+                                 + "; ".join(differ))
+        reference = everyone[0][1]
+        for rank, (_, theirs) in enumerate(everyone[1:], 1):
             if len(theirs) != len(reference):
                 raise ValueError(f"DistributedDataParallel expects the same model on every rank, but rank {rank} "
                                  f"has {len(theirs)} parameters that require grad while rank 0 has "

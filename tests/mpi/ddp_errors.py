@@ -1,6 +1,8 @@
-"""DDP refuses models that differ across ranks, on every rank, naming the rank and the parameter; a compression
-hook's timeout names the rank that never reached backward."""
+"""DDP refuses models and arguments that differ across ranks, on every rank, naming the rank and the parameter
+or argument; a compression hook's timeout names the rank that never reached backward."""
 import sys
+
+import numpy as np
 
 from distlab import comm, nn
 from distlab.ddp import DistributedDataParallel as DDP
@@ -25,9 +27,23 @@ try:
 except ValueError as exc:
     assert f"parameter '0.weight' is float32[{width if pg.rank == last else 5}, 3] on rank {last}" in str(exc), str(exc)
 
-# Parameters start equal everywhere: rank 0's initialisation is broadcast.
-import numpy as np  # noqa: E402
+# Different arguments on the last rank: refused at construction, not left to time out in a later collective
+# ("auto" probes the link at the rebuild where a fixed cap does not; an unused-parameter map is reduced or not).
+for theirs, mine, text in [
+    (dict(bucket_cap_mb=25), {}, f"bucket_cap_mb=25 on rank {last} but 'auto' on rank 0"),
+    (dict(find_unused_parameters=True, broadcast_buffers=False), {},
+     f"find_unused_parameters=True on rank {last} but False on rank 0; broadcast_buffers=False on rank {last} "
+     "but True on rank 0"),
+    (dict(reduce_dtype=np.float16), dict(reduce_dtype=np.float32),
+     f"reduce_dtype='float16' on rank {last} but 'float32' on rank 0"),
+]:
+    try:
+        DDP(nn.Linear(3, 3), impl=impl, **(theirs if pg.rank == last else mine))
+        raise AssertionError(f"{theirs} on one rank only must be refused")
+    except ValueError as exc:
+        assert str(exc) == f"DistributedDataParallel expects the same arguments on every rank: {text}", str(exc)
 
+# Parameters start equal everywhere: rank 0's initialisation is broadcast.
 import distlab  # noqa: E402
 
 distlab.manual_seed(pg.rank)  # deliberately different initialisation per rank
