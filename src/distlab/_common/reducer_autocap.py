@@ -27,9 +27,9 @@ is the time from the first gradient until the last allreduce ends. :func:`choose
 candidate sizes; those within 3% of the best are ties, which the model cannot tell apart (it is only a model).
 Where the wire takes longer than backward and can run beside it, the smallest tie of at least 1 MiB wins (an idle
 wire lengthens the step for good, and a bucket more costs little); elsewhere the largest (fewer buckets). On one
-host (contention 1) that is always the whole model: every bucket more only adds its latency, so the choice does
-not depend on what was measured, and the layout is the same in every run. The first bucket's cap
-is ``min(1 MiB, cap)``, as the anchor's.
+host (contention 1) the largest tie is always the whole model, since every bucket more only adds its latency: the
+choice there does not depend on what was measured, and the layout is the same in every run. The first bucket's
+cap is ``min(1 MiB, cap)``, as the anchor's.
 """
 from __future__ import annotations
 
