@@ -63,9 +63,10 @@ class Reducer(ReducerBase):
         The ranks to reduce over.
     expect_sparse_gradients : sequence of bool, optional
         Per parameter, whether its gradient is sparse (sparse embeddings).
-    bucket_bytes_cap, first_bucket_bytes_cap : int
-        Byte caps used when the buckets are rebuilt after the first iteration. ``bucket_bytes_cap="auto"``
-        chooses both at the rebuild from measurements (:mod:`distlab._common.reducer_autocap`).
+    bucket_bytes_cap, first_bucket_bytes_cap : int, or "auto" for ``bucket_bytes_cap``
+        Byte caps used when the buckets are rebuilt after the first iteration (default 25 MiB and 1 MiB here;
+        DDP passes "auto" unless given a number). ``bucket_bytes_cap="auto"`` chooses both at the rebuild from
+        measurements (:mod:`distlab._common.reducer_autocap`).
     find_unused_parameters : bool
         Walk the graph each iteration to find parameters that get no gradient.
     gradient_as_bucket_view : bool

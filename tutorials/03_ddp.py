@@ -21,7 +21,8 @@
 # 1. checks the promise: DDP on two half-batches gives the gradients of one full batch;
 # 2. looks at the buckets, before and after the one-time rebuild in gradient-arrival order;
 # 3. draws the **overlap timeline**: each gradient's arrival and each bucket's allreduce, per rank;
-# 4. shows what happens when a parameter gets no gradient on one rank.
+# 4. shows what happens when a parameter gets no gradient on one rank;
+# 5. measures bucket size against overlap across a network link, and what the default, `"auto"`, picks.
 #
 # The docs' "DDP reducer" page walks through the code this runs.
 
@@ -364,9 +365,10 @@ plt.show()
 # %% [markdown]
 # The dotted line is the floor, max(local step, allreduce alone): neither computing nor moving the bytes can
 # be hidden entirely behind the other. On the slow link the wire dominates, and what matters is that it starts
-# early: PyTorch's big second bucket (25 MiB) leaves the link idle for most of backward. On the fast link the
-# allreduce is short and costs CPU that this 2-core machine also needs for backward, so splitting it into many
-# buckets gains little. `auto` picks a cap from its measurements on every rank alike; the choice, with the
+# early: PyTorch's big second bucket (the rest of the model, under its 25 MiB cap) leaves the link idle for most
+# of backward. On the fast link the allreduce is short and costs CPU that this 2-core machine also needs for
+# backward, so splitting it into many buckets gains little, and the caps land within a few percent of each
+# other, auto's included (which is fastest there changes from run to run). `auto` picks a cap from its measurements on every rank alike; the choice, with the
 # prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
 # network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the overlap:
 # each bucket's parameters are updated as soon as it is reduced (the DDP reducer page measures it).

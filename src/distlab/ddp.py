@@ -74,8 +74,9 @@ class DistributedDataParallel(HostJoinable, Module):
     bucket_cap_mb : float, "auto" or None
         Bucket size in MiB. The default, ``"auto"`` (``None`` too, torch's spelling of "the default"), measures
         the first iteration's backward pass and the group's allreduce and chooses the size at the bucket rebuild
-        after it: the whole model on one host, small buckets across a slow link (the reducer's docs page). A
-        number fixes the size and measures nothing; 25 is PyTorch's default layout.
+        after it: the whole model on one host (in its shared-memory arena), small buckets across a slow link (the
+        reducer's docs page); rank 0 logs the choice (logger ``distlab.ddp``, INFO). A number fixes the size and
+        measures nothing; 25 is PyTorch's default layout.
     find_unused_parameters : bool
         Find parameters that get no gradient in an iteration (costs a graph walk per iteration).
     gradient_as_bucket_view : bool
@@ -109,7 +110,7 @@ class DistributedDataParallel(HostJoinable, Module):
             raise ValueError(f"bucket_cap_mb must be a number of MiB or {AUTO!r}, got {bucket_cap_mb!r}")
         if not auto and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
-        # "auto" starts from the default layout; the reducer chooses the caps when it rebuilds the buckets.
+        # "auto" starts from 25 MiB buckets; the reducer chooses the caps when it rebuilds the buckets.
         self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if auto else int(bucket_cap_mb * MiB)
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._fused_optimizer = None  # set by _register_fused_optim

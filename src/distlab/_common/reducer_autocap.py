@@ -49,7 +49,7 @@ AUTO = "auto"
 #: Bucket sizes considered, in bytes.
 CANDIDATE_CAPS = tuple(int(m * MiB) for m in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16, 25, 32, 64))
 FIRST_BUCKET_CAP = 1 * MiB
-#: A cost within this fraction of the best counts as a tie, which the larger cap wins.
+#: A cost within this fraction of the best counts as a tie (broken by ``_break_tie``).
 TIE = 0.03
 #: The bandwidth probe's size is the model's gradient bytes, clamped to this range.
 PROBE_BYTES = (64 * 1024, 8 * MiB)
