@@ -9,15 +9,21 @@ Run (the cluster rates need root and the virtual cluster, ``python -m distlab cl
 Model: 100 x Linear(256, 256) (26 MB of fp32 gradients in 200 tensors), batch 32, MSE loss, SGD, one rank per
 host (2 ranks), BLAS on one thread. Per link rate it measures, round-robin over ``--rounds`` rounds:
 
-- ``local``: the plain model's step (zero_grad, forward, loss, backward, SGD) and its backward alone;
+- ``local``: the plain model's step (zero_grad, forward, loss, backward, SGD), and apart its forward (with the
+  loss), backward and update;
 - ``allreduce``: one blocking allreduce of the model's bytes through distlab (the wire's share of a step);
+- ``wire``: the same bytes as 1 MiB allreduces all started at once, then waited for: the link kept busy, as
+  DDP's small buckets keep it at best;
 - ``ddp``: DistributedDataParallel's step for each bucket cap (``auto``, 25, 4, 1 MB), with and without
   ``gradient_as_bucket_view``, for each twin; with ``--fused`` also with auto caps and the optimizer fused into
   DDP's hook (``_register_fused_optim``: each bucket's parameters are updated as soon as it is reduced), shown
   as cap ``f<MB>``.
 
 The *floor* of a DDP step is max(local step, allreduce alone): neither the computation nor the wire can be hidden
-behind the other completely. Each DDP row reports its step and the step over the floor. With ``--cpu`` a second
+behind the other completely. Each DDP row reports its step and the step over the floor. Where the wire is the
+longer, a DDP step whose optimizer steps after backward has a tighter *bound*: forward + wire + update (no bucket
+can start before backward's first gradients, and the update needs the last bucket). The link rows report the
+step over it too. With ``--cpu`` a second
 table gives each step's CPU time (user and system, from ``getrusage``) beside its wall time: the MPI library
 busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done, but system time is
 the kernel's TCP work. Prints the tables and writes ``benchmarks/results/bench_overlap.json``; ``--timeline
@@ -92,12 +98,16 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
             if not self.fused:
                 self.opt.step()
 
-        def backward_only(self):
+        def phases(self):
+            """Seconds of the forward pass (with the loss), of backward and of the optimizer's update."""
             self.opt.zero_grad()
-            loss = self.loss_fn(self.model(self.x), self.y)
             start = time.perf_counter()
+            loss = self.loss_fn(self.model(self.x), self.y)
+            forward = time.perf_counter()
             loss.backward()
-            return time.perf_counter() - start
+            backward = time.perf_counter()
+            self.opt.step()
+            return forward - start, backward - forward, time.perf_counter() - backward
 
     if trace_steps:  # a separate job, with the timeline on: a few steps of the auto-capped core twin only
         step = Step(DistributedDataParallel(mlp(), bucket_cap_mb="auto", impl="core"))
@@ -111,7 +121,13 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
     def allreduce():
         pg.allreduce(buffer, name="allreduce alone")
 
-    steps = {"local": Step(mlp()), "allreduce": allreduce}
+    pieces = [buffer[i:i + 2**18] for i in range(0, buffer.size, 2**18)]  # 1 MiB of float32 each
+
+    def wire():
+        for work in [pg.allreduce(piece, async_op=True, name="wire") for piece in pieces]:
+            work.wait()
+
+    steps = {"local": Step(mlp()), "allreduce": allreduce, "wire": wire}
     for impl in twins:
         for view in views:
             for cap in caps:
@@ -126,7 +142,7 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
             step()
     samples = {key: [] for key in steps}
     cpu_samples = {key: [] for key in steps}
-    backward = []
+    phases = []
     for _ in range(rounds):
         for key, step in steps.items():
             pg.barrier()
@@ -137,9 +153,10 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
             after = resource.getrusage(resource.RUSAGE_SELF)
             cpu_samples[key].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
         pg.barrier()
-        backward.append(steps["local"].backward_only())
-    row = {"ranks": pg.size, "megabytes": nbytes / 1e6, "params": 2 * LAYERS,
-           "backward ms": statistics.median(backward) * 1e3}
+        phases.append(steps["local"].phases())
+    row = {"ranks": pg.size, "megabytes": nbytes / 1e6, "params": 2 * LAYERS}
+    for i, phase in enumerate(("forward", "backward", "update")):
+        row[f"{phase} ms"] = statistics.median(p[i] for p in phases) * 1e3
     for key in steps:
         row[f"{key} ms"] = statistics.median(samples[key]) * 1e3
         if cpu:
@@ -235,14 +252,16 @@ def table(rows) -> str:
     """One line per (rate, twin, gradient_as_bucket_view, cap).
 
     ``floor`` is max(local step, allreduce alone); ``over/ar`` is DDP's step minus the local step over the
-    allreduce alone (what DDP adds to the step, against what the allreduce alone costs).
+    allreduce alone (what DDP adds to the step, against what the allreduce alone costs); ``bound`` is forward +
+    wire + update where the wire is longer than backward (a link), else blank.
     """
     head = (f"{'link':>8} {'twin':>9} {'view':>4} {'cap':>5} {'buckets':>7} {'DDP step':>9} {'floor':>7} "
-            f"{'step/floor':>10} {'over/ar':>7}   {'local step':>10} "
-            f"{'backward':>8} {'allreduce':>9}")
+            f"{'step/floor':>10} {'over/ar':>7} {'bound':>7} {'step/bound':>10}   {'local step':>10} "
+            f"{'backward':>8} {'allreduce':>9} {'wire':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         floor = max(r["local ms"], r["allreduce ms"])
+        bound = r["forward ms"] + r["wire ms"] + r["update ms"] if r["wire ms"] > r["backward ms"] else None
         for key in [k[:-3] for k in r if k.startswith("ddp") and k.endswith(" ms") and "user" not in k
                     and "sys" not in k]:
             _, impl, cap, view, *fused = key.split()
@@ -252,8 +271,10 @@ def table(rows) -> str:
             step = r[key + " ms"]
             lines.append(f"{r['rate']:>8} {impl:>9} {view.split('=')[1]:>4} {cap_text:>5} "
                          f"{r[key + ' buckets']:>7} {step:>7.1f}ms {floor:>5.1f}ms {step / floor:>10.2f} "
-                         f"{(step - r['local ms']) / r['allreduce ms']:>7.2f}"
-                         f"   {r['local ms']:>8.1f}ms {r['backward ms']:>6.1f}ms {r['allreduce ms']:>7.1f}ms")
+                         f"{(step - r['local ms']) / r['allreduce ms']:>7.2f} "
+                         + (f"{bound:>5.1f}ms {step / bound:>10.2f}" if bound else f"{'':>7} {'':>10}")
+                         + f"   {r['local ms']:>8.1f}ms {r['backward ms']:>6.1f}ms {r['allreduce ms']:>7.1f}ms"
+                         f" {r['wire ms']:>5.1f}ms")
     return "\n".join(lines)
 
 
