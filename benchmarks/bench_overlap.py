@@ -23,10 +23,9 @@ The *floor* of a DDP step is max(local step, allreduce alone): neither the compu
 behind the other completely. Each DDP row reports its step and the step over the floor. Where the wire is the
 longer, a DDP step whose optimizer steps after backward has a tighter *bound*: forward + wire + update (no bucket
 can start before backward's first gradients, and the update needs the last bucket). The link rows report the
-step over it too. With ``--cpu`` a second
-table gives each step's CPU time (user and system, from ``getrusage``) beside its wall time: the MPI library
-busy-polls, so CPU time during a wait equals its wall time and is no measure of the work done, but system time is
-the kernel's TCP work. Prints the tables and writes ``benchmarks/results/bench_overlap.json``; ``--timeline
+step over it too. With ``--cpu`` a second table gives each step's CPU time (user and system, from ``getrusage``)
+beside its wall time: the MPI library busy-polls, so CPU time during a wait equals its wall time and is no
+measure of the work done, but system time is the kernel's TCP work. Prints the tables and writes ``benchmarks/results/bench_overlap.json``; ``--timeline
 RATE`` also records, in a job of its own, a trace of a few steps of the core twin with the automatic bucket size
 at that rate (``benchmarks/results/overlap_timeline.json``, drawn by
 ``docs/_scripts/overlap_timeline_figure.py``). ``--progress`` measures instead whether an allreduce moves while
