@@ -324,13 +324,14 @@ def _point_grads_at_views(bucket, params) -> None:
 
 def _set_grad_buffers(bucket, params, gradient_as_bucket_view) -> None:
     """gradient_as_bucket_view: backward computes each gradient straight into its view (no counterpart in the
-    anchor, which copies it there); otherwise, and for views numpy cannot write, no buffer (``set_grad_buffer``)."""
+    anchor, which copies it there); otherwise, and for a view ``set_grad_buffer`` refuses (not numpy, another
+    dtype), no buffer."""
     for position, i in enumerate(bucket.variable_indices):
         view = None if bucket.expect_sparse_gradient or not gradient_as_bucket_view else bucket.views_in[position]
-        if view is not None and (type(view) is not np.ndarray or view.dtype != params[i].data.dtype
-                                 or type(params[i].data) is not np.ndarray):
-            view = None
-        set_grad_buffer(params[i], view)
+        try:
+            set_grad_buffer(params[i], view)
+        except ValueError:
+            set_grad_buffer(params[i], None)  # the gradient arrives as usual and is copied into the view
 
 
 # -- sparse gradients -----------------------------------------------------------------------------------------

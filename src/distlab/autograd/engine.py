@@ -99,9 +99,7 @@ def leaf_grad_buffer(node, i: int, shape: tuple, *operands):
         return None
     var = leaf.variable
     buffer = var._grad_buffer
-    if buffer is None or var.grad is not None or var._hooks or not _tasks.stack:
-        return None
-    if _tasks.stack[-1].sink is not True:
+    if buffer is None or var.grad is not None or var._hooks or not _tasks.stack or _tasks.stack[-1].sink is not True:
         return None
     if buffer.shape != shape or any(type(a) is not np.ndarray for a in operands) \
             or np.result_type(*operands) != buffer.dtype:
