@@ -9,7 +9,7 @@ module that needs it (``distlab.comm`` and everything built on it).
 """
 import importlib as _importlib
 
-from . import _backend
+from . import _backend, _malloc  # _malloc: glibc keeps freed memory for the next step (DISTLAB_MALLOC)
 
 __version__ = "0.1.0"
 
