@@ -83,7 +83,7 @@ def worker(out: str, rounds: int, caps, twins, views, cpu: bool, trace_steps: in
     pg = comm.world()
     # The allreduce-alone buffer first, in memory never used before: numpy asks for transparent huge pages for it,
     # which memory that model building freed and malloc keeps (4 KiB pages) would not give (MPI on one host then
-    # reduces 26 MB 15-20% slower), so the row measures the allreduce at its best.
+    # reduces 26 MB 10-20% slower), so the row measures the allreduce at its best.
     buffer = np.ones(LAYERS * (WIDTH * WIDTH + WIDTH), dtype=np.float32)
 
     class Step:

@@ -12,7 +12,7 @@ import pytest
 glibc = pytest.mark.skipif(not (hasattr(os, "confstr") and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")),
                            reason="the thresholds are glibc's")
 
-# A step's allocations, twice the size classes that matter: 32 KiB arrays (a forward's saved activations, freed
+# A step's allocations in the two size classes that matter: 32 KiB arrays (a forward's saved activations, freed
 # together at the heap's top) and 256 KiB arrays (gradients, above glibc's default mmap threshold of 128 KiB).
 CHURN = """
 import resource

@@ -6,12 +6,16 @@ unmaps it when freed, and hands the top of its heap back to the kernel once more
 next step then faults every page in again. glibc raises both thresholds by itself, but only when the process frees
 a block it had mapped (to that block's size, at most 32 MiB, and twice that for the heap's top). So a step's speed
 depended on what the process had happened to free before: the benchmarks' model (100 x Linear(256, 256), batch 32)
-took about 6,400 page faults a step in a fresh process, a third of its time, and none in a process that had freed
-a 26 MB buffer.
+took about 6,400 page faults a step in a fresh process, some 30% of its time, and none in a process that had
+freed a 26 MB buffer.
 
-distlab puts glibc in that second state from the start: blocks under 32 MiB (the largest threshold glibc accepts)
-come from the heap, and up to 256 MiB lying free at the heap's top is kept rather than returned. A process keeps
-what its steps need anyway; what it freed once and never needs again beyond that goes back to the kernel.
+distlab puts glibc in that second state from the start, with more room kept: blocks under 32 MiB (the largest
+threshold glibc accepts) come from the heap, and up to 256 MiB lying free at the heap's top is kept rather than
+returned (glibc's own adjustment stops at 64 MiB, less than a bigger model's step frees). A process keeps
+what its steps need anyway; what it freed once and never needs again beyond that goes back to the kernel. The
+price: a large array allocated where the process had freed memory before gets that memory's 4 KiB pages, not
+the transparent huge pages numpy asks for when it gets fresh memory (MPI reduced such a 26 MB array 10-20%
+slower on one host), so big arrays that live long are best allocated early.
 
 Nothing is changed when the C library is not glibc, when ``DISTLAB_MALLOC=system``, or when the user has set
 glibc's own knobs (``MALLOC_*_`` variables or ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``): those win. An
