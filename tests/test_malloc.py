@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-glibc = pytest.mark.skipif(not (hasattr(os, "confstr") and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")),
-                           reason="the thresholds are glibc's")
+from distlab._malloc import is_glibc
+
+glibc = pytest.mark.skipif(not is_glibc(), reason="the thresholds are glibc's")
 
 # A step's allocations in the two size classes that matter: 32 KiB arrays (a forward's saved activations, freed
 # together at the heap's top) and 256 KiB arrays (gradients, above glibc's default mmap threshold of 128 KiB).

@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
-import os
 from types import ModuleType
 
+from ._env import choice
 from .errors import CoreNotBuiltError
 
 __all__ = ["IMPLS", "COMPONENTS", "requested_impl", "active_impl", "check_core_built", "load", "load_twins",
@@ -47,10 +47,7 @@ BUILD_HINT = (
 
 def requested_impl() -> str:
     """Return the value of ``DISTLAB_IMPL`` (``auto``, ``reference`` or ``core``), validated."""
-    value = os.environ.get("DISTLAB_IMPL", "auto").strip().lower() or "auto"
-    if value not in ("auto",) + IMPLS:
-        raise ValueError(f"DISTLAB_IMPL={value!r} is not one of auto, reference, core")
-    return value
+    return choice("DISTLAB_IMPL", "auto", ("auto",) + IMPLS)
 
 
 def active_impl() -> str:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
+from ._env import choice
+
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "is_glibc", "keep_freed_memory", "requested"]
 
 #: Blocks smaller than this come from the heap (glibc's largest accepted M_MMAP_THRESHOLD on 64-bit systems).
 MMAP_THRESHOLD = 32 << 20
@@ -40,15 +42,19 @@ _M_MMAP_THRESHOLD = -3
 
 #: glibc's environment knobs for the same settings: a user who set one has chosen, and distlab leaves malloc alone.
 _USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-_CHOICES = ("keep", "system")
 
 
 def requested() -> str:
     """Return ``DISTLAB_MALLOC`` (``keep``, the default, or ``system``), validated."""
-    value = os.environ.get("DISTLAB_MALLOC", "keep").strip().lower() or "keep"
-    if value not in _CHOICES:
-        raise ValueError(f"DISTLAB_MALLOC={value!r} is not one of keep, system")
-    return value
+    return choice("DISTLAB_MALLOC", "keep", ("keep", "system"))
+
+
+def is_glibc() -> bool:
+    """Whether the C library is glibc (whose thresholds these are)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr (not POSIX), no such name or None (not glibc)
+        return False
 
 
 def keep_freed_memory() -> str:
@@ -61,10 +67,7 @@ def keep_freed_memory() -> str:
         return "system"
     if any(knob in os.environ for knob in _USER_KNOBS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return "user"
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return "not glibc"
-    except (AttributeError, ValueError, OSError):  # no confstr (not POSIX) or no such name (not glibc)
+    if not is_glibc():
         return "not glibc"
     import ctypes
 

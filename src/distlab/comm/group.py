@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -18,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _backend
+from .._env import choice
 from .._types import ReduceOp
 from .._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS
 from ..errors import CollectiveMismatchError, DistTimeoutError, ProcessGroupBrokenError
@@ -38,10 +38,7 @@ _OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
 
 def debug_level() -> str:
     """``DISTLAB_DEBUG``: ``OFF`` (default), ``INFO`` (log each collective) or ``DETAIL`` (check fingerprints)."""
-    level = os.environ.get("DISTLAB_DEBUG", "OFF").strip().upper() or "OFF"
-    if level not in ("OFF", "INFO", "DETAIL"):
-        raise ValueError(f"DISTLAB_DEBUG={level!r}: expected OFF, INFO or DETAIL")
-    return level
+    return choice("DISTLAB_DEBUG", "OFF", ("OFF", "INFO", "DETAIL"), upper=True)
 
 
 class ProcessGroup(GroupOperations):

@@ -19,10 +19,11 @@ The caller always waits on a condition variable: only one Python thread ever wai
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable
+
+from .._env import choice
 
 __all__ = ["AdaptiveWait", "IDLE_AFTER", "IDLE_SLEEP_MAX", "STREAM_WINDOW", "STREAM_PAUSE"]
 
@@ -52,9 +53,7 @@ class AdaptiveWait:
         self._tag = tag
         self._busy = busy
         self._send_wake = send_wake
-        self.mode = os.environ.get("DISTLAB_RPC_WAIT", "adaptive").strip().lower()
-        if self.mode not in ("adaptive", "block"):
-            raise ValueError(f"DISTLAB_RPC_WAIT={self.mode!r} is not one of adaptive, block")
+        self.mode = choice("DISTLAB_RPC_WAIT", "adaptive", ("adaptive", "block"))
         self.adaptive = self.mode == "adaptive"
         self.idle = False               # the listener polls with pauses (idle mode)
         self.running = True
