@@ -231,8 +231,8 @@ FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.met
            "distlab.rpc", "distlab.distributed_autograd", "distlab.nn", "distlab.optim", "distlab.launch",
            "distlab.cluster", "distlab.viz")
 #: Modules that import nothing from distlab (or only what is listed): the leaves everything else may use.
-LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(),
-          "distlab.futures": {"distlab.errors"}, "distlab._backend": {"distlab.errors"}}
+LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(), "distlab._env": set(),
+          "distlab.futures": {"distlab.errors"}, "distlab._backend": {"distlab.errors", "distlab._env"}}
 
 
 def _within(module: str, packages) -> bool:
