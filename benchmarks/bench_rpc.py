@@ -192,8 +192,7 @@ def codec_cpu(impl: str, n: int = 20000) -> float:
     t0 = time.process_time()
     for _ in range(n):
         data = codec.pack_header(1, 0, 7, (), (), b"", body)
-        _kind, _flags, _mid, _sizes, _forks, _meta, got = codec.unpack_header(data, limit)
-        codec.check_pickle(got)
+        codec.unpack_header(data, limit)   # the checks, the pickle walks included
     return (time.process_time() - t0) / n * 1e6
 
 

@@ -13,9 +13,11 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from distlab._common import rpc_framing as _shared
-from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_counts, bad_fork_record, bad_magic,
-                                         bad_pickle, bad_version, short_message, too_short)
+from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_control, bad_counts, bad_flags,
+                                         bad_fork_record, bad_magic, bad_pickle, bad_reserved, bad_version,
+                                         buffer_count, short_message, too_short, unknown_kind, with_sizes)
 from distlab._wire import RFD_TUPLE_SIZE, RPC_WIRE_MAGIC
+from distlab.errors import RpcMessageError
 
 __all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
 
@@ -39,6 +41,15 @@ cdef enum:
     OP_PUT_LINE = 12
     OP_PUT4 = 13
     OP_FRAME = 14
+    OP_NEXT_BUFFER = 15
+    K_RESPONSE = 0
+    K_STOP = 7
+    K_WAKE = 8
+    K_BATCH = 9
+    NUM_KINDS = 10
+    USER_KIND_BASE = 64
+    RESPONSE_FLAGS = 1
+    REQUEST_FLAGS = 6
 
 # The C constants above must be the shared ones (they describe bytes that travel between ranks).
 # Sizes are read from the shared module (the header layout is the struct there); the codes are asserted equal.
@@ -47,10 +58,13 @@ cdef Py_ssize_t FORK_INTS = RFD_TUPLE_SIZE
 assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS) == (
     _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS)
 assert (OP_UNKNOWN, OP_PLAIN, OP_STOP, OP_FIXED1, OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_COUNT1, OP_COUNT4, OP_COUNT8,
-        OP_LINE, OP_LINE2, OP_PUT_LINE, OP_PUT4, OP_FRAME) == (
+        OP_LINE, OP_LINE2, OP_PUT_LINE, OP_PUT4, OP_FRAME, OP_NEXT_BUFFER) == (
     _shared.OP_UNKNOWN, _shared.OP_PLAIN, _shared.OP_STOP, _shared.OP_FIXED1, _shared.OP_FIXED2, _shared.OP_FIXED4,
     _shared.OP_FIXED8, _shared.OP_COUNT1, _shared.OP_COUNT4, _shared.OP_COUNT8, _shared.OP_LINE, _shared.OP_LINE2,
-    _shared.OP_PUT_LINE, _shared.OP_PUT4, _shared.OP_FRAME)
+    _shared.OP_PUT_LINE, _shared.OP_PUT4, _shared.OP_FRAME, _shared.OP_NEXT_BUFFER)
+assert (K_RESPONSE, K_STOP, K_WAKE, K_BATCH, NUM_KINDS, USER_KIND_BASE, RESPONSE_FLAGS, REQUEST_FLAGS) == (
+    _shared.K_RESPONSE, _shared.K_STOP, _shared.K_WAKE, _shared.K_BATCH, _shared.NUM_KINDS, _shared.USER_KIND_BASE,
+    _shared.RESPONSE_FLAGS, _shared.REQUEST_FLAGS)
 assert _shared.HEADER.format == "<2sBBiiqiii" and len(RPC_WIRE_MAGIC) == 2
 
 cdef uint8_t OP_CLASSES[256]
@@ -145,18 +159,22 @@ def check_pickle(data):
     cdef Py_buffer b
     PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
     try:
-        return _walk_pickle(<const uint8_t*>b.buf, b.len)
+        return _walk_pickle(<const uint8_t*>b.buf, b.len, _PAYLOAD)
     finally:
         PyBuffer_Release(&b)
 
 
 # --- core-only helpers ---
 
+cdef tuple _PAYLOAD = ("payload", None, None, None)
+
+
 cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
     """unpack_header on raw bytes: (kind, flags, mid, sizes, forks, meta offset, body offset)."""
-    cdef Py_ssize_t i, j, k, meta_at, body_at
-    cdef int32_t kind, flags, nbuf, nforks, nmeta
+    cdef Py_ssize_t i, j, k, meta_at, body_at, taken
+    cdef int32_t kind, flags, nbuf, nforks, nmeta, allowed
     cdef int64_t mid, size, total = 0
+    cdef bint control
     cdef object value  # an object: PyTuple_SET_ITEM steals the reference Py_INCREF took on this very object
     if n < HEADER_SIZE:
         raise short_message(n)
@@ -165,6 +183,14 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
     kind, flags, mid = <int32_t>_get(v + 4, 4), <int32_t>_get(v + 8, 4), <int64_t>_get(v + 12, 8)
     if v[2] != VERSION:
         raise bad_version(v[2], kind, flags, mid)
+    if v[3] != 0:
+        raise bad_reserved(v[3], kind, flags, mid)
+    if kind < 0 or NUM_KINDS <= kind < USER_KIND_BASE:
+        raise unknown_kind(kind, flags, mid)
+    control = kind == K_STOP or kind == K_WAKE or kind == K_BATCH
+    allowed = RESPONSE_FLAGS if kind == K_RESPONSE else (0 if control else REQUEST_FLAGS)
+    if flags & ~allowed:
+        raise bad_flags(kind, flags, mid)
     nbuf, nforks, nmeta = <int32_t>_get(v + 20, 4), <int32_t>_get(v + 24, 4), <int32_t>_get(v + 28, 4)
     if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
         raise bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
@@ -181,6 +207,23 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
         value = size
         Py_INCREF(value)
         PyTuple_SET_ITEM(sizes, i, value)
+    if control:
+        if nbuf or nforks or nmeta or (kind != K_BATCH and body_at != n):
+            raise with_sizes(bad_control(kind, nbuf, nforks, nmeta, n - body_at, flags, mid), sizes)
+    else:
+        if nmeta:
+            try:
+                taken = _walk_pickle(v + meta_at, nmeta, ("metadata", kind, flags, mid))
+            except RpcMessageError as exc:
+                raise with_sizes(exc, sizes) from None
+            if taken:
+                raise with_sizes(buffer_count("metadata", taken, 0, kind, flags, mid), sizes)
+        try:
+            taken = _walk_pickle(v + body_at, n - body_at, ("payload", kind, flags, mid))
+        except RpcMessageError as exc:
+            raise with_sizes(exc, sizes) from None
+        if taken != nbuf:
+            raise with_sizes(buffer_count("payload", taken, nbuf, kind, flags, mid), sizes)
     forks = []
     j = HEADER_SIZE + 8 * nbuf
     for i in range(nforks):
@@ -194,10 +237,10 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
     return kind, flags, mid, sizes, forks, meta_at, body_at
 
 
-cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n) except -1:
-    """check_pickle on raw bytes."""
+cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n, tuple ctx) except -1:
+    """check_pickle on raw bytes; ``ctx`` (part, kind, flags, mid) goes into a refusal."""
     cdef Py_ssize_t pos = 0, at, width, lines, digits
-    cdef Py_ssize_t opcodes = 0
+    cdef Py_ssize_t opcodes = 0, buffers = 0
     cdef uint8_t opcode, op
     cdef uint64_t count, index
     while pos < n:
@@ -208,20 +251,25 @@ cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n) except -1:
         opcodes += 1
         if op == OP_PLAIN:
             continue
+        if op == OP_NEXT_BUFFER:
+            buffers += 1
+            continue
         if op == OP_STOP:
-            return pos
+            if pos != n:
+                raise bad_pickle(at, opcode, f"{n - pos} bytes follow the STOP opcode", *ctx)
+            return buffers
         if OP_FIXED1 <= op <= OP_FIXED8:
             pos += 1 << (op - OP_FIXED1)  # 1, 2, 4, 8 bytes
             if pos > n:
-                raise bad_pickle(at, opcode, "its argument is cut off")
+                raise bad_pickle(at, opcode, "its argument is cut off", *ctx)
         elif OP_COUNT1 <= op <= OP_COUNT8 or op == OP_FRAME:
             width = 1 if op == OP_COUNT1 else (4 if op == OP_COUNT4 else 8)
             if pos + width > n:
-                raise bad_pickle(at, opcode, "its byte count is cut off")
+                raise bad_pickle(at, opcode, "its byte count is cut off", *ctx)
             count = _get(v + pos, width)
             pos += width
             if count > <uint64_t>(n - pos):
-                raise bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain")
+                raise bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain", *ctx)
             if op != OP_FRAME:
                 pos += <Py_ssize_t>count
         elif op == OP_LINE or op == OP_LINE2:
@@ -229,15 +277,15 @@ cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n) except -1:
                 while pos < n and v[pos] != 10:
                     pos += 1
                 if pos >= n:
-                    raise bad_pickle(at, opcode, "its argument has no newline")
+                    raise bad_pickle(at, opcode, "its argument has no newline", *ctx)
                 pos += 1
         elif op == OP_PUT4:
             if pos + 4 > n:
-                raise bad_pickle(at, opcode, "its argument is cut off")
+                raise bad_pickle(at, opcode, "its argument is cut off", *ctx)
             index = _get(v + pos, 4)
             pos += 4
             if index >= <uint64_t>opcodes:
-                raise bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
+                raise bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read", *ctx)
         elif op == OP_PUT_LINE:
             index = 0
             digits = 0
@@ -246,13 +294,13 @@ cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n) except -1:
                 pos += 1
                 digits += 1
             if not (0 < digits <= MAX_PUT_DIGITS and pos < n and v[pos] == 10):
-                raise bad_pickle(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits")
+                raise bad_pickle(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits", *ctx)
             pos += 1
             if index >= <uint64_t>opcodes:
-                raise bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
+                raise bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read", *ctx)
         else:
-            raise bad_pickle(at, opcode, "not a pickle opcode")
-    raise bad_pickle(n, -1, "no STOP opcode")
+            raise bad_pickle(at, opcode, "not a pickle opcode", *ctx)
+    raise bad_pickle(n, -1, "no STOP opcode", *ctx)
 
 cdef inline void _put(uint8_t* p, int64_t value, int width) noexcept:
     """Store the low ``width`` bytes of ``value``, little-endian."""

@@ -10,12 +10,16 @@ packs and parses; what it means is explained there. The header message is::
     nmeta bytes       the pickled request metadata (absent when there is none)
     body              the pickled payload (the rest of the message)
 
-Nothing a message *claims* is trusted: counts, lengths and sizes are checked against the limits in
+Nothing a message *claims* is trusted: the wire version, the kind (one of distlab.rpc's own or a registered
+kind's range) and the flags that kind may carry, then counts, lengths and sizes are checked against the limits in
 ``distlab._common.rpc_framing`` and against the bytes actually received, before anything is allocated. The
 same goes for a pickle: CPython's unpickler allocates the byte count a ``BINBYTES8`` opcode claims before it
 reads the bytes, and grows its memo to twice the index a ``PUT`` names, so a 12-byte pickle can make it ask for
-a terabyte. :func:`check_pickle` walks the opcodes first (without running any) and refuses such claims. What it
-does not refuse is a well-formed pickle that runs code: that is the trust model of RPC (see docs).
+a terabyte. :func:`check_pickle` walks the opcodes first (without running any) and refuses such claims.
+:func:`unpack_header` walks the metadata and the body that way too: each must be exactly one pickle, and the
+body must take exactly the out-of-band buffers the header announces. So a message is refused whole, before any
+of its pickles is loaded (a pickle can run code as it loads). What is not refused is a well-formed message whose
+pickle runs code: that is the trust model of RPC (see docs).
 
 Every error is a :class:`~distlab.errors.RpcMessageError` with the same words in both twins
 (``distlab._common.rpc_framing``).
@@ -25,11 +29,14 @@ from __future__ import annotations
 import struct
 
 from distlab._common import rpc_framing as shared
-from distlab._common.rpc_framing import (FORK_RECORD_BYTES, FRAME_LEN, HEADER, MAGIC, MAX_BUFFERS, MAX_FORKS,
-                                         MAX_PUT_DIGITS, OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1,
-                                         OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_PLAIN,
-                                         OP_PUT4, OP_PUT_LINE, OP_STOP, VERSION)
+from distlab._common.rpc_framing import (FORK_RECORD_BYTES, FRAME_LEN, HEADER, K_BATCH, K_RESPONSE, K_STOP,
+                                         K_WAKE, MAGIC, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, NUM_KINDS,
+                                         OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1, OP_FIXED2,
+                                         OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_NEXT_BUFFER,
+                                         OP_PLAIN, OP_PUT4, OP_PUT_LINE, OP_STOP, REQUEST_FLAGS, RESPONSE_FLAGS,
+                                         USER_KIND_BASE, VERSION)
 from distlab._wire import RFD_TUPLE_SIZE
+from distlab.errors import RpcMessageError
 
 __all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
 
@@ -56,19 +63,33 @@ def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body
 def unpack_header(data, max_bytes: int) -> tuple:
     """Parse and check a header message; return ``(kind, flags, mid, sizes, forks, meta, body)``.
 
-    ``meta`` and ``body`` are memoryviews into ``data`` (``meta`` still pickled). ``max_bytes`` bounds the
-    out-of-band buffers together. Raises RpcMessageError, which carries kind, flags and message id once the
-    magic and the version are right (so the agent can answer the sender).
+    ``meta`` and ``body`` are memoryviews into ``data``, still pickled: nothing is unpickled here, and the checks
+    come first, in this order (PyTorch's utils.cpp ``deserializeRequest`` too decides the message type before it
+    deserializes anything): wire version, reserved byte, kind, the flags that kind may carry, counts, lengths,
+    buffer sizes (``max_bytes`` bounds them together), then the walk of the metadata and of the body
+    (:func:`check_pickle`): each exactly one pickle, the metadata taking no out-of-band buffer and the body
+    exactly ``nbuf``. stop, wake and batch messages carry no buffers, forks, metadata or flags (stop and wake no
+    body either). Raises RpcMessageError, which carries kind, flags and message id once the magic and the version
+    are right (so the agent can answer the sender), and the buffer sizes once they were checked (so the listener
+    can receive those buffers into nothing).
     """
     view = memoryview(data)
     n = len(view)
     if n < HEADER.size:
         raise shared.short_message(n)
-    magic, version, _reserved, kind, flags, mid, nbuf, nforks, nmeta = HEADER.unpack_from(view, 0)
+    magic, version, reserved, kind, flags, mid, nbuf, nforks, nmeta = HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise shared.bad_magic(magic)
     if version != VERSION:
         raise shared.bad_version(version, kind, flags, mid)
+    if reserved != 0:
+        raise shared.bad_reserved(reserved, kind, flags, mid)
+    if kind < 0 or NUM_KINDS <= kind < USER_KIND_BASE:
+        raise shared.unknown_kind(kind, flags, mid)
+    control = kind == K_STOP or kind == K_WAKE or kind == K_BATCH
+    allowed = RESPONSE_FLAGS if kind == K_RESPONSE else (0 if control else REQUEST_FLAGS)
+    if flags & ~allowed:
+        raise shared.bad_flags(kind, flags, mid)
     if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
         raise shared.bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
     sizes_at = HEADER.size
@@ -83,6 +104,20 @@ def unpack_header(data, max_bytes: int) -> tuple:
         total += size
         if size < 0 or total > max_bytes:
             raise shared.bad_buffer_size(index, size, total, max_bytes, kind, flags, mid)
+    # The sizes are sound: from here on a refusal carries them (the listener must still take those buffers).
+    if control:
+        if nbuf or nforks or nmeta or (kind != K_BATCH and body_at != n):
+            raise shared.with_sizes(shared.bad_control(kind, nbuf, nforks, nmeta, n - body_at, flags, mid), sizes)
+    else:
+        for part, start, end, expected in (("metadata", meta_at, body_at, 0), ("payload", body_at, n, nbuf)):
+            if part == "metadata" and start == end:
+                continue  # no metadata
+            try:
+                taken = _walk(view[start:end], part, kind, flags, mid)
+            except RpcMessageError as exc:
+                raise shared.with_sizes(exc, sizes) from None
+            if taken != expected:
+                raise shared.with_sizes(shared.buffer_count(part, taken, expected, kind, flags, mid), sizes)
     flat = struct.unpack_from(f"<{RFD_TUPLE_SIZE * nforks}q", view, forks_at)
     forks = [flat[i:i + RFD_TUPLE_SIZE] for i in range(0, len(flat), RFD_TUPLE_SIZE)]
     return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
@@ -112,61 +147,77 @@ def split_batch(data) -> list:
 
 
 def check_pickle(data) -> int:
-    """Walk a pickle's opcodes without running them; return the offset just past its STOP.
+    """Walk a pickle's opcodes without running them; return how many out-of-band buffers it takes.
 
     Refused (RpcMessageError): a byte that is no pickle opcode, an argument cut off by the end, a byte count
     (or frame length) larger than the bytes that remain, a PUT / LONG_BINPUT memo index no pickler could have
-    written (one at least as large as the number of opcodes read so far), and a pickle without STOP. So what
-    the unpickler allocates while it reads stays within a small multiple of ``len(data)``.
+    written (one at least as large as the number of opcodes read so far), a pickle without STOP, and bytes after
+    its STOP. So what the unpickler allocates while it reads stays within a small multiple of ``len(data)``. The
+    count is of ``NEXT_BUFFER`` opcodes: each takes the next out-of-band buffer (pickle protocol 5).
     """
+    return _walk(data, "payload", None, None, None)
+
+
+def _walk(data, part, kind, flags, mid) -> int:
+    """check_pickle; a refusal names ``part`` and carries the message's kind, flags and id."""
     raw = bytes(data)
     n = len(raw)
     pos = 0
     opcodes = 0
+    buffers = 0
+
+    def refuse(at, opcode, reason):
+        return shared.bad_pickle(at, opcode, reason, part, kind, flags, mid)
+
     while pos < n:
         at, opcode = pos, raw[pos]
-        kind = OP_CLASSES[opcode]
+        op = OP_CLASSES[opcode]
         pos += 1
         opcodes += 1
-        if kind == OP_PLAIN:
+        if op == OP_PLAIN:
             continue
-        if kind == OP_STOP:
-            return pos
-        if kind in _FIXED:
-            pos += _FIXED[kind]
+        if op == OP_NEXT_BUFFER:
+            buffers += 1
+            continue
+        if op == OP_STOP:
+            if pos != n:
+                raise refuse(at, opcode, f"{n - pos} bytes follow the STOP opcode")
+            return buffers
+        if op in _FIXED:
+            pos += _FIXED[op]
             if pos > n:
-                raise shared.bad_pickle(at, opcode, "its argument is cut off")
-        elif kind in _COUNT_WIDTH:
-            width = _COUNT_WIDTH[kind]
+                raise refuse(at, opcode, "its argument is cut off")
+        elif op in _COUNT_WIDTH:
+            width = _COUNT_WIDTH[op]
             if pos + width > n:
-                raise shared.bad_pickle(at, opcode, "its byte count is cut off")
+                raise refuse(at, opcode, "its byte count is cut off")
             count = int.from_bytes(raw[pos:pos + width], "little")
             pos += width
             if count > n - pos:
-                raise shared.bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain")
-            if kind != OP_FRAME:  # a frame's bytes are opcodes, read on; other counted bytes are data
+                raise refuse(at, opcode, f"claims {count} bytes but only {n - pos} remain")
+            if op != OP_FRAME:  # a frame's bytes are opcodes, read on; other counted bytes are data
                 pos += count
-        elif kind == OP_LINE or kind == OP_LINE2:
-            for _ in range(1 if kind == OP_LINE else 2):
+        elif op == OP_LINE or op == OP_LINE2:
+            for _ in range(1 if op == OP_LINE else 2):
                 newline = raw.find(b"\n", pos)
                 if newline < 0:
-                    raise shared.bad_pickle(at, opcode, "its argument has no newline")
+                    raise refuse(at, opcode, "its argument has no newline")
                 pos = newline + 1
-        elif kind == OP_PUT_LINE or kind == OP_PUT4:
-            if kind == OP_PUT4:
+        elif op == OP_PUT_LINE or op == OP_PUT4:
+            if op == OP_PUT4:
                 if pos + 4 > n:
-                    raise shared.bad_pickle(at, opcode, "its argument is cut off")
+                    raise refuse(at, opcode, "its argument is cut off")
                 index = int.from_bytes(raw[pos:pos + 4], "little")
                 pos += 4
             else:
                 newline = raw.find(b"\n", pos)
                 digits = raw[pos:newline] if newline >= 0 else b""
                 if not (0 < len(digits) <= MAX_PUT_DIGITS and digits.isdigit()):
-                    raise shared.bad_pickle(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits")
+                    raise refuse(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits")
                 index = int(digits)
                 pos = newline + 1
             if index >= opcodes:
-                raise shared.bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
+                raise refuse(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
         else:
-            raise shared.bad_pickle(at, opcode, "not a pickle opcode")
-    raise shared.bad_pickle(n, -1, "no STOP opcode")
+            raise refuse(at, opcode, "not a pickle opcode")
+    raise refuse(n, -1, "no STOP opcode")

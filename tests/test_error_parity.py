@@ -561,6 +561,36 @@ def a_message_of_another_wire_version(m):
 
 
 @case("rpc_framing", RpcMessageError)
+def a_message_of_a_kind_that_exists_nowhere(m):
+    m.unpack_header(_header(kind=33), LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def a_response_with_a_request_flag(m):
+    m.unpack_header(_header(kind=0, flags=2), LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def a_non_zero_reserved_byte(m):
+    m.unpack_header(_header()[:3] + b"\x01" + _header()[4:], LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def a_stop_message_with_a_body(m):
+    m.unpack_header(_header(kind=7) + b"N.", LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def a_body_taking_fewer_buffers_than_announced(m):
+    m.unpack_header(_header(nbuf=1) + struct.pack("<q", 4) + b"N.", LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def metadata_with_bytes_after_its_stop(m):
+    m.unpack_header(_header(nmeta=3) + b"N.x" + b"N.", LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
 def too_many_buffers(m):
     m.unpack_header(_header(nbuf=MAX_BUFFERS + 1), LIMIT)
 

@@ -1,5 +1,6 @@
 """RPC message framing without MPI: header layout, limits, the pickle check, functions by value, RRef placeholders;
-both twins of the wire codec, and hypothesis fuzzing of the decoder (only RpcMessageError, bounded allocation)."""
+both twins of the wire codec, and hypothesis fuzzing of the decoder (only RpcMessageError, bounded allocation,
+the same outcome from both twins, nothing unpickled from a message the codec refuses)."""
 import pickle
 import random
 import struct
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from distlab import _backend
 from distlab._common.rpc_framing import HEADER, MAX_BUFFERS
-from distlab._wire import RPC_WIRE_MAGIC, RPC_WIRE_VERSION
+from distlab._wire import RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_KIND_CODES, RPC_KINDS, RPC_WIRE_MAGIC, RPC_WIRE_VERSION
 from distlab.errors import DistlabError, RpcMessageError
 from distlab.rpc import framing
 
@@ -22,8 +23,24 @@ LIMIT = 1 << 20
 TERA_PICKLE = b"\x80\x05\x8e" + (1 << 40).to_bytes(8, "little") + b"."
 
 
-def header(kind=1, flags=0, mid=7, nbuf=0, nforks=0, nmeta=0, magic=RPC_WIRE_MAGIC, version=RPC_WIRE_VERSION):
-    return HEADER.pack(magic, version, 0, kind, flags, mid, nbuf, nforks, nmeta)
+def header(kind=1, flags=0, mid=7, nbuf=0, nforks=0, nmeta=0, magic=RPC_WIRE_MAGIC, version=RPC_WIRE_VERSION,
+           reserved=0):
+    return HEADER.pack(magic, version, reserved, kind, flags, mid, nbuf, nforks, nmeta)
+
+
+def out_of_band(*sizes) -> bytes:
+    """A protocol-5 pickle taking one out-of-band buffer per size (NEXT_BUFFER opcodes)."""
+    return pickle.dumps([pickle.PickleBuffer(bytearray(n)) for n in sizes], protocol=5, buffer_callback=lambda b: False)
+
+
+class Marker:
+    """Unpickling this creates the file ``path``: a pickle that runs code (what a hostile peer would send)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
 
 
 def test_header_round_trip_with_meta_and_forks():
@@ -32,24 +49,26 @@ def test_header_round_trip_with_meta_and_forks():
     assert len(body) < 1000                                 # ... and not copied into the pickle bytes
     data = framing.pack_header(5, framing.FLAG_INLINE, 42, buffers, ("ctx", 7), [(0, 1, 2, 3, 4, 5)], body)
     kind, flags, mid, sizes, meta, got_forks, got_body = framing.unpack_header(bytearray(data))
-    assert (kind, flags, mid, sizes, meta) == (5, framing.FLAG_INLINE, 42, (8000,), ("ctx", 7))
+    assert (kind, flags, mid, sizes) == (5, framing.FLAG_INLINE, 42, (8000,))
+    assert framing.load_meta(meta, kind, flags, mid) == ("ctx", 7)   # unpacking unpickled nothing
     assert list(got_forks) == [(0, 1, 2, 3, 4, 5)]
     received = [bytearray(b) for b in buffers]
-    out = framing.loads(got_body, received)
+    out = framing.loads(got_body, received, checked=True)
     assert np.array_equal(out["a"], np.arange(1000.0)) and np.array_equal(out["b"], np.ones(3))
 
 
 def test_twins_write_the_same_bytes_and_read_them_alike():
-    args = (9, 3, -(2 ** 40), [1, 0, 2 ** 33], [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], b"meta", b"body...")
+    meta_in, body_in = pickle.dumps("meta"), out_of_band(1, 0, 5)
+    args = (70, 6, -(2 ** 40), [1, 0, 2 ** 33], [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], meta_in, body_in)
     outputs = {impl: codec.pack_header(*args) for impl, codec in CODECS.items()}
     assert len(set(outputs.values())) == 1
     data = next(iter(outputs.values()))
-    assert data[:HEADER.size] == header(9, 3, -(2 ** 40), 3, 2, 4)
+    assert data[:HEADER.size] == header(70, 6, -(2 ** 40), 3, 2, len(meta_in))
     for codec in CODECS.values():
         kind, flags, mid, sizes, forks, meta, body = codec.unpack_header(data, 1 << 40)
-        assert (kind, flags, mid, sizes, forks) == (9, 3, -(2 ** 40), (1, 0, 2 ** 33),
+        assert (kind, flags, mid, sizes, forks) == (70, 6, -(2 ** 40), (1, 0, 2 ** 33),
                                                     [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)])
-        assert bytes(meta) == b"meta" and bytes(body) == b"body..."
+        assert bytes(meta) == meta_in and bytes(body) == body_in
         frames = [b"one", b"", b"three"]
         assert [bytes(f) for f in codec.split_batch(codec.pack_batch(frames))] == frames
 
@@ -66,6 +85,32 @@ def test_twins_write_the_same_bytes_and_read_them_alike():
     (header(nforks=-2), "-2 RRef fork records"),
     (header(nbuf=1) + struct.pack("<q", -5), "buffer 0 of -5 bytes"),
     (header(nbuf=2) + struct.pack("<2q", LIMIT, 1), f"total so far {LIMIT + 1}"),
+    # kinds that exist nowhere, flags the kind does not take, the reserved byte
+    (header(kind=-1), "unknown message kind -1"),
+    (header(kind=len(RPC_KINDS)), f"unknown message kind {len(RPC_KINDS)}"),
+    (header(kind=63), "unknown message kind 63"),
+    (header(kind=-2 ** 31, nbuf=-1), "unknown message kind -2147483648"),   # the kind is checked before counts
+    (header(flags=8), "flags 0x8 on a call message"),
+    (header(flags=RPC_FLAG_ERROR), "flags 0x1 on a call message"),
+    (header(kind=0, flags=RPC_FLAG_INLINE), "flags 0x2 on a response message .it may carry 0x1 at most"),
+    (header(kind=RPC_KIND_CODES["batch"], flags=RPC_FLAG_INLINE), "flags 0x2 on a batch message"),
+    (header(kind=70, flags=-1), "flags -0x1 on a request message"),
+    (header(reserved=1), "reserved header byte is 1"),
+    (header(version=0, kind=-1), "wire version 0"),                      # the version is checked first
+    # fields that disagree with the frame: buffers the body does not take, or takes without the header saying so
+    (header(nbuf=1) + struct.pack("<q", 5) + pickle.dumps(None), "payload takes 0 out-of-band buffers but its "
+                                                                  "header announces 1"),
+    (header() + out_of_band(5), "payload takes 1 out-of-band buffers but its header announces 0"),
+    (header(nmeta=len(out_of_band(3))) + out_of_band(3) + pickle.dumps(None), "metadata takes 1 out-of-band"),
+    (header() + pickle.dumps(None) + b"xyz", "3 bytes follow the STOP opcode"),
+    (header(nmeta=3) + b"N.x" + pickle.dumps(None), "malformed RPC metadata: .* 1 bytes follow the STOP"),
+    (header(nmeta=2) + b"\x8e." + pickle.dumps(None), "malformed RPC metadata: .* its byte count is cut off"),
+    (header(), "malformed RPC payload: pickle the end at byte 0: no STOP opcode"),
+    (header(kind=RPC_KIND_CODES["stop"]) + b"N.", "a stop message with 0 out-of-band buffers, 0 RRef fork records, "
+                                                   "0 metadata bytes and a 2-byte body"),
+    (header(kind=RPC_KIND_CODES["batch"], nbuf=1) + struct.pack("<q", 1), "a batch message with 1 out-of-band"),
+    (header(kind=RPC_KIND_CODES["wake"], nmeta=2) + b"N.", "a wake message with 0 out-of-band buffers, 0 RRef fork "
+                                                           "records, 2 metadata bytes"),
 ])
 def test_malformed_headers_are_refused(rpc_framing, data, words):
     with pytest.raises(RpcMessageError, match=words.replace("(", r"\(")):
@@ -75,10 +120,38 @@ def test_malformed_headers_are_refused(rpc_framing, data, words):
 def test_refusals_carry_the_header_fields_once_readable(rpc_framing):
     with pytest.raises(RpcMessageError) as info:
         rpc_framing.unpack_header(header(kind=1, flags=4, mid=99, nbuf=-1), LIMIT)
-    assert (info.value.kind, info.value.flags, info.value.mid) == (1, 4, 99)
+    assert (info.value.kind, info.value.flags, info.value.mid, info.value.sizes) == (1, 4, 99, None)
     with pytest.raises(RpcMessageError) as info:
         rpc_framing.unpack_header(header(magic=b"zz", mid=99), LIMIT)
     assert info.value.mid is None
+    # once the buffer sizes were checked, a refusal carries them (the listener takes those buffers into nothing)
+    with pytest.raises(RpcMessageError, match="payload takes 0") as info:
+        rpc_framing.unpack_header(header(mid=5, nbuf=2) + struct.pack("<2q", 10, 20) + pickle.dumps(1), LIMIT)
+    assert (info.value.mid, info.value.sizes) == (5, (10, 20))
+    with pytest.raises(RpcMessageError, match="malformed RPC metadata") as info:
+        rpc_framing.unpack_header(header(mid=6, nbuf=1, nmeta=1) + struct.pack("<q", 3) + b"N" + out_of_band(3), LIMIT)
+    assert (info.value.kind, info.value.mid, info.value.sizes) == (1, 6, (3,))
+
+
+def test_a_refused_message_runs_none_of_its_pickles(rpc_framing, tmp_path, monkeypatch):
+    """Regression: a message of a kind that exists nowhere had its metadata unpickled (which can run code: here it
+    creates a file) before it was refused. Now every check runs first, and the refused message unpickles nothing."""
+    monkeypatch.setattr(framing, "_codec", rpc_framing)
+    marker = tmp_path / "marker"
+    meta, body = pickle.dumps(Marker(marker)), pickle.dumps(Marker(marker))
+    for kind, flags, sizes in [(33, 0, ()), (-7, 0, ()), (1, 16, ()), (0, 2, ()), (1, 0, (5,)),
+                               (RPC_KIND_CODES["stop"], 0, ())]:
+        data = rpc_framing.pack_header(kind, flags, 9, sizes, [], meta, body)
+        with pytest.raises(RpcMessageError):
+            framing.unpack_header(data)
+        assert not marker.exists(), (kind, flags, sizes)
+    # a well-formed message of a registered kind (70 here) is unpacked without unpickling anything too: the
+    # listener refuses a kind no handler takes before it calls load_meta
+    kind, flags, mid, sizes, got_meta, _forks, got_body = framing.unpack_header(
+        rpc_framing.pack_header(70, 0, 9, (), [], meta, body))
+    assert not marker.exists()
+    framing.load_meta(got_meta, kind, flags, mid).close()   # the trust model: a well-formed pickle runs
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("data,words", [
@@ -90,6 +163,7 @@ def test_refusals_carry_the_header_fields_once_readable(rpc_framing):
     (b"(lp99999999999\n.", "memo index 99999999999"),
     (b"(lp+5\n.", "a PUT index is 1 to 18 decimal digits"),
     (b"\x80\x05K\x01", "no STOP opcode"),
+    (b"\x80\x05N.N.", "2 bytes follow the STOP opcode"),
     (b"\x80\x05\xff.", "not a pickle opcode"),
     (b"\x80\x05J\x01", "its argument is cut off"),
     (b"\x80\x05cbuiltins", "has no newline"),
@@ -108,9 +182,11 @@ def test_pickle_check_accepts_real_pickles(rpc_framing):
                 {"a": np.arange(10)}, np.ones((3, 3)), {1, 2}, frozenset({3}), 1j]:
         for protocol in range(6):
             data = pickle.dumps(obj, protocol=protocol)
-            assert rpc_framing.check_pickle(data) == len(data), (obj, protocol)
+            assert rpc_framing.check_pickle(data) == 0, (obj, protocol)   # no out-of-band buffer
     data = framing.dumps((framing.by_value(square), (3,), None))[0]   # cloudpickled by value
-    assert rpc_framing.check_pickle(data) == len(data)
+    assert rpc_framing.check_pickle(data) == 0
+    body, buffers, _ = framing.dumps([np.ones(1000), np.zeros(3), np.arange(2000)])
+    assert rpc_framing.check_pickle(body) == len(buffers) == 2     # one per NEXT_BUFFER opcode
 
 
 def test_loads_refuses_a_terabyte_pickle_and_wraps_unpickling_errors():
@@ -171,7 +247,7 @@ def _outcomes(fn):
                 value = fn(codec)
                 results[impl] = ("ok", repr(value))
             except RpcMessageError as exc:
-                results[impl] = ("error", str(exc), exc.kind, exc.flags, exc.mid)
+                results[impl] = ("error", str(exc), exc.kind, exc.flags, exc.mid, exc.sizes)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -213,7 +289,8 @@ def test_fuzzed_messages_only_raise_message_errors_and_allocate_little(obj, meta
         try:  # what the facade does with a message: the codec's checks, then pickle (meta and body)
             tracemalloc.start()
             kind, flags, mid, sizes, meta_out, _forks, got_body = framing.unpack_header(data)
-            framing.loads(got_body, [bytearray(s) for s in sizes] if sum(sizes) < LIMIT else [])
+            framing.load_meta(meta_out, kind, flags, mid)
+            framing.loads(got_body, [bytearray(s) for s in sizes], checked=True)
         except DistlabError:
             pass
         finally:
@@ -229,3 +306,78 @@ def test_fuzzed_batches_agree(seed):
     frames = [bytes(rng.randrange(40)) for _ in range(rng.randrange(5))]
     data = _mutate(rng, CODECS["reference"].pack_batch(frames))
     _outcomes(lambda codec: [bytes(f) for f in codec.split_batch(data)])
+
+
+RAN = []
+
+
+def _ran(part):
+    RAN.append(part)
+    return part
+
+
+class Runs:
+    """Unpickling this runs ``_ran(part)``: how the fuzzer sees whether a pickle of a message was loaded."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def __reduce__(self):
+        return _ran, (self.part,)
+
+
+def mostly(good, *bad):
+    """``good`` four times in five, else one of ``bad`` (each field is off in some examples, all sound in some)."""
+    return st.sampled_from([good] * 4 * len(bad) + list(bad))
+
+
+KINDS = st.one_of(st.sampled_from([0, 1, 2, 5, 7, 8, 9, 64, 80, 2 ** 31 - 1] * 3
+                                  + [-1, len(RPC_KINDS), 63, -2 ** 31]), st.integers(-2 ** 31, 2 ** 31 - 1))
+FLAGS = st.one_of(st.sampled_from([0, 0, 0, 1, 2, 4, 6]), st.integers(-2 ** 31, 2 ** 31 - 1))
+DELTA = mostly(0, -2, -1, 1, 2)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(obj=objects, kind=KINDS, flags=FLAGS, version=mostly(RPC_WIRE_VERSION, 0, RPC_WIRE_VERSION + 1, 255),
+       reserved=mostly(0, 1, 255), sizes=st.lists(mostly(8, -3, 0, LIMIT // 2), max_size=3), nforks=st.integers(0, 2),
+       deltas=st.tuples(DELTA, DELTA, DELTA), taken=mostly(0, -1, 1), with_meta=st.booleans(),
+       with_body=mostly(True, False))
+def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind, flags, version, reserved, sizes,
+                                                                      nforks, deltas, taken, with_meta, with_body):
+    """Headers whose kind is unknown, whose flags the kind does not take, whose version or reserved byte is wrong,
+    whose counts (buffers, forks, metadata bytes) disagree with the frame, whose sizes are negative or too large,
+    or whose body takes another number of out-of-band buffers than announced: both twins give the same outcome,
+    only RpcMessageError, exactly the sound messages pass, and a refused message has none of its pickles loaded
+    (each would run ``_ran``)."""
+    meta = pickle.dumps(Runs("meta"), protocol=5) if with_meta else b""
+    nbody = max(len(sizes) + taken, 0)
+    body = pickle.dumps([obj, Runs("body")] + [pickle.PickleBuffer(bytearray(1)) for _ in range(nbody)],
+                        protocol=5, buffer_callback=lambda b: False) if with_body else b""
+    dbuf, dforks, dmeta = deltas
+    data = (HEADER.pack(RPC_WIRE_MAGIC, version, reserved, kind, flags, 3, len(sizes) + dbuf, nforks + dforks,
+                        len(meta) + dmeta)
+            + struct.pack(f"<{len(sizes)}q", *sizes) + bytes(48 * nforks) + meta + body)
+    outcome, _peak = _outcomes(lambda codec: codec.unpack_header(data, LIMIT)[:5])
+    control = kind in (RPC_KIND_CODES["stop"], RPC_KIND_CODES["wake"], RPC_KIND_CODES["batch"])
+    allowed = RPC_FLAG_ERROR if kind == 0 else (0 if control else RPC_FLAG_INLINE | 4)
+    sound = (version == RPC_WIRE_VERSION and reserved == 0 and (0 <= kind < len(RPC_KINDS) or kind >= 64)
+             and not flags & ~allowed and min(sizes, default=0) >= 0 and sum(sizes) <= LIMIT)
+    if control:   # no buffers, forks or metadata; stop and wake no body (a batch's body is its frames)
+        agrees = not (sizes or nforks or meta or (body and kind != RPC_KIND_CODES["batch"]))
+    else:         # the body one pickle, taking exactly the buffers announced
+        agrees = with_body and nbody == len(sizes)
+    assert (outcome[0] == "ok") == (sound and agrees and deltas == (0, 0, 0)), (outcome, sound, agrees)
+    for codec in CODECS.values():   # what the listener does with the bytes, on each twin: check, then unpickle
+        previous, framing._codec = framing._codec, codec
+        RAN.clear()
+        try:
+            kind_, flags_, mid_, sizes_, meta_, _forks, body_ = framing.unpack_header(data)
+        except RpcMessageError:
+            assert RAN == [], RAN   # refused: not one of its pickles was loaded
+            continue
+        finally:
+            framing._codec = previous
+        if not control:
+            framing.load_meta(meta_, kind_, flags_, mid_)
+            framing.loads(body_, [bytearray(1)] * len(sizes_), checked=True)
+            assert RAN == ["meta", "body"][not with_meta:]   # accepted: the trust model (a well-formed pickle runs)

@@ -126,6 +126,9 @@ class RpcMessageError(RpcError):
     kind, flags, mid : int or None
         The message's kind, flags and message id when its header could be trusted (checksum intact), else None:
         the agent then answers the sender's request with this error instead of leaving it to time out.
+    sizes : tuple of int or None
+        The out-of-band buffer sizes the refused message announced, when they were checked and found within
+        bounds: the listener receives those buffers into nothing, so they are not taken for a later message's.
     """
 
     def __init__(self, message, *, kind=None, flags=None, mid=None):
@@ -133,6 +136,7 @@ class RpcMessageError(RpcError):
         self.kind = kind
         self.flags = flags
         self.mid = mid
+        self.sizes = None
 
     def __reduce__(self):  # travels back to the sender of the malformed request
         return _rebuild_rpc_message_error, (str(self), self.kind, self.flags, self.mid)

@@ -2,14 +2,18 @@
 clear error, answered to its sender when its header names a request, and the listener never wedges.
 
 Before the checks: a negative or huge out-of-band size was accepted (bytearray(-5), or a 1 TiB allocation), a
-12-byte pickle made the callee ask for 1 TiB, and a header whose buffer never came blocked the listener for good.
-Rank 0 sends raw bytes on the agent's communicator; rank 1 refuses them.
+12-byte pickle made the callee ask for 1 TiB, a header whose buffer never came blocked the listener for good, and
+a message of a kind nobody handles had its metadata unpickled (a pickle that creates a file did) before it was
+refused. Rank 0 sends raw bytes on the agent's communicator; rank 1 refuses them, unpickling nothing of them.
 """
 import os
+import pickle
 import struct
+import tempfile
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 import distlab.rpc as rpc
@@ -18,6 +22,16 @@ from distlab._wire import RPC_KIND_CODES, RPC_TAG_BUFFER, RPC_TAG_HEADER, RPC_WI
 from distlab.errors import RemoteError, RpcMessageError
 from distlab.futures import Future
 from distlab.rpc import framing
+
+class Marker:
+    """Unpickling this creates the file ``path`` (a pickle that runs code)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
 
 rank = int(os.environ["RANK"])
 assert int(os.environ["WORLD_SIZE"]) == 2
@@ -84,6 +98,12 @@ def refused(fut, *words):
     raise AssertionError(f"not refused: {words}")
 
 
+def one_buffer(size):
+    """A call body taking one out-of-band buffer of ``size`` bytes."""
+    return pickle.dumps((framing.by_value(add), (pickle.PickleBuffer(bytearray(size)), b""), None), protocol=5,
+                        buffer_callback=lambda b: False)
+
+
 if rank == 0:
     body = framing.dumps((framing.by_value(add), (1, 2), None))[0]
     # well-formed raw messages work (the helper is right)
@@ -105,11 +125,35 @@ if rank == 0:
     # a buffer that never comes, and one of the wrong size: refused after a bounded wait, the listener goes on
     rpc.rpc_sync(1, short_buffer_wait, (0.5,))
     t0 = time.monotonic()
-    refused(raw(sizes=(100,), body=body), "did not arrive within 0.5 s")
+    refused(raw(sizes=(100,), body=one_buffer(100)), "did not arrive within 0.5 s")
     assert time.monotonic() - t0 < 10
-    fut = raw(sizes=(100,), body=body)
+    fut = raw(sizes=(100,), body=one_buffer(100))
     agent.comm.Send([bytearray(50), MPI.BYTE], 1, RPC_TAG_BUFFER)
     refused(fut, "has 50 bytes, its header said 100")
+    # Nothing of a refused message is unpickled: its kind, flags, counts and pickles are checked first. Each of
+    # these carries pickles that would create the marker file as they load.
+    marker = os.path.join(tempfile.mkdtemp(), "marker")
+    mark = pickle.dumps(Marker(marker), protocol=5)
+    refused(raw(kind=33, meta=mark, body=mark), "unknown message kind 33")           # no such kind anywhere
+    refused(raw(kind=70, meta=mark, body=mark), "worker w1 has no handler for message kind 70")   # none here
+    refused(raw(kind=K_CALL, flags=16, meta=mark, body=mark), "flags 0x10 on a call message")
+    refused(raw(meta=mark, body=b"\x80\x05K\x01"), "no STOP opcode")                # a malformed body
+    refused(raw(meta=mark + b"N.", body=mark), "malformed RPC metadata", "2 bytes follow the STOP opcode")
+    refused(raw(meta=mark, body=mark + b"?"), "malformed RPC payload", "1 bytes follow the STOP opcode")
+    # ... nor is a message whose buffers the body does not take: its buffer is received into nothing, so the
+    # next message's buffer is its own
+    fut = raw(sizes=(100,), meta=mark, body=mark)
+    agent.comm.Send([bytearray(100), MPI.BYTE], 1, RPC_TAG_BUFFER)
+    refused(fut, "its payload takes 0 out-of-band buffers but its header announces 1")
+    fut = raw(kind=70, sizes=(200,), meta=mark, body=one_buffer(200))
+    agent.comm.Send([bytearray(200), MPI.BYTE], 1, RPC_TAG_BUFFER)
+    refused(fut, "no handler for message kind 70")
+    assert rpc.rpc_sync(1, len, (np.ones(1000),)) == 1000                       # an out-of-band buffer, in step
+    # stop and wake come only from a worker's own listener
+    agent.comm.Send([HEADER.pack(RPC_WIRE_MAGIC, RPC_WIRE_VERSION, 0, RPC_KIND_CODES["stop"], 0, 0, 0, 0, 0),
+                     MPI.BYTE], 1, RPC_TAG_HEADER)
+    assert rpc.rpc_sync(1, add, (1, 1)) == 2
+    assert not os.path.exists(marker), "a refused message's pickle ran"
     # a header message larger than the limit is dropped without being received into memory
     agent.comm.Send([bytearray(4_000_001), MPI.BYTE], 1, RPC_TAG_HEADER)
     # one-way garbage: logged, nobody to answer
@@ -126,7 +170,9 @@ if rank == 0:
     seen = rpc.rpc_sync(1, errors)
     assert any("larger than DISTLAB_RPC_MAX_MESSAGE_BYTES" in e for e in seen), seen
     assert any("does not start with distlab's magic" in e for e in seen), seen
-    assert len(seen) >= 12, seen   # (payload pickles are refused by the callee's handler, answered, not logged)
+    assert any("only a worker's own listener sends those" in e for e in seen), seen
+    assert any("unknown message kind 33" in e for e in seen), seen
+    assert len(seen) >= 22, seen   # (payload pickles are refused by the callee's handler, answered, not logged)
     rpc.rpc_sync(1, finish)
 else:
     assert _done.wait(90), "rank 0 never finished"

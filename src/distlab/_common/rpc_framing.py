@@ -1,7 +1,8 @@
 """Shared by both twins of the RPC wire codec (``distlab.reference.rpc_framing``, ``distlab.core._rpc_framing``).
 
-Written once: the header layout (from ``distlab._wire``), the limits every decoder enforces, the classes of pickle
-opcodes the pickle check walks, and every error the codec raises (same class, same words in both twins).
+Written once: the header layout (from ``distlab._wire``), the limits every decoder enforces, which kinds and flags a
+header may carry, the classes of pickle opcodes the pickle check walks, and every error the codec raises (same
+class, same words in both twins).
 
 Limits (a message that breaks one is refused before anything is allocated or waited for):
 
@@ -19,15 +20,18 @@ import os
 import pickletools
 import struct
 
-from distlab._wire import RFD_TUPLE_SIZE, RPC_HEADER_FORMAT, RPC_WIRE_MAGIC, RPC_WIRE_VERSION
+from distlab._wire import (RFD_TUPLE_SIZE, RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY, RPC_HEADER_FORMAT,
+                           RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE, RPC_WIRE_MAGIC, RPC_WIRE_VERSION)
 from distlab.errors import RpcMessageError
 
 __all__ = [
     "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS",
-    "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
+    "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "NUM_KINDS", "USER_KIND_BASE", "K_RESPONSE", "K_STOP",
+    "K_WAKE", "K_BATCH", "RESPONSE_FLAGS", "REQUEST_FLAGS", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
     "OP_FIXED1", "OP_FIXED2", "OP_FIXED4", "OP_FIXED8", "OP_COUNT1", "OP_COUNT4", "OP_COUNT8", "OP_LINE",
-    "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "MAX_PUT_DIGITS", "short_message", "bad_magic",
-    "bad_version", "bad_counts", "too_short", "bad_buffer_size", "bad_batch", "bad_pickle",
+    "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "OP_NEXT_BUFFER", "MAX_PUT_DIGITS", "short_message",
+    "bad_magic", "bad_version", "bad_reserved", "unknown_kind", "bad_flags", "bad_counts", "too_short",
+    "bad_buffer_size", "bad_control", "bad_batch", "bad_pickle", "buffer_count", "with_sizes",
 ]
 
 HEADER = struct.Struct(RPC_HEADER_FORMAT)
@@ -53,6 +57,19 @@ def max_message_bytes() -> int:
     return limit
 
 
+# -- kinds and flags (a header with another kind, or flags its kind does not take, is refused before anything) ------
+#: Kinds ``[0, NUM_KINDS)`` are distlab.rpc's own; ``[NUM_KINDS, USER_KIND_BASE)`` exist nowhere (refused by the
+#: codec); kinds at or above ``USER_KIND_BASE`` are refused by the listener unless a handler is registered.
+NUM_KINDS = len(RPC_KINDS)
+USER_KIND_BASE = RPC_USER_KIND_BASE
+K_RESPONSE = RPC_KIND_CODES["response"]
+K_STOP = RPC_KIND_CODES["stop"]        # stop, wake and batch: no buffers, forks, metadata or flags; stop and wake
+K_WAKE = RPC_KIND_CODES["wake"]        # carry no body either (a batch's body is its frames)
+K_BATCH = RPC_KIND_CODES["batch"]
+RESPONSE_FLAGS = RPC_FLAG_ERROR                     # the flags a response may carry
+REQUEST_FLAGS = RPC_FLAG_INLINE | RPC_FLAG_NOREPLY  # the flags a request may carry
+
+
 # -- pickle opcodes, by what follows them (what the pickle check needs to know to step over them) ----------------
 OP_UNKNOWN = 0    # not a pickle opcode: refused
 OP_PLAIN = 1      # no argument
@@ -64,6 +81,7 @@ OP_LINE2 = 11     # two newline-terminated arguments (GLOBAL, INST)
 OP_PUT_LINE = 12  # PUT: a decimal memo index, newline-terminated (pickle grows its memo to twice the index)
 OP_PUT4 = 13      # LONG_BINPUT: a 4-byte memo index (likewise)
 OP_FRAME = 14     # FRAME: an 8-byte frame length
+OP_NEXT_BUFFER = 15  # NEXT_BUFFER: takes the next out-of-band buffer (counted: the header must announce as many)
 #: A PUT index has at most this many decimal digits (and nothing but digits): both twins parse it alike.
 MAX_PUT_DIGITS = 18
 
@@ -89,6 +107,8 @@ def _op_classes() -> bytes:
             table[code] = OP_PUT4
         elif op.name == "FRAME":
             table[code] = OP_FRAME
+        elif op.name == "NEXT_BUFFER":
+            table[code] = OP_NEXT_BUFFER
         elif op.arg is None:
             table[code] = OP_PLAIN
         else:
@@ -121,6 +141,25 @@ def bad_version(version, kind, flags, mid) -> RpcMessageError:
         f"must run the same distlab", kind=kind, flags=flags, mid=mid)
 
 
+def bad_reserved(value, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(f"malformed RPC message: its reserved header byte is {value}, not 0", kind=kind,
+                           flags=flags, mid=mid)
+
+
+def unknown_kind(kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"malformed RPC message: unknown message kind {kind} (distlab.rpc's kinds are 0 to {NUM_KINDS - 1}, "
+        f"registered kinds {USER_KIND_BASE} and above)", kind=kind, flags=flags, mid=mid)
+
+
+def bad_flags(kind, flags, mid) -> RpcMessageError:
+    allowed = (RESPONSE_FLAGS if kind == K_RESPONSE else 0 if kind in (K_STOP, K_WAKE, K_BATCH)
+               else REQUEST_FLAGS)
+    name = RPC_KINDS[kind] if 0 <= kind < NUM_KINDS else "request"
+    return RpcMessageError(f"malformed RPC message: flags {flags:#x} on a {name} message (it may carry "
+                           f"{allowed:#x} at most)", kind=kind, flags=flags, mid=mid)
+
+
 def bad_counts(nbuf, nforks, nmeta, kind, flags, mid) -> RpcMessageError:
     return RpcMessageError(
         f"malformed RPC message: header says {nbuf} out-of-band buffers, {nforks} RRef fork records and "
@@ -140,12 +179,33 @@ def bad_buffer_size(index, size, total, limit, kind, flags, mid) -> RpcMessageEr
         mid=mid)
 
 
+def bad_control(kind, nbuf, nforks, nmeta, nbody, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"malformed RPC message: a {RPC_KINDS[kind]} message with {nbuf} out-of-band buffers, {nforks} RRef fork "
+        f"records, {nmeta} metadata bytes and a {nbody}-byte body (it carries none"
+        f"{', its body is its frames' if kind == K_BATCH else ''})", kind=kind, flags=flags, mid=mid)
+
+
 def bad_batch(pos, size, end) -> RpcMessageError:
     if size < 0:
         return RpcMessageError(f"malformed RPC batch: truncated frame length at byte {pos} of {end}")
     return RpcMessageError(f"malformed RPC batch: frame of {size} bytes at byte {pos} overruns the {end}-byte batch")
 
 
-def bad_pickle(offset, opcode, reason) -> RpcMessageError:
+def bad_pickle(offset, opcode, reason, part="payload", kind=None, flags=None, mid=None) -> RpcMessageError:
+    """A pickle refused by the walk; ``part`` names where it sits (a message's ``payload`` or ``metadata``)."""
     name = f"opcode {opcode:#04x}" if opcode >= 0 else "the end"
-    return RpcMessageError(f"malformed RPC payload: pickle {name} at byte {offset}: {reason}")
+    return RpcMessageError(f"malformed RPC {part}: pickle {name} at byte {offset}: {reason}", kind=kind,
+                           flags=flags, mid=mid)
+
+
+def buffer_count(part, taken, nbuf, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(f"malformed RPC message: its {part} takes {taken} out-of-band buffers but its header "
+                           f"announces {nbuf} for it", kind=kind, flags=flags, mid=mid)
+
+
+def with_sizes(exc, sizes) -> RpcMessageError:
+    """``exc`` with the buffer sizes its (otherwise refused) header announced, once they were checked: the
+    listener then receives those buffers into nothing, so they are not taken for the next message's."""
+    exc.sizes = tuple(sizes)
+    return exc

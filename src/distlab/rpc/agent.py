@@ -86,7 +86,7 @@ class RpcAgent:
         # after it, so only a broken or stalled sender makes it wait at all).
         buffer_timeout = min(self.rpc_timeout or default_timeout(), BUFFER_TIMEOUT_MAX)
         self._transport = Transport(comm, name, self._deliver, self._has_pending, self._record_error,
-                                    self._on_malformed, buffer_timeout)
+                                    self._on_malformed, self._handles, buffer_timeout)
         self._dispatch = Dispatcher(self.info, self._transport.transmit, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of, next(_GENERATIONS))
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid,
@@ -216,6 +216,10 @@ class RpcAgent:
         else:
             self._dispatch.on_request(src, kind, flags, mid, meta, forks, body, buffers)
 
+    def _handles(self, kind) -> bool:
+        """A message of ``kind`` is taken here: a response, or a request kind with a registered handler."""
+        return kind == K_RESPONSE or self._dispatch.handles(kind)
+
     def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
         if self._tl_on:
             self._dispatch.trace_message(False, "response", src, "rpc response", mid)
@@ -232,8 +236,9 @@ class RpcAgent:
         if flags & FLAG_ERROR:
             fut.set_exception(self._dispatch.remote_error(body))
             return
-        self._dispatch.with_forks(forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved)),
-                                  fut.set_exception, run_in_pool=False)
+        self._dispatch.with_forks(  # the body was walked by the codec (framing.unpack_header)
+            forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved, checked=True)),
+            fut.set_exception, run_in_pool=False)
 
     def _on_malformed(self, src, exc) -> None:
         """A message from ``src`` was refused: log it, and fail whoever waits for it. A malformed response fails

@@ -18,7 +18,7 @@ import traceback
 from typing import Any, Callable, NamedTuple
 
 from distlab._wire import RPC_KIND_CODES, RPC_USER_KIND_BASE
-from distlab.errors import RemoteError, RpcError
+from distlab.errors import RemoteError
 from distlab.futures import Future, collect_all
 from distlab.timeline import flow_id
 
@@ -142,6 +142,10 @@ class Dispatcher:
         self._handlers[kind] = (fn, inline)
         self._kind_labels[kind] = getattr(fn, "__name__", "").removeprefix("_handle_").lstrip("_") or None
 
+    def handles(self, kind: int) -> bool:
+        """A handler is registered for requests of ``kind`` (the listener refuses other kinds unread)."""
+        return kind in self._handlers
+
     def add_reply_hook(self, fn: Callable) -> Callable[[], None]:
         self._reply_hooks.append(fn)
         return lambda: self._reply_hooks.remove(fn)
@@ -151,12 +155,7 @@ class Dispatcher:
         """Listener thread: run the request inline or hand it to the pool."""
         if self._tl_on:
             self.trace_message(False, self.label(kind), src, "rpc", mid)
-        entry = self._handlers.get(kind)
-        if entry is None:
-            self.reply_error(src, mid, flags, RpcError(
-                f"worker {self.info.name} has no handler for message kind {kind} ({kind_name(kind)})"))
-            return
-        fn, inline = entry
+        fn, inline = self._handlers[kind]  # the listener refused kinds without a handler (Transport._check_kind)
         if inline or flags & FLAG_INLINE:
             self._run(fn, src, kind, flags, mid, meta, forks, body, buffers, True)
         else:
@@ -164,7 +163,7 @@ class Dispatcher:
 
     def _run(self, fn, src, kind, flags, mid, meta, forks, body, buffers, inline) -> None:
         def execute(resolved):
-            payload = framing.loads(body, buffers, resolved)
+            payload = framing.loads(body, buffers, resolved, checked=True)  # walked by the codec
             previous = getattr(_call_local, "info", None)
             _call_local.info = info = CallInfo(src, kind, mid, meta)
             start = self._now_us() if self._tl_on else 0.0
@@ -280,7 +279,7 @@ class Dispatcher:
     def remote_error(body) -> RemoteError:
         """The RemoteError an error response describes."""
         try:
-            exc_type, text, tb, worker, exc_bytes = framing.loads(body)
+            exc_type, text, tb, worker, exc_bytes = framing.loads(body, checked=True)  # walked by the codec
         except Exception as exc:  # noqa: BLE001
             return RemoteError(f"malformed error response: {exc}")
         remote_exc = None

@@ -12,12 +12,15 @@ through the pickle bytes). The header message is (layout and checks in the codec
     metadata        the request metadata, pickled (any picklable object; absent when None)
     body            the pickled payload, whose RRefs are placeholders resolved from the fork records
 
-Nothing a message claims is trusted (limits in ``distlab._common.rpc_framing``): at most 65,536 buffers and
-65,536 fork records, a header message and a message's buffers each at most ``DISTLAB_RPC_MAX_MESSAGE_BYTES``
-(16 GiB), every length checked against the bytes received, every pickle walked by the codec's ``check_pickle``
-before it is loaded (CPython's unpickler allocates what a pickle claims before reading it). Any violation is a
-:class:`~distlab.errors.RpcMessageError`. A well-formed pickle can still run code when loaded: RPC trusts the
-workers of its job (see the trust model in the docs).
+Nothing a message claims is trusted (limits in ``distlab._common.rpc_framing``): the wire version, a kind that
+exists and the flags it may carry, at most 65,536 buffers and 65,536 fork records, a header message and a
+message's buffers each at most ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` (16 GiB), every length checked against the bytes
+received, the metadata and the body each exactly one pickle, walked by the codec (CPython's unpickler allocates
+what a pickle claims before reading it), the body taking exactly the buffers the header announces. Any violation
+is a :class:`~distlab.errors.RpcMessageError`, raised by :func:`unpack_header` before anything is unpickled; the
+listener then refuses a kind no handler is registered for (still nothing unpickled), and only then are the
+metadata (:func:`load_meta`) and the body (:func:`loads`) unpickled. A well-formed pickle can still run code
+when loaded: RPC trusts the workers of its job (see the trust model in the docs).
 
 RRefs are pickled in two phases (so the receiver can act on them before running any user code): while the body
 is pickled, each RRef's ``__reduce__`` calls the *fork hook* installed by :func:`dumps` (the RRef context's
@@ -43,7 +46,7 @@ from distlab.errors import RpcMessageError
 
 __all__ = [
     "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX", "MAX_BUFFERS", "MAX_FORKS",
-    "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "pack_batch", "split_batch",
+    "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "load_meta", "pack_batch", "split_batch",
     "by_value", "call_payload", "current_forks",
 ]
 
@@ -202,13 +205,15 @@ def fork_hook():
     return getattr(_local, "hook", None)
 
 
-def loads(body, buffers=(), resolved=None):
+def loads(body, buffers=(), resolved=None, checked=False):
     """Unpickle ``body`` with its out-of-band ``buffers``; RRef placeholders become ``resolved[i]``.
 
-    The pickle is checked first (``check_pickle``); a malformed one, or one that fails to load, raises
-    RpcMessageError (chained to the unpickler's own error).
+    The pickle is checked first (``check_pickle``; ``checked=True``: the body of a message :func:`unpack_header`
+    returned, which the codec walked already); a malformed one, or one that fails to load, raises RpcMessageError
+    (chained to the unpickler's own error).
     """
-    _codec.check_pickle(body)
+    if not checked:
+        _codec.check_pickle(body)
     previous = getattr(_local, "resolved", None)
     _local.resolved = resolved
     try:
@@ -233,20 +238,25 @@ def pack_header(kind, flags, mid, buffers, meta, forks, body) -> bytes:
 
 
 def unpack_header(data) -> tuple:
-    """Parse and check header message bytes: ``(kind, flags, mid, sizes, meta, forks, body)`` (body a view).
+    """Parse and check header message bytes: ``(kind, flags, mid, sizes, meta, forks, body)``; nothing unpickled.
 
-    Raises RpcMessageError (with the message's kind, flags and id when its header could be read).
+    ``meta`` and ``body`` are views, still pickled (both walked by the codec: :func:`load_meta` and
+    ``loads(body, ..., checked=True)`` unpickle them). Raises RpcMessageError (with the message's kind, flags and
+    id when its header could be read, and its buffer sizes once they were checked).
     """
     kind, flags, mid, sizes, forks, meta, body = _codec.unpack_header(data, MAX_MESSAGE_BYTES)
-    if len(meta):
-        try:
-            meta = loads(meta)
-        except RpcMessageError as exc:
-            raise RpcMessageError(f"malformed RPC message metadata: {exc}", kind=kind, flags=flags,
-                                  mid=mid) from exc
-    else:
-        meta = None
     return kind, flags, mid, sizes, meta, forks, body
+
+
+def load_meta(meta, kind, flags, mid):
+    """Unpickle the metadata :func:`unpack_header` returned (None when there is none); RpcMessageError, with the
+    message's kind, flags and id, when it does not load."""
+    if not len(meta):
+        return None
+    try:
+        return loads(meta, checked=True)
+    except RpcMessageError as exc:
+        raise RpcMessageError(f"malformed RPC message metadata: {exc}", kind=kind, flags=flags, mid=mid) from exc
 
 
 def pack_batch(frames) -> bytes:

@@ -8,8 +8,12 @@ ones ``MPI_Isend`` kept alive until complete. Small messages the listener itself
 per-destination outbox while more messages are queued for it, and leave as one ``batch`` message. A message
 the listener sends to its own rank is delivered locally (such a send would wait for the listener forever).
 
-Receives: nothing a message claims is trusted (see :mod:`distlab.rpc.framing`); buffers are matched by a probe
-and received within ``buffer_timeout``; a refused message is reported and the listener goes on.
+Receives: nothing a message claims is trusted (see :mod:`distlab.rpc.framing`), and nothing is unpickled before
+every check passed: the codec checks the header's version, kind, flags, counts, sizes and pickles; the listener
+then refuses a kind no handler takes (and stop or wake from another worker); buffers are matched by a probe and
+received within ``buffer_timeout``; only then is the metadata unpickled, and the body later, by the handler's
+thread. A refused message is reported (its announced buffers received into nothing, so they are not taken for the
+next message's) and the listener goes on.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import time
 import traceback
 from typing import Callable
 
-from distlab._common.rpc_framing import FRAME_LEN
+from distlab._common.rpc_framing import FRAME_LEN, with_sizes
 from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
 from distlab.errors import RpcMessageError
 
@@ -67,18 +71,23 @@ class Transport:
     on_malformed : callable
         ``on_malformed(src, error)``: a message from ``src`` was refused (an RpcMessageError); the agent logs it
         and, when the header could be read, answers the sender's request with the error.
+    handles : callable
+        ``handles(kind) -> bool``: a message of ``kind`` (a response, or a request) has a handler on this worker;
+        any other is refused before its metadata is unpickled.
     buffer_timeout : float
         How long the listener waits for a message's out-of-band buffers after its header (seconds).
     """
 
     def __init__(self, comm, name: str, deliver: Callable, busy: Callable, record_error: Callable,
-                 on_malformed: Callable, buffer_timeout: float):
+                 on_malformed: Callable, handles: Callable, buffer_timeout: float):
         from mpi4py import MPI
 
         self._MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
+        self.name = name
         self._deliver = deliver
+        self._handles = handles
         self._record_error = record_error
         self._on_malformed = on_malformed
         self.buffer_timeout = buffer_timeout
@@ -209,20 +218,28 @@ class Transport:
     def _handle(self, src, data, buffers) -> bool:
         """Parse and dispatch one header message (its buffers come over MPI unless given); True for a stop.
 
-        A malformed message (RpcMessageError: bad header, sizes out of bounds, buffers that do not come) is
-        refused and reported; the listener goes on with the next one.
+        A malformed message (RpcMessageError: bad header, a kind nobody handles, sizes out of bounds, pickles that
+        do not walk, buffers that do not come) is refused and reported, before anything in it is unpickled; the
+        listener goes on with the next one.
         """
         try:
             kind, flags, mid, sizes, meta, forks, body = framing.unpack_header(data)
+            if kind == K_STOP or kind == K_WAKE:
+                if src != self.rank:
+                    raise RpcMessageError(f"refused a {kind_name(kind)} message from worker {src}: only a worker's "
+                                          "own listener sends those", kind=kind, flags=flags, mid=mid)
+                if kind == K_WAKE:
+                    self.waiting.woken()
+                return kind == K_STOP
+            self._check_kind(src, kind, flags, mid, sizes)
             if buffers is None:
                 buffers = self._receive_buffers(src, sizes, kind, flags, mid) if sizes else []
+            meta = framing.load_meta(meta, kind, flags, mid)
         except RpcMessageError as exc:
+            if exc.sizes and buffers is None:
+                self._drain(src, exc)
             self._on_malformed(src, exc)
             return False
-        if src == self.rank and (kind == K_STOP or kind == K_WAKE):
-            if kind == K_WAKE:
-                self.waiting.woken()
-            return kind == K_STOP
         self.waiting.activity()
         if kind == K_BATCH:
             self._on_batch(src, body)
@@ -230,10 +247,17 @@ class Transport:
             self._deliver(src, kind, flags, mid, meta, forks, body, buffers)
         return False
 
-    def _receive_buffers(self, src, sizes, kind, flags, mid) -> list:
+    def _check_kind(self, src, kind, flags, mid, sizes) -> None:
+        """RpcMessageError unless a message of ``kind`` has a handler here (a batch is split by the listener)."""
+        if kind != K_BATCH and not self._handles(kind):
+            raise with_sizes(RpcMessageError(
+                f"refused message #{mid} ({kind_name(kind)}) from worker {src}: worker {self.name} has no handler "
+                f"for message kind {kind}", kind=kind, flags=flags, mid=mid), sizes)
+
+    def _receive_buffers(self, src, sizes, kind, flags, mid, keep=True) -> list:
         """Receive a message's out-of-band buffers from ``src``: each one matched by a probe (``Improbe``),
-        checked against the size its header announced, then received (``Mrecv``); all within
-        ``buffer_timeout``. A buffer that does not come, or has another size, is an RpcMessageError."""
+        checked against the size its header announced, then received (``Mrecv``; into nothing unless ``keep``);
+        all within ``buffer_timeout``. A buffer that does not come, or has another size, is an RpcMessageError."""
         MPI = self._MPI
         comm = self.comm
         status = MPI.Status()
@@ -261,10 +285,20 @@ class Transport:
                 raise RpcMessageError(
                     f"out-of-band buffer {index + 1} of {len(sizes)} of message #{mid} ({kind_name(kind)}) from "
                     f"worker {src} has {count} bytes, its header said {size}", kind=kind, flags=flags, mid=mid)
+            if not keep:
+                self._drop(message)
+                continue
             buf = bytearray(size)
             message.Recv([buf, MPI.BYTE])
             buffers.append(buf)
         return buffers
+
+    def _drain(self, src, exc) -> None:
+        """Receive into nothing the buffers a refused message announced (bounded like any buffer wait)."""
+        try:
+            self._receive_buffers(src, exc.sizes, exc.kind, exc.flags, exc.mid, keep=False)
+        except RpcMessageError as missing:
+            self._record_error(f"refused message from worker {src}: {missing}")
 
     def _drop(self, message) -> None:
         """Receive a matched message into nothing: MPI truncates it and reports an error, and it is gone."""
@@ -286,6 +320,8 @@ class Transport:
                 if sizes or kind in (K_BATCH, K_STOP, K_WAKE):
                     raise RpcMessageError(f"a message of kind {kind_name(kind)} with {len(sizes)} out-of-band "
                                           "buffers cannot travel in a batch", kind=kind, flags=flags, mid=mid)
+                self._check_kind(src, kind, flags, mid, ())
+                meta = framing.load_meta(meta, kind, flags, mid)
             except RpcMessageError as exc:
                 self._on_malformed(src, exc)
             else:
