@@ -86,6 +86,14 @@ def test_ranks_run_in_blocks_per_host_with_local_ranks(mpirun, virtual_cluster):
         assert f"rank {rank} on {virtual_cluster}-h{host} local {local}/2 OK" in job.stdout, job.stdout
 
 
+def test_a_cluster_job_listens_on_the_cluster_s_interfaces_only(mpirun, virtual_cluster):
+    # Two ranks per host: mpiexec's host and a host reached through a proxy. Every listening socket of the ranks,
+    # their watchers and hydra's processes is on loopback, the host's cluster address, or the wildcard address
+    # of a namespace whose interfaces are loopback and the host's cluster link alone.
+    job = mpirun("job_listeners.py", np=4, args=["cluster", "2"], cluster=virtual_cluster, timeout=300)
+    assert job.stdout.count("listeners OK") == 4, job.stdout
+
+
 def test_run_a_function_on_the_cluster(virtual_cluster):
     from distlab.launch import run
 

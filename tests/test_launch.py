@@ -720,3 +720,15 @@ def test_leftover_mpi_shared_memory_is_removed_only_when_no_process_holds_it(tmp
     assert set(names[:2]) <= set(_leftovers.remove_leftovers(since))
     assert not any(os.path.exists(path) for path in names)
     os.unlink(other)
+
+
+@mpi
+def test_a_one_host_job_listens_on_loopback_only(mpirun):
+    # Before: hydra's control port (bound to every interface) was inherited by every rank and its watcher, and
+    # UCX opened a TCP listener per rank on the host's external address and another on loopback. Now the ranks
+    # listen on nothing beyond loopback; hydra's own processes keep only its control port.
+    result = mpirun("job_listeners.py", np=2, args=["local"])
+    assert result.stdout.count("listeners OK") == 2 and result.stdout.count("UCX_TLS=sm,self") == 2, result.stdout
+    # a UCX setting of the user's is left alone (and UCX's devices restricted to loopback keep to it)
+    result = mpirun("job_listeners.py", np=2, args=["local"], env={"UCX_NET_DEVICES": "lo"})
+    assert result.stdout.count("listeners OK") == 2 and result.stdout.count("UCX_TLS=None") == 2, result.stdout

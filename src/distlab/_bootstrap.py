@@ -1,6 +1,7 @@
 """Per-rank entry point: ``mpiexec -n N python -m distlab._bootstrap (script.py | -m module) args...``.
 
-Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, runs the script (or module) as
+Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, confines what the rank listens on
+(:func:`confine_listeners`: loopback only when every rank is on one host), runs the script (or module) as
 ``__main__`` with the ``sys.argv`` it would have under ``python``, and turns an uncaught exception (or a
 non-zero ``sys.exit``) on any rank into the end of the whole job, so the other ranks are not left waiting in a
 collective. On ``SIGTERM`` a rank writes its timeline before it ends.
@@ -50,9 +51,55 @@ def set_rank_environment() -> int:
     return world.Get_rank()
 
 
+def confine_listeners() -> None:
+    """Before MPI starts, keep this rank from listening beyond what its job needs (the watcher forks later).
+
+    - A listening socket inherited from the process manager is closed: hydra's control port, which it binds to
+      every interface (``HYDU_sock_listen``, no option binds it elsewhere), leaks into every rank without
+      close-on-exec, and a rank never accepts on it (mpiexec and its proxy keep theirs).
+    - When the process manager put every rank on this host (hydra's ``MPI_LOCALNRANKS`` equals ``PMI_SIZE``;
+      Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` its ``OMPI_COMM_WORLD_SIZE``) and neither ``UCX_TLS`` nor
+      ``UCX_NET_DEVICES`` is set, ``UCX_TLS=sm,self``: by default UCX opens a TCP listener on every network
+      device (the host's external address included), though between ranks of one host MPICH moves the bytes
+      through shared memory and UCX sends none over TCP. A job across hosts is left to its own settings.
+    """
+    _close_inherited_listeners()
+    local = os.environ.get("MPI_LOCALNRANKS", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    world = os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
+    if local and local == world and "UCX_TLS" not in os.environ and "UCX_NET_DEVICES" not in os.environ:
+        os.environ["UCX_TLS"] = "sm,self"
+
+
+def _close_inherited_listeners() -> None:
+    import socket
+
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: nothing to find
+        return
+    for fd in fds:
+        if fd <= 2:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)  # OSError if fd is not a socket (or was the listing's own fd)
+        except OSError:
+            continue
+        try:
+            listening = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = False
+        finally:
+            sock.detach()
+        if listening:
+            os.close(fd)
+
+
 def start_rank() -> int:
-    """Everything before the user's program: watcher, MPI, rank variables, start record, stop handler."""
+    """Everything before the user's program: listeners confined, watcher, MPI, rank variables, start record,
+    stop handler."""
     global _rank_pid
+    confine_listeners()
     job_dir = _jobdir.job_dir_from_env()
     watcher = _fork_watcher(job_dir) if job_dir is not None and _can_watch() else None
     rank = set_rank_environment()

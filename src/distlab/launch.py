@@ -93,6 +93,8 @@ RANK_VARIABLES = [
     ("DISTLAB_LAUNCHER=1", "the rank runs under the launcher (the launcher merges the timeline)"),
     ("DISTLAB_JOB_DIR", "where ranks leave their start, completion and failure records for the launcher"),
     ("DISTLAB_TIMELINE", "with --timeline: where the trace goes (each rank writes <file>.rank<N>)"),
+    ("UCX_TLS=sm,self", "set by the bootstrap when every rank is on one host and neither UCX_TLS nor "
+                        "UCX_NET_DEVICES is set: UCX then opens no TCP listener (ranks listen on loopback at most)"),
     ("UCX_TLS=tcp,self, UCX_WARN_UNUSED_ENV_VARS=n, DISTLAB_CLUSTER, DISTLAB_CLUSTER_JOB",
      "with --cluster: TCP between the virtual hosts, the cluster's name, and the job's marker"),
 ]
