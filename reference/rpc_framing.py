@@ -165,10 +165,7 @@ def _walk(data, part, kind, flags, mid) -> int:
     pos = 0
     opcodes = 0
     buffers = 0
-
-    def refuse(at, opcode, reason):
-        return shared.bad_pickle(at, opcode, reason, part, kind, flags, mid)
-
+    ctx = (part, kind, flags, mid)
     while pos < n:
         at, opcode = pos, raw[pos]
         op = OP_CLASSES[opcode]
@@ -181,43 +178,43 @@ def _walk(data, part, kind, flags, mid) -> int:
             continue
         if op == OP_STOP:
             if pos != n:
-                raise refuse(at, opcode, f"{n - pos} bytes follow the STOP opcode")
+                raise shared.bad_pickle(at, opcode, f"{n - pos} bytes follow the STOP opcode", *ctx)
             return buffers
         if op in _FIXED:
             pos += _FIXED[op]
             if pos > n:
-                raise refuse(at, opcode, "its argument is cut off")
+                raise shared.bad_pickle(at, opcode, "its argument is cut off", *ctx)
         elif op in _COUNT_WIDTH:
             width = _COUNT_WIDTH[op]
             if pos + width > n:
-                raise refuse(at, opcode, "its byte count is cut off")
+                raise shared.bad_pickle(at, opcode, "its byte count is cut off", *ctx)
             count = int.from_bytes(raw[pos:pos + width], "little")
             pos += width
             if count > n - pos:
-                raise refuse(at, opcode, f"claims {count} bytes but only {n - pos} remain")
+                raise shared.bad_pickle(at, opcode, f"claims {count} bytes but only {n - pos} remain", *ctx)
             if op != OP_FRAME:  # a frame's bytes are opcodes, read on; other counted bytes are data
                 pos += count
         elif op == OP_LINE or op == OP_LINE2:
             for _ in range(1 if op == OP_LINE else 2):
                 newline = raw.find(b"\n", pos)
                 if newline < 0:
-                    raise refuse(at, opcode, "its argument has no newline")
+                    raise shared.bad_pickle(at, opcode, "its argument has no newline", *ctx)
                 pos = newline + 1
         elif op == OP_PUT_LINE or op == OP_PUT4:
             if op == OP_PUT4:
                 if pos + 4 > n:
-                    raise refuse(at, opcode, "its argument is cut off")
+                    raise shared.bad_pickle(at, opcode, "its argument is cut off", *ctx)
                 index = int.from_bytes(raw[pos:pos + 4], "little")
                 pos += 4
             else:
                 newline = raw.find(b"\n", pos)
                 digits = raw[pos:newline] if newline >= 0 else b""
                 if not (0 < len(digits) <= MAX_PUT_DIGITS and digits.isdigit()):
-                    raise refuse(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits")
+                    raise shared.bad_pickle(at, opcode, f"a PUT index is 1 to {MAX_PUT_DIGITS} decimal digits", *ctx)
                 index = int(digits)
                 pos = newline + 1
             if index >= opcodes:
-                raise refuse(at, opcode, f"memo index {index} but only {opcodes} opcodes were read")
+                raise shared.bad_pickle(at, opcode, f"memo index {index} but only {opcodes} opcodes were read", *ctx)
         else:
-            raise refuse(at, opcode, "not a pickle opcode")
-    raise refuse(n, -1, "no STOP opcode")
+            raise shared.bad_pickle(at, opcode, "not a pickle opcode", *ctx)
+    raise shared.bad_pickle(n, -1, "no STOP opcode", *ctx)
