@@ -1,6 +1,7 @@
 """The MPI scenarios across 2 virtual hosts (root only): DDP, Join, negotiated collectives, RPC/RRefs and
 distributed autograd on 2 ranks (one per host) and 4 (two per host, even ranks reference, odd ranks core), each
-checking that bytes crossed the link; where ranks run; a rank lost on host 2; SIGTERM/SIGINT to the launcher.
+checking that bytes crossed the link; where ranks run; what the job listens on; a rank lost on host 2;
+SIGTERM/SIGINT to the launcher.
 
 Every scenario runs in the session's own cluster (the ``virtual_cluster`` fixture), unshaped: the tests assert
 behaviour, the link's rate is for ``benchmarks/bench_cluster.py``.
