@@ -13,13 +13,15 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "NEGOTIATED_REDUCE_OP_MAX", "DTYPE_NAMES", "DTYPE_SIZES", "DTYPE_CODES", "CPU_DEVICE_ID",
            "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
            "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
-           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS",
+           "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS", "COMM_OBJECT_TAG", "COMM_MONITOR_TAG",
+           "COMM_MONITOR_VERDICTS",
            "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
 COLLECTIVE_OPS = (
     "none", "allreduce", "broadcast", "allgather", "allgather_object", "reduce_scatter",
     "alltoall", "barrier", "send", "recv", "gather_object", "broadcast_object", "shared_allreduce",
+    "reduce", "gather", "scatter", "scatter_object_list", "all_to_all_single", "monitored_barrier",
 )
 
 #: A collective fingerprint is FINGERPRINT_WORDS int64 words:
@@ -181,6 +183,13 @@ COMM_SETUP_TAG = 32767
 #: The missing-rank side channel between nodes: a note is COMM_NOTE_HEADER int64 words, then ``count`` triples
 #: (group rank, last collective seq it entered, that collective's op code) read from the sender's node board.
 COMM_NOTE_TAG = 32766
+#: send_object_list/recv_object_list: one message per call, int64 words [count, size of each pickle] then the
+#: pickles' bytes (received through a matched probe, so its length need not be known in advance).
+COMM_OBJECT_TAG = 32765
+#: monitored_barrier: each rank's arrival at rank 0 (its fingerprint, FINGERPRINT_WORDS int64 words) and rank
+#: 0's verdict back (COMM_MONITOR_VERDICTS code, the missing ranks, every rank's fingerprint).
+COMM_MONITOR_TAG = 32764
+COMM_MONITOR_VERDICTS = ("passed", "timed_out", "mismatch")  # codes: index
 COMM_NOTE_VERSION = 1
 COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
 COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index

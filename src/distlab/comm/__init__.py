@@ -29,7 +29,10 @@ should call :func:`progress` (or ``work.is_completed()``) now and then; the redu
 hook.
 
 The package, one job per module: :mod:`~distlab.comm.group` (``ProcessGroup``, :func:`world`, :func:`new_group`),
-:mod:`~distlab.comm.operations` (the collectives), :mod:`~distlab.comm.work` (``Work``, the poll loop,
+:mod:`~distlab.comm.operations` (the collectives), :mod:`~distlab.comm.rooted` (reduce, gather, scatter and
+their object variants), :mod:`~distlab.comm.exchange` (all_to_all_single with split sizes, object lists point to
+point, isend/irecv), :mod:`~distlab.comm.monitor` (monitored_barrier), :mod:`~distlab.comm.functions`
+(torch.distributed's module functions for these, with global ranks), :mod:`~distlab.comm.work` (``Work``, the poll loop,
 :func:`progress`), :mod:`~distlab.comm.ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device` (numpy and
 cupy buffers, CUDA-aware detection, staging), :mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the
 side channel naming missing ranks), :mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`,
@@ -38,9 +41,13 @@ side channel naming missing ranks), :mod:`~distlab.comm.setup` (bounded set-up: 
 from __future__ import annotations
 
 from .._types import ReduceOp
+from .functions import (P2POp, all_to_all_single, batch_isend_irecv, gather, gather_object, irecv, isend,
+                        monitored_barrier, recv_object_list, reduce, scatter, scatter_object_list, send_object_list)
 from .group import ProcessGroup, debug_level, new_group, world
 from .setup import bounded_barrier, bounded_dup
 from .work import Work, progress
 
 __all__ = ["ProcessGroup", "Work", "world", "new_group", "progress", "debug_level", "ReduceOp", "bounded_dup",
-           "bounded_barrier"]
+           "bounded_barrier", "reduce", "gather", "scatter", "gather_object", "scatter_object_list",
+           "send_object_list", "recv_object_list", "isend", "irecv", "P2POp", "batch_isend_irecv",
+           "monitored_barrier", "all_to_all_single"]

@@ -25,7 +25,9 @@ from ..futures import check_timeout, default_timeout
 from ..timeline import get_timeline, now_us
 from .board import ArrivalBoard, node_keys
 from .missing import SideChannel, ask_lead
+from .exchange import ExchangeOperations
 from .operations import GroupOperations
+from .rooted import RootedOperations
 from .setup import free_deferred, bounded_barrier, bounded_dup, bounded_wait, release_comm
 from .shared import aligned, create_arena
 from .work import Work, _busy, spin
@@ -41,7 +43,7 @@ def debug_level() -> str:
     return choice("DISTLAB_DEBUG", "OFF", ("OFF", "INFO", "DETAIL"), upper=True)
 
 
-class ProcessGroup(GroupOperations):
+class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
     """A group of ranks running collectives together (``torch.distributed.ProcessGroup`` over MPI).
 
     Construction is collective over ``mpi_comm`` and bounded by ``timeout``: a rank that never arrives makes the
@@ -165,8 +167,9 @@ class ProcessGroup(GroupOperations):
             raise ProcessGroupBrokenError(
                 f"process group {self.name!r} cannot be used: {self._broken}. Create a new group or restart.")
 
-    def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "") -> int:
-        """Number the collective, post arrival, and (DETAIL) check it matches on every rank."""
+    def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "", check: bool = True) -> int:
+        """Number the collective, post arrival, and (DETAIL) check it matches on every rank (unless ``check`` is
+        False: ``monitored_barrier`` carries its fingerprint in its own messages)."""
         if self._broken:
             self._check_usable()
         seq = self._seq = self._next_seq()
@@ -174,7 +177,7 @@ class ProcessGroup(GroupOperations):
         self._my_slot[0] = seq
         if self._info:
             log.info("group %s rank %d: %s #%d %s", self.name, self.rank, op, seq, name or "")
-        if self._detail:
+        if self._detail and check:
             shape = None if array is None else array.shape
             dtype = None if array is None else array.dtype
             reduce_name = reduce_op.value if isinstance(reduce_op, ReduceOp) else reduce_op
