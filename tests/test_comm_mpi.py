@@ -119,3 +119,17 @@ def test_setup_timeout_and_group_lifetime_across_virtual_hosts(mpirun, virtual_c
     assert result.stdout.count("setup timeout reported: OK") == 4
     result = mpirun("comm_lifecycle.py", np=2, args=["60"], cluster=virtual_cluster, timeout=180)
     assert result.stdout.count("lifecycle OK after 60 groups") == 2
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_rooted_p2p_monitored_and_uneven_alltoall(mpirun, np_):
+    # reduce, gather, scatter, object variants, object lists, isend/irecv, batch_isend_irecv, monitored_barrier,
+    # all_to_all_single with splits; bad arguments refused in step; DETAIL mismatches named on every rank
+    result = mpirun("comm_c10d.py", np=np_, env={"DISTLAB_DEBUG": "DETAIL"}, timeout=120)
+    assert result.stdout.count("c10d collectives OK") == np_
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_rooted_p2p_and_monitored_timeouts_name_the_late_ranks(mpirun, np_):
+    result = mpirun("comm_c10d_timeout.py", np=np_, timeout=120)
+    assert result.stdout.count("c10d timeouts OK") == np_
