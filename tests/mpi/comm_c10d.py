@@ -110,6 +110,19 @@ for group in (pg, unchecked):
     comm.all_to_all_single(even, np.repeat(np.arange(n, dtype=np.int16) + 10 * r, 2), group=group)
     assert even.tolist() == [10 * k + r for k in range(n) for _ in range(2)], even
 
+# -- module functions on a sub-group take and return global ranks ------------------------------------------------
+odds = comm.new_group(list(range(1, n, 2)))
+if odds is not None:
+    v = np.ones(2)
+    comm.reduce(v, dst=n - 1, group=odds)  # the last odd rank, group rank odds.size - 1
+    assert v[0] == (odds.size if r == n - 1 else 1), v
+    refused(ValueError, "global rank 0 is not part of group", lambda: comm.reduce(v, dst=0, group=odds))
+    peer = 1 if r == n - 1 else n - 1  # the first and the last odd rank (the same one on 2 ranks)
+    sending = odds.send_object_list([r], odds.size - 1 - odds.rank, async_op=True)
+    got = [None]
+    assert comm.recv_object_list(got, group=odds) == peer and got == [peer], (got, peer)
+    sending.wait()
+
 # -- bad arguments: refused where passed, the group stays in step (DETAIL checks every sequence number) ---------
 if r == 0:
     refused(ValueError, "must NOT be specified on non-destination ranks",
