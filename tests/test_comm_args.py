@@ -212,3 +212,25 @@ def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_s
     assert np.unpackbits(core_mask().view(np.uint8), bitorder="little").nonzero()[0].tolist() == sorted(
         os.sched_getaffinity(0))
     assert machine_id() == machine_id() > 0
+
+
+def test_allreduce_pieces_setting_and_size(monkeypatch):
+    from distlab.comm.pieces import PIECE_BYTES, PIECES_VAR, choose_piece, piece_bytes
+
+    # sqrt(bytes * latency * bandwidth), a power of two within the bounds
+    assert choose_piece(26 * 10**6, 1e-4, 312.5e6) == 1 << 20
+    assert choose_piece(26 * 10**6, 1e-6, 312.5e6) == PIECE_BYTES[0]
+    assert choose_piece(10**9, 1e-2, 10e9) == PIECE_BYTES[1]
+    with comm.ProcessGroup(name="one node") as group:  # one rank, one node: whole, no probe
+        assert piece_bytes(group, 64 << 20) == 0 and group._link is False
+    monkeypatch.setenv(PIECES_VAR, "0.5")
+    with comm.ProcessGroup(name="fixed") as group:
+        assert piece_bytes(group, 4 << 20) == 1 << 19 and piece_bytes(group, 1 << 19) == 0  # < 2 pieces: whole
+        a = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: 6 pieces, reduced alone (one rank), unchanged
+        group.allreduce(a)
+        assert np.array_equal(a, np.arange(3 << 18, dtype=np.float32))
+    monkeypatch.setenv(PIECES_VAR, "lots")
+    with comm.ProcessGroup(name="bad") as group:
+        with pytest.raises(ValueError, match="DISTLAB_ALLREDUCE_PIECES='lots'"):
+            group.allreduce(np.zeros(1 << 20, dtype=np.float32))
+        assert group._link is None  # refused again next time

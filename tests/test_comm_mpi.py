@@ -133,3 +133,9 @@ def test_rooted_p2p_monitored_and_uneven_alltoall(mpirun, np_):
 def test_rooted_p2p_and_monitored_timeouts_name_the_late_ranks(mpirun, np_):
     result = mpirun("comm_c10d_timeout.py", np=np_, timeout=120)
     assert result.stdout.count("c10d timeouts OK") == np_
+
+
+@pytest.mark.parametrize("np_, per_node", [(2, "1"), (4, "2")])
+def test_large_allreduce_across_nodes_goes_in_pieces_with_the_same_bits(mpirun, np_, per_node):
+    result = mpirun("comm_pieces.py", np=np_, env={"DISTLAB_RANKS_PER_NODE": per_node}, timeout=120)
+    assert result.stdout.count("allreduce pieces OK") == np_

@@ -19,6 +19,7 @@ from ..timeline import now_us
 from . import shared
 from .device import empty_like, mpi_buffer
 from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
+from .pieces import SPLIT_FROM_BYTES, piece_bytes, start_pieces
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
@@ -41,9 +42,13 @@ class GroupOperations:
                 if offset is not None:
                     return self._shared_allreduce(arena, offset, array, reduce_op, async_op, name)
         buf, copy_back = mpi_buffer(array, "allreduce")
+        # Across nodes a large allreduce goes in pieces all in flight (see distlab.comm.pieces; 0: whole)
+        piece = piece_bytes(self, array.nbytes) if array.nbytes >= SPLIT_FROM_BYTES else 0
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
         start = now_us() if self._timeline_on else 0.0
-        if is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
+        if piece:
+            request = start_pieces(self.comm, buf, piece, mpi_op, MPI.UINT16_T if is_bfloat16(array.dtype) else None)
+        elif is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
             request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
         else:
             request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
