@@ -241,6 +241,66 @@ def progress_probe(out: str, rounds: int, mib: float = 8.0) -> None:
         Path(out).write_text(json.dumps({k: max(g[k] for g in gathered) for k in mine}))
 
 
+PIECE_SETTINGS = ("off", "auto", "0.25", "0.5", "1", "2", "4")
+
+
+def pieces_probe(out: str, rounds: int) -> None:
+    """A 26 MB allreduce whole, in the pieces distlab chooses, and in fixed pieces (``--pieces``; every rank).
+
+    One group per ``DISTLAB_ALLREDUCE_PIECES`` setting (read at each group's first large allreduce, where
+    ``auto`` probes the link), and ``wire``: the same bytes as 1 MiB allreduces started at once from Python, then
+    waited for (the figure the automatic pieces are judged by).
+    """
+    import numpy as np
+
+    from distlab import comm
+    from distlab.comm.pieces import PIECES_VAR, piece_bytes
+
+    pg = comm.world()
+    buffer = np.ones(LAYERS * (WIDTH * WIDTH + WIDTH), dtype=np.float32)
+    groups = {}
+    for setting in PIECE_SETTINGS:
+        os.environ[PIECES_VAR] = setting
+        groups[setting] = comm.ProcessGroup(name=f"pieces {setting}")
+        groups[setting].allreduce(buffer)  # reads the setting (auto: probes the link)
+    whole = groups["off"]
+    pieces = [buffer[i:i + 2**18] for i in range(0, buffer.size, 2**18)]  # 1 MiB of float32 each
+
+    def wire():
+        for work in [whole.allreduce(piece, async_op=True, name="wire") for piece in pieces]:
+            work.wait()
+
+    steps = {setting: (lambda g=group: g.allreduce(buffer)) for setting, group in groups.items()}
+    steps["wire"] = wire
+    samples = {key: [] for key in steps}
+    for _ in range(rounds + 1):
+        for key, step in steps.items():
+            pg.barrier()
+            start = time.perf_counter()
+            step()
+            samples[key].append(time.perf_counter() - start)
+    mine = {key: statistics.median(v[1:]) * 1e3 for key, v in samples.items()}
+    gathered = pg.allgather_object(mine)
+    if pg.rank == 0:
+        row = {key: max(g[key] for g in gathered) for key in mine}
+        row["auto piece KiB"] = piece_bytes(groups["auto"], buffer.nbytes) / 1024
+        row["auto link"] = groups["auto"]._link if isinstance(groups["auto"]._link, tuple) else None
+        row["megabytes"] = buffer.nbytes / 1e6
+        Path(out).write_text(json.dumps(row))
+
+
+def pieces_table(rows) -> str:
+    head = (f"{'link':>8} {'whole':>8} {'auto':>8} {'piece':>8} {'wire':>8} {'auto/wire':>9} {'whole/wire':>10}  "
+            + " ".join(f"{s + ' MiB':>9}" for s in PIECE_SETTINGS[2:]))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        piece = f"{r['auto piece KiB']:.0f}K" if r["auto piece KiB"] else "whole"
+        lines.append(f"{r['rate']:>8} {r['off']:>6.1f}ms {r['auto']:>6.1f}ms {piece:>8} {r['wire']:>6.1f}ms "
+                     f"{r['auto'] / r['wire']:>9.3f} {r['off'] / r['wire']:>10.3f}  "
+                     + " ".join(f"{r[s]:>7.1f}ms" for s in PIECE_SETTINGS[2:]))
+    return "\n".join(lines)
+
+
 def progress_table(rows) -> str:
     lines = [f"{'link':>8} {'allreduce':>9} {'compute':>8} {'no MPI call':>11} {'test per product':>16} "
              f"{'thread':>7}"]
@@ -376,6 +436,8 @@ def _run_rate(rate: str, options, part: Path, timeline: str | None = None, setti
         args.append("--progress")
     if options.horovod:
         args.append("--horovod")
+    if options.pieces:
+        args.append("--pieces")
     if options.cpu:
         args.append("--cpu")
     if options.fused:
@@ -415,6 +477,8 @@ def main() -> None:
                         help="instead: does an 8 MiB allreduce move while Python computes (progress_probe)")
     parser.add_argument("--horovod", action="store_true",
                         help="instead: the Horovod-style DistributedOptimizer per fusion threshold and cycle time")
+    parser.add_argument("--pieces", action="store_true",
+                        help="instead: a 26 MB allreduce whole, in automatic pieces and in fixed ones (pieces_probe)")
     parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
     parser.add_argument("--keep", action="store_true", help="leave the virtual cluster up")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -425,6 +489,8 @@ def main() -> None:
     if options.worker:
         if options.progress:
             progress_probe(options.worker, options.rounds)
+        elif options.pieces:
+            pieces_probe(options.worker, options.rounds)
         elif options.horovod:
             horovod_worker(options.worker, options.rounds)
         else:
@@ -451,7 +517,8 @@ def main() -> None:
             row = json.loads(part.read_text())
             part.unlink()
             rows.append({"rate": rate, **row})
-            print((progress_table if options.progress else table)(rows[-1:]), flush=True)
+            print((progress_table if options.progress else pieces_table if options.pieces else table)(rows[-1:]),
+                  flush=True)
             if options.timeline == rate:
                 trace = RESULTS / "overlap_timeline.json"
                 if _run_rate(rate, options, part, str(trace)).returncode != 0:
@@ -467,12 +534,13 @@ def main() -> None:
                 cluster.down(options.cluster)
     report = {"benchmark": "bench_overlap", "command": " ".join(["python -P"] + sys.argv), "rounds": options.rounds,
               "host_cores": os.cpu_count(), "rows": rows}
-    name = ("bench_overlap_progress.json" if options.progress else
-            "bench_overlap_horovod.json" if options.horovod else "bench_overlap.json")
+    name = ("bench_overlap_progress.json" if options.progress else "bench_overlap_pieces.json" if options.pieces
+            else "bench_overlap_horovod.json" if options.horovod else "bench_overlap.json")
     (RESULTS / name).write_text(json.dumps(report, indent=1))
     print()
-    print((progress_table if options.progress else horovod_table if options.horovod else table)(rows))
-    if options.cpu and not (options.progress or options.horovod):
+    print((progress_table if options.progress else pieces_table if options.pieces else
+           horovod_table if options.horovod else table)(rows))
+    if options.cpu and not (options.progress or options.horovod or options.pieces):
         print()
         print(cpu_table(rows))
     print(f"\nwritten to {RESULTS / name}")

@@ -43,11 +43,11 @@ assert whole_group._link is False
 os.environ[PIECES_VAR] = "auto"
 split_group = comm.ProcessGroup(name="split")
 split = reduced(split_group)
-latency, bandwidth = split_group._link  # probed, the same on every rank
-assert latency > 0 and bandwidth > 0
+overhead, bandwidth = split_group._link  # probed, the same on every rank
+assert overhead > 0 and bandwidth > 0
 piece = piece_bytes(split_group, 26 * 10**6)
 assert piece and piece & (piece - 1) == 0, piece
-assert pg.allgather_object((latency, bandwidth, piece)) == [(latency, bandwidth, piece)] * n
+assert pg.allgather_object((overhead, bandwidth, piece)) == [(overhead, bandwidth, piece)] * n
 os.environ[PIECES_VAR] = "0.25"  # a fixed piece: 20 pieces and a tail, started asynchronously
 fixed_group = comm.ProcessGroup(name="fixed")
 fixed = reduced(fixed_group, async_op=True)
