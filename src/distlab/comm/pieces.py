@@ -10,17 +10,18 @@ memory by the cores that reduce them, and pieces only add work: there an allredu
 
 **The piece size** is chosen from the link, the way DDP's automatic bucket cap is
 (:mod:`distlab._common.reducer_autocap`): the first time a group that spans nodes reduces at least
-:data:`SPLIT_FROM_BYTES`, every rank times an allreduce of that size whole and in :data:`PROBE_PIECE` pieces
-(best of 3 each), and one ``allreduce(max)`` makes every rank decide on the same numbers (the probe is
-collective: every rank reaches it at the same allreduce, since an allreduce has the same size everywhere). The
-whole one gives the bandwidth, the difference what each piece costs beyond it (its message and progress work;
-at least :data:`MIN_OVERHEAD`, as pieces may come out faster). For ``N`` bytes in pieces of ``p``, the pieces
-cost ``N / p * overhead`` and the pipeline fills and drains with one piece on the wire, ``p / bandwidth``; the
-sum is least at ``p = sqrt(N * overhead * bandwidth)``, rounded to a power of two within :data:`PIECE_BYTES`. An
-allreduce less than twice its piece stays whole. (A tiny allreduce's latency, what the bucket cap's model
-charges per bucket, is no measure of a piece's cost: pieces in flight together do not wait for each other's
-round trips. Measured on the virtual cluster it read 0.01 ms at 2.5 Gbit/s and 1.5 ms at 1 Gbit/s, while a piece
-cost about 0.4 ms and nothing.)
+:data:`SPLIT_FROM_BYTES`, every rank times an allreduce of that size whole, in 2 pieces and in
+:data:`PROBE_PIECE` pieces (best of 3 each), and one ``allreduce(max)`` makes every rank decide on the same
+numbers (the probe is collective: every rank reaches it at the same allreduce, since an allreduce has the same
+size everywhere). The two split runs differ only in their number of pieces: their difference is what a piece
+costs (its messages and progress work; at least :data:`MIN_OVERHEAD`), and what remains is the time per byte of
+pieces in flight; the whole run gives the time per byte whole. For ``N`` bytes in pieces of ``p`` the pieces
+cost ``N / p * overhead`` and the pipeline fills and drains with one piece on the wire: the sum is least at
+``p = sqrt(N * overhead * bandwidth in pieces)``, rounded to a power of two within :data:`PIECE_BYTES`. The
+allreduce goes in pieces only when that prediction beats the whole one by more than :data:`TIE`, and when it
+is at least twice the piece. (A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no
+measure of a piece's cost: pieces in flight do not wait for each other's round trips. On the virtual cluster it
+read 0.01 ms at 2.5 Gbit/s and 1.5 ms at 1 Gbit/s, while a piece cost about 0.4 ms and nothing.)
 
 ``DISTLAB_ALLREDUCE_PIECES`` = ``auto`` (default), ``off`` (never split), or a piece size in MiB (no probe). Each
 piece is its own nonblocking allreduce of a slice of the array, reduced element by element exactly as the whole
@@ -35,7 +36,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PIECES_VAR", "SPLIT_FROM_BYTES", "PIECE_BYTES", "PROBE_PIECE", "MIN_OVERHEAD", "piece_bytes", "choose_piece", "PieceRequest",
+__all__ = ["PIECES_VAR", "SPLIT_FROM_BYTES", "PIECE_BYTES", "PROBE_PIECE", "MIN_OVERHEAD", "TIE", "piece_bytes", "choose_piece", "PieceRequest",
            "start_pieces"]
 
 PIECES_VAR = "DISTLAB_ALLREDUCE_PIECES"
@@ -47,6 +48,8 @@ PIECE_BYTES = (256 << 10, 16 * MiB)
 #: The probe's pieces, and the least cost per piece it may conclude (pieces that came out faster than whole).
 PROBE_PIECE = 128 << 10
 MIN_OVERHEAD = 1e-5
+#: Pieces predicted faster than whole by less than this fraction stay whole (the model cannot tell them apart).
+TIE = 0.03
 _PROBING = "probing"
 
 
@@ -67,20 +70,24 @@ def piece_bytes(group, nbytes: int) -> int:
     if link is _PROBING or link is False:
         return 0
     if isinstance(link, int):
-        piece = link
-    else:
-        piece = choose_piece(nbytes, *link)
-    return piece if 2 * piece <= nbytes else 0
+        return link if 2 * link <= nbytes else 0
+    return choose_piece(nbytes, *link)
 
 
-def choose_piece(nbytes: int, overhead: float, bandwidth: float) -> int:
-    """``sqrt(nbytes * overhead * bandwidth)`` as a power of two within :data:`PIECE_BYTES`."""
-    best = math.sqrt(max(nbytes * overhead * bandwidth, 1.0))
-    return int(np.clip(2 ** round(math.log2(best)), *PIECE_BYTES))
+def choose_piece(nbytes: int, overhead: float, streamed: float, whole: float) -> int:
+    """The piece for ``nbytes`` (0: whole): ``sqrt(nbytes * overhead / streamed)`` as a power of two within
+    :data:`PIECE_BYTES`, if the pieces are predicted faster than whole by more than :data:`TIE`.
+
+    ``overhead``: seconds each piece adds; ``streamed`` and ``whole``: seconds per byte in pieces and whole.
+    """
+    best = math.sqrt(max(nbytes * overhead / streamed, 1.0))
+    piece = int(np.clip(2 ** round(math.log2(best)), *PIECE_BYTES))
+    predicted = (nbytes + piece) * streamed + nbytes / piece * overhead
+    return piece if 2 * piece <= nbytes and predicted < (1 - TIE) * nbytes * whole else 0
 
 
 def _link_for(group):
-    """False (never split), a fixed piece in bytes, or the probed ``(overhead per piece, bandwidth)``."""
+    """False (never split), a fixed piece in bytes, or the probed ``(overhead, streamed, whole)``."""
     setting = os.environ.get(PIECES_VAR, "auto").strip().lower() or "auto"
     if setting in ("off", "0"):
         return False
@@ -97,40 +104,54 @@ def _link_for(group):
     return _probe(group)
 
 
-def _probe(group) -> tuple[float, float]:
-    """Seconds each piece adds, and the bandwidth (bytes/s): a :data:`SPLIT_FROM_BYTES` allreduce whole and in
-    :data:`PROBE_PIECE` pieces, best of 3 each, the worst over ranks."""
+def _probe(group) -> tuple[float, float, float]:
+    """``(seconds per piece, seconds per byte in pieces, seconds per byte whole)``, from a
+    :data:`SPLIT_FROM_BYTES` allreduce whole, in 2 pieces and in :data:`PROBE_PIECE` pieces (best of 3 each, the
+    worst over ranks)."""
     probe = np.zeros(SPLIT_FROM_BYTES // 4, dtype=np.float32)
 
-    def timed(what: str) -> float:
-        group.barrier(name=f"allreduce pieces: {what}")
-        start = time.perf_counter()
-        group.allreduce(probe, name=f"allreduce pieces: {what}")
-        return time.perf_counter() - start
+    def best(piece, what: str) -> float:
+        group._link = piece
+        times = []
+        for _ in range(3):
+            group.barrier(name=f"allreduce pieces: {what}")
+            start = time.perf_counter()
+            group.allreduce(probe, name=f"allreduce pieces: {what}")
+            times.append(time.perf_counter() - start)
+        return min(times)
 
-    whole = min(timed("whole") for _ in range(3))  # _link is _PROBING here: whole
-    group._link = PROBE_PIECE
     try:
-        split = min(timed("in pieces") for _ in range(3))
+        measured = np.array([best(_PROBING, "whole"), best(probe.nbytes // 2, "2 pieces"),
+                             best(PROBE_PIECE, "small pieces")])
     finally:
         group._link = _PROBING
-    measured = np.array([whole, split])
     group.allreduce(measured, op="max", name="allreduce pieces: measurements")
-    whole, split = (float(x) for x in measured)
+    whole, two, many = (float(x) for x in measured)
     count = probe.nbytes // PROBE_PIECE
-    return max((split - whole) / (count - 1), MIN_OVERHEAD), probe.nbytes / whole
+    overhead = max((many - two) / (count - 2), MIN_OVERHEAD)
+    return overhead, max(two - 2 * overhead, 0.5 * two) / probe.nbytes, whole / probe.nbytes
 
 
 class PieceRequest:
-    """The requests of an allreduce's pieces, tested together (a request to :class:`~distlab.comm.Work`)."""
+    """The requests of an allreduce's pieces, as one request to :class:`~distlab.comm.Work`.
 
-    __slots__ = ("requests",)
+    A test looks at the first piece not yet seen complete, and moves on while pieces complete: any test drives
+    all of MPI's traffic, so testing every piece on every poll (``Testall``) only adds work per poll (measured at
+    10 Gbit/s, 26 MB in 1 MiB pieces: 115 ms with ``Testall``, 83 ms waiting on each piece's request in turn).
+    """
+
+    __slots__ = ("requests", "first")
 
     def __init__(self, requests):
         self.requests = requests
+        self.first = 0
 
     def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
-        return MPI.Request.Testall(self.requests)
+        requests, first = self.requests, self.first
+        while first < len(requests) and requests[first].Test():
+            first += 1
+        self.first = first
+        return first == len(requests)
 
 
 def start_pieces(comm, buf, piece: int, mpi_op, bits=None) -> PieceRequest:
