@@ -217,14 +217,12 @@ def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_s
 def test_allreduce_pieces_setting_and_size(monkeypatch):
     from distlab.comm.pieces import PIECE_BYTES, PIECES_VAR, choose_piece, piece_bytes
 
-    # sqrt(bytes * overhead * bandwidth in pieces), a power of two within the bounds, where it beats whole
-    streamed = 1 / 384e6
-    assert choose_piece(26 * 10**6, 4e-4, streamed, 1.7 * streamed) == 2 << 20
-    assert choose_piece(26 * 10**6, 1e-6, streamed, 1.7 * streamed) == PIECE_BYTES[0]
-    assert choose_piece(10**9, 1e-4, 1e-10, 2e-10) == PIECE_BYTES[1]
-    assert choose_piece(26 * 10**6, 4e-4, streamed, streamed) == 0  # no faster in pieces: whole
-    assert choose_piece(26 * 10**6, 4e-4, streamed, 1.02 * streamed) == 0  # within the tie
-    assert choose_piece(3 << 20, 0.1, streamed, 10 * streamed) == 0  # less than two pieces
+    # sqrt(bytes * overhead * bandwidth in pieces), a power of two within the bounds
+    streamed = 1 / 192e6  # 2.5 Gbit/s on the virtual cluster
+    assert choose_piece(26 * 10**6, 4.3e-4, streamed) == 1 << 20
+    assert choose_piece(26 * 10**6, 1e-6, streamed) == PIECE_BYTES[0]
+    assert choose_piece(10**9, 1e-2, 1e-10) == PIECE_BYTES[1]
+    assert choose_piece(3 << 20, 0.1, streamed) == 0  # less than two pieces
     with comm.ProcessGroup(name="one node") as group:  # one rank, one node: whole, no probe
         assert piece_bytes(group, 64 << 20) == 0 and group._link is False
     monkeypatch.setenv(PIECES_VAR, "0.5")

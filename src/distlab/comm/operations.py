@@ -19,7 +19,7 @@ from ..timeline import now_us
 from . import shared
 from .device import empty_like, mpi_buffer
 from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
-from .pieces import SPLIT_FROM_BYTES, piece_bytes, start_pieces
+from .pieces import SPLIT_FROM_BYTES, in_turn, piece_bytes, start_pieces
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
@@ -46,15 +46,16 @@ class GroupOperations:
         piece = piece_bytes(self, array.nbytes) if array.nbytes >= SPLIT_FROM_BYTES else 0
         seq = self._enter("allreduce", name, array, reduce_op=reduce_op)
         start = now_us() if self._timeline_on else 0.0
-        if piece:
-            request = start_pieces(self.comm, buf, piece, mpi_op, MPI.UINT16_T if is_bfloat16(array.dtype) else None)
-        elif is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
-            request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
-        else:
-            request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
         finish = copy_back
         if reduce_op is ReduceOp.AVG:
             finish = averaging(buf, self.size, copy_back)
+        if piece:
+            requests = start_pieces(self.comm, buf, piece, mpi_op, MPI.UINT16_T if is_bfloat16(array.dtype) else None)
+            return self._staged("allreduce", seq, name, array.nbytes, in_turn(requests, finish, array), async_op)
+        if is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
+            request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
+        else:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
         return self._issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
 
     def _shared_allreduce(self, arena, offset: int, array, reduce_op, async_op: bool, name):

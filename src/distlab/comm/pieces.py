@@ -10,18 +10,22 @@ memory by the cores that reduce them, and pieces only add work: there an allredu
 
 **The piece size** is chosen from the link, the way DDP's automatic bucket cap is
 (:mod:`distlab._common.reducer_autocap`): the first time a group that spans nodes reduces at least
-:data:`SPLIT_FROM_BYTES`, every rank times an allreduce of that size whole, in 2 pieces and in
-:data:`PROBE_PIECE` pieces (best of 3 each), and one ``allreduce(max)`` makes every rank decide on the same
+:data:`SPLIT_FROM_BYTES`, every rank times an allreduce of :data:`PROBE_BYTES` in 1 MiB pieces and in
+:data:`PROBE_PIECE` pieces (best of 2 each), and one ``allreduce(max)`` makes every rank decide on the same
 numbers (the probe is collective: every rank reaches it at the same allreduce, since an allreduce has the same
-size everywhere). The two split runs differ only in their number of pieces: their difference is what a piece
-costs (its messages and progress work; at least :data:`MIN_OVERHEAD`), and what remains is the time per byte of
-pieces in flight; the whole run gives the time per byte whole. For ``N`` bytes in pieces of ``p`` the pieces
-cost ``N / p * overhead`` and the pipeline fills and drains with one piece on the wire: the sum is least at
-``p = sqrt(N * overhead * bandwidth in pieces)``, rounded to a power of two within :data:`PIECE_BYTES`. The
-allreduce goes in pieces only when that prediction beats the whole one by more than :data:`TIE`, and when it
-is at least twice the piece. (A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no
-measure of a piece's cost: pieces in flight do not wait for each other's round trips. On the virtual cluster it
-read 0.01 ms at 2.5 Gbit/s and 1.5 ms at 1 Gbit/s, while a piece cost about 0.4 ms and nothing.)
+size everywhere). The two runs differ only in their number of pieces: their difference is what a piece costs
+(its messages and progress work; at least :data:`MIN_OVERHEAD`), and what remains is the time per byte of pieces
+in flight. For ``N`` bytes in pieces of ``p`` the pieces cost ``N / p * overhead`` and the pipeline fills and
+drains with one piece on the wire, ``p / bandwidth``: the sum is least at ``p = sqrt(N * overhead *
+bandwidth)``, rounded to a power of two within :data:`PIECE_BYTES`. An allreduce of less than two pieces stays
+whole.
+
+Across nodes a large allreduce always goes in pieces: measured on the virtual cluster (26 MB, 2 hosts), whole
+took 1.5-1.8 times as long as pieces at 1 and 2.5 Gbit/s and about the same at 10 Gbit/s, and no probe of a few
+MiB could tell those apart (at 8 MiB whole and pieces still ran at the same rate: a whole allreduce slows down
+as it grows). A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no measure of a
+piece's cost either: pieces in flight do not wait for each other's round trips (it read 0.01 ms at 2.5 Gbit/s
+and 1.5 ms at 1 Gbit/s, while a piece cost about 0.4 ms and nothing).
 
 ``DISTLAB_ALLREDUCE_PIECES`` = ``auto`` (default), ``off`` (never split), or a piece size in MiB (no probe). Each
 piece is its own nonblocking allreduce of a slice of the array, reduced element by element exactly as the whole
@@ -36,8 +40,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PIECES_VAR", "SPLIT_FROM_BYTES", "PIECE_BYTES", "PROBE_PIECE", "MIN_OVERHEAD", "TIE", "piece_bytes", "choose_piece", "PieceRequest",
-           "start_pieces"]
+__all__ = ["PIECES_VAR", "SPLIT_FROM_BYTES", "PIECE_BYTES", "PROBE_BYTES", "PROBE_PIECE", "MIN_OVERHEAD",
+           "piece_bytes", "choose_piece", "start_pieces", "in_turn"]
 
 PIECES_VAR = "DISTLAB_ALLREDUCE_PIECES"
 MiB = 1 << 20
@@ -45,11 +49,11 @@ MiB = 1 << 20
 SPLIT_FROM_BYTES = 2 * MiB
 #: The smallest and largest piece the link may choose.
 PIECE_BYTES = (256 << 10, 16 * MiB)
-#: The probe's pieces, and the least cost per piece it may conclude (pieces that came out faster than whole).
+#: The probe's size (a small allreduce runs at a fraction of the link's rate, whole or in pieces), its small
+#: pieces, and the least cost per piece it may conclude (pieces that came out faster than whole).
+PROBE_BYTES = 8 * MiB
 PROBE_PIECE = 128 << 10
 MIN_OVERHEAD = 1e-5
-#: Pieces predicted faster than whole by less than this fraction stay whole (the model cannot tell them apart).
-TIE = 0.03
 _PROBING = "probing"
 
 
@@ -74,20 +78,19 @@ def piece_bytes(group, nbytes: int) -> int:
     return choose_piece(nbytes, *link)
 
 
-def choose_piece(nbytes: int, overhead: float, streamed: float, whole: float) -> int:
+def choose_piece(nbytes: int, overhead: float, streamed: float) -> int:
     """The piece for ``nbytes`` (0: whole): ``sqrt(nbytes * overhead / streamed)`` as a power of two within
-    :data:`PIECE_BYTES`, if the pieces are predicted faster than whole by more than :data:`TIE`.
+    :data:`PIECE_BYTES`, if ``nbytes`` makes two pieces at least.
 
-    ``overhead``: seconds each piece adds; ``streamed`` and ``whole``: seconds per byte in pieces and whole.
+    ``overhead``: seconds each piece adds; ``streamed``: seconds per byte of pieces in flight.
     """
     best = math.sqrt(max(nbytes * overhead / streamed, 1.0))
     piece = int(np.clip(2 ** round(math.log2(best)), *PIECE_BYTES))
-    predicted = (nbytes + piece) * streamed + nbytes / piece * overhead
-    return piece if 2 * piece <= nbytes and predicted < (1 - TIE) * nbytes * whole else 0
+    return piece if 2 * piece <= nbytes else 0
 
 
 def _link_for(group):
-    """False (never split), a fixed piece in bytes, or the probed ``(overhead, streamed, whole)``."""
+    """False (never split), a fixed piece in bytes, or the probed ``(overhead, streamed)``."""
     setting = os.environ.get(PIECES_VAR, "auto").strip().lower() or "auto"
     if setting in ("off", "0"):
         return False
@@ -104,16 +107,15 @@ def _link_for(group):
     return _probe(group)
 
 
-def _probe(group) -> tuple[float, float, float]:
-    """``(seconds per piece, seconds per byte in pieces, seconds per byte whole)``, from a
-    :data:`SPLIT_FROM_BYTES` allreduce whole, in 2 pieces and in :data:`PROBE_PIECE` pieces (best of 3 each, the
-    worst over ranks)."""
-    probe = np.zeros(SPLIT_FROM_BYTES // 4, dtype=np.float32)
+def _probe(group) -> tuple[float, float]:
+    """``(seconds per piece, seconds per byte in pieces)``, from a :data:`PROBE_BYTES` allreduce in 1 MiB pieces
+    and in :data:`PROBE_PIECE` pieces (best of 2 each, the worst over ranks)."""
+    probe = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
 
-    def best(piece, what: str) -> float:
+    def best(piece: int, what: str) -> float:
         group._link = piece
         times = []
-        for _ in range(3):
+        for _ in range(2):
             group.barrier(name=f"allreduce pieces: {what}")
             start = time.perf_counter()
             group.allreduce(probe, name=f"allreduce pieces: {what}")
@@ -121,48 +123,38 @@ def _probe(group) -> tuple[float, float, float]:
         return min(times)
 
     try:
-        measured = np.array([best(_PROBING, "whole"), best(probe.nbytes // 2, "2 pieces"),
-                             best(PROBE_PIECE, "small pieces")])
+        measured = np.array([best(MiB, "1 MiB pieces"), best(PROBE_PIECE, "small pieces")])
     finally:
         group._link = _PROBING
     group.allreduce(measured, op="max", name="allreduce pieces: measurements")
-    whole, two, many = (float(x) for x in measured)
-    count = probe.nbytes // PROBE_PIECE
-    overhead = max((many - two) / (count - 2), MIN_OVERHEAD)
-    return overhead, max(two - 2 * overhead, 0.5 * two) / probe.nbytes, whole / probe.nbytes
+    large, small = (float(x) for x in measured)
+    few, many = PROBE_BYTES // MiB, PROBE_BYTES // PROBE_PIECE
+    overhead = max((small - large) / (many - few), MIN_OVERHEAD)
+    return overhead, max(large - few * overhead, 0.5 * large) / PROBE_BYTES
 
 
-class PieceRequest:
-    """The requests of an allreduce's pieces, as one request to :class:`~distlab.comm.Work`.
-
-    A test looks at the first piece not yet seen complete, and moves on while pieces complete: any test drives
-    all of MPI's traffic, so testing every piece on every poll (``Testall``) only adds work per poll (measured at
-    10 Gbit/s, 26 MB in 1 MiB pieces: 115 ms with ``Testall``, 83 ms waiting on each piece's request in turn).
-    """
-
-    __slots__ = ("requests", "first")
-
-    def __init__(self, requests):
-        self.requests = requests
-        self.first = 0
-
-    def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
-        requests, first = self.requests, self.first
-        while first < len(requests) and requests[first].Test():
-            first += 1
-        self.first = first
-        return first == len(requests)
-
-
-def start_pieces(comm, buf, piece: int, mpi_op, bits=None) -> PieceRequest:
+def start_pieces(comm, buf, piece: int, mpi_op, bits=None) -> list:
     """Start one in-place ``Iallreduce`` per ``piece`` bytes of the flat ``buf`` (``bits``: the MPI type its
-    elements travel as, for bfloat16 as uint16); returns their :class:`PieceRequest`."""
+    elements travel as, for bfloat16 as uint16); returns their requests, in order."""
     flat = buf.reshape(-1)
     if bits is not None:
         flat = flat.view(np.uint16)
     step = max(piece // flat.itemsize, 1)
-    requests = []
-    for start in range(0, flat.size, step):
-        part = flat[start:start + step]
-        requests.append(comm.Iallreduce(MPI.IN_PLACE, part if bits is None else [part, bits], mpi_op))
-    return PieceRequest(requests)
+    return [comm.Iallreduce(MPI.IN_PLACE, flat[i:i + step] if bits is None else [flat[i:i + step], bits], mpi_op)
+            for i in range(0, flat.size, step)]
+
+
+def in_turn(requests, finish, result):
+    """The stages of a :class:`~distlab.comm.Work` waiting for the pieces one after the other, then running
+    ``finish`` and returning ``result``.
+
+    One piece at a time, as a loop over each piece's own ``wait`` does: every wait starts with a spin of
+    busy polls (:func:`~distlab.comm.work.spin`), which keep feeding the sockets; one wait on all the pieces
+    together backs off to sleeps after its first 10 ms, and a 26 MB allreduce at 2.5 Gbit/s took 126 ms that
+    way against 114 ms piece by piece. Any test drives all of MPI's traffic, so the later pieces move meanwhile.
+    """
+    for request in requests:
+        yield request
+    if finish is not None:
+        finish()
+    return result
