@@ -34,7 +34,9 @@ front on the same model (:func:`horovod_worker`): ``distlab.collectives.Distribu
 gradient's ``allreduce_async`` from its hook during backward and a background thread negotiates and runs them
 (nobody polls), for several fusion thresholds and cycle times (``DISTLAB_FUSION_THRESHOLD``,
 ``DISTLAB_CYCLE_TIME``: one job per setting, as they are read at ``init``); writes
-``benchmarks/results/bench_overlap_horovod.json``.
+``benchmarks/results/bench_overlap_horovod.json``. ``--pieces`` measures instead a 26 MB allreduce whole, in the
+pieces distlab chooses across nodes, in fixed pieces, and as ``wire`` (:func:`pieces_probe`); writes
+``benchmarks/results/bench_overlap_pieces.json``.
 """
 from __future__ import annotations
 
