@@ -25,4 +25,18 @@ if aware:
     assert counts["to_host"] == 0 and counts["from_host"] == 0, counts
 else:
     assert counts["to_host"] == 2 and counts["from_host"] == 2, counts
+# The rooted calls and all_to_all_single take device arrays the same way (lists on the root through host memory).
+red = FakeDeviceArray(np.full(3, r + 1.0))
+pg.reduce(red, dst=n - 1)
+assert red.get().tolist() == [n * (n + 1) / 2 if r == n - 1 else r + 1.0] * 3
+targets = [FakeDeviceArray(np.zeros(2, np.int32)) for _ in range(n)] if r == 0 else None
+pg.gather(FakeDeviceArray(np.full(2, r, np.int32)), targets, dst=0)
+if r == 0:
+    assert [t.get()[0] for t in targets] == list(range(n))
+into = FakeDeviceArray(np.zeros(2))
+pg.scatter(into, [FakeDeviceArray(np.full(2, 5.0 * k)) for k in range(n)] if r == 0 else None, src=0)
+assert into.get().tolist() == [5.0 * r] * 2
+out = FakeDeviceArray(np.zeros((n, 2), np.float32))
+pg.all_to_all_single(out, FakeDeviceArray(np.arange(2 * n, dtype=np.float32).reshape(n, 2) + 100 * r))
+assert out.get()[:, 0].tolist() == [100 * k + 2 * r for k in range(n)], out.get()
 print(f"rank {r}: device path ({'direct' if aware else 'staged'}) OK {counts}", flush=True)
