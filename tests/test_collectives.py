@@ -114,15 +114,18 @@ def test_local_and_cross_ranks_follow_the_node_layout(mpirun, np_, per_node):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_scaling_rounds_once_from_horovods_precision(dtype):
     """scale_in_place computes half in float32 and single/double in float64, rounding once, as Horovod's
-    ScaleBuffer does (and without copies of the buffer: the ufunc converts in chunks)."""
+    ScaleBuffer does (without copies of the buffer: the ufunc converts in chunks; float32 multiplies natively by a
+    power of two, which gives the same bits)."""
     from distlab.collectives._execute import scale_in_place
 
     values = (np.random.default_rng(3).standard_normal(50_000) * 100).astype(dtype)
+    values[:4] = [1e-40, -3e-39, 3e38, 1.5e-45] if dtype == "float32" else values[:4]  # subnormals, near overflow
     compute = np.float32 if dtype == "float16" else np.float64
-    for factor in (1 / 3, 0.5, 7.1, 1e-3):
-        expected = (values.astype(compute) * compute(factor)).astype(dtype)
-        scaled = values.copy()
-        scale_in_place(scaled, factor)
+    for factor in (1 / 3, 0.5, 7.1, 1e-3, 0.25, 2.0, -0.125, 2.0**-30):
+        with np.errstate(over="ignore"):  # 3e38 * 7.1 is inf in float32, as in Horovod
+            expected = (values.astype(compute) * compute(factor)).astype(dtype)
+            scaled = values.copy()
+            scale_in_place(scaled, factor)
         assert np.array_equal(scaled, expected), factor
     half_factor_first = (values.astype(compute) * compute(np.asarray(1 / 3, dtype))).astype(dtype)
     if dtype != "float64":  # the factor itself is not rounded to the buffer's precision first

@@ -8,6 +8,8 @@ the factor rounded to float32 once, other floats in float64, and integers in flo
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._types import ReduceOp
@@ -84,16 +86,27 @@ def scale_in_place(buf, factor: float) -> None:
     if dtype.name == "bfloat16":
         buf[...] = (buf.astype(np.float32) * np.float32(factor)).astype(dtype)
     elif dtype.kind == "f":
-        # A typed scalar makes the ufunc compute in its precision (float32 for half, float64 otherwise) and
-        # round once into ``buf``, converting in cache-sized chunks: 4x faster than astype copies of the buffer
-        compute = np.float32 if dtype.itemsize == 2 else np.float64
-        np.multiply(buf, compute(factor), out=buf, casting="unsafe")
+        if dtype.itemsize == 4 and _power_of_two(factor):
+            # x * 2**k is exact in float64, so Horovod's float64 product rounds exactly as float32's own multiply
+            # does (once, to nearest): the same bits without converting. Average over 2, 4, 8... ranks: a 26 MB
+            # buffer in 0.84 ms against 6.2 ms converting (one process, interleaved, 15 rounds)
+            np.multiply(buf, np.float32(factor), out=buf)
+        else:
+            # A typed scalar makes the ufunc compute in its precision (float32 for half, float64 otherwise) and
+            # round once into ``buf``, converting in cache-sized chunks: 4x faster than astype copies of the buffer
+            compute = np.float32 if dtype.itemsize == 2 else np.float64
+            np.multiply(buf, compute(factor), out=buf, casting="unsafe")
     elif dtype.kind in "iu":
         buf[...] = np.trunc(buf.astype(np.float64) * factor)
     elif dtype.kind == "b":
         buf[...] = buf.astype(np.float64) * factor != 0
     else:
         np.multiply(buf, factor, out=buf, casting="unsafe")
+
+
+def _power_of_two(factor: float) -> bool:
+    """Whether ``factor`` is +-2**k with a float32 normal exponent (scaling by it is exact)."""
+    return factor != 0 and abs(math.frexp(factor)[0]) == 0.5 and -126 <= math.frexp(factor)[1] - 1 <= 127
 
 
 def _reduce_op(response):
