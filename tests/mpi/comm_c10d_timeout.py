@@ -26,6 +26,7 @@ calls = {
     "all_to_all_single": lambda g: g.all_to_all_single(np.zeros(n), np.zeros(n), async_op=True),
 }
 groups = {op: pg.new_group(list(range(n)), name=op) for op in calls}
+p2p = {kind: pg.new_group(list(range(n)), name=kind) for kind in ("recv_object_list", "irecv")}
 on_time = pg.new_group([k for k in range(n) if k not in late], name="on_time")  # None on the late ranks
 pg.barrier()
 MONITOR = 0.8
@@ -82,6 +83,11 @@ else:
                 call(groups[op]).wait(timeout=0.5)
             except DistTimeoutError as exc:
                 assert set(late) <= set(exc.missing_ranks), str(exc)
+    # point to point from a late rank: the peer is named
+    expect_timeout(lambda: p2p["recv_object_list"].recv_object_list([None], src=late[0], async_op=True).wait(
+        timeout=0.3), "recv_object_list", f"its peer, rank {late[0]}, never posted", missing=late[:1])
+    batch = comm.batch_isend_irecv([comm.P2POp(comm.irecv, np.zeros(2), late[0], group=p2p["irecv"])])
+    expect_timeout(lambda: batch[0].wait(timeout=0.3), "recv", f"its peer, rank {late[0]}", missing=late[:1])
     if r == 0 and n > len(late) + 1:  # some rank other than 0 is on time (4 ranks)
         time.sleep(MONITOR + 1.0)  # the others give up on it first
         # their arrivals wait for it; the late ranks' do not
