@@ -20,10 +20,11 @@ drains with one piece on the wire, ``p / bandwidth``: the sum is least at ``p = 
 bandwidth)``, rounded to a power of two within :data:`PIECE_BYTES`. An allreduce of less than two pieces stays
 whole.
 
-Across nodes a large allreduce always goes in pieces: measured on the virtual cluster (26 MB, 2 hosts), whole
-took 1.5-1.8 times as long as pieces at 1 and 2.5 Gbit/s and about the same at 10 Gbit/s, and no probe of a few
-MiB could tell those apart (at 8 MiB whole and pieces still ran at the same rate: a whole allreduce slows down
-as it grows). A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no measure of a
+Across nodes a large allreduce always goes in pieces: measured on the virtual cluster (26 MB, 2 hosts) on the
+shared 2-core development machine, whole took 1.4-1.8 times as long as pieces at 1 and 2.5 Gbit/s (1.08 times on
+a quiet machine, above), while at 10 Gbit/s, where the machine's cores rather than the link bound it, whole was as
+fast or faster (up to 1.3 times); no probe of a few MiB could tell those cases apart (at 8 MiB whole and pieces
+still ran at the same rate: a whole allreduce slows down as it grows), so the link's rate cannot be what decides. A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no measure of a
 piece's cost either: pieces in flight do not wait for each other's round trips (it read 0.01 ms at 2.5 Gbit/s
 and 1.5 ms at 1 Gbit/s, while a piece cost about 0.4 ms and nothing).
 
