@@ -113,19 +113,19 @@ def test_local_and_cross_ranks_follow_the_node_layout(mpirun, np_, per_node):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_scaling_rounds_once_from_horovods_precision(dtype):
-    """scale_in_place computes half in float32 and single/double in float64, rounding once, as Horovod's
+    """scale_in_place computes half and single in float32 and double in float64, rounding once, as Horovod's
     ScaleBuffer does (and without copies of the buffer: the ufunc converts in chunks)."""
     from distlab.collectives._execute import scale_in_place
 
     values = (np.random.default_rng(3).standard_normal(50_000) * 100).astype(dtype)
-    compute = np.float32 if dtype == "float16" else np.float64
+    compute = np.float64 if dtype == "float64" else np.float32
     for factor in (1 / 3, 0.5, 7.1, 1e-3):
         expected = (values.astype(compute) * compute(factor)).astype(dtype)
         scaled = values.copy()
         scale_in_place(scaled, factor)
         assert np.array_equal(scaled, expected), factor
     half_factor_first = (values.astype(compute) * compute(np.asarray(1 / 3, dtype))).astype(dtype)
-    if dtype != "float64":  # the factor itself is not rounded to the buffer's precision first
+    if dtype == "float16":  # the factor itself is not rounded to the buffer's precision first
         scaled = values.copy()
         scale_in_place(scaled, 1 / 3)
         assert not np.array_equal(scaled, half_factor_first)

@@ -2,9 +2,9 @@
 
 Every member of a set runs the same responses in the same order (the negotiation's guarantee G1), so the
 collectives below pair up. A fused allreduce packs its tensors into the set's fusion buffer, reduces once and
-unpacks. Scaling follows Horovod's ``ScaleBuffer``: half precision (float16, bfloat16) is scaled in float32 with
-the factor rounded to float32 once, other floats in float64, and integers in float64 then truncated toward zero
-(so ``op=Average`` of integers is the sum times ``1/size``, truncated: -7 over 2 ranks gives -3, not -4).
+unpacks. Scaling follows Horovod's ``ScaleBuffer``: float16, bfloat16 and float32 are scaled in float32 with the
+factor rounded to float32 once, float64 in float64, and integers in float64 then truncated toward zero (so
+``op=Average`` of integers is the sum times ``1/size``, truncated: -7 over 2 ranks gives -3, not -4).
 """
 from __future__ import annotations
 
@@ -84,9 +84,10 @@ def scale_in_place(buf, factor: float) -> None:
     if dtype.name == "bfloat16":
         buf[...] = (buf.astype(np.float32) * np.float32(factor)).astype(dtype)
     elif dtype.kind == "f":
-        # A typed scalar makes the ufunc compute in its precision (float32 for half, float64 otherwise) and
-        # round once into ``buf``, converting in cache-sized chunks: 4x faster than astype copies of the buffer
-        compute = np.float32 if dtype.itemsize == 2 else np.float64
+        # A typed scalar makes the ufunc compute in its precision (float32 up to single, as ScaleBufferCPUImpl's
+        # ``(float)scale_factor``, float64 above) and round once into ``buf``, converting in cache-sized chunks:
+        # 4x faster than astype copies of the buffer
+        compute = np.float32 if dtype.itemsize <= 4 else np.float64
         np.multiply(buf, compute(factor), out=buf, casting="unsafe")
     elif dtype.kind in "iu":
         buf[...] = np.trunc(buf.astype(np.float64) * factor)
