@@ -289,7 +289,9 @@ def _seeds(module):
     resps = [module.Response(0, ["a", "b"], F32, devices=[-1, 0], tensor_sizes=[6, 2], reduce_op=1, group_id=3),
              module.Response(8, ["x"], 0, "bad things", [-1, -1]),
              module.Response(3, ["join.noname"], last_joined_rank=1)]
+    near_limit = r("big", RequestType.ALLREDUCE, dtype_code("int8"), (2**31, 2**31, 1), request_rank=1, reduce_op=1)
     return [module.RequestList(reqs, True, "called shutdown()", 2).to_bytes(), module.RequestList().to_bytes(),
+            module.RequestList([near_limit]).to_bytes(),            # 2**62 bytes: a mutated dim goes past int64
             module.ResponseList(resps, False, "", 1).to_bytes(), module.ResponseList([], True, "rank 1 stopped").to_bytes()]
 
 
@@ -307,9 +309,12 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
         elif choice < 0.9:                                          # insert junk
             at = rng.randrange(len(out) + 1)
             out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
-        else:                                                       # a NaN or inf where a float may sit
+        elif choice < 0.95:                                         # a NaN or inf where a float may sit
             at = rng.randrange(max(len(out) - 8, 1))
             out[at:at + 8] = struct.pack("<d", rng.choice([float("nan"), float("inf"), -1e308]))
+        else:                                                       # a huge int64 (a dim, a size)
+            at = rng.randrange(max(len(out) - 8, 1))
+            out[at:at + 8] = struct.pack("<q", rng.choice([2**62, 2**63 - 1, 3 * 2**61, 2**32 + 1]))
     return bytes(out)
 
 
@@ -325,7 +330,7 @@ def _outcome(cls, data):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1))
 def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
-    """Thousands of mutated messages per run (40 seeds x 60 mutants x 4 seeds messages), both twins."""
+    """Thousands of mutated messages per run (40 seeds x 60 mutants x 5 seed messages), both twins."""
     twins = _twins()
     rng = random.Random(seed)
     for index, base in enumerate(_seeds(twins["reference"])):
@@ -339,6 +344,75 @@ def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
             if outcomes["core"][0] == "ok":
                 # what parsed is well formed: written again, it is the same message (a fixed point)
                 assert outcomes["core"][1] == data, data.hex()
+
+
+def _coordinated(modules, payload, process_set_id, answer=None):
+    """One cycle of a 2-rank world for ``process_set_id`` where rank 1's request list is replaced by ``payload``
+    (and, given ``answer``, the response list rank 1 receives by it): each rank's ResponseList as bytes, or the
+    error a rank's controller raised."""
+    world, cs, ts = make_world(modules, cache_capacity=4, process_set_id=process_set_id)
+    for rank, (module, controller) in enumerate(zip(modules, cs)):   # rank 1 sends the payload instead of its own
+        controller.enqueue(module.Request("grad.w", RequestType.ALLREDUCE, F32, (2, 3), request_rank=rank,
+                                          reduce_op=1))
+    original = ts[0].gather
+
+    def gather(mine):
+        values = original(mine)
+        return [values[0], payload] if values is not None else None
+
+    ts[0].gather = gather
+    if answer is not None:
+        received = ts[1].broadcast
+        ts[1].broadcast = lambda mine: (received(mine), answer)[1]
+    outcomes = []
+    for out in _cycle_outcomes(cs, ts):
+        outcomes.append(out if isinstance(out, tuple) else ("ok", out.to_bytes()))
+    return outcomes
+
+
+def _cycle_outcomes(cs, ts):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(c, t):
+        try:
+            return c.compute_response_list(t)
+        except DistlabError as exc:
+            return ("error", type(exc).__name__, str(exc))
+
+    with ThreadPoolExecutor(len(cs)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(one, c, t) for c, t in zip(cs, ts)]]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_fuzz_the_coordinator_of_both_twins_agrees(seed):
+    """Mutated request lists (overflowing shapes, process sets that do not exist, other ranks' requests) reach rank
+    0's coordinator in a reference, a core and a mixed world, for the global set and for set 3: every world answers
+    every rank with the same bytes (a refusal stops every rank with one reason; nothing wraps or dies)."""
+    twins = _twins()
+    rng = random.Random(seed)
+    reference, core = twins["reference"], twins["core"]
+    for _ in range(6):
+        process_set_id = rng.choice([0, 3])
+        request = reference.Request("grad.w", RequestType.ALLREDUCE, F32,
+                                    rng.choice([(2, 3), (2**62, 2**62), (2**62, 3), (2**31, 2**31)]),
+                                    request_rank=1, reduce_op=1)
+        base = reference.RequestList([request], process_set_id=rng.choice([process_set_id, process_set_id,
+                                                                           process_set_id + 1, 2**31 - 1]))
+        payload = base.to_bytes() if rng.random() < 0.3 else _mutate(base.to_bytes(), rng)
+        outcomes = [_coordinated(modules, payload, process_set_id)
+                    for modules in ([reference, reference], [core, core], [core, reference])]
+        assert outcomes[0] == outcomes[1] == outcomes[2], (payload.hex(), outcomes)
+        assert outcomes[0][0] == outcomes[0][1]                      # every rank got the same list
+        if base.process_set_id != process_set_id and payload == base.to_bytes() and request.tensor_shape == (2, 3):
+            assert outcomes[0][0][0] == "ok" and b"is for process set" in outcomes[0][0][1]
+        # rank 1 receives a response list for another (or no) process set, or a mutated one
+        answer = reference.ResponseList([], False, "", rng.choice([process_set_id + 1, 2**31 - 1, 7])).to_bytes()
+        answer = answer if rng.random() < 0.5 else _mutate(answer, rng)
+        outcomes = [_coordinated(modules, base.to_bytes(), process_set_id, answer)[1]
+                    for modules in ([reference, reference], [core, core], [reference, core])]
+        assert outcomes[0] == outcomes[1] == outcomes[2], (answer.hex(), outcomes)
+        assert outcomes[0][0] == "ok" or outcomes[0][1] == "MessageFormatError", outcomes[0]   # never another
 
 
 def test_parsed_fuzz_survivor_memory_is_bounded():
