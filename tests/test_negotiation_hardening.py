@@ -346,13 +346,13 @@ def test_fuzz_both_parsers_agree_and_raise_only_message_format_errors(seed):
                 assert outcomes["core"][1] == data, data.hex()
 
 
-def _coordinated(modules, payload, process_set_id, answer=None):
+def _coordinated(modules, payload, process_set_id, answer=None, shape=(2, 3)):
     """One cycle of a 2-rank world for ``process_set_id`` where rank 1's request list is replaced by ``payload``
     (and, given ``answer``, the response list rank 1 receives by it): each rank's ResponseList as bytes, or the
     error a rank's controller raised."""
     world, cs, ts = make_world(modules, cache_capacity=4, process_set_id=process_set_id)
     for rank, (module, controller) in enumerate(zip(modules, cs)):   # rank 1 sends the payload instead of its own
-        controller.enqueue(module.Request("grad.w", RequestType.ALLREDUCE, F32, (2, 3), request_rank=rank,
+        controller.enqueue(module.Request("grad.w", RequestType.ALLREDUCE, F32, shape, request_rank=rank,
                                           reduce_op=1))
     original = ts[0].gather
 
@@ -400,7 +400,7 @@ def test_fuzz_the_coordinator_of_both_twins_agrees(seed):
         base = reference.RequestList([request], process_set_id=rng.choice([process_set_id, process_set_id,
                                                                            process_set_id + 1, 2**31 - 1]))
         payload = base.to_bytes() if rng.random() < 0.3 else _mutate(base.to_bytes(), rng)
-        outcomes = [_coordinated(modules, payload, process_set_id)
+        outcomes = [_coordinated(modules, payload, process_set_id, shape=request.tensor_shape)
                     for modules in ([reference, reference], [core, core], [core, reference])]
         assert outcomes[0] == outcomes[1] == outcomes[2], (payload.hex(), outcomes)
         assert outcomes[0][0] == outcomes[0][1]                      # every rank got the same list
