@@ -96,6 +96,17 @@ def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
+def test_reinit_with_rank_0_ahead_pairs_up_after_a_coordinator_failure(mpirun, np_, args, env):
+    """Rank 0 shutdown() + init() while the others init() (no-op), shutdown(), init() 0.5 s later: from a healthy
+    engine, and after rank 0's coordinator failed (every rank now stops at once with the reason), DISTLAB_TIMEOUT
+    4 s."""
+    result = mpirun("collectives_reinit.py", np=np_, args=args, timeout=90,
+                    env={**(env or {}), "DISTLAB_TIMEOUT": "4"})
+    assert result.stdout.count("reinit OK") == np_
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
 def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args, env):
     result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("optimizer OK") == np_
