@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.math cimport isfinite
 from libc.string cimport memcmp, memcpy
 from libcpp.deque cimport deque as cppdeque
@@ -28,10 +28,12 @@ from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref, predecrement as dec, preincrement as inc
 
 from distlab._common.negotiation import (
+    MAX_TENSOR_BYTES,
     CACHEABLE_RESPONSE_TYPES,
     COUNTERS,
     cache_error,
     check_capacity,
+    coordinator_failed_reason,
     device_error,
     dimension_error,
     eviction_warning_text,
@@ -50,6 +52,7 @@ from distlab._common.negotiation import (
     response_field_error,
     response_repr,
     sender_error,
+    shape_size_error,
     shutdown_reason_text,
     size_error,
     trace_negotiation_start,
@@ -119,6 +122,7 @@ _C_CONSTANTS = {
 for _python, _c in _C_CONSTANTS.items():
     assert _python == _c, f"distlab.core._negotiation is out of date with the shared constants: {_python} != {_c}"
 assert len(DTYPE_SIZES) <= MAX_DTYPES
+assert MAX_TENSOR_BYTES == INT64_MAX, "a request's byte count must fit the core's int64"
 if sys.byteorder != "little":  # the wire format is little-endian and written with memcpy
     raise ImportError("the distlab core negotiation twin needs a little-endian machine; use DISTLAB_IMPL=reference")
 
@@ -557,8 +561,11 @@ cdef class Controller:
         gathered = transport.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold
-            response_list = self.coordinator.coordinate(list(gathered), cache, coordinator.cache_hits)
-            payload = transport.broadcast(response_list.to_bytes())
+            try:
+                payload = self.coordinator.coordinate(list(gathered), cache, coordinator.cache_hits).to_bytes()
+            except Exception as error:
+                payload = ResponseList([], True, coordinator_failed_reason(error), self.process_set_id).to_bytes()
+            payload = transport.broadcast(payload)
         else:
             payload = transport.broadcast(None)
         response_list = ResponseList.from_bytes(payload)
@@ -738,15 +745,15 @@ cdef int _fuse_plan(const vector[_RespInfo]& info, const vector[int]& order, lon
             cand = queue.front()
             ci = &info[cand]
             if (ci.rtype == first.rtype and ci.group_id == NO_GROUP and ci.devices_id == first.devices_id
-                    and ci.dtype == first.dtype and ci.op == first.op and size + ci.nbytes <= limit
+                    and ci.dtype == first.dtype and ci.op == first.op and ci.nbytes <= limit - size
                     and ci.pre == first.pre and ci.post == first.post):
                 size += ci.nbytes
                 members.push_back(cand)
                 queue.pop_front()
             else:
-                skipped_size += ci.nbytes
-                if size + skipped_size > limit:
+                if ci.nbytes > limit - size - skipped_size:
                     break
+                skipped_size += ci.nbytes
                 skipped.push_back(cand)
                 queue.pop_front()
         for k in range(skipped.size()):

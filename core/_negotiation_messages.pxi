@@ -69,7 +69,7 @@ cdef class Request:
         cdef Request out = Request.__new__(Request)
         cdef int32_t i32
         cdef uint16_t name_len
-        cdef int64_t dim
+        cdef int64_t dim, count, limit
         cdef int k, ndim
         cdef const char* p
         _need(r, _REQUEST_HEAD_SIZE, "request_head")
@@ -104,6 +104,17 @@ cdef class Request:
         for k in range(ndim):
             if out._cshape[k] < 0:
                 raise dimension_error(k, out._cshape[k])
+        # count * itemsize must fit int64: exact, without overflowing (a 0 dim makes it 0; otherwise every dim
+        # must be at most limit // (the product so far))
+        limit = INT64_MAX // _DTYPE_SIZE[out.tensor_type]
+        count = 1
+        for k in range(ndim):
+            if out._cshape[k] == 0:
+                count = 0
+        for k in range(ndim if count else 0):
+            if out._cshape[k] > limit // count:
+                raise shape_size_error(out._name, tuple(out._cshape), out.tensor_type)
+            count *= out._cshape[k]
         out._shape = tuple(out._cshape)
         return out
 
@@ -242,8 +253,8 @@ cdef class Response:
         for k in range(count):
             memcpy(&i64, r.p + r.pos, 8)
             r.pos += 8
-            if i64 < 0:
-                raise size_error(k, i64)
+            if i64 < 0 or i64 > INT64_MAX // _DTYPE_SIZE[out.tensor_type]:
+                raise size_error(k, i64, out.tensor_type)
             out.tensor_sizes.append(i64)
         count = <uint32_t>_read_uint(r, 4)
         _need(r, count, "response_body")

@@ -50,7 +50,7 @@ def _fusable(response, candidate, size: int, threshold: int) -> bool:
             and candidate.devices == response.devices
             and candidate.tensor_type == response.tensor_type
             and candidate.reduce_op == response.reduce_op
-            and size + _size_bytes(candidate) <= threshold
+            and _size_bytes(candidate) <= threshold - size      # size + it <= threshold, never past int64
             and candidate.prescale_factor == response.prescale_factor
             and candidate.postscale_factor == response.postscale_factor)
 
@@ -89,11 +89,10 @@ def fuse_responses(responses, threshold: int) -> list:
                     response.tensor_sizes.append(candidate.tensor_sizes[0])
                     queue.popleft()
                 else:
-                    skipped_size += _size_bytes(candidate)
-                    if size + skipped_size <= threshold:
-                        skipped.append(queue.popleft())
-                    else:
+                    if _size_bytes(candidate) > threshold - size - skipped_size:
                         break
+                    skipped_size += _size_bytes(candidate)
+                    skipped.append(queue.popleft())
             queue.extendleft(reversed(skipped))
         out.append(response)
     return out

@@ -16,6 +16,7 @@ hostile message raises :class:`~distlab.errors.MessageFormatError` here instead 
 from __future__ import annotations
 
 from distlab._common.negotiation import (
+    MAX_TENSOR_BYTES,
     REQUEST_FIELDS,
     RESPONSE_FIELDS,
     device_error,
@@ -27,10 +28,12 @@ from distlab._common.negotiation import (
     request_repr,
     response_field_error,
     response_repr,
+    shape_size_error,
     size_error,
 )
 from distlab._wire import (
     CPU_DEVICE_ID,
+    DTYPE_SIZES,
     FLAG_SHUTDOWN,
     GLOBAL_PROCESS_SET_ID,
     LIST_HEADER,
@@ -123,6 +126,11 @@ class Request:
         for index, dim in enumerate(shape):
             if dim < 0:
                 raise dimension_error(index, dim)
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count * DTYPE_SIZES[dtype] > MAX_TENSOR_BYTES:   # what the core's int64 counts would wrap
+            raise shape_size_error(name, shape, dtype)
         return cls(name, rtype, dtype, shape, rank, root, device, op, pre, post, group_id, group_size), end
 
     def _key(self):
@@ -235,8 +243,8 @@ class Response:
         sizes = [int.from_bytes(data[offset + 8 * i: offset + 8 * i + 8], "little", signed=True)
                  for i in range(n_sizes)]
         for index, size in enumerate(sizes):
-            if size < 0:
-                raise size_error(index, size)
+            if size < 0 or size * DTYPE_SIZES[dtype] > MAX_TENSOR_BYTES:
+                raise size_error(index, size, dtype)
         offset += 8 * n_sizes
         error_len = _read_uint(data, offset, 4)
         offset += 4

@@ -31,7 +31,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from distlab._common.negotiation import CACHEABLE_RESPONSE_TYPES, COUNTERS, HIT, INVALID, MISS, process_set_error
+from distlab._common.negotiation import (
+    CACHEABLE_RESPONSE_TYPES,
+    COUNTERS,
+    HIT,
+    INVALID,
+    MISS,
+    coordinator_failed_reason,
+    process_set_error,
+)
 from distlab._common.stall import StallInspector
 from distlab._wire import GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, NO_GROUP, RequestType, ResponseType
 from distlab.reference.coordinator import Coordinator, fuse_responses
@@ -210,8 +218,12 @@ class Controller:
         gathered = transport.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold
-            response_list = self.coordinator.coordinate(gathered, cache, coordinator.cache_hits)
-            payload = transport.broadcast(response_list.to_bytes())
+            try:
+                payload = self.coordinator.coordinate(gathered, cache, coordinator.cache_hits).to_bytes()
+            except Exception as error:  # noqa: BLE001 - the others wait in the broadcast: stop them, saying why
+                payload = ResponseList(shutdown=True, shutdown_reason=coordinator_failed_reason(error),
+                                       process_set_id=self.process_set_id).to_bytes()
+            payload = transport.broadcast(payload)
         else:
             payload = transport.broadcast(None)
         response_list = ResponseList.from_bytes(payload)

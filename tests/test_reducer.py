@@ -364,18 +364,65 @@ def a_future_of_nothing_hook(state, bucket):
 
 
 def test_a_comm_hook_breaking_the_contract_is_named_at_the_first_backward(impl):
+    from distlab.errors import CommHookError
+
     model = DDP(TwoBranch(), impl=impl)
     model.register_comm_hook(None, not_a_future_hook)
-    with pytest.raises(TypeError, match=r"a comm hook must return a distlab.futures.Future whose value is the "
-                                        r"reduced bucket buffer; hook 'not_a_future_hook' returned int"):
+    # torch raises RuntimeError ("callback must return a torch.futures.Future"): code written for it catches ours
+    with pytest.raises(RuntimeError, match=r"callback must return a distlab.futures.Future whose value is the "
+                                           r"reduced bucket buffer, but comm hook 'not_a_future_hook' returned "
+                                           r"int") as raised:
         model(x()).backward()
-    with pytest.raises(TypeError, match="hook 'not_a_future_hook' returned int"):  # Join's shadow path too
+    assert isinstance(raised.value, TypeError) and type(raised.value) is CommHookError
+    with pytest.raises(TypeError, match="comm hook 'not_a_future_hook' returned int"):  # Join's shadow path too
         model.reducer._run_comm_hook(model.reducer._get_zeros_like_grad_buckets()[0])
     model = DDP(TwoBranch(), impl=impl)
     model.register_comm_hook(None, a_future_of_nothing_hook)
-    with pytest.raises(TypeError, match=r"hook 'a_future_of_nothing_hook' completed with NoneType, expected an "
-                                        r"array of 27 float32 elements \(the bucket's size\)"):
+    with pytest.raises(CommHookError, match=r"comm hook 'a_future_of_nothing_hook' completed with NoneType, "
+                                            r"expected an array of 27 float32 elements \(the bucket's size\)"):
         model(x()).backward()
+
+
+def _hook_annotated(bucket, returns):
+    """A hook ``(state, bucket: <bucket>) -> <returns>``; None leaves an annotation out."""
+    def hook(state, bucket):
+        return allreduce_hook(state, bucket)
+
+    if bucket is not None:
+        hook.__annotations__["bucket"] = bucket
+    if returns is not None:
+        hook.__annotations__["return"] = returns
+    return hook
+
+
+def test_comm_hook_annotations_are_checked_at_registration(impl):
+    """torch's _check_comm_hook: ValueError at registration for a bucket annotated other than GradBucket or a
+    return annotated other than a Future; no annotation passes. String annotations (``from __future__ import
+    annotations``) are resolved, or read by name."""
+    from distlab.ddp import GradBucket
+    from distlab.ddp_comm_hooks import fp16_compress_hook
+    from distlab.futures import Future
+
+    accepted = [(None, None), (GradBucket, Future), (GradBucket, Future[np.ndarray]), ("GradBucket", "Future"),
+                ("distlab.ddp.GradBucket", "Future[np.ndarray]"), ("ddp.GradBucket", None), (None, "fut.Future")]
+    for bucket, returns in accepted:
+        model = DDP(TwoBranch(), impl=impl)
+        model.register_comm_hook(None, _hook_annotated(bucket, returns))
+        model(x()).backward()
+    DDP(TwoBranch(), impl=impl).register_comm_hook(None, fp16_compress_hook)   # ours: string annotations
+    refused = [((int, None), r"bucket annotation should be distlab.ddp.GradBucket; hook 'hook' annotates 'bucket' "
+                             r"with int"),
+               (("np.ndarray", None), r"annotates 'bucket' with ndarray"),            # resolved
+               (("GradBuckets", None), r"annotates 'bucket' with 'GradBuckets'"),     # read by name
+               ((None, int), r"return annotation should be distlab.futures.Future; hook 'hook' is annotated to "
+                             r"return int"),
+               ((GradBucket, np.ndarray), r"to return ndarray"),
+               ((None, "torch.futures.Futures"), r"to return 'torch.futures.Futures'")]
+    for (bucket, returns), message in refused:
+        model = DDP(TwoBranch(), impl=impl)
+        with pytest.raises(ValueError, match=message):
+            model.register_comm_hook(None, _hook_annotated(bucket, returns))
+        assert model.reducer.comm_hook is None                                   # nothing was registered
 
 
 def test_module_without_trainable_parameters(impl):
@@ -534,3 +581,17 @@ def test_a_parameter_replaced_after_construction_is_read_safely(impl, group):
     in_backward(lambda: (reducer.autograd_hook(1), reducer.autograd_hook(0)))
     assert swapped.reads >= 2
     assert np.array_equal(swapped.grad.data, np.full(3, 2.0, dtype=np.float32))
+
+
+def test_logging_data_says_whether_iterations_ran_under_join(impl):
+    """torch's _get_ddp_logging_data() reports join_uneven_inputs once a Join has used the module."""
+    model = DDP(TwoBranch(), impl=impl)
+    model(x()).backward()
+    assert model._get_ddp_logging_data()["join_uneven_inputs"] is False
+    with model.join():
+        for _ in range(2):
+            model(x()).backward()
+    data = model._get_ddp_logging_data()
+    assert data["join_uneven_inputs"] is True and data["num_parameters"] == 4
+    model(x()).backward()                      # as torch's logger: it stays set
+    assert model._get_ddp_logging_data()["join_uneven_inputs"] is True

@@ -115,6 +115,7 @@ class DistributedDataParallel(HostJoinable, Module):
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._fused_optimizer = None  # set by _register_fused_optim
         self._divide_by_initial_world_size = True
+        self._join_uneven_inputs = False  # set once a Join uses this module (torch's logger: join_uneven_inputs)
         self._join_module = _backend.load("join", impl)
         named = self._parameters_to_reduce()
         self._module_buffers = list(self.module.named_buffers())  # re-read at every sync (_sync_buffers)
@@ -282,7 +283,9 @@ class DistributedDataParallel(HostJoinable, Module):
         return optimizer
 
     def _get_ddp_logging_data(self):
-        return self.reducer.get_logging_data()
+        """What torch's DDP logger reports: the reducer's configuration and stats, and ``join_uneven_inputs``
+        (whether a Join has used this module, i.e. iterations ran under Join)."""
+        return {**self.reducer.get_logging_data(), "join_uneven_inputs": self._join_uneven_inputs}
 
     # -- Join (mirrors DistributedDataParallel.join and _DDPJoinHook) ------------------------------------------
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
@@ -372,6 +375,7 @@ class _DDPJoinHook:
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._join_uneven_inputs = True  # mirrors ddp.logger._set_uneven_input_join()
 
     def main_hook(self) -> None:
         """The collectives of one iteration, in order: rebuild once, buffers, grad-sync flag, buckets, used map."""

@@ -11,6 +11,7 @@ __all__ = [
     "ProcessGroupBrokenError",
     "RankFailedError",
     "CoreNotBuiltError",
+    "CommHookError",
     "RpcError",
     "RpcThreadLevelError",
     "RpcMessageError",
@@ -107,6 +108,15 @@ class RankFailedError(DistlabError):
 
 class CoreNotBuiltError(ImportError):
     """The Cython core twin was requested (``DISTLAB_IMPL=core`` or ``auto``) but is not compiled."""
+
+
+class CommHookError(DistlabError, TypeError):
+    """A DDP communication hook broke its contract: it returned something other than a
+    :class:`~distlab.futures.Future`, or its Future completed with something other than the reduced bucket.
+
+    Both a TypeError (what it is) and a RuntimeError (what torch raises, "callback must return a
+    torch.futures.Future"), so that code written for either catches it.
+    """
 
 
 # -- RPC and RRefs (distlab.rpc, twinned rref protocol) -------------------------------------------------------

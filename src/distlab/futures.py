@@ -25,6 +25,7 @@ import numbers
 import os
 import threading
 import time
+import types
 from typing import Any, Callable, Iterable
 
 from .errors import DistTimeoutError
@@ -106,6 +107,7 @@ class Future:
     """
 
     __slots__ = ("_lock", "_event", "_value", "_exception", "_callbacks", "_driver", "_description")
+    __class_getitem__ = classmethod(types.GenericAlias)  # ``Future[np.ndarray]``, as torch.futures.Future[T]
 
     def __init__(self, *, driver: Callable[[float | None], Any] | None = None, description: str = "future"):
         # A plain lock is cheap; the Event a waiting thread sleeps on is made only when someone waits

@@ -91,6 +91,20 @@ bf32 = float(ml_dtypes.bfloat16(np.float32(5 * n) / 3))
 assert bf32 != float(ml_dtypes.bfloat16(5 * n) * ml_dtypes.bfloat16(1 / 3))
 b = hvd.allreduce(np.full(4, 5.0, ml_dtypes.bfloat16), name="bf16", op=hvd.Sum, postscale_factor=1 / 3)
 assert b.dtype == ml_dtypes.bfloat16 and float(b[0]) == bf32, (b, bf32)
+# Horovod's test_horovod_allreduce_prescale, threshold 0 up to 3 ranks: the input scaled as ScaleBuffer does (float32
+# in float32 with the factor cast to float32, float16 in float32, integers in float64), times size. Values from
+# -100 to 100 as upstream, and near 30, where scaling float32 in float64 used to be one ulp off
+rng = np.random.default_rng(1234)
+for dtype, dim, spread in [(d, k, s) for d in ("int32", "int64", "float16", "float32", "float64")
+                           for k in (1, 2, 3) for s in ("upstream", "near30")]:
+    factor = float(rng.uniform())
+    base = rng.integers(-100, 100, (17,) * dim) if spread == "upstream" else 30 + rng.uniform(-1, 1, (17,) * dim)
+    tensor = base.astype(dtype)
+    summed = hvd.allreduce(tensor.copy(), name=f"prescale.{dtype}.{dim}.{spread}", op=hvd.Sum, prescale_factor=factor)
+    compute = {"int32": np.float64, "int64": np.float64, "float16": np.float32}.get(dtype, np.dtype(dtype).type)
+    expected = (compute(factor) * tensor.astype(compute)).astype(dtype).astype(np.float64) * n
+    gap = np.abs(summed.astype(np.float64) - expected).max()
+    assert summed.dtype == tensor.dtype and gap <= (0 if n <= 3 else 1e-4 * np.abs(expected).max()), (dtype, dim, gap)
 expect(NotImplementedError, lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum), "Adasum")
 # an op the dtype cannot take, on one rank: refused at once there; it used to reach the cycle thread and stop the
 # collectives of every rank

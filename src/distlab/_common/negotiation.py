@@ -7,6 +7,7 @@ message both twins produce, written once so that a reference rank and a core ran
 """
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 
@@ -16,6 +17,7 @@ from distlab._wire import (
     CPU_DEVICE_ID,
     DTYPE_CODES,
     DTYPE_NAMES,
+    DTYPE_SIZES,
     LIST_FLAGS,
     NEGOTIATED_REDUCE_OP_MAX,
     NO_GROUP,
@@ -31,9 +33,9 @@ __all__ = [
     "MISS", "HIT", "INVALID", "CACHE_STATE_NAMES", "CACHEABLE_RESPONSE_TYPES", "COUNTERS",
     "REQUEST_FIELDS", "RESPONSE_FIELDS", "dtype_code", "dtype_name", "request_repr", "response_repr",
     "list_repr", "format_error", "list_field_error", "request_field_error", "response_field_error",
-    "process_set_error", "sender_error", "dimension_error", "device_error", "size_error", "cache_error", "check_capacity", "eviction_warning_text",
+    "process_set_error", "sender_error", "dimension_error", "MAX_TENSOR_BYTES", "shape_size_error", "device_error", "size_error", "cache_error", "check_capacity", "eviction_warning_text",
     "joined_phrase", "ranks_phrase", "response_error", "group_id_of", "group_name_of", "group_size_error",
-    "group_mismatch_error", "group_member_error", "refused_list_reason", "shutdown_reason_text",
+    "group_mismatch_error", "group_member_error", "refused_list_reason", "coordinator_failed_reason", "shutdown_reason_text",
     "trace_negotiation_start",
 ]
 
@@ -208,14 +210,34 @@ def dimension_error(index: int, value: int) -> MessageFormatError:
     return MessageFormatError(f"request list: dimension {index} is {value}, out of range (>= 0)")
 
 
+#: The most bytes a request's shape may describe: element and byte counts are int64 on the wire and in the core.
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def shape_size_error(name: str, shape, tensor_type: int) -> MessageFormatError:
+    """A request's shape holds more bytes than a 64-bit count can (its element count or its byte count overflows).
+
+    Honest ranks cannot build such an array; a corrupted or hostile request can, and would otherwise wrap.
+    """
+    count = math.prod(shape)
+    itemsize = DTYPE_SIZES[tensor_type]
+    return MessageFormatError(f"request list: tensor {name!r} of shape {tuple(shape)} holds {count} elements of "
+                              f"{itemsize} bytes ({count * itemsize} bytes), more than a 64-bit size can count "
+                              f"(at most {MAX_TENSOR_BYTES} bytes)")
+
+
 def device_error(index: int, value: int) -> MessageFormatError:
     """A response's device ``index`` is below CPU_DEVICE_ID."""
     return MessageFormatError(f"response list: device {index} is {value}, out of range (>= {CPU_DEVICE_ID})")
 
 
-def size_error(index: int, value: int) -> MessageFormatError:
-    """A response's tensor size ``index`` is negative."""
-    return MessageFormatError(f"response list: tensor size {index} is {value}, out of range (>= 0)")
+def size_error(index: int, value: int, tensor_type: int) -> MessageFormatError:
+    """A response's tensor size ``index`` is negative, or more elements than a 64-bit byte count can hold."""
+    if value < 0:
+        return MessageFormatError(f"response list: tensor size {index} is {value}, out of range (>= 0)")
+    itemsize = DTYPE_SIZES[tensor_type]
+    return MessageFormatError(f"response list: tensor size {index} is {value}, out of range (at most "
+                              f"{MAX_TENSOR_BYTES // itemsize} elements of {itemsize} bytes, a 64-bit byte count)")
 
 
 _CACHE_ERRORS = {
@@ -390,6 +412,19 @@ def group_member_error(group_name: str, member_error: str) -> str:
 def refused_list_reason(sender: int, error) -> str:
     """Why the coordinator shuts everything down after refusing a rank's request list."""
     return f"the coordinator (rank 0) refused rank {sender}'s request list: {error}"
+
+
+def coordinator_failed_reason(error: BaseException) -> str:
+    """Why every rank stops when the coordinator itself failed in a cycle (the others wait in its broadcast).
+
+    Logs the error with its traceback on rank 0 (logger ``distlab.collectives``), as the reason carries its text.
+    """
+    logging.getLogger("distlab.collectives").error("the coordinator failed in its negotiation cycle; every rank "
+                                                   "stops", exc_info=error)
+    text = f"{type(error).__name__}: {error}"
+    if len(text) > 2000:
+        text = text[:2000] + " [...]"
+    return f"the coordinator (rank 0) failed in its negotiation cycle ({text}); see rank 0's log"
 
 
 def shutdown_reason_text(reasons_by_rank: dict) -> str:

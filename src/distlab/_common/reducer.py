@@ -28,6 +28,7 @@ from .reducer_buckets import (
     sparse_allreduce,
 )
 from .reducer_messages import (
+    check_hook_annotations,
     check_hook_result,
     check_hook_value,
     grad_mismatch,
@@ -332,6 +333,7 @@ class ReducerBase:
         """Reduce buckets with ``hook(state, GradBucket) -> Future`` instead of the built-in allreduce (once)."""
         if not callable(hook):
             raise TypeError(f"the communication hook must be callable, got {type(hook).__name__}")
+        check_hook_annotations(hook)
         if self.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once: a communication hook is already "
                                f"registered ({hook_name(self.comm_hook)!r})")

@@ -5,10 +5,16 @@ The messages name parameters by default (the anchor, reducer.cpp, names them onl
 """
 from __future__ import annotations
 
+import inspect
+import re
+import typing
+
+from ..errors import CommHookError
 from ..futures import Future
+from .reducer_buckets import GradBucket
 
 __all__ = ["marked_twice", "prior_reduction_unfinished", "static_graph_changed", "grad_mismatch", "hook_name",
-           "check_hook_result", "check_hook_value"]
+           "check_hook_annotations", "check_hook_result", "check_hook_value"]
 
 
 def _named(names, indices) -> str:
@@ -73,11 +79,46 @@ def hook_name(hook) -> str:
     return getattr(hook, "__name__", None) or repr(hook)
 
 
+def _annotates(annotation, cls) -> bool:
+    """Whether ``annotation`` is ``cls`` or ``cls[...]``; a string (``from __future__ import annotations``, which
+    ``eval_str`` could not resolve) is read by name: ``GradBucket``, ``ddp.GradBucket``, ``Future[np.ndarray]``."""
+    if isinstance(annotation, str):
+        return re.fullmatch(rf"\s*(?:[\w.]+\.)?{cls.__name__}\s*(?:\[.*\])?\s*", annotation, re.S) is not None
+    return annotation is cls or typing.get_origin(annotation) is cls
+
+
+def check_hook_annotations(hook) -> None:
+    """Refuse a hook annotated against the contract, at registration (mirrors torch's ``_check_comm_hook``).
+
+    Torch raises ValueError when the bucket parameter is annotated with something other than GradBucket, or the
+    return annotation is not a Future; an absent annotation passes. Torch compares the annotation objects, so it
+    refuses string annotations; distlab resolves them first (``inspect.signature(eval_str=True)``), or, when the
+    names are not importable where the hook lives, reads them by name.
+    """
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except (NameError, SyntaxError, TypeError, AttributeError):
+        sig = inspect.signature(hook)
+    params = list(sig.parameters.values())
+    bucket = params[1].annotation if len(params) > 1 else inspect.Parameter.empty
+    if bucket is not inspect.Parameter.empty and not _annotates(bucket, GradBucket):
+        raise ValueError(f"Communication hook: bucket annotation should be distlab.ddp.GradBucket; hook "
+                         f"{hook_name(hook)!r} annotates {params[1].name!r} with {_annotation_text(bucket)}")
+    returns = sig.return_annotation
+    if returns is not inspect.Signature.empty and not _annotates(returns, Future):
+        raise ValueError(f"Communication hook: return annotation should be distlab.futures.Future; hook "
+                         f"{hook_name(hook)!r} is annotated to return {_annotation_text(returns)}")
+
+
+def _annotation_text(annotation) -> str:
+    return repr(annotation) if isinstance(annotation, str) else getattr(annotation, "__qualname__", repr(annotation))
+
+
 def check_hook_result(hook, result):
     """A communication hook must return a Future; anything else is refused here, naming the hook."""
     if not isinstance(result, Future):
-        raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
-                        f"buffer; hook {hook_name(hook)!r} returned {type(result).__name__}")
+        raise CommHookError(f"callback must return a distlab.futures.Future whose value is the reduced bucket "
+                            f"buffer, but comm hook {hook_name(hook)!r} returned {type(result).__name__}")
     return result
 
 
@@ -85,7 +126,7 @@ def check_hook_value(hook, bucket, value):
     """The value a hook's Future completed with must be an array of the bucket's size (any array type)."""
     expected = bucket.gradients
     if getattr(value, "size", None) != expected.size or getattr(value, "ndim", None) != 1:
-        raise TypeError(f"a comm hook must return a distlab.futures.Future whose value is the reduced bucket "
-                        f"buffer; hook {hook_name(hook)!r} completed with {type(value).__name__}, expected an "
-                        f"array of {expected.size} {expected.dtype} elements (the bucket's size)")
+        raise CommHookError(f"callback must return a distlab.futures.Future whose value is the reduced bucket "
+                            f"buffer, but comm hook {hook_name(hook)!r} completed with {type(value).__name__}, "
+                            f"expected an array of {expected.size} {expected.dtype} elements (the bucket's size)")
     return value
