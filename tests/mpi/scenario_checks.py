@@ -1,4 +1,4 @@
-"""Checks the scenario scripts share (imported from the script's own directory, as fakegpu is)."""
+"""Checks the scenario scripts share (imported from the script's own directory)."""
 
 
 def expect(exc_type, call, *texts):

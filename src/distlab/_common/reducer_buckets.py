@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autograd import SparseGrad, Tensor
+from ..autograd import SparseGrad, Tensor, array_module
 from ..autograd.accumulate_grad import set_grad_buffer
 from ..futures import Future
 
@@ -38,8 +38,7 @@ def _array_of(tensor):
 def _bucket_key(tensor) -> tuple:
     """Parameters share a bucket only with parameters of the same dtype on the same device."""
     data = _array_of(tensor)
-    device = type(data).__module__.split(".")[0]  # "numpy" or "cupy" (one GPU per rank)
-    return (np.dtype(data.dtype).str, device)
+    return (np.dtype(data.dtype).str, array_module(data).__name__)  # "numpy" or the device's (one GPU per rank)
 
 
 def _nbytes(tensor) -> int:
@@ -284,8 +283,7 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
         bucket.lengths.append(length)
         bucket.sizes.append(shape)
         offset += length
-    xp = np if isinstance(first, np.ndarray) else __import__(type(first).__module__.split(".")[0])
-    _use_buffer(bucket, xp.zeros(offset, dtype=dtype))
+    _use_buffer(bucket, array_module(first).zeros(offset, dtype=dtype))
     return bucket
 
 
