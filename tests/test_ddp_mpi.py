@@ -96,8 +96,26 @@ def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
                 assert np.array_equal(a, b), (rank, config)
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_the_device_stand_in_trains_the_numpy_bits_with_the_numpy_trace(runs, np_):
+    """Every configuration (every option, hook, sparse gradients) ran a second time in the same launch on the strict
+    device stand-in, with no host conversion outside the comm layer (checked in the scenario): the same bits and
+    the same collectives as on numpy, for both twins and the mixed world."""
+    for (n, impl), ranks in runs.items():
+        if n != np_:
+            continue
+        for rank, result in enumerate(ranks):
+            configs = [key[len("cpu:"):] for key in result if key.startswith("cpu:")]
+            assert configs and len(result) == 2 * len(configs)
+            for config in configs:
+                cpu, cuda = result[f"cpu:{config}"], result[f"cuda:{config}"]
+                for a, b in zip(cpu["params"], cuda["params"]):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), (impl, rank, config)
+                assert cpu["trace"] == cuda["trace"], (impl, rank, config)
+
+
 def test_trace_shows_buckets_in_order_then_the_used_map(runs):
-    trace = runs[2, "core"][0]["find_unused"]["trace"]
+    trace = runs[2, "core"][0]["cpu:find_unused"]["trace"]
     names = [name for op, name, *_ in trace if op == "allreduce"]
     step = names[: names.index("local_used_map") + 1]
     buckets = [n for n in step if n.startswith("bucket")]
@@ -133,8 +151,9 @@ def test_buffers_are_broadcast_from_rank_0_before_each_forward_only_when_asked(m
                                                (4, "mixed", "1"), (4, "mixed", "0")])
 def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl, shared):
     job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300, env={"DISTLAB_SHARED_MEMORY": shared})
-    assert job.stdout.count("agreed") == np_ and job.stdout.count("uneven inputs with auto caps OK") == np_
-    assert job.stdout.count("train the same bits") == (np_ if shared == "0" else 0)
+    runs = 2 * np_  # on numpy, then on the device stand-in
+    assert job.stdout.count("agreed") == runs and job.stdout.count("uneven inputs with auto caps OK") == runs
+    assert job.stdout.count("train the same bits") == (runs if shared == "0" else 0)
 
 
 @pytest.mark.parametrize("np_, impl", [(2, "core"), (3, "mixed")])

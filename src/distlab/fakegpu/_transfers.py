@@ -14,13 +14,15 @@ from collections import Counter
 __all__ = ["count", "transfers", "reset", "total"]
 
 _COUNTS: Counter = Counter()
-_OWN = __name__.rsplit(".", 1)[0]  # "distlab.fakegpu"
+#: modules whose frames are skipped: the stand-in itself, and distlab's conversion helper (``to_numpy``), so a
+#: transfer is counted for the module that asked for it
+_SKIPPED = (__name__.rsplit(".", 1)[0], "distlab.autograd._array")
 
 
 def count(kind: str) -> None:
     """Record one ``kind`` ("to_host", "from_host", "item", "synchronize") for the calling module."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OWN):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_SKIPPED):
         frame = frame.f_back
     caller = frame.f_globals.get("__name__", "?") if frame is not None else "?"
     _COUNTS[(kind, caller)] += 1
