@@ -110,3 +110,31 @@ def test_host_only_functions_are_absent():
     for name in ("frombuffer", "fromfile", "asanyarray", "load"):
         with pytest.raises(AttributeError):
             getattr(xp, name)
+
+
+def test_a_local_training_step_on_the_device_moves_nothing_through_the_host(impl):
+    """DDP (default arguments, one rank), the autograd engine, nn and Adam on the stand-in: the only host copies
+    are the comm layer's staging (MPI is not CUDA-aware); every other module keeps the data on the device."""
+    import distlab
+    from distlab import nn, optim
+    from distlab.ddp import DistributedDataParallel as DDP
+
+    xp.use_as_cuda()
+    try:
+        distlab.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to("cuda"), impl=impl)
+        opt = optim.Adam(model.parameters(), lr=0.01)
+        x, y = (distlab.tensor(xp.asarray(np.ones((3, n), np.float32))) for n in (4, 2))
+        xp.reset()
+        for _ in range(3):
+            opt.zero_grad()
+            nn.MSELoss()(model(x), y).backward()
+            opt.step()
+    finally:
+        xp.use_as_cuda(False)
+    assert all(isinstance(p.data, xp.ndarray) and isinstance(p.grad.data, xp.ndarray) for p in model.parameters())
+    outside = {key: n for key, n in xp.transfers().items()
+               if key[0] != "synchronize" and not key[1].startswith("distlab.comm.")}
+    assert outside == {}, outside
+    staged = xp.total("to_host", "distlab.comm.")
+    assert staged == xp.total("from_host", "distlab.comm.")  # every staged bucket comes back
