@@ -51,7 +51,8 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
     data = model.reducer.get_logging_data()
     choice = data["auto_bucket_cap"]
     assert data["has_rebuilt_buckets"] and choice is not None
-    assert data["bucket_cap_bytes"] == choice["cap_bytes"] and data["first_bucket_cap_bytes"] == choice["first_cap_bytes"]
+    assert data["bucket_cap_bytes"] == choice["cap_bytes"]
+    assert data["first_bucket_cap_bytes"] == choice["first_cap_bytes"]
     agreed = world.allgather_object((data["bucket_indices"], choice))
     assert all(a == agreed[0] for a in agreed), agreed
     print(f"rank {rank} ({impl}, {device}): caps {choice['cap_bytes']} B / first {choice['first_cap_bytes']} B, "

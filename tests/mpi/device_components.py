@@ -143,7 +143,8 @@ def join_section(device, out):
             assert all(isinstance(b, type(model.module.fc.weight.data)) for b in zero._buckets)
         out[f"join view={bucket_view}"] = {
             "params": [stays(device, p.data) for p in model.module.parameters()],
-            "running": [stays(device, model.module.bn.running_mean.data), stays(device, model.module.bn.running_var.data)],
+            "running": [stays(device, model.module.bn.running_mean.data),
+                        stays(device, model.module.bn.running_var.data)],
             "mean": mean.compute(), "trace": group.trace}
 
 

@@ -126,7 +126,8 @@ def set_grad_buffer(tensor, buffer) -> None:
         if (type(buffer) is not type(data) or not (host or is_cupy(buffer)) or not buffer.flags.c_contiguous
                 or (host and not buffer.flags.writeable) or buffer.shape != data.shape or buffer.dtype != data.dtype):
             raise ValueError(f"set_grad_buffer: the buffer must be a writeable C-contiguous array of the tensor's "
-                             f"kind ({type(data).__name__}), shape {tuple(data.shape)} and dtype {data.dtype}, got {type(buffer).__name__} "
+                             f"kind ({type(data).__name__}), shape {tuple(data.shape)} and dtype {data.dtype}, "
+                             f"got {type(buffer).__name__} "
                              f"{getattr(buffer, 'dtype', '')}{list(getattr(buffer, 'shape', ()))}")
     tensor._grad_buffer = buffer
 
