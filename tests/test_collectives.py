@@ -84,6 +84,7 @@ TWIN_IDS = ["2ranks-core", "2ranks-reference", "4ranks-mixed-twins"]
 def test_horovod_front_ops_and_process_sets(mpirun, np_, args, env):
     result = mpirun("collectives_front.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("front OK") == np_
+    assert result.stdout.count("process sets on cuda OK") == np_  # the same sections on the device stand-in
     if args:
         assert result.stdout.count("impl=reference") == np_ // 2
 
