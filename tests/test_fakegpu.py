@@ -138,3 +138,9 @@ def test_a_local_training_step_on_the_device_moves_nothing_through_the_host(impl
     assert outside == {}, outside
     staged = xp.total("to_host", "distlab.comm.")
     assert staged == xp.total("from_host", "distlab.comm.")  # every staged bucket comes back
+
+
+def test_a_function_given_out_returns_that_very_array(dev):
+    out = xp.empty((2, 2), np.float32)
+    assert xp.matmul(dev, dev.T, out=out) is out and np.add(out, 1, out=out) is out
+    assert np.array_equal(out.get(), dev.get() @ dev.get().T + 1)

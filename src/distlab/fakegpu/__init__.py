@@ -89,7 +89,9 @@ def use_as_cuda(enabled: bool = True) -> None:
 
 def _device_function(name, host_function):
     def function(*args, **kwargs):
-        return _wrap(host_function(*_unwrap(args, name), **_unwrap(kwargs, name)))
+        result = host_function(*_unwrap(args, name), **_unwrap(kwargs, name))
+        out = kwargs.get("out")
+        return out if out is not None else _wrap(result)  # with ``out=``, that very array, as cupy returns it
     function.__name__ = name
     function.__doc__ = f"``cupy.{name}`` on the stand-in: ``numpy.{name}`` with the result kept on the device."
     return function
