@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as _np
 
 from . import cuda, random
-from ._ndarray import MemoryPointer, ndarray, unwrap as _unwrap, wrap as _wrap
+from ._ndarray import MemoryPointer, ndarray, unwrap as _unwrap, unwrap_index as _unwrap_index, wrap as _wrap
 from ._transfers import reset, total, transfers
 from ._transfers import count as _count
 
@@ -75,8 +75,7 @@ def scatter_add(a, slices, value) -> None:
     """``a[slices] += value`` accumulating repeated indices (``cupyx.scatter_add``)."""
     if not isinstance(a, ndarray):
         raise TypeError(f"scatter_add takes a device array, got {type(a).__name__}")
-    index = slices._a if isinstance(slices, ndarray) else slices
-    _np.add.at(a._a, index, value._a if isinstance(value, ndarray) else _unwrap(value))
+    _np.add.at(a._a, _unwrap_index(slices), value._a if isinstance(value, ndarray) else _unwrap(value))
 
 
 def use_as_cuda(enabled: bool = True) -> None:

@@ -6,7 +6,8 @@ What it keeps from cupy, because that is what device code gets wrong:
   the buffer protocol and ``__array_interface__`` are absent, so numpy has no other way in;
 - ufuncs and numpy functions given stand-in arrays stay on the "device" (``__array_ufunc__`` /
   ``__array_function__``, as cupy dispatches them), and refuse host arrays mixed in, as cupy's kernels do;
-- reductions and integer indexing give 0-d arrays, not numpy scalars; ``float()``, ``int()``, ``bool()``,
+- reductions give 0-d arrays, not numpy scalars, and indexing one element gives a 0-d view (a later write
+  through the array shows in it, as in cupy); ``float()``, ``int()``, ``bool()``,
   ``.item()``, ``.tolist()`` and ``.get()`` are the explicit ways out, and each is counted (:mod:`._transfers`);
 - ``.set(host)`` takes only a numpy array of the same shape and dtype;
 - ``__cuda_array_interface__`` points at the memory, so a "CUDA-aware" MPI can be handed the array directly.
@@ -20,7 +21,7 @@ import numpy as np
 
 from . import _transfers
 
-__all__ = ["ndarray", "MemoryPointer", "unwrap", "wrap"]
+__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap"]
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
              "Please use `.get()` to construct a NumPy array explicitly.")
@@ -65,12 +66,12 @@ def unwrap(value, what: str = "argument"):
     return value
 
 
-def _index(key):
+def unwrap_index(key):
     """An index may hold device arrays (unwrapped) or host arrays and lists (copied in, as cupy allows)."""
     if isinstance(key, ndarray):
         return key._a
     if isinstance(key, tuple):
-        return tuple(_index(k) for k in key)
+        return tuple(unwrap_index(k) for k in key)
     return key
 
 
@@ -223,12 +224,16 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         return (wrap(x) for x in self._a)
 
     def __getitem__(self, key):
-        return wrap(self._a[_index(key)])
+        key = unwrap_index(key)
+        result = self._a[key]
+        if isinstance(result, np.generic):  # one element: cupy gives a 0-d view of it, not numpy's scalar copy
+            result = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+        return wrap(result)
 
     def __setitem__(self, key, value):
         if isinstance(value, np.ndarray):
             _transfers.count("from_host")  # host to device in an assignment is allowed, as in cupy
-        self._a[_index(key)] = value._a if isinstance(value, ndarray) else value
+        self._a[unwrap_index(key)] = value._a if isinstance(value, ndarray) else value
 
     def __copy__(self):
         return ndarray(self._a.copy())
