@@ -67,6 +67,25 @@ autograd_container = twin("autograd_container")
 negotiation = twin("negotiation")
 
 
+@pytest.fixture(params=["numpy", "fakegpu"])
+def xp(request):
+    """The array module under test: numpy, or distlab.fakegpu, the strict device stand-in (cupy's refusals: any
+    implicit conversion of its arrays to numpy raises), so a host conversion anywhere fails the test. While a
+    test runs on the stand-in, ``"cuda"`` (``Module.to("cuda")``) means it."""
+    if request.param == "numpy":
+        import numpy
+
+        yield numpy
+        return
+    from distlab import fakegpu
+
+    fakegpu.use_as_cuda()
+    try:
+        yield fakegpu
+    finally:
+        fakegpu.use_as_cuda(False)
+
+
 @pytest.fixture(scope="session")
 def mpirun():
     """Run a scenario script under ``mpiexec -n N``; see :func:`tests._mpi.run_scenario`."""

@@ -40,6 +40,7 @@ def test_use_before_init_is_a_clear_error():
 def test_scenarios(mpirun, np_, args):
     result = mpirun("collectives_scenarios.py", np=np_, args=args, timeout=150)
     assert result.stdout.count("collectives OK") == np_
+    assert result.stdout.count("broadcast on cuda OK") == np_  # the same sections on the device stand-in
     if args:
         assert result.stdout.count("impl=reference") == np_ // 2
 
@@ -83,6 +84,7 @@ TWIN_IDS = ["2ranks-core", "2ranks-reference", "4ranks-mixed-twins"]
 def test_horovod_front_ops_and_process_sets(mpirun, np_, args, env):
     result = mpirun("collectives_front.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("front OK") == np_
+    assert result.stdout.count("process sets on cuda OK") == np_  # the same sections on the device stand-in
     if args:
         assert result.stdout.count("impl=reference") == np_ // 2
 
@@ -110,6 +112,7 @@ def test_reinit_with_rank_0_ahead_pairs_up_after_a_coordinator_failure(mpirun, n
 def test_distributed_optimizer_equals_ddp_and_local_training(mpirun, np_, args, env):
     result = mpirun("collectives_optimizer.py", np=np_, args=args, timeout=200, env=env)
     assert result.stdout.count("optimizer OK") == np_
+    assert result.stdout.count("optimizer on cuda equals DDP and local training") == np_  # the device stand-in
 
 
 @pytest.mark.mpi

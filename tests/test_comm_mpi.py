@@ -10,6 +10,7 @@ pytestmark = pytest.mark.mpi
 def test_collectives(mpirun, np_):
     result = mpirun("comm_collectives.py", np=np_)
     assert result.stdout.count("comm collectives OK") == np_
+    assert result.stdout.count("comm collectives on cuda OK") == np_  # and on the strict device stand-in
 
 
 @pytest.mark.parametrize("aware", ["0", "1"])

@@ -23,7 +23,7 @@ def runs(tmp_path_factory):
         for impl in impls:
             prefix = str(out / f"{impl}{np_}")
             job = run_scenario("ddp_train.py", np=np_, args=[impl, prefix], timeout=300)
-            assert job.stdout.count("DDP configurations match local training") == np_
+            assert job.stdout.count("devices match local training") == np_
             results[np_, impl] = _load(prefix, np_)
     return results
 
@@ -60,7 +60,7 @@ def test_buckets_reduced_in_shared_memory_train_as_through_mpi(runs, tmp_path, n
     prefix = str(tmp_path / "shared")
     job = run_scenario("ddp_train.py", np=np_, args=["core", prefix], timeout=300,
                        env={"DISTLAB_SHARED_MIN_BYTES": "0"})
-    assert job.stdout.count("DDP configurations match local training") == np_
+    assert job.stdout.count("devices match local training") == np_
     shared, through_mpi = _load(prefix, np_), runs[np_, "core"]
     for rank in range(np_):
         for config in through_mpi[rank]:
@@ -79,7 +79,7 @@ def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
     prefix = str(tmp_path / "private")
     job = run_scenario("ddp_train.py", np=2, args=["core", prefix], timeout=300,
                        env={"DISTLAB_SHARED_MEMORY": "0"})
-    assert job.stdout.count("DDP configurations match local training") == 2
+    assert job.stdout.count("devices match local training") == 2
     private, shared = _load(prefix, 2), runs[2, "core"]
 
     def bucket_ops(trace):
@@ -90,14 +90,41 @@ def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
             if "hook" in config:  # the hook's own collectives, named by the hook
                 assert bucket_ops(result["trace"]) == bucket_ops(private[rank][config]["trace"]) == set(), config
             else:
-                assert bucket_ops(result["trace"]) == ({"avg"} if "bucket_view" in config else {"sum"}), config
+                # device buckets stay in device memory (never in the host arena): summed, like private ones
+                in_arena = "bucket_view" in config and config.startswith("cpu:")
+                assert bucket_ops(result["trace"]) == ({"avg"} if in_arena else {"sum"}), config
                 assert bucket_ops(private[rank][config]["trace"]) == {"sum"}, config
             for a, b in zip(result["params"], private[rank][config]["params"]):
                 assert np.array_equal(a, b), (rank, config)
 
 
+def _arena_blind(trace):
+    """The trace with the bucket allreduces' "avg" read as "sum": host buckets in a shared-memory arena are
+    averaged by their reduction, device buckets (never in a host arena) are divided on the way in and summed."""
+    return [(op, name, shape, dtype, "sum" if op == "allreduce" and str(name).startswith("bucket") and
+             detail == "avg" else detail) for op, name, shape, dtype, detail in trace]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_the_device_stand_in_trains_the_numpy_bits_with_the_numpy_trace(runs, np_):
+    """Every configuration (every option, hook, sparse gradients) ran a second time in the same launch on the strict
+    device stand-in, with no host conversion outside the comm layer (checked in the scenario): the same bits and
+    the same collectives as on numpy, for both twins and the mixed world."""
+    for (n, impl), ranks in runs.items():
+        if n != np_:
+            continue
+        for rank, result in enumerate(ranks):
+            configs = [key[len("cpu:"):] for key in result if key.startswith("cpu:")]
+            assert configs and len(result) == 2 * len(configs)
+            for config in configs:
+                cpu, cuda = result[f"cpu:{config}"], result[f"cuda:{config}"]
+                for a, b in zip(cpu["params"], cuda["params"]):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), (impl, rank, config)
+                assert _arena_blind(cpu["trace"]) == _arena_blind(cuda["trace"]), (impl, rank, config)
+
+
 def test_trace_shows_buckets_in_order_then_the_used_map(runs):
-    trace = runs[2, "core"][0]["find_unused"]["trace"]
+    trace = runs[2, "core"][0]["cpu:find_unused"]["trace"]
     names = [name for op, name, *_ in trace if op == "allreduce"]
     step = names[: names.index("local_used_map") + 1]
     buckets = [n for n in step if n.startswith("bucket")]
@@ -133,12 +160,14 @@ def test_buffers_are_broadcast_from_rank_0_before_each_forward_only_when_asked(m
                                                (4, "mixed", "1"), (4, "mixed", "0")])
 def test_auto_bucket_caps_agree_on_every_rank_and_under_join(mpirun, np_, impl, shared):
     job = mpirun("ddp_auto.py", np=np_, args=[impl], timeout=300, env={"DISTLAB_SHARED_MEMORY": shared})
-    assert job.stdout.count("agreed") == np_ and job.stdout.count("uneven inputs with auto caps OK") == np_
-    assert job.stdout.count("train the same bits") == (np_ if shared == "0" else 0)
+    runs = 2 * np_  # on numpy, then on the device stand-in
+    assert job.stdout.count("agreed") == runs and job.stdout.count("uneven inputs with auto caps OK") == runs
+    assert job.stdout.count("train the same bits") == (runs if shared == "0" else 0)
 
 
 @pytest.mark.parametrize("np_, impl", [(2, "core"), (3, "mixed")])
 def test_fused_optimizer_equals_stepping_after_backward_and_follows_join(mpirun, np_, impl):
     job = mpirun("ddp_fused_optim.py", np=np_, args=[impl], timeout=300)
-    assert job.stdout.count("fused optimizer equals local training") == np_
-    assert job.stdout.count("fused optimizer under Join OK") == np_
+    # on numpy, then on the device stand-in
+    assert job.stdout.count("fused optimizer equals local training") == 2 * np_
+    assert job.stdout.count("fused optimizer under Join OK") == 2 * np_

@@ -40,6 +40,31 @@ def test_final_model_is_the_same_on_every_rank(runs, np_):
             assert all(np.array_equal(a, b) for a, b in zip(first, runs[np_, "core"][rank][case]["params"]))
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_join_on_the_device_stand_in_trains_the_numpy_bits(runs, np_):
+    """DDP + DistributedMean under Join ran again on the strict device stand-in in the same launch (no host copy
+    outside comm, checked there): the same bits and collectives as on numpy, for both twins and the mixed world.
+    Device buckets never sit in a host arena, so a bucket "avg" there reads as "sum" here."""
+    for (n, impl), ranks in runs.items():
+        if n == np_:
+            assert _device_runs_equal_numpy_runs(ranks, impl) == 4
+
+
+def _device_runs_equal_numpy_runs(ranks, impl) -> int:
+    """Each case "... on cpu" against its "... on cuda" (the stand-in) on every rank; returns how many cases."""
+    def blind(trace):
+        return [(o, n, s, d, "sum" if o == "allreduce" and str(n).startswith("bucket") and x == "avg" else x)
+                for o, n, s, d, x in trace]
+
+    for rank, result in enumerate(ranks):
+        cpu_cases = [case for case in result if case.endswith(" on cpu")]
+        for case in cpu_cases:
+            cpu, cuda = result[case], result[case[:-len("cpu")] + "cuda"]
+            assert all(np.array_equal(a, b) for a, b in zip(cpu["params"], cuda["params"])), (impl, rank, case)
+            assert blind(cpu["trace"]) == blind(cuda["trace"]), (impl, rank, case)
+    return len(cpu_cases)
+
+
 def test_join_over_shared_memory_buckets_equals_join_through_mpi(runs, tmp_path):
     # Every bucket through the shared-memory arena (size threshold lifted), the joined rank shadowing with its
     # own zeroed buckets: the same collectives and, on 2 ranks, the same bits as through MPI.
@@ -62,7 +87,7 @@ def test_joined_rank_shadows_the_training_ranks_collectives(runs):
     ranks = runs[2, "core"]
     kinds = lambda trace: [(op, shape, dtype, detail) for op, _name, shape, dtype, detail in trace]  # noqa: E731
     cases = [case for case in ranks[0] if case.startswith("ddp ")]
-    assert len(cases) == 4
+    assert len(cases) == 8  # 4 configurations, on numpy and on the device stand-in
     for case in cases:
         assert kinds(ranks[0][case]["trace"]) == kinds(ranks[1][case]["trace"]), case
 
@@ -135,6 +160,14 @@ def test_joinables_equal_the_single_process_schedule_on_both_twins_and_a_mixed_w
         first = runs[4, "mixed"][0][case]["params"]
         assert all(all(np.array_equal(a, b) for a, b in zip(first, runs[4, "mixed"][r][case]["params"]))
                    for r in range(1, 4)), case
+
+
+@pytest.mark.parametrize("runs_fixture, cases", [("zero_runs", 2), ("syncbn_runs", 1)])
+def test_joinables_on_the_device_stand_in_train_the_numpy_bits(request, runs_fixture, cases):
+    """ZeRO (shards on the device) and SyncBatchNorm under Join ran again on the device stand-in in the same launch,
+    with no host copy outside comm beyond the batch norm's count (checked there): the numpy bits and collectives."""
+    for (_np, impl), ranks in request.getfixturevalue(runs_fixture).items():
+        assert _device_runs_equal_numpy_runs(ranks, impl) == cases
 
 
 def test_zero_joined_ranks_take_part_in_every_broadcast(zero_runs):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import distlab
 from distlab import autograd as ag
 from distlab import nn, optim
-from distlab.autograd import SparseGrad
+from distlab.autograd import SparseGrad, to_numpy
 
 
 class Block(nn.Module):
@@ -137,24 +137,27 @@ def test_losses_match_formulas():
     assert nn.MSELoss(reduction="sum")(distlab.tensor(logits), y).item() == pytest.approx(((logits - 1) ** 2).sum())
 
 
-def embedding_grads(sparse, indices_list):
+def embedding_grads(sparse, indices_list, xp=np):
     emb = nn.Embedding(10, 4, sparse=sparse, dtype=np.float64, seed=0)
+    if xp is not np:
+        emb.to("cuda")  # the xp fixture made "cuda" mean the stand-in
     for idx in indices_list:
-        (emb(idx) * np.arange(4.0)).sum().backward()
+        (emb(xp.asarray(idx)) * xp.arange(4.0)).sum().backward()
     return emb.weight.grad
 
 
-def test_sparse_and_dense_embedding_gradients_agree():
+def test_sparse_and_dense_embedding_gradients_agree(xp):
     batches = [np.array([[1, 3, 3], [0, 9, 1]]), np.array([3, 3, 7])]
-    dense = embedding_grads(False, batches)
-    sparse = embedding_grads(True, batches)
+    dense = embedding_grads(False, batches, xp)
+    sparse = embedding_grads(True, batches, xp)
     assert isinstance(sparse, SparseGrad) and not isinstance(dense, SparseGrad)
+    assert type(sparse.values) is type(dense.data) is type(xp.zeros(1))  # on the device they came from
     assert sparse.nnz() == 9 and not sparse.coalesced  # accumulation concatenates, as torch
-    np.testing.assert_allclose(sparse.to_dense(), dense.data)
+    np.testing.assert_allclose(to_numpy(sparse.to_dense()), to_numpy(dense.data))
     co = sparse.coalesce()
     assert co.indices.tolist() == [0, 1, 3, 7, 9] and co.coalesced
-    np.testing.assert_allclose(co.to_dense(), dense.data)
-    np.testing.assert_allclose(co.values[co.indices.tolist().index(3)], 4 * np.arange(4.0))
+    np.testing.assert_allclose(to_numpy(co.to_dense()), to_numpy(dense.data))
+    np.testing.assert_allclose(to_numpy(co.values[co.indices.tolist().index(3)]), 4 * np.arange(4.0))
 
 
 def test_sparse_embedding_hooks_and_padding():
@@ -213,23 +216,26 @@ def bn_reference(x, weight, bias, eps=1e-5):
 
 @pytest.mark.parametrize("shape", [(8, 3), (5, 3, 7)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_batchnorm1d_training_forward_and_running_stats(shape, dtype):
+def test_batchnorm1d_training_forward_and_running_stats(shape, dtype, xp):
     rng = np.random.default_rng(1)
     bn = nn.BatchNorm1d(3, momentum=0.2, dtype=dtype)
     bn.weight.data[...] = [1.5, -0.5, 2.0]
     bn.bias.data[...] = [0.1, 0.2, -0.3]
+    if xp is not np:
+        bn.to("cuda")  # the xp fixture made "cuda" mean the stand-in
     running_mean, running_var = np.zeros(3), np.ones(3)
     for step in range(1, 4):
         x = (rng.standard_normal(shape) * 3 + 2).astype(dtype)
-        out = bn(distlab.tensor(x))
-        expected, mean, var = bn_reference(x, bn.weight.data, bn.bias.data)
-        assert out.dtype == dtype
-        np.testing.assert_allclose(out.data, expected, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+        out = bn(distlab.tensor(xp.asarray(x)))
+        expected, mean, var = bn_reference(x, to_numpy(bn.weight.data), to_numpy(bn.bias.data))
+        assert out.dtype == dtype and type(out.data) is type(xp.asarray(x))
+        np.testing.assert_allclose(to_numpy(out.data), expected, rtol=1e-5 if dtype == np.float32 else 1e-12,
+                                   atol=1e-5)
         n = x.size // 3
         running_mean = 0.8 * running_mean + 0.2 * mean
         running_var = 0.8 * running_var + 0.2 * var * n / (n - 1)  # unbiased for the running estimate
-        np.testing.assert_allclose(bn.running_mean.data, running_mean, rtol=1e-5)
-        np.testing.assert_allclose(bn.running_var.data, running_var, rtol=1e-5)
+        np.testing.assert_allclose(to_numpy(bn.running_mean.data), running_mean, rtol=1e-5)
+        np.testing.assert_allclose(to_numpy(bn.running_var.data), running_var, rtol=1e-5)
         assert int(bn.num_batches_tracked.data) == step
 
 

@@ -8,19 +8,21 @@ from hypothesis import strategies as st
 
 import distlab
 from distlab import nn, optim
-from distlab.autograd import SparseGrad
+from distlab.autograd import SparseGrad, to_numpy
 
 GRADS = [np.array([0.5, -1.0, 2.0]), np.array([-0.25, 0.75, 1.5]), np.array([1.0, 1.0, -3.0])]
 P0 = np.array([1.0, -2.0, 0.5])
 
 
-def run(opt_cls, steps=3, **kw):
-    p = nn.Parameter(P0.copy())
+def run(opt_cls, steps=3, xp=np, **kw):
+    """``steps`` steps of ``opt_cls`` on arrays of ``xp`` (numpy or the device stand-in); the result on the host."""
+    p = nn.Parameter(xp.asarray(P0.copy()))
     opt = opt_cls([p], **kw)
     for g in GRADS[:steps]:
-        p.grad = distlab.Tensor(g.copy())
+        p.grad = distlab.Tensor(xp.asarray(g.copy()))
         opt.step()
-    return p.data, opt
+    assert type(p.data) is type(xp.asarray(P0)), type(p.data)  # the update stayed on the parameter's device
+    return to_numpy(p.data), opt
 
 
 def sgd_reference(lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
@@ -39,8 +41,8 @@ def sgd_reference(lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=Fa
                                 dict(lr=0.1, momentum=0.9, nesterov=True), dict(lr=0.1, weight_decay=0.01),
                                 dict(lr=0.1, momentum=0.5, weight_decay=0.1, nesterov=True),
                                 dict(lr=0.1, maximize=True, momentum=0.9)])
-def test_sgd_matches_torch_formula(kw):
-    got, _ = run(optim.SGD, **kw)
+def test_sgd_matches_torch_formula(kw, xp):
+    got, _ = run(optim.SGD, xp=xp, **kw)
     np.testing.assert_allclose(got, sgd_reference(**kw), rtol=1e-12)
 
 
@@ -62,15 +64,15 @@ def adam_reference(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsg
 
 @pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.01, betas=(0.8, 0.99)), dict(lr=0.1, weight_decay=0.1),
                                 dict(lr=0.1, amsgrad=True), dict(lr=0.1, eps=1e-3)])
-def test_adam_matches_torch_formula(kw):
-    got, opt = run(optim.Adam, **kw)
+def test_adam_matches_torch_formula(kw, xp):
+    got, opt = run(optim.Adam, xp=xp, **kw)
     np.testing.assert_allclose(got, adam_reference(**kw), rtol=1e-10)
     assert opt.state[opt.param_groups[0]["params"][0]]["step"] == 3
 
 
 @pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.1, weight_decay=0.5, amsgrad=True)])
-def test_adamw_matches_torch_formula(kw):
-    got, _ = run(optim.AdamW, **kw)
+def test_adamw_matches_torch_formula(kw, xp):
+    got, _ = run(optim.AdamW, xp=xp, **kw)
     np.testing.assert_allclose(got, adam_reference(decoupled=True, **{"weight_decay": 1e-2, **kw}), rtol=1e-10)
 
 
@@ -228,8 +230,8 @@ ADAPTIVE_CASES = [
 
 @pytest.mark.parametrize("opt_cls,reference,kw", ADAPTIVE_CASES,
                          ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(ADAPTIVE_CASES)])
-def test_adaptive_optimizers_match_torch_formula(opt_cls, reference, kw):
-    got, opt = run(opt_cls, **kw)
+def test_adaptive_optimizers_match_torch_formula(opt_cls, reference, kw, xp):
+    got, opt = run(opt_cls, xp=xp, **kw)
     np.testing.assert_allclose(got, reference(**kw), rtol=1e-12, atol=1e-15)
     assert opt.state[opt.param_groups[0]["params"][0]]["step"] == 3
 

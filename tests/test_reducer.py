@@ -8,6 +8,7 @@ import pytest
 
 import distlab
 from distlab import comm, nn, optim
+from distlab.autograd import to_numpy
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.ddp_comm_hooks import allreduce_hook, noop_hook
 
@@ -17,12 +18,14 @@ reducer_twin = twin("reducer")
 
 
 class TwoBranch(nn.Module):
-    """fc1 always used; fc2 only when asked (an unused parameter otherwise)."""
+    """fc1 always used; fc2 only when asked (an unused parameter otherwise); on ``xp``'s device."""
 
-    def __init__(self):
+    def __init__(self, xp=np):
         super().__init__()
         self.fc1 = nn.Linear(4, 3, seed=1)
         self.fc2 = nn.Linear(3, 3, seed=2)
+        if xp is not np:
+            self.to("cuda")  # the xp fixture made "cuda" mean the stand-in
 
     def forward(self, x, use_fc2=True, twice=False):
         h = self.fc1(x)
@@ -33,8 +36,8 @@ class TwoBranch(nn.Module):
         return h.sum()
 
 
-def x():
-    return distlab.tensor(np.ones((2, 4), dtype=np.float32))
+def x(xp=np):
+    return distlab.tensor(xp.ones((2, 4), dtype=np.float32))
 
 
 @pytest.fixture
@@ -42,18 +45,18 @@ def group():
     return comm.world()
 
 
-def test_ddp_step_matches_plain_step(impl):
-    plain, wrapped = TwoBranch(), DDP(TwoBranch(), impl=impl)
-    plain(x()).backward()
-    wrapped(x()).backward()
+def test_ddp_step_matches_plain_step(impl, xp):
+    plain, wrapped = TwoBranch(xp), DDP(TwoBranch(xp), impl=impl)
+    plain(x(xp)).backward()
+    wrapped(x(xp)).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.module.named_parameters()):
         assert np.array_equal(a.grad.data, b.grad.data), name
     data = wrapped.reducer.get_logging_data()
     assert data["num_parameters"] == 4 and data["world_size"] == 1 and data["impl"] == impl
 
 
-def test_buckets_are_rebuilt_once_in_arrival_order(impl):
-    model = DDP(TwoBranch(), bucket_cap_mb=8 / 2**20, impl=impl)  # 8 bytes: one parameter per bucket
+def test_buckets_are_rebuilt_once_in_arrival_order(impl, xp):
+    model = DDP(TwoBranch(xp), bucket_cap_mb=8 / 2**20, impl=impl)  # 8 bytes: one parameter per bucket
     before = [b.parameters() for b in model.reducer.get_grad_buckets()]
     assert len(before) == 4
     assert model.reducer.get_logging_data()["bucket_indices"] == [[3], [2], [1], [0]]  # reversed registration
@@ -61,19 +64,19 @@ def test_buckets_are_rebuilt_once_in_arrival_order(impl):
     for i, p in enumerate(model.module.parameters()):
         p.register_post_accumulate_grad_hook(lambda _p, i=i: arrivals.append(i))
     for _ in range(3):
-        model(x()).backward()
+        model(x(xp)).backward()
     assert model.reducer.has_rebuilt_bucket
     after = model.reducer.get_logging_data()["bucket_indices"]
     assert after == [[i] for i in arrivals[:4]]  # arrival order; caps stay at 8 bytes on rebuild
     assert arrivals[:2] in ([2, 3], [3, 2])  # fc2's gradients arrive before fc1's
 
 
-def test_gradient_as_bucket_view(impl):
-    model = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl)
-    plain = TwoBranch()
+def test_gradient_as_bucket_view(impl, xp):
+    model = DDP(TwoBranch(xp), gradient_as_bucket_view=True, impl=impl)
+    plain = TwoBranch(xp)
     for _ in range(2):
-        model(x()).backward()
-        plain(x()).backward()
+        model(x(xp)).backward()
+        plain(x(xp)).backward()
     buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
         assert any(np.shares_memory(p.grad.data, buf) for buf in buffers), name
@@ -81,16 +84,16 @@ def test_gradient_as_bucket_view(impl):
 
 
 @pytest.mark.parametrize("mode", ["find_unused_parameters", "static_graph"])
-def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad(impl, mode):
+def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad(impl, mode, xp):
     """As torch: a grad becomes a bucket view when first reduced; an unused parameter keeps None (no zero grad
     that weight decay would then move)."""
-    model = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl, **{mode: True})
+    model = DDP(TwoBranch(xp), gradient_as_bucket_view=True, impl=impl, **{mode: True})
     assert all(p.grad is None for p in model.parameters())  # construction gives no parameter a grad
     opt = optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
     before = model.module.fc2.weight.data.copy()
     for _ in range(3):
         opt.zero_grad()
-        model(x(), use_fc2=False).backward()
+        model(x(xp), use_fc2=False).backward()
         assert model.module.fc2.weight.grad is None and model.module.fc2.bias.grad is None
         assert model.module.fc1.weight.grad is not None
         opt.step()
@@ -99,10 +102,10 @@ def test_gradient_as_bucket_view_leaves_a_globally_unused_parameter_without_grad
     assert any(np.shares_memory(model.module.fc1.weight.grad.data, buf) for buf in buffers)
 
 
-def test_gradient_as_bucket_view_has_backward_compute_into_the_views(impl):
+def test_gradient_as_bucket_view_has_backward_compute_into_the_views(impl, xp):
     """Each gradient is computed in its bucket view (the anchor computes it elsewhere and copies it in): what the
     reducer's hook is handed is the view itself, every iteration, and the values are those of plain training."""
-    model, plain = DDP(TwoBranch(), gradient_as_bucket_view=True, impl=impl), TwoBranch()
+    model, plain = DDP(TwoBranch(xp), gradient_as_bucket_view=True, impl=impl), TwoBranch(xp)
     opt = optim.SGD(model.parameters(), lr=0.1)
     handed = {}
     for p in model.parameters():  # registered after the reducer's hooks: runs once the reducer took the grad
@@ -110,9 +113,9 @@ def test_gradient_as_bucket_view_has_backward_compute_into_the_views(impl):
     for _ in range(3):
         opt.zero_grad()  # set_to_none: the next gradient is computed into the view
         handed.clear()
-        model(x()).backward()
+        model(x(xp)).backward()
         plain.zero_grad()
-        plain(x()).backward()
+        plain(x(xp)).backward()
         views = {id(model.reducer.params[i]): bucket.views_in[position]  # (the buckets are rebuilt once)
                  for bucket in model.reducer.buckets for position, i in enumerate(bucket.variable_indices)}
         for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
@@ -125,38 +128,38 @@ def test_gradient_as_bucket_view_has_backward_compute_into_the_views(impl):
     assert all(p._grad_buffer is None for p in model.parameters())
 
 
-def test_without_bucket_views_gradients_are_computed_apart(impl):
-    model = DDP(TwoBranch(), impl=impl)
-    model(x()).backward()
+def test_without_bucket_views_gradients_are_computed_apart(impl, xp):
+    model = DDP(TwoBranch(xp), impl=impl)
+    model(x(xp)).backward()
     assert all(p._grad_buffer is None for p in model.parameters())
     buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
     assert not any(np.shares_memory(p.grad.data, buf) for p in model.parameters() for buf in buffers)
 
 
-def test_no_sync_accumulates_then_syncs(impl):
-    model, plain = DDP(TwoBranch(), find_unused_parameters=True, impl=impl), TwoBranch()
+def test_no_sync_accumulates_then_syncs(impl, xp):
+    model, plain = DDP(TwoBranch(xp), find_unused_parameters=True, impl=impl), TwoBranch(xp)
     with model.no_sync():
-        model(x(), use_fc2=True).backward()   # fc2 used only in the no_sync micro-batch
-    model(x(), use_fc2=False).backward()
-    plain(x(), use_fc2=True).backward()
-    plain(x(), use_fc2=False).backward()
+        model(x(xp), use_fc2=True).backward()   # fc2 used only in the no_sync micro-batch
+    model(x(xp), use_fc2=False).backward()
+    plain(x(xp), use_fc2=True).backward()
+    plain(x(xp), use_fc2=False).backward()
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
         assert np.allclose(p.grad.data, q.grad.data), name
 
 
-def test_unused_parameter_grad_untouched_with_find_unused(impl):
-    model = DDP(TwoBranch(), find_unused_parameters=True, impl=impl)
-    model(x(), use_fc2=False).backward()
+def test_unused_parameter_grad_untouched_with_find_unused(impl, xp):
+    model = DDP(TwoBranch(xp), find_unused_parameters=True, impl=impl)
+    model(x(xp), use_fc2=False).backward()
     assert model.module.fc2.weight.grad is None and model.module.fc1.weight.grad is not None
-    model(x(), use_fc2=True).backward()
+    model(x(xp), use_fc2=True).backward()
     assert model.module.fc2.weight.grad is not None
 
 
-def test_prior_reduction_error_names_the_unused_parameters(impl):
-    model = DDP(TwoBranch(), impl=impl)
-    model(x(), use_fc2=False).backward()
+def test_prior_reduction_error_names_the_unused_parameters(impl, xp):
+    model = DDP(TwoBranch(xp), impl=impl)
+    model(x(xp), use_fc2=False).backward()
     with pytest.raises(RuntimeError) as info:
-        model(x(), use_fc2=False)
+        model(x(xp), use_fc2=False)
     text = str(info.value)
     assert "'fc2.weight' (index 2)" in text and "'fc2.bias' (index 3)" in text
     assert "find_unused_parameters=True" in text and "on rank 0" in text
@@ -226,13 +229,13 @@ def test_mixed_dtypes_in_a_bucket(impl, group):
         module.Reducer(params, [[0, 1]], group, param_names=["a", "b"])
 
 
-def test_static_graph(impl):
-    model, plain = DDP(TwoBranch(), static_graph=True, impl=impl), TwoBranch()
+def test_static_graph(impl, xp):
+    model, plain = DDP(TwoBranch(xp), static_graph=True, impl=impl), TwoBranch(xp)
     for _ in range(3):
         model.module.zero_grad()
         plain.zero_grad()
-        model(x(), use_fc2=False).backward()
-        plain(x(), use_fc2=False).backward()
+        model(x(xp), use_fc2=False).backward()
+        plain(x(xp), use_fc2=False).backward()
         for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None:
@@ -241,19 +244,19 @@ def test_static_graph(impl):
         model.reducer.set_static_graph()
 
 
-def test_static_graph_change_is_an_error(impl):
-    model = DDP(TwoBranch(), static_graph=True, impl=impl)
-    model(x()).backward()
-    model(x()).backward()
-    model(x(), use_fc2=False).backward()  # fc2 unused: its bucket never completes
+def test_static_graph_change_is_an_error(impl, xp):
+    model = DDP(TwoBranch(xp), static_graph=True, impl=impl)
+    model(x(xp)).backward()
+    model(x(xp)).backward()
+    model(x(xp), use_fc2=False).backward()  # fc2 unused: its bucket never completes
     with pytest.raises(RuntimeError, match=r"graph changed.*static_graph=True(.|\n)*'fc2.weight' \(index 2\)"):
-        model(x())
+        model(x(xp))
 
 
-def test_static_graph_extra_hook_is_an_error(impl):
-    model = DDP(TwoBranch(), static_graph=True, bucket_cap_mb=8 / 2**20, impl=impl)
-    model(x()).backward()
-    model(x())  # iteration 2 forward; now a reentrant backward would call fc1.bias's hook twice
+def test_static_graph_extra_hook_is_an_error(impl, xp):
+    model = DDP(TwoBranch(xp), static_graph=True, bucket_cap_mb=8 / 2**20, impl=impl)
+    model(x(xp)).backward()
+    model(x(xp))  # iteration 2 forward; now a reentrant backward would call fc1.bias's hook twice
     for p in model.module.parameters():
         p.grad = distlab.tensor(np.ones_like(p.data))
     model.reducer.autograd_hook(1)
@@ -261,52 +264,53 @@ def test_static_graph_extra_hook_is_an_error(impl):
         model.reducer.autograd_hook(1)
 
 
-def test_comm_hooks(impl):
-    model, plain = DDP(TwoBranch(), impl=impl), TwoBranch()
+def test_comm_hooks(impl, xp):
+    model, plain = DDP(TwoBranch(xp), impl=impl), TwoBranch(xp)
     model.register_comm_hook(None, allreduce_hook)
-    model(x()).backward()
-    plain(x()).backward()
+    model(x(xp)).backward()
+    plain(x(xp)).backward()
     assert all(np.allclose(p.grad.data, q.grad.data) for p, q in zip(model.parameters(), plain.parameters()))
     with pytest.raises(RuntimeError, match="can only be called once"):
         model.register_comm_hook(None, noop_hook)
-    fresh = DDP(TwoBranch(), impl=impl)
+    fresh = DDP(TwoBranch(xp), impl=impl)
     with pytest.raises(TypeError, match="must be callable"):
         fresh.register_comm_hook(None, 42)
     with pytest.raises(TypeError, match=r"takes \(state, bucket\)"):
         fresh.register_comm_hook(None, lambda bucket: bucket)
 
 
-def _train(impl, fused, steps=3, **hyper):
+def _train(impl, fused, xp, steps=3, **hyper):
     """TwoBranch with fc2 used twice (a weight shared by two graph nodes), one bucket per parameter."""
-    model = DDP(TwoBranch(), bucket_cap_mb=1e-5, impl=impl)
+    model = DDP(TwoBranch(xp), bucket_cap_mb=1e-5, impl=impl)
     if fused:
         opt = model._register_fused_optim(optim.SGD, **hyper)
     else:
         opt = optim.SGD(model.parameters(), **hyper)
     for _ in range(steps):
         model.zero_grad()
-        model(x(), twice=True).backward()
+        model(x(xp), twice=True).backward()
         if not fused:
             opt.step()
     return model, opt
 
 
-def test_fused_optimizer_updates_as_buckets_are_reduced_exactly_like_step_after_backward(impl):
+def test_fused_optimizer_updates_as_buckets_are_reduced_exactly_like_step_after_backward(impl, xp):
     hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
-    fused, fused_opt = _train(impl, True, **hyper)
-    plain, _ = _train(impl, False, **hyper)
+    fused, fused_opt = _train(impl, True, xp, **hyper)
+    plain, _ = _train(impl, False, xp, **hyper)
     assert len(fused.reducer.get_grad_buckets()) == 4
     for (name, p), q in zip(fused.module.named_parameters(), plain.parameters()):
-        np.testing.assert_array_equal(p.data, q.data, err_msg=name)
-        np.testing.assert_array_equal(p.grad.data, q.grad.data, err_msg=name)  # .grad still holds the average
+        np.testing.assert_array_equal(to_numpy(p.data), to_numpy(q.data), err_msg=name)
+        # .grad still holds the average
+        np.testing.assert_array_equal(to_numpy(p.grad.data), to_numpy(q.grad.data), err_msg=name)
     assert len(fused_opt.state) == 4  # momentum buffers, one per parameter
 
 
-def test_fused_optimizer_on_some_parameters_and_its_errors(impl):
-    model = DDP(TwoBranch(), impl=impl)
+def test_fused_optimizer_on_some_parameters_and_its_errors(impl, xp):
+    model = DDP(TwoBranch(xp), impl=impl)
     before = [p.data.copy() for p in model.parameters()]
     model._register_fused_optim(optim.SGD, lr=0.1, optim_params=list(model.module.fc1.parameters()))
-    model(x()).backward()
+    model(x(xp)).backward()
     changed = [not np.array_equal(b, p.data) for b, p in zip(before, model.parameters())]
     assert changed == [True, True, False, False]  # fc1 updated, fc2 left to another optimizer
     with pytest.raises(RuntimeError, match="_register_fused_optim can only be called once"):
@@ -316,39 +320,39 @@ def test_fused_optimizer_on_some_parameters_and_its_errors(impl):
     with pytest.raises(RuntimeError, match="no_sync.. cannot be used with an optimizer registered by"):
         with model.no_sync():
             pass
-    hooked = DDP(TwoBranch(), impl=impl)
+    hooked = DDP(TwoBranch(xp), impl=impl)
     hooked.register_comm_hook(None, allreduce_hook)
     with pytest.raises(RuntimeError, match="does not compose with register_comm_hook"):
         hooked._register_fused_optim(optim.SGD, lr=0.1)
-    later = TwoBranch()
+    later = TwoBranch(xp)
     grown = optim.SGD(later.fc1.parameters(), lr=0.1)
-    grown.step_param(later.fc1.weight, np.zeros((3, 4), np.float32))
+    grown.step_param(later.fc1.weight, xp.zeros((3, 4), np.float32))
     grown.add_param_group({"params": list(later.fc2.parameters()), "lr": 0.5})  # found after the map was built
     kept = later.fc2.bias.data.copy()
-    grown.step_param(later.fc2.bias, np.ones(3, np.float32))
-    np.testing.assert_allclose(later.fc2.bias.data, kept - 0.5)
-    other = optim.SGD(TwoBranch().parameters(), lr=0.1)
+    grown.step_param(later.fc2.bias, xp.ones(3, np.float32))
+    np.testing.assert_allclose(to_numpy(later.fc2.bias.data), to_numpy(kept - 0.5))
+    other = optim.SGD(TwoBranch(xp).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"step_param: the parameter \(shape \(3, 4\)\) is not in any of this SGD"):
-        other.step_param(model.module.fc1.weight, np.zeros((3, 4), np.float32))
+        other.step_param(model.module.fc1.weight, xp.zeros((3, 4), np.float32))
 
 
-def test_step_param_equals_step_for_every_optimizer():
+def test_step_param_equals_step_for_every_optimizer(xp):
     for cls, hyper in [(optim.Adam, dict(lr=0.01, weight_decay=0.1)), (optim.RMSprop, dict(lr=0.01, momentum=0.5)),
                        (optim.Adagrad, dict(lr=0.1)), (optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1))]:
-        a, b = TwoBranch(), TwoBranch()
+        a, b = TwoBranch(xp), TwoBranch(xp)
         opt_a, opt_b = cls(a.parameters(), **hyper), cls(b.parameters(), **hyper)
         for _ in range(2):
             a.zero_grad()
             b.zero_grad()
-            a(x()).backward()
-            b(x()).backward()
+            a(x(xp)).backward()
+            b(x(xp)).backward()
             opt_a.step()
             for p in b.parameters():
                 kept = p.grad
                 opt_b.step_param(p, p.grad.data.copy())
                 assert p.grad is kept  # the gradient given is used, .grad left as it was
         for p, q in zip(a.parameters(), b.parameters()):
-            np.testing.assert_array_equal(p.data, q.data, err_msg=cls.__name__)
+            np.testing.assert_array_equal(to_numpy(p.data), to_numpy(q.data), err_msg=cls.__name__)
 
 
 def not_a_future_hook(state, bucket):
@@ -363,24 +367,24 @@ def a_future_of_nothing_hook(state, bucket):
     return future
 
 
-def test_a_comm_hook_breaking_the_contract_is_named_at_the_first_backward(impl):
+def test_a_comm_hook_breaking_the_contract_is_named_at_the_first_backward(impl, xp):
     from distlab.errors import CommHookError
 
-    model = DDP(TwoBranch(), impl=impl)
+    model = DDP(TwoBranch(xp), impl=impl)
     model.register_comm_hook(None, not_a_future_hook)
     # torch raises RuntimeError ("callback must return a torch.futures.Future"): code written for it catches ours
     with pytest.raises(RuntimeError, match=r"callback must return a distlab.futures.Future whose value is the "
                                            r"reduced bucket buffer, but comm hook 'not_a_future_hook' returned "
                                            r"int") as raised:
-        model(x()).backward()
+        model(x(xp)).backward()
     assert isinstance(raised.value, TypeError) and type(raised.value) is CommHookError
     with pytest.raises(TypeError, match="comm hook 'not_a_future_hook' returned int"):  # Join's shadow path too
         model.reducer._run_comm_hook(model.reducer._get_zeros_like_grad_buckets()[0])
-    model = DDP(TwoBranch(), impl=impl)
+    model = DDP(TwoBranch(xp), impl=impl)
     model.register_comm_hook(None, a_future_of_nothing_hook)
     with pytest.raises(CommHookError, match=r"comm hook 'a_future_of_nothing_hook' completed with NoneType, "
                                             r"expected an array of 27 float32 elements \(the bucket's size\)"):
-        model(x()).backward()
+        model(x(xp)).backward()
 
 
 def _hook_annotated(bucket, returns):
@@ -438,11 +442,11 @@ def test_bucket_view_and_reduce_dtype_conflict(impl, group):
                        reduce_dtype=np.float16)
 
 
-def test_reduce_dtype_mixed_precision(impl):
-    model, plain = DDP(TwoBranch(), reduce_dtype=np.float16, impl=impl), TwoBranch()
+def test_reduce_dtype_mixed_precision(impl, xp):
+    model, plain = DDP(TwoBranch(xp), reduce_dtype=np.float16, impl=impl), TwoBranch(xp)
     assert all(b.buffer().dtype == np.float16 for b in model.reducer.get_grad_buckets())
-    model(x()).backward()
-    plain(x()).backward()
+    model(x(xp)).backward()
+    plain(x(xp)).backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert p.grad.data.dtype == np.float32 and np.allclose(p.grad.data, q.grad.data, rtol=1e-3, atol=1e-3)
 

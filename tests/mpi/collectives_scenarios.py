@@ -15,67 +15,73 @@ if "mixed" in sys.argv[1:]:
 
 from distlab import _backend, collectives as hvd  # noqa: E402
 from distlab.errors import StallWarning  # noqa: E402
-from scenario_checks import expect  # noqa: E402
+from distlab import fakegpu  # noqa: E402
+from scenario_checks import expect, staged_outside_comm, start_counting  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 assert hvd.stats()["impl"] == _backend.active_impl()
 
 
-# -- values of every op, scale factors ----------------------------------------------------------------------
-x = np.array([r + 1.0, -(r + 1.0), 2.0], dtype=np.float64)
-s = n * (n + 1) / 2
-assert hvd.allreduce(x, name="avg").tolist() == [s / n, -s / n, 2.0]
-assert hvd.allreduce(x, name="sum", op=hvd.Sum).tolist() == [s, -s, 2 * n]
-assert hvd.allreduce(x, name="min", op=hvd.Min).tolist() == [1.0, -n, 2.0]
-assert hvd.allreduce(x, name="max", op=hvd.Max).tolist() == [n, -1.0, 2.0]
-assert hvd.allreduce(x, name="prod", op=hvd.Product)[2] == 2.0 ** n
-y = hvd.allreduce(x, name="scaled", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
-assert np.allclose(y, [s / 2, -s / 2, n]), y
-assert x.tolist() == [r + 1.0, -(r + 1.0), 2.0]            # the input is not modified
-ints = hvd.allreduce(np.arange(4, dtype=np.int32) * (r + 1), name="ints", op=hvd.Sum)
-assert ints.dtype == np.int32 and ints.tolist() == [0, s, 2 * s, 3 * s]
-# Average of integers as Horovod: the sum times 1/size in float64, truncated toward zero
-iavg = hvd.allreduce(np.array([-7 * (r == 0), 7 * (r == 0), 1], np.int64), name="iavg")
-assert iavg.dtype == np.int64 and iavg.tolist() == [int(-7 / n), int(7 / n), int(n * (1 / n))], iavg
-auto = hvd.allreduce(np.ones(2, np.float32))                  # auto-named: same call order on every rank
-assert auto.tolist() == [1.0, 1.0]
+for device, xp in (("cpu", np), ("cuda", fakegpu)):  # numpy, then the strict device stand-in, in one launch
+    start_counting(device)
+    # -- values of every op, scale factors ----------------------------------------------------------------------
+    x = xp.array([r + 1.0, -(r + 1.0), 2.0], dtype=np.float64)
+    s = n * (n + 1) / 2
+    assert hvd.allreduce(x, name="avg").tolist() == [s / n, -s / n, 2.0]
+    assert hvd.allreduce(x, name="sum", op=hvd.Sum).tolist() == [s, -s, 2 * n]
+    assert hvd.allreduce(x, name="min", op=hvd.Min).tolist() == [1.0, -n, 2.0]
+    assert hvd.allreduce(x, name="max", op=hvd.Max).tolist() == [n, -1.0, 2.0]
+    assert hvd.allreduce(x, name="prod", op=hvd.Product)[2] == 2.0 ** n
+    y = hvd.allreduce(x, name="scaled", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert np.allclose(y, [s / 2, -s / 2, n]), y
+    assert x.tolist() == [r + 1.0, -(r + 1.0), 2.0]            # the input is not modified
+    ints = hvd.allreduce(xp.arange(4, dtype=np.int32) * (r + 1), name="ints", op=hvd.Sum)
+    assert ints.dtype == np.int32 and ints.tolist() == [0, s, 2 * s, 3 * s]
+    # Average of integers as Horovod: the sum times 1/size in float64, truncated toward zero
+    iavg = hvd.allreduce(xp.array([-7 * (r == 0), 7 * (r == 0), 1], np.int64), name="iavg")
+    assert iavg.dtype == np.int64 and iavg.tolist() == [int(-7 / n), int(7 / n), int(n * (1 / n))], iavg
+    auto = hvd.allreduce(xp.ones(2, np.float32))                  # auto-named: same call order on every rank
+    assert auto.tolist() == [1.0, 1.0]
 
-# -- many tensors, different orders, repeated: the fast path ------------------------------------------------
-rng = np.random.default_rng(r)
-before = hvd.stats()
-names = [f"grad.{i}" for i in range(40)]
-for step in range(6):
-    order = list(names)
-    rng.shuffle(order)
-    handles = {}
-    for name in order:
-        i = int(name.split(".")[1])
-        handles[name] = hvd.allreduce_async(np.full((i % 5 + 1, 3), r + step + i, np.float32), name=name, op=hvd.Sum)
-    for name in names:
-        i = int(name.split(".")[1])
-        out = hvd.synchronize(handles[name])
-        expected = sum(rank + step + i for rank in range(n))
-        assert out.shape == (i % 5 + 1, 3) and np.all(out == expected), (name, out, expected)
-        assert hvd.poll(handles[name])
-after = hvd.stats()
-fast = after["fast_path"] - before["fast_path"]
-slow = after["slow_path"] - before["slow_path"]
-capacity = int(os.environ.get("DISTLAB_CACHE_CAPACITY", "1024"))
-if capacity > 0:
-    assert fast >= 5, (fast, slow)                   # steps 2..6 were negotiated by the bit vector alone
-    assert after["cache_entries"] >= 40
-else:
-    assert fast == 0 and slow >= 6, (fast, slow)
-assert after["fused_tensors"] - before["fused_tensors"] > after["responses"] - before["responses"]  # fused
+    # -- many tensors, different orders, repeated: the fast path ------------------------------------------------
+    rng = np.random.default_rng(r)
+    before = hvd.stats()
+    names = [f"grad.{i}" for i in range(40)]
+    for step in range(6):
+        order = list(names)
+        rng.shuffle(order)
+        handles = {}
+        for name in order:
+            i = int(name.split(".")[1])
+            handles[name] = hvd.allreduce_async(xp.full((i % 5 + 1, 3), r + step + i, np.float32), name=name,
+                                                op=hvd.Sum)
+        for name in names:
+            i = int(name.split(".")[1])
+            out = hvd.synchronize(handles[name])
+            expected = sum(rank + step + i for rank in range(n))
+            assert out.shape == (i % 5 + 1, 3) and np.all(out == expected), (name, out, expected)
+            assert hvd.poll(handles[name])
+    after = hvd.stats()
+    fast = after["fast_path"] - before["fast_path"]
+    slow = after["slow_path"] - before["slow_path"]
+    capacity = int(os.environ.get("DISTLAB_CACHE_CAPACITY", "1024"))
+    if capacity > 0:
+        assert fast >= 5, (fast, slow)                   # steps 2..6 were negotiated by the bit vector alone
+        assert after["cache_entries"] >= 40
+    else:
+        assert fast == 0 and slow >= 6, (fast, slow)
+    assert after["fused_tensors"] - before["fused_tensors"] > after["responses"] - before["responses"]  # fused
 
-# -- allgather (different first dims), broadcast, barrier -----------------------------------------------------
-g = hvd.allgather(np.full((r + 1, 2), r, np.int64), name="gather")
-assert g.shape == (n * (n + 1) // 2, 2) and g[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
-b = hvd.broadcast(np.full(3, r, np.float32), root_rank=n - 1, name="bcast")
-assert b.tolist() == [n - 1] * 3
-hvd.barrier()
-hvd.barrier()
+    # -- allgather (different first dims), broadcast, barrier -----------------------------------------------------
+    g = hvd.allgather(xp.full((r + 1, 2), r, np.int64), name="gather")
+    assert g.shape == (n * (n + 1) // 2, 2) and g[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
+    b = hvd.broadcast(xp.full(3, r, np.float32), root_rank=n - 1, name="bcast")
+    assert b.tolist() == [n - 1] * 3
+    hvd.barrier()
+    hvd.barrier()
+    assert not staged_outside_comm(device), staged_outside_comm(device)
+    print(f"rank {r}: values, fast path, fusion, allgather, broadcast on {device} OK", flush=True)
 
 # -- error paths: raised on every rank, naming the ranks and what each sent -----------------------------------
 expect(hvd.CollectiveError, lambda: hvd.allreduce(np.ones(3 if r == 1 else 2), name="bad.shape"),
@@ -121,6 +127,18 @@ else:
     time.sleep(1.0 if r == 0 else 0.2)                              # rank 0 joins last
     last = hvd.join()
 assert last == 0, last                                                 # the same answer on every rank
+
+# -- join on the device stand-in: the training ranks' device tensors (fused, on the device) meet the joined rank's
+# host zeros; the results stay on the device
+if r == late:
+    assert hvd.join() == 0
+else:
+    for step in range(2):
+        outs = hvd.grouped_allreduce([fakegpu.ones(3) * (r + 1), fakegpu.ones(2)], name=f"dev.join.{step}", op=hvd.Sum)
+        assert all(isinstance(o, fakegpu.ndarray) for o in outs), outs
+        assert outs[0].tolist() == [n * (n - 1) / 2] * 3 and outs[1].tolist() == [n - 1] * 2, outs
+    time.sleep(0.5 if r == 0 else 0.1)
+    assert hvd.join() == 0
 
 from distlab.timeline import get_timeline  # noqa: E402
 

@@ -5,12 +5,11 @@ compares sequence numbers on every collective); mismatches named on every rank.
 """
 import ml_dtypes
 import numpy as np
-from fakegpu import FakeDeviceArray, register
 
 from distlab import comm
+from distlab import fakegpu as xp
 from distlab.errors import CollectiveMismatchError
 
-register()
 pg = comm.world()
 r, n = pg.rank, pg.size
 last = n - 1
@@ -36,7 +35,7 @@ assert b[0] == ((n + 1) / 2 if r == 0 else r + 1.0), b
 bf = np.full(2, r + 1, dtype=ml_dtypes.bfloat16)
 comm.reduce(bf, dst=1, op=comm.ReduceOp.MAX)
 assert float(bf[0]) == (n if r == 1 else r + 1), bf
-dev = FakeDeviceArray(np.full(2, r, dtype=np.int64))
+dev = xp.asarray(np.full(2, r, dtype=np.int64))
 pg.reduce(dev, dst=0, async_op=True).wait()
 assert dev.get().tolist() == ([n * (n - 1) // 2] * 2 if r == 0 else [r] * 2)
 
@@ -56,8 +55,8 @@ sources = [np.full(3, 10.0 * k) for k in range(n)] if r == last else None
 work = pg.scatter(into, sources, src=last, async_op=True)
 work.wait()
 assert into.tolist() == [10.0 * r] * 3 and work.result() is into
-dev = FakeDeviceArray(np.zeros(2, dtype=np.float32))
-comm.scatter(dev, [FakeDeviceArray(np.full(2, k, np.float32)) for k in range(n)] if r == 0 else None, src=0)
+dev = xp.asarray(np.zeros(2, dtype=np.float32))
+comm.scatter(dev, [xp.asarray(np.full(2, k, np.float32)) for k in range(n)] if r == 0 else None, src=0)
 assert dev.get().tolist() == [r, r]
 
 # -- objects: gather_object, scatter_object_list, send/recv_object_list ----------------------------------------

@@ -1,42 +1,44 @@
-"""Device arrays through the comm layer with a host-memory stand-in: staged (not CUDA-aware) or direct."""
+"""Device arrays through the comm layer on the strict stand-in (distlab.fakegpu): staged (not CUDA-aware) or
+direct, the stream synchronised before MPI touches the memory, and the staging counted where it happens."""
 import os
 
 import numpy as np
-from fakegpu import FakeDeviceArray, register
 
 from distlab import comm
+from distlab import fakegpu as xp
 
-counts = register()
 aware = os.environ["DISTLAB_CUDA_AWARE"] == "1"
 pg = comm.world()
 r, n = pg.rank, pg.size
+xp.reset()
 
-a = FakeDeviceArray(np.full(4, r + 1.0, dtype=np.float32))
+a = xp.full(4, r + 1.0, dtype=np.float32)
 pg.allreduce(a, op="avg")
-assert np.all(a.get() == (n + 1) / 2), a.get()
-b = FakeDeviceArray(np.full(3, r, dtype=np.int64))
+assert isinstance(a, xp.ndarray) and np.all(a.get() == (n + 1) / 2), a
+b = xp.full(3, r, dtype=np.int64)
 pg.broadcast(b, src=n - 1)
 assert np.all(b.get() == n - 1)
 g = pg.allgather(np.array([r], dtype=np.int32))
 assert g[:, 0].tolist() == list(range(n))
 
-assert counts["synchronize"] >= 2, counts  # the stream is synchronised before MPI touches device memory
+counts = {kind: xp.total(kind, "distlab.comm") for kind in ("synchronize", "to_host", "from_host")}
+assert counts["synchronize"] >= 2, xp.transfers()  # the stream is synchronised before MPI touches device memory
 if aware:
-    assert counts["to_host"] == 0 and counts["from_host"] == 0, counts
+    assert counts["to_host"] == 0 and counts["from_host"] == 0, xp.transfers()
 else:
-    assert counts["to_host"] == 2 and counts["from_host"] == 2, counts
+    assert counts["to_host"] == 2 and counts["from_host"] == 2, xp.transfers()
 # The rooted calls and all_to_all_single take device arrays the same way (lists on the root through host memory).
-red = FakeDeviceArray(np.full(3, r + 1.0))
+red = xp.asarray(np.full(3, r + 1.0))
 pg.reduce(red, dst=n - 1)
 assert red.get().tolist() == [n * (n + 1) / 2 if r == n - 1 else r + 1.0] * 3
-targets = [FakeDeviceArray(np.zeros(2, np.int32)) for _ in range(n)] if r == 0 else None
-pg.gather(FakeDeviceArray(np.full(2, r, np.int32)), targets, dst=0)
+targets = [xp.asarray(np.zeros(2, np.int32)) for _ in range(n)] if r == 0 else None
+pg.gather(xp.asarray(np.full(2, r, np.int32)), targets, dst=0)
 if r == 0:
     assert [t.get()[0] for t in targets] == list(range(n))
-into = FakeDeviceArray(np.zeros(2))
-pg.scatter(into, [FakeDeviceArray(np.full(2, 5.0 * k)) for k in range(n)] if r == 0 else None, src=0)
+into = xp.asarray(np.zeros(2))
+pg.scatter(into, [xp.asarray(np.full(2, 5.0 * k)) for k in range(n)] if r == 0 else None, src=0)
 assert into.get().tolist() == [5.0 * r] * 2
-out = FakeDeviceArray(np.zeros((n, 2), np.float32))
-pg.all_to_all_single(out, FakeDeviceArray(np.arange(2 * n, dtype=np.float32).reshape(n, 2) + 100 * r))
+out = xp.asarray(np.zeros((n, 2), np.float32))
+pg.all_to_all_single(out, xp.asarray(np.arange(2 * n, dtype=np.float32).reshape(n, 2) + 100 * r))
 assert out.get()[:, 0].tolist() == [100 * k + 2 * r for k in range(n)], out.get()
 print(f"rank {r}: device path ({'direct' if aware else 'staged'}) OK {counts}", flush=True)

@@ -10,6 +10,7 @@ import numpy as np
 import distlab
 from distlab import comm, nn
 from distlab.ddp import DistributedDataParallel as DDP
+from scenario_checks import DEVICES, on, staged_outside_comm, start_counting, to_device
 
 pg = comm.world()
 rank = pg.rank
@@ -39,18 +40,19 @@ class RunningSum(nn.Module):
         return self.fc(x).sum()
 
 
-for impl in ("reference", "core"):
+for device, impl in ((device, impl) for device in DEVICES for impl in ("reference", "core")):
+    start_counting(device)
     for reassign in (False, True):
         for broadcast in (True, False):
-            module = RunningSum(reassign)
+            module = to_device(RunningSum(reassign), device)
             model = DDP(module, broadcast_buffers=broadcast, impl=impl)
             names = [name for name, _ in model.named_buffers()]
             assert names == ["module.total", "module.count"], names
             assert len(list(model.buffers())) == 2
-            x = distlab.tensor(np.full((3, 2), rank + 1.0))
+            x = distlab.tensor(on(device, np.full((3, 2), rank + 1.0)))
             for _ in range(STEPS):
                 model(x).backward()
-            case = f"{impl} reassign={reassign} broadcast_buffers={broadcast}"
+            case = f"{impl} {device} reassign={reassign} broadcast_buffers={broadcast}"
             # Construction broadcasts rank 0's buffers (total 0, count 0) on both settings.
             if broadcast:  # every forward starts from rank 0's buffers, which grew by 1 per step on rank 0
                 expected = [(float(k), float(k)) for k in range(STEPS)]
@@ -59,4 +61,5 @@ for impl in ("reference", "core"):
             assert module.seen == expected, (case, module.seen, expected)
             gathered = pg.allgather_object(module.seen)
             assert all(g == gathered[0] for g in gathered) == (broadcast or pg.size == 1), case
-print(f"rank {rank}: DDP buffer checks OK", flush=True)
+    assert not staged_outside_comm(device), staged_outside_comm(device)
+print(f"rank {rank}: DDP buffer checks OK (numpy and the device stand-in)", flush=True)

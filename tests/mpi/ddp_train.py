@@ -14,6 +14,7 @@ from distlab import comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.ddp_comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from distlab.testing import RecordingGroup
+from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
 
 impl_arg, prefix = sys.argv[1], sys.argv[2]
 world = comm.world()
@@ -41,16 +42,16 @@ class Net(nn.Module):
         return out
 
 
-def batch(step, rows):
+def batch(step, rows, device):
     rng = np.random.default_rng(step)
     tokens = rng.integers(0, 10, size=(SHARD * size, 5))
     target = rng.standard_normal((SHARD * size, 3)).astype(np.float32)
-    return distlab.tensor(tokens[rows]), distlab.tensor(target[rows])
+    return distlab.tensor(on(device, tokens[rows])), distlab.tensor(on(device, target[rows]))
 
 
-def make(sparse, spare):
+def make(sparse, spare, device):
     distlab.manual_seed(0)
-    return Net(sparse, spare)
+    return to_device(Net(sparse, spare), device)
 
 
 CONFIGS = {
@@ -73,42 +74,52 @@ CONFIGS = {
 }
 
 results = {}
-for name, config in CONFIGS.items():
-    spare = config.get("spare", lambda s: False)
-    has_spare = "spare" in config
-    micro = config.get("micro", 1)
-    sparse = config.get("sparse", False)
-    group = RecordingGroup(world)
-    model = DDP(make(sparse, has_spare), process_group=group, impl=impl, **config.get("ddp", {}))
-    if "hook" in config:
-        model.register_comm_hook(None, config["hook"])
-    local = make(sparse, has_spare)
-    opt, local_opt = optim.SGD(model.parameters(), lr=0.05), optim.SGD(local.parameters(), lr=0.05)
-    loss_fn = nn.MSELoss()
-    for step in range(4):
-        opt.zero_grad()
-        local_opt.zero_grad()
-        for m in range(micro):
-            mine = np.arange(rank * SHARD, (rank + 1) * SHARD)
-            tokens, target = batch(10 * step + m, mine)
-            use_spare = spare(step * micro + m) if micro > 1 else spare(step)
-            if m < micro - 1:
-                with model.no_sync():
+for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
+    for name, config in CONFIGS.items():
+        spare = config.get("spare", lambda s: False)
+        has_spare = "spare" in config
+        micro = config.get("micro", 1)
+        sparse = config.get("sparse", False)
+        group = RecordingGroup(world)
+        model = DDP(make(sparse, has_spare, device), process_group=group, impl=impl, **config.get("ddp", {}))
+        if "hook" in config:
+            model.register_comm_hook(None, config["hook"])
+        local = make(sparse, has_spare, device)
+        opt, local_opt = optim.SGD(model.parameters(), lr=0.05), optim.SGD(local.parameters(), lr=0.05)
+        loss_fn = nn.MSELoss()
+        start_counting(device)  # the models are on the device: from here on only the comm layer stages
+        for step in range(4):
+            opt.zero_grad()
+            local_opt.zero_grad()
+            for m in range(micro):
+                mine = np.arange(rank * SHARD, (rank + 1) * SHARD)
+                tokens, target = batch(10 * step + m, mine, device)
+                use_spare = spare(step * micro + m) if micro > 1 else spare(step)
+                if m < micro - 1:
+                    with model.no_sync():
+                        (loss_fn(model(tokens, use_spare), target) / micro).backward()
+                else:
                     (loss_fn(model(tokens, use_spare), target) / micro).backward()
-            else:
-                (loss_fn(model(tokens, use_spare), target) / micro).backward()
-            tokens, target = batch(10 * step + m, np.arange(SHARD * size))
-            (loss_fn(local(tokens, use_spare), target) / micro).backward()
-        opt.step()
-        local_opt.step()
-    tol = config.get("tol", 1e-5)
-    for (pname, a), b in zip(model.module.named_parameters(), local.parameters()):
-        assert np.allclose(a.data, b.data, atol=tol, rtol=tol), (name, pname, np.abs(a.data - b.data).max())
-    if name == "find_unused":
-        assert model.reducer.get_logging_data()["find_unused_parameters"]
-    if name == "small_buckets":
-        assert model.reducer.has_rebuilt_bucket
-    results[name] = {"params": [p.data.copy() for p in model.module.parameters()], "trace": group.trace}
+                tokens, target = batch(10 * step + m, np.arange(SHARD * size), device)
+                (loss_fn(local(tokens, use_spare), target) / micro).backward()
+            opt.step()
+            local_opt.step()
+        tol = config.get("tol", 1e-5)
+        for (pname, a), b in zip(model.module.named_parameters(), local.parameters()):
+            a, b = host(a.data), host(b.data)
+            assert np.allclose(a, b, atol=tol, rtol=tol), (name, pname, np.abs(a - b).max())
+        if config.get("ddp", {}).get("gradient_as_bucket_view"):  # real views into the buckets, on either device
+            buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+            for pname, p in model.module.named_parameters():
+                assert p.grad is None or any(np.shares_memory(p.grad.data, buf) for buf in buffers), (name, pname)
+        if name == "find_unused":
+            assert model.reducer.get_logging_data()["find_unused_parameters"]
+        if name == "small_buckets":
+            assert model.reducer.has_rebuilt_bucket
+        results[f"{device}:{name}"] = {"params": [host(p.data) for p in model.module.parameters()],
+                                        "trace": group.trace}
+        assert not staged_outside_comm(device), (name, staged_outside_comm(device))
 with open(f"{prefix}.rank{rank}.pkl", "wb") as fh:
     pickle.dump(results, fh)
-print(f"rank {rank} ({impl}): {len(CONFIGS)} DDP configurations match local training", flush=True)
+print(f"rank {rank} ({impl}): {len(CONFIGS)} DDP configurations x {len(DEVICES)} devices match local training",
+      flush=True)

@@ -21,6 +21,7 @@ from distlab.ddp import DistributedDataParallel as DDP
 from distlab.errors import DistTimeoutError
 from distlab.optim import ZeroRedundancyOptimizer
 from distlab.testing import RecordingGroup
+from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
 
 impl_arg, prefix = sys.argv[1], sys.argv[2]
 world = comm.world()
@@ -32,7 +33,7 @@ out = {}
 
 def everyone(array):
     """Every rank's array (shapes may differ), in rank order."""
-    return world.allgather_object(np.asarray(array))
+    return world.allgather_object(host(array))
 
 
 # -- nojoin: the hang, bounded -------------------------------------------------------------------------------------
@@ -97,7 +98,6 @@ for shape_tail in ((), (3,)):
     assert np.allclose(x.grad.data, numerical, atol=1e-6), np.abs(x.grad.data - numerical).max()
 print(f"rank {rank}: SyncBatchNorm equals BatchNorm1d on the concatenated batch", flush=True)
 
-# -- 2. Join alone: the ranks still training see only the batches that exist ---------------------------------------
 mine, most = 2 + rank, 2 + size - 1
 
 
@@ -106,22 +106,6 @@ def batch(r, i):
     return g.standard_normal((4, 3)).astype(np.float32) * 3 + 1, g.standard_normal((4, 2)).astype(np.float32)
 
 
-bn = nn.SyncBatchNorm(3)
-with Join([bn]):
-    for i in range(mine):
-        y = bn(distlab.tensor(batch(rank, i)[0]))
-        y.sum().backward()
-        active = [r for r in range(size) if 2 + r > i]
-        expected = nn.BatchNorm1d(3)(distlab.tensor(np.concatenate([batch(r, i)[0] for r in active])))
-        position = active.index(rank)
-        assert np.allclose(y.data, expected.data[4 * position:4 * position + 4], atol=1e-5), i
-# every rank ends with the running statistics of the last joiner
-assert all(np.array_equal(a, everyone(bn.running_mean.data)[0]) for a in everyone(bn.running_mean.data))
-assert int(bn.num_batches_tracked.data) == most
-print(f"rank {rank}: SyncBatchNorm under Join OK", flush=True)
-
-
-# -- 3. DDP + SyncBatchNorm + ZeRO under one Join == one process on the union ------------------------------------
 def net(group=None):
     distlab.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8, seed=1), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2, seed=2))
@@ -129,33 +113,56 @@ def net(group=None):
 
 
 loss_fn = nn.MSELoss()
-group = RecordingGroup(world)  # the model's layers and the optimizer on one group: Join checks it
-model = DDP(net(group), process_group=group, bucket_cap_mb=100 / 2**20, impl=impl)
-# SGD, not Adam: the bias of the Linear before a batch norm gets a gradient that is zero up to rounding, and Adam
-# would turn that rounding noise into full-size steps.
-zero = ZeroRedundancyOptimizer(model.parameters(), optim.SGD, process_group=group, lr=0.1, momentum=0.9)
-with Join([model, *nn.SyncBatchNorm.layers_in(model), zero], divide_by_initial_world_size=False):
-    for i in range(mine):
-        x, y = batch(rank, i)
-        zero.zero_grad()
-        loss_fn(model(distlab.tensor(x)), distlab.tensor(y)).backward()
-        zero.step()
-single = net()
-single_opt = optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
-for i in range(most):
-    active = [r for r in range(size) if 2 + r > i]
-    x = np.concatenate([batch(r, i)[0] for r in active])
-    y = np.concatenate([batch(r, i)[1] for r in active])
-    single_opt.zero_grad()
-    loss_fn(single(distlab.tensor(x)), distlab.tensor(y)).backward()
-    single_opt.step()
-state, expected = model.module.state_dict(), single.state_dict()
-for key in expected:
-    assert np.allclose(state[key], expected[key], atol=2e-5), (key, np.abs(state[key] - expected[key]).max())
-for key, value in state.items():  # and every rank holds the same model
-    assert all(np.array_equal(value, theirs) for theirs in everyone(value)), key
-out["ddp+syncbn+zero"] = {"params": [state[k].copy() for k in sorted(state)], "trace": group.trace}
-print(f"rank {rank}: DDP + SyncBatchNorm + ZeRO under Join equals one process on the union", flush=True)
+for device in DEVICES:  # sections 2 and 3 on numpy, then on the strict device stand-in, in one launch
+    start_counting(device)
+    # -- 2. Join alone: the ranks still training see only the batches that exist ---------------------------------------
+    bn = to_device(nn.SyncBatchNorm(3), device)
+    with Join([bn]):
+        for i in range(mine):
+            y = bn(distlab.tensor(on(device, batch(rank, i)[0])))
+            y.sum().backward()
+            active = [r for r in range(size) if 2 + r > i]
+            expected = to_device(nn.BatchNorm1d(3), device)(
+                distlab.tensor(on(device, np.concatenate([batch(r, i)[0] for r in active]))))
+            position = active.index(rank)
+            assert np.allclose(y.data, expected.data[4 * position:4 * position + 4], atol=1e-5), i
+    # every rank ends with the running statistics of the last joiner
+    assert all(np.array_equal(a, everyone(bn.running_mean.data)[0]) for a in everyone(bn.running_mean.data))
+    assert int(bn.num_batches_tracked.data) == most
+    print(f"rank {rank} ({device}): SyncBatchNorm under Join OK", flush=True)
+
+
+
+    # -- 3. DDP + SyncBatchNorm + ZeRO under one Join == one process on the union ------------------------------------
+    group = RecordingGroup(world)  # the model's layers and the optimizer on one group: Join checks it
+    model = DDP(to_device(net(group), device), process_group=group, bucket_cap_mb=100 / 2**20, impl=impl)
+    # SGD, not Adam: the bias of the Linear before a batch norm gets a gradient that is zero up to rounding, and Adam
+    # would turn that rounding noise into full-size steps.
+    zero = ZeroRedundancyOptimizer(model.parameters(), optim.SGD, process_group=group, lr=0.1, momentum=0.9)
+    with Join([model, *nn.SyncBatchNorm.layers_in(model), zero], divide_by_initial_world_size=False):
+        for i in range(mine):
+            x, y = batch(rank, i)
+            zero.zero_grad()
+            loss_fn(model(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
+            zero.step()
+    single = to_device(net(), device)
+    single_opt = optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    for i in range(most):
+        active = [r for r in range(size) if 2 + r > i]
+        x = np.concatenate([batch(r, i)[0] for r in active])
+        y = np.concatenate([batch(r, i)[1] for r in active])
+        single_opt.zero_grad()
+        loss_fn(single(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
+        single_opt.step()
+    state, expected = model.module.state_dict(), single.state_dict()
+    for key in expected:
+        a, b = host(state[key]), host(expected[key])
+        assert np.allclose(a, b, atol=2e-5), (key, np.abs(a - b).max())
+    for key, value in state.items():  # and every rank holds the same model
+        assert all(np.array_equal(host(value), theirs) for theirs in everyone(value)), key
+    out[f"ddp+syncbn+zero on {device}"] = {"params": [host(state[k]) for k in sorted(state)], "trace": group.trace}
+    print(f"rank {rank} ({device}): DDP + SyncBatchNorm + ZeRO under Join equals one process on the union", flush=True)
+    assert not staged_outside_comm(device), staged_outside_comm(device)
 
 with open(f"{prefix}.rank{rank}.pkl", "wb") as fh:
     pickle.dump(out, fh)

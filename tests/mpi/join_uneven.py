@@ -14,6 +14,7 @@ from distlab import _backend, comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.metrics import DistributedMean
 from distlab.testing import RecordingGroup
+from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
 
 impl_arg, prefix = sys.argv[1], sys.argv[2]
 world = comm.world()
@@ -122,21 +123,24 @@ def shard(r, i):
 
 
 loss_fn = nn.MSELoss()
-for divide_initial, view in ((True, False), (False, False), (True, True), (False, True)):
+for device, divide_initial, view in ((d, i, v) for d in DEVICES  # numpy, then the strict device stand-in
+                                     for i, v in ((True, False), (False, False), (True, True), (False, True))):
+    start_counting(device)
     group = RecordingGroup(world)
-    model = DDP(net(), process_group=group, bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=view, impl=impl)
+    model = DDP(to_device(net(), device), process_group=group, bucket_cap_mb=100 / 2**20,
+                gradient_as_bucket_view=view, impl=impl)
     opt = optim.SGD(model.parameters(), lr=0.1)
     metric = DistributedMean(group)
     with Join([model, metric], divide_by_initial_world_size=divide_initial):
         for i in range(mine):
             x, y = shard(rank, i)
             opt.zero_grad()
-            loss = loss_fn(model(distlab.tensor(x)), distlab.tensor(y))
+            loss = loss_fn(model(distlab.tensor(on(device, x))), distlab.tensor(on(device, y)))
             loss.backward()
             opt.step()
-            metric.update(float(loss.data))
+            metric.update(float(loss.data))  # an explicit read: the metric takes a number
     # The local simulation: at step i the ranks with more than i batches contribute.
-    local = net()
+    local = to_device(net(), device)
     local_opt = optim.SGD(local.parameters(), lr=0.1)
     for i in range(most):
         active = [r for r in range(size) if 3 + r > i]
@@ -145,17 +149,19 @@ for divide_initial, view in ((True, False), (False, False), (True, True), (False
         for r in active:
             local.zero_grad()
             x, y = shard(r, i)
-            loss_fn(local(distlab.tensor(x)), distlab.tensor(y)).backward()
+            loss_fn(local(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
             g = [p.grad.data / divisor for p in local.parameters()]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         for p, g in zip(local.parameters(), grads):
             p.grad = distlab.tensor(g)
         local_opt.step()
     for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
-        assert np.allclose(a.data, b.data, atol=1e-5), (divide_initial, view, name, np.abs(a.data - b.data).max())
+        a, b = host(a.data), host(b.data)
+        assert np.allclose(a, b, atol=1e-5), (divide_initial, view, name, np.abs(a - b).max())
     assert metric.count == sum(3 + r for r in range(size)), metric.count
-    out[f"ddp divide_initial={divide_initial} view={view}"] = {
-        "params": [p.data.copy() for p in model.module.parameters()], "trace": group.trace}
+    assert not staged_outside_comm(device), staged_outside_comm(device)
+    out[f"ddp divide_initial={divide_initial} view={view} on {device}"] = {
+        "params": [host(p.data) for p in model.module.parameters()], "trace": group.trace}
 
 with open(f"{prefix}.rank{rank}.pkl", "wb") as fh:
     pickle.dump(out, fh)

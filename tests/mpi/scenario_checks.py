@@ -1,4 +1,4 @@
-"""Checks the scenario scripts share (imported from the script's own directory, as fakegpu is)."""
+"""Checks the scenario scripts share (imported from the script's own directory)."""
 
 
 def expect(exc_type, call, *texts):
@@ -36,3 +36,64 @@ def sharded_batch(step: int, rows, total: int, width: int):
     x = rng.standard_normal((total, width)).astype(np.float32)
     y = rng.standard_normal((total, width)).astype(np.float32)
     return distlab.tensor(x[rows]), distlab.tensor(y[rows])
+
+
+# -- devices: every scenario runs on numpy ("cpu") and on the strict device stand-in ("cuda") in one launch ------
+#: the devices a scenario loops over; "cuda" is distlab.fakegpu, which refuses any implicit host conversion
+DEVICES = ("cpu", "cuda")
+
+
+def _stand_in():
+    from distlab import fakegpu
+
+    fakegpu.use_as_cuda()
+    return fakegpu
+
+
+def on(device: str, value):
+    """A host array (or a Tensor of one) on ``device``: as it is for "cpu", copied onto the stand-in for "cuda"."""
+    from distlab.autograd import Tensor
+
+    if device == "cpu":
+        return value
+    xp = _stand_in()
+    if isinstance(value, Tensor):
+        return Tensor(xp.asarray(value.data), requires_grad=value.requires_grad)
+    return xp.asarray(value)
+
+
+def to_device(model, device: str):
+    """``model.to(device)`` with "cuda" meaning the stand-in."""
+    if device == "cuda":
+        _stand_in()
+    return model.to(device)
+
+
+def host(array):
+    """A host copy of ``array`` (explicit ``.get()`` for device arrays) for comparing and pickling."""
+    from distlab.autograd import to_numpy
+
+    return to_numpy(array).copy()
+
+
+def start_counting(device: str) -> None:
+    """Forget the stand-in's transfer counts (a device run starts)."""
+    if device == "cuda":
+        _stand_in().reset()
+
+
+#: The scalar reads distlab makes on purpose, each one number per call: a training batch norm's element count over
+#: every rank (its "more than 1 value per channel" check and the divisor), and DistributedMean, a host metric that
+#: takes a number (as ``loss.item()``).
+EXPECTED_SCALAR_READS = {("item", "distlab.nn._batchnorm_function"), ("item", "distlab.metrics")}
+
+
+def staged_outside_comm(device: str) -> dict:
+    """The host transfers distlab made outside its comm layer since :func:`start_counting`: none is expected,
+    since only the comm layer stages device memory through the host (MPI is not CUDA-aware). Placing a model on
+    the device (``Module.to("cuda")``, a copy in) is the user's explicit move, not counted."""
+    if device == "cpu":
+        return {}
+    return {key: n for key, n in _stand_in().transfers().items()
+            if key[1].startswith("distlab.") and not key[1].startswith("distlab.comm.") and key[0] != "synchronize"
+            and key != ("from_host", "distlab.nn.module") and key not in EXPECTED_SCALAR_READS}

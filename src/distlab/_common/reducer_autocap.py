@@ -151,7 +151,7 @@ def choose_bucket_caps(order, tensors, arrivals, model: LinkModel, expect_sparse
     wire_bytes : sequence of int, optional
         Bytes each parameter's gradient takes in its bucket (differs from the parameter's with a reduce dtype).
     """
-    param_bytes = [int(np.asarray(getattr(t, "data", t)).nbytes) for t in tensors]
+    param_bytes = [int(getattr(t, "data", t).nbytes) for t in tensors]  # numpy or device arrays, never converted
     wire_bytes = param_bytes if wire_bytes is None else wire_bytes
     dense = [i for i in order if expect_sparse is None or not expect_sparse[i]]
     dense_total = max(sum(param_bytes[i] for i in dense), 1)  # caps count parameter bytes, as the rebuild's

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autograd import SparseGrad, Tensor
+from ..autograd import SparseGrad, Tensor, array_module
 from ..autograd.accumulate_grad import set_grad_buffer
 from ..futures import Future
 
@@ -38,8 +38,7 @@ def _array_of(tensor):
 def _bucket_key(tensor) -> tuple:
     """Parameters share a bucket only with parameters of the same dtype on the same device."""
     data = _array_of(tensor)
-    device = type(data).__module__.split(".")[0]  # "numpy" or "cupy" (one GPU per rank)
-    return (np.dtype(data.dtype).str, device)
+    return (np.dtype(data.dtype).str, array_module(data).__name__)  # "numpy" or the device's (one GPU per rank)
 
 
 def _nbytes(tensor) -> int:
@@ -284,8 +283,7 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
         bucket.lengths.append(length)
         bucket.sizes.append(shape)
         offset += length
-    xp = np if isinstance(first, np.ndarray) else __import__(type(first).__module__.split(".")[0])
-    _use_buffer(bucket, xp.zeros(offset, dtype=dtype))
+    _use_buffer(bucket, array_module(first).zeros(offset, dtype=dtype))
     return bucket
 
 
@@ -324,8 +322,8 @@ def _point_grads_at_views(bucket, params) -> None:
 
 def _set_grad_buffers(bucket, params, gradient_as_bucket_view) -> None:
     """gradient_as_bucket_view: backward computes each gradient straight into its view (no counterpart in the
-    anchor, which copies it there); otherwise, and for a view ``set_grad_buffer`` refuses (not numpy, another
-    dtype), no buffer."""
+    anchor, which copies it there), on the host or on the device; otherwise, and for a view ``set_grad_buffer``
+    refuses (another dtype), no buffer."""
     for position, i in enumerate(bucket.variable_indices):
         view = None if bucket.expect_sparse_gradient or not gradient_as_bucket_view else bucket.views_in[position]
         try:
@@ -337,9 +335,9 @@ def _set_grad_buffers(bucket, params, gradient_as_bucket_view) -> None:
 # -- sparse gradients -----------------------------------------------------------------------------------------
 def empty_sparse_grad(param) -> SparseGrad:
     """A sparse gradient with no rows: what a rank contributes for a sparse parameter it did not use."""
-    shape = param.data.shape
-    values = np.zeros((0,) + tuple(shape[1:]), dtype=param.data.dtype)
-    return SparseGrad(np.zeros(0, dtype=np.int64), values, shape)
+    shape, xp = param.data.shape, array_module(param.data)  # on the parameter's device
+    values = xp.zeros((0,) + tuple(shape[1:]), dtype=param.data.dtype)
+    return SparseGrad(xp.zeros(0, dtype=np.int64), values, shape)
 
 
 def sparse_allreduce(process_group, grad: SparseGrad, name=None) -> Future:
@@ -351,9 +349,9 @@ def sparse_allreduce(process_group, grad: SparseGrad, name=None) -> Future:
     work = process_group.allgather_object((grad.indices, grad.values), async_op=True, name=name)
 
     def combine(fut: Future) -> SparseGrad:
-        parts = fut.value()
-        indices = np.concatenate([np.asarray(i) for i, _ in parts])
-        values = np.concatenate([np.asarray(v) for _, v in parts])
+        parts, xp = fut.value(), array_module(grad.values)  # the gathered pieces come back on the device
+        indices = xp.concatenate([xp.asarray(i) for i, _ in parts])
+        values = xp.concatenate([xp.asarray(v) for _, v in parts])
         return SparseGrad(indices, values, grad.shape).coalesce()
 
     return work.get_future().then(combine)

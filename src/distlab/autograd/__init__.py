@@ -18,7 +18,7 @@ from __future__ import annotations
 
 # Tensor is defined in tensor.py, which imports none of the modules below; accumulate_grad, engine, ops and
 # shape_ops install its autograd methods and operators when imported (importing this package imports them all).
-from ._array import array_module, to_numpy
+from ._array import array_module, is_cupy, register_device_array, to_numpy
 from .tensor import Tensor, _check_gradient, tensor
 from .engine import compute_dependencies, graph_leaves, is_backward_running, queue_callback, run_backward, walk_graph
 from .function import Function, FunctionCtx
@@ -35,7 +35,7 @@ __all__ = [
     "Node", "AccumulateGrad", "RemovableHandle", "Function", "FunctionCtx", "SparseGrad",
     "backward", "grad", "run_backward", "queue_callback", "is_backward_running",
     "compute_dependencies", "walk_graph", "graph_leaves", "set_grad_buffer", "gradcheck", "numerical_grad",
-    "array_module", "to_numpy",
+    "array_module", "is_cupy", "register_device_array", "to_numpy",
     "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "relu", "tanh", "sigmoid", "abs", "matmul",
     "sum", "mean", "reshape", "transpose", "getitem", "concatenate", "stack", "log_softmax", "softmax",
 ]

@@ -5,7 +5,7 @@ import weakref
 
 import numpy as np
 
-from ._array import index_add
+from ._array import index_add, is_cupy
 from .node import Node
 from .sparse import SparseGrad, add_grads
 from .tensor import Tensor, _as_array
@@ -118,14 +118,16 @@ def set_grad_buffer(tensor, buffer) -> None:
     Raises
     ------
     ValueError
-        When ``buffer`` is not a C-contiguous numpy array of the tensor's shape and dtype.
+        When ``buffer`` is not a C-contiguous array of the tensor's kind (numpy, or its device), shape and dtype.
     """
     if buffer is not None:
         data = tensor.data
-        if (type(buffer) is not np.ndarray or not buffer.flags.c_contiguous or not buffer.flags.writeable
-                or buffer.shape != data.shape or buffer.dtype != data.dtype):
-            raise ValueError(f"set_grad_buffer: the buffer must be a writeable C-contiguous numpy array of shape "
-                             f"{tuple(data.shape)} and dtype {data.dtype}, got {type(buffer).__name__} "
+        host = type(buffer) is np.ndarray
+        if (type(buffer) is not type(data) or not (host or is_cupy(buffer)) or not buffer.flags.c_contiguous
+                or (host and not buffer.flags.writeable) or buffer.shape != data.shape or buffer.dtype != data.dtype):
+            raise ValueError(f"set_grad_buffer: the buffer must be a writeable C-contiguous array of the tensor's "
+                             f"kind ({type(data).__name__}), shape {tuple(data.shape)} and dtype {data.dtype}, "
+                             f"got {type(buffer).__name__} "
                              f"{getattr(buffer, 'dtype', '')}{list(getattr(buffer, 'shape', ()))}")
     tensor._grad_buffer = buffer
 

@@ -90,7 +90,8 @@ def leaf_grad_buffer(node, i: int, shape: tuple, *operands):
     That is the input's gradient buffer (:func:`~distlab.autograd.accumulate_grad.set_grad_buffer`) when the input
     is a leaf whose ``.grad`` is None, with no hook that may keep what it is shown, reached by a backward pass
     (not a node applied by hand) that accumulates into ``.grad`` (not a distributed autograd context), and when
-    the gradient, of ``shape`` and of the result dtype of the numpy ``operands``, fits it. The first producer
+    the gradient, of ``shape`` and of the result dtype of the ``operands`` (arrays of the buffer's kind: numpy,
+    or the same device), fits it. The first producer
     claims the buffer; a leaf used twice gets its second gradient in a fresh array, and the engine adds the two
     into another (``add_grads`` never writes in place).
     """
@@ -101,8 +102,8 @@ def leaf_grad_buffer(node, i: int, shape: tuple, *operands):
     buffer = var._grad_buffer
     if buffer is None or var.grad is not None or var._hooks or not _tasks.stack or _tasks.stack[-1].sink is not True:
         return None
-    if buffer.shape != shape or any(type(a) is not np.ndarray for a in operands) \
-            or np.result_type(*operands) != buffer.dtype:
+    if buffer.shape != shape or any(type(a) is not type(buffer) for a in operands) \
+            or np.result_type(*(a.dtype for a in operands)) != buffer.dtype:
         return None
     leaf.buffer_claimed = True
     return buffer

@@ -17,6 +17,7 @@ import numpy as np
 from .. import _backend
 from .._common.negotiation import dtype_code, group_id_of
 from .._types import ReduceOp
+from ..autograd._array import array_module
 from .._wire import CPU_DEVICE_ID, GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, REDUCE_OP_CODES, RequestType
 from ..errors import DistlabError, DuplicateNameError, NotInitializedError, StallShutdownError
 from ..futures import Future
@@ -184,7 +185,7 @@ class _Engine:
         state = self.process_set_state(process_set)
         if name is None:
             name = f"grouped_allreduce.noname.{next(state.counters['allreduce'])}"
-        arrays = [np.asarray(a) for a in arrays]
+        arrays = [array_module(a).asarray(a) for a in arrays]  # device arrays stay on their device
         if not arrays:
             raise ValueError(f"grouped allreduce {name!r}: no tensors")
         if len({a.dtype for a in arrays}) > 1:
@@ -207,7 +208,8 @@ class _Engine:
             name = JOIN_TENSOR_NAME if kind == "join" else f"{kind}.noname.{next(state.counters[kind])}"
         name = str(name)
         if array is not None:
-            array = np.array(array, copy=True, order="C")   # the caller may reuse its array at once
+            # the caller may reuse its array at once: a copy, on the array's device
+            array = array_module(array).array(array, copy=True, order="C")
             tensor_type, shape = dtype_code(array.dtype), array.shape
             if kind in ("allreduce", "reducescatter"):
                 check_reduction(array.dtype, op, kind, name)

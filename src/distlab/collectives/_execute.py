@@ -12,6 +12,7 @@ import numpy as np
 
 from .._types import ReduceOp
 from .._wire import DTYPE_NAMES, JOIN_TENSOR_NAME, REDUCE_OPS, RESPONSE_TYPE_NAMES, ResponseType
+from ..autograd._array import array_module
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
 
@@ -120,15 +121,17 @@ def _allreduce(state, response, entries):
     total = int(sum(sizes))
     fused = len(entries) > 1
     t0 = now_us() if state.timeline.enabled else 0.0
-    if fused:
+    # the tensors' device (a joined rank, with none of them, contributes from host memory: MPI moves the same bytes)
+    xp = next((array_module(e.array) for e in entries if e is not None), np)
+    if fused:  # the fusion buffer lives on the tensors' device, reallocated there when they move
         nbytes = total * dtype.itemsize
-        if state.fusion_buffer.nbytes < nbytes:
-            state.fusion_buffer = np.empty(nbytes, dtype=np.uint8)
+        if state.fusion_buffer.nbytes < nbytes or array_module(state.fusion_buffer) is not xp:
+            state.fusion_buffer = xp.empty(nbytes, dtype=np.uint8)
         buf = state.fusion_buffer[:nbytes].view(dtype)
     offset = 0
     for entry, count in zip(entries, sizes):
         if entry is None:   # this rank joined: contribute the op's identity (zeros for sum and average)
-            part = buf[offset:offset + count] if fused else np.empty(count, dtype)
+            part = buf[offset:offset + count] if fused else xp.empty(count, dtype)
             part[...] = identity(op, dtype)
             if not fused:
                 buf = part
@@ -163,10 +166,11 @@ def _allgather(state, response, entry):
     """Allgather with different first dimensions: pad to the largest, gather, cut each rank's rows."""
     sizes = [int(s) for s in response.tensor_sizes]
     array = entry.array
-    padded = np.zeros((max(sizes),) + array.shape[1:], dtype=array.dtype)
+    xp = array_module(array)  # the padding, the gathered rows and the result stay on the tensor's device
+    padded = xp.zeros((max(sizes),) + array.shape[1:], dtype=array.dtype)
     padded[:array.shape[0]] = array
     gathered = state.group.allgather(padded, name=entry.name)
-    return np.concatenate([gathered[r][:sizes[r]] for r in range(state.size)], axis=0)
+    return xp.concatenate([gathered[r][:sizes[r]] for r in range(state.size)], axis=0)
 
 
 def _alltoall(state, entry):
@@ -177,19 +181,20 @@ def _alltoall(state, entry):
     many came from each rank.
     """
     array = entry.array
+    xp = array_module(array)  # the blocks stay on the tensor's device; the splits are host metadata
     splits = np.asarray(entry.splits, dtype=np.int64)
     table = state.group.allgather(splits, name=f"{entry.name} splits")       # table[i, j]: rows i sends to j
     received = table[:, state.rank].copy()
     block = int(table.max()) if table.size else 0
     rest = array.shape[1:]
-    send = np.zeros((state.size, block) + rest, dtype=array.dtype)
+    send = xp.zeros((state.size, block) + rest, dtype=array.dtype)
     offsets = np.concatenate([[0], np.cumsum(splits)])
     for j in range(state.size):
         send[j, :splits[j]] = array[offsets[j]:offsets[j + 1]]
-    recv = np.empty_like(send)
+    recv = xp.empty_like(send)
     if send.size:
         state.group.alltoall(recv.reshape(-1), send.reshape(-1), name=entry.name)
-    output = np.concatenate([recv[i, :received[i]] for i in range(state.size)], axis=0)
+    output = xp.concatenate([recv[i, :received[i]] for i in range(state.size)], axis=0)
     return output, received.astype(np.int32)
 
 
@@ -210,13 +215,14 @@ def _reducescatter(state, response, entry):
     counts = reducescatter_rows(array.shape[0], state.size)
     block = max(counts)
     rest = array.shape[1:]
-    send = np.zeros((state.size, block) + rest, dtype=array.dtype)
+    xp = array_module(array)  # on the tensor's device
+    send = xp.zeros((state.size, block) + rest, dtype=array.dtype)
     offset = 0
     for r, count in enumerate(counts):
         send[r, :count] = array[offset:offset + count]
         offset += count
     scale_in_place(send, response.prescale_factor)
-    out = np.empty((block,) + rest, dtype=array.dtype)
+    out = xp.empty((block,) + rest, dtype=array.dtype)
     if send.size:
         state.group.reduce_scatter(out, send, op=mpi_op, name=entry.name)
     out = out[:counts[state.rank]].copy()

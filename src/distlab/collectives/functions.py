@@ -9,6 +9,7 @@ import pickle
 
 import numpy as np
 
+from ..autograd._array import is_cupy
 from ..autograd.tensor import Tensor
 from .ops import allgather, broadcast, broadcast_async, global_process_set, rank, synchronize
 
@@ -114,7 +115,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, process_set=global_process
 
 def _classify(label, owner, key, arrays, scalars, objects):
     value = owner[key]
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) or is_cupy(value):  # broadcast in place, on its device
         arrays.append((label, value))
     elif isinstance(value, (bool, int, float, np.number)):
         scalars.append((label, owner, key, type(value), [value]))

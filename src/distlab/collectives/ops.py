@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _backend
 from .._types import ReduceOp
+from ..autograd._array import array_module
 from ..errors import (
     CollectiveError,
     DistTimeoutError,
@@ -258,7 +259,7 @@ def alltoall_async(array, splits=None, name=None, process_set=global_process_set
     """
     engine = _get()
     state = engine.process_set_state(process_set)
-    array = np.asarray(array)
+    array = array_module(array).asarray(array)  # device arrays stay on their device
     if array.ndim == 0:
         raise ValueError("alltoall needs an array with at least one dimension")
     splits = even_splits(array.shape[0], state.size) if splits is None else [int(s) for s in np.asarray(splits)]

@@ -176,7 +176,7 @@ class DistributedOptimizer:
             output = self.compression.decompress(synchronize(handle), context)
             self._delay[key] = self.backward_passes_per_step
             if p.grad is None or getattr(p.grad, "is_sparse", False):
-                p.grad = Tensor(np.array(output, copy=True))
+                p.grad = Tensor(output.copy())  # on the gradient's device
             else:
                 p.grad.data[...] = output.reshape(p.grad.data.shape)
         self._handles.clear()

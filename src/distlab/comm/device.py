@@ -1,9 +1,10 @@
-"""Device buffers: how the comm layer hands numpy, cupy (and test stand-ins) to MPI.
+"""Device buffers: how the comm layer hands numpy and device arrays (cupy, or the CI stand-in) to MPI.
 
 A backend says whether an array lives on a device, how to wait for the device's stream, and how to stage it
-through host memory. numpy is the host backend; cupy registers itself when cupy is importable. Tests register a
-host-memory stand-in that exposes ``__cuda_array_interface__`` (as mpi4py's own tests do with a fake GPU array),
-so the device paths are exercised without a GPU.
+through host memory. numpy is the host backend; every device array type registered with
+``distlab.autograd.register_device_array`` (cupy registers itself lazily; ``distlab.fakegpu``, a host-memory
+stand-in that exposes ``__cuda_array_interface__`` as mpi4py's own tests do, registers itself when imported) gets
+a backend built from its array module, so the device paths are exercised without a GPU.
 
 ``DISTLAB_CUDA_AWARE=auto|1|0`` decides whether device arrays go to MPI directly (1) or are staged through host
 memory (0). ``auto`` asks the MPI library itself (``MPIX_Query_cuda_support``, exported by MPICH and Open MPI
@@ -21,8 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["ArrayBackend", "register_backend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer",
-           "empty_like"]
+from ..autograd._array import device_module
+
+__all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "empty_like"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,6 @@ class ArrayBackend:
     ----------
     name : str
         For messages (``"numpy"``, ``"cupy"``).
-    matches : callable
-        ``matches(array) -> bool``.
     on_device : bool
         True when the array's memory is device memory.
     synchronize : callable
@@ -46,50 +46,33 @@ class ArrayBackend:
     """
 
     name: str
-    matches: Callable[[Any], bool]
     on_device: bool = False
     synchronize: Callable[[Any], None] = lambda a: None
     to_host: Callable[[Any], np.ndarray] = np.asarray
     from_host: Callable[[Any, np.ndarray], None] = lambda a, h: None
 
 
-_NUMPY = ArrayBackend("numpy", lambda a: isinstance(a, np.ndarray))
-_backends: list[ArrayBackend] = []
+_NUMPY = ArrayBackend("numpy")
 
 
-def register_backend(backend: ArrayBackend) -> None:
-    """Register an array backend (consulted before numpy, most recent first)."""
-    _backends.insert(0, backend)
-
-
-def _cupy_backend() -> ArrayBackend | None:
-    # cupy is imported only if the user already imported it: distlab never pulls a GPU stack in by itself.
-    import sys
-
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return None
-
+@functools.lru_cache(maxsize=None)
+def _device_backend(module) -> ArrayBackend:
     def synchronize(_array) -> None:
-        cupy.cuda.get_current_stream().synchronize()
+        module.cuda.get_current_stream().synchronize()
 
     def from_host(array, host) -> None:
         array.set(host)
 
-    return ArrayBackend("cupy", lambda a: isinstance(a, cupy.ndarray), True, synchronize, cupy.asnumpy, from_host)
+    return ArrayBackend(module.__name__, True, synchronize, module.asnumpy, from_host)
 
 
 def backend_for(array) -> ArrayBackend:
     """Return the backend of ``array``; a clear TypeError for anything MPI cannot take."""
-    for backend in _backends:
-        if backend.matches(array):
-            return backend
     if isinstance(array, np.ndarray):
         return _NUMPY
-    cupy_backend = _cupy_backend()
-    if cupy_backend is not None and cupy_backend.matches(array):
-        register_backend(cupy_backend)
-        return cupy_backend
+    module = device_module(array)
+    if module is not None:
+        return _device_backend(module)
     raise TypeError(
         f"distlab collectives take numpy or cupy arrays, got {type(array).__module__}.{type(array).__name__}; "
         "for a distlab.Tensor pass tensor.data"
@@ -157,10 +140,10 @@ def mpi_buffer(array, what: str):
 
 def empty_like(array, shape):
     """An uninitialised array of ``shape`` with ``array``'s dtype, in the same memory (host or device)."""
-    backend = backend_for(array)
-    if not backend.on_device:
+    module = device_module(array)
+    if module is None:
+        backend_for(array)  # a clear TypeError for anything that is not an array MPI takes
         return np.empty(shape, dtype=array.dtype)
-    module = __import__(type(array).__module__.split(".")[0])
     return module.empty(shape, dtype=array.dtype)
 
 

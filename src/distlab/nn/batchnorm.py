@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import _backend
 from .._common.join import HostJoinable, Joinable, JoinHook
+from ..autograd._array import array_module
 from ..autograd.tensor import Tensor
 from ._batchnorm_function import BatchNormFunction, StatsPlan
 from .module import Module
@@ -187,7 +188,7 @@ class SyncBatchNorm(_BatchNorm, HostJoinable):
 
     def _allreduce(self, vector, phase: str, async_op: bool = False):
         """Sum ``vector`` (float64) over the ranks in place; ``phase`` names it in traces and timeouts."""
-        vector = np.ascontiguousarray(vector, dtype=np.float64)
+        vector = array_module(vector).ascontiguousarray(vector, dtype=np.float64)  # on the statistics' device
         work = self._stats_group.allreduce(vector, async_op=async_op, name=f"SyncBatchNorm {phase} statistics")
         return work if async_op else vector
 

@@ -6,7 +6,6 @@ born. The rest are compositions of autograd ops, so their gradients come from al
 """
 from __future__ import annotations
 
-import numpy as np
 
 from ..autograd import ops, shape_ops
 from ..autograd._array import array_module, index_add, is_cupy
@@ -34,7 +33,7 @@ class LinearBackward(Node):
         if self.needs(1):
             x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
             gw = g2.T @ x2 if (out := leaf_grad_buffer(self, 1, w.shape, g2, x2)) is None \
-                else np.matmul(g2.T, x2, out=out)  # DDP's bucket view, when it gave the weight one
+                else array_module(out).matmul(g2.T, x2, out=out)  # DDP's bucket view, when it gave the weight one
         if len(self.next_nodes) > 2 and self.needs(2):
             gb = g2.sum(axis=0, out=leaf_grad_buffer(self, 2, g2.shape[1:], g2))
         return gx, gw, gb

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from ..autograd._array import is_cupy
+
 __all__ = ["manual_seed", "default_generator", "resolve_rng", "uniform_", "normal_", "zeros_", "ones_",
            "kaiming_uniform_", "calculate_fan_in"]
 
@@ -39,7 +41,7 @@ def resolve_rng(seed=None) -> np.random.Generator:
 def _fill(tensor, values) -> None:
     """Write host ``values`` into ``tensor.data`` in place (works for numpy and cupy data)."""
     data = tensor.data
-    if type(data).__module__.startswith("cupy"):
+    if is_cupy(data):
         data.set(values.astype(data.dtype))
     else:
         data[...] = values

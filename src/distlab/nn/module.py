@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from ..autograd._array import array_module, is_cupy, to_numpy
+from ..autograd._array import array_module, cuda_module, is_cupy, to_numpy
 from ..autograd.node import add_hook
 from ..autograd.tensor import Tensor, zero_grads
 from .parameter import Parameter
@@ -162,12 +162,14 @@ class Module:
 
     def to(self, device: str):
         """Move parameters and buffers to ``"cpu"`` (numpy) or ``"cuda"`` (cupy) in place; returns self."""
-        def move(arr):
-            if device == "cpu":
-                return to_numpy(arr)
-            import cupy
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"Module.to: device must be 'cpu' or 'cuda', got {device!r}")
+        xp = cuda_module() if device == "cuda" else None
 
-            return arr if is_cupy(arr) else cupy.asarray(arr)
+        def move(arr):
+            if xp is None:
+                return to_numpy(arr)
+            return arr if is_cupy(arr) else xp.asarray(arr)
 
         for module in self.modules():
             for p in module._parameters.values():

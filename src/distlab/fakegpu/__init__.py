@@ -1,0 +1,127 @@
+"""A strict stand-in for cupy, over host memory: what CI runs the device paths on when no GPU is at hand.
+
+``from distlab import fakegpu as xp`` is used as ``import cupy as xp`` would be: ``xp.zeros``, ``xp.asarray``,
+``xp.concatenate``, ``xp.random.default_rng``, ``xp.cuda.Stream``, ``xp.asnumpy``, and arrays of type
+:class:`ndarray` that refuse every implicit conversion to numpy (``np.asarray(a)`` raises cupy's TypeError).
+Importing it registers its array type with distlab (``distlab.autograd.register_device_array``), so distlab treats
+its arrays as device arrays: :func:`distlab.autograd.array_module` returns this module for them, the comm layer
+stages them through host memory (or hands them to a "CUDA-aware" MPI through ``__cuda_array_interface__``).
+:func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy.
+
+Every transfer between host and "device", and every stream wait, is counted by the distlab module that asked for
+it (:func:`transfers`, :func:`total`, :func:`reset`), so a test can show which components stage through the host
+and that none converts implicitly. The maths is numpy's on the host memory: a seeded run is bit-equal to numpy.
+
+What it cannot show: device rounding (cupy's reductions and matmuls differ from numpy's in the last bits), kernel
+launch and copy costs, and the real stream ordering; those need a GPU (``tests/test_gpu.py``).
+"""
+from __future__ import annotations
+
+import numpy as _np
+
+from . import cuda, random
+from ._ndarray import MemoryPointer, ndarray, unwrap as _unwrap, unwrap_index as _unwrap_index, wrap as _wrap
+from ._transfers import reset, total, transfers
+from ._transfers import count as _count
+
+__all__ = ["ndarray", "MemoryPointer", "cuda", "random", "asarray", "array", "ascontiguousarray", "asnumpy",
+           "get_array_module", "scatter_add", "use_as_cuda", "transfers", "total", "reset"]
+
+
+def _from_host(value, dtype=None, copy=False):
+    if isinstance(value, ndarray):
+        a = value._a
+        if dtype is not None and a.dtype != _np.dtype(dtype):
+            return ndarray(a.astype(dtype))
+        return ndarray(a.copy()) if copy else value
+    if isinstance(value, _np.ndarray):
+        _count("from_host")
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, ndarray) for v in value):
+        raise TypeError("asarray of a list holding device arrays: use xp.stack")
+    return ndarray(_np.array(value, dtype=dtype, copy=True))
+
+
+def asarray(a, dtype=None, order=None):
+    """``a`` on the device: device arrays pass through (cast if ``dtype`` differs), host data is copied in."""
+    return _from_host(a, dtype)
+
+
+def array(obj, dtype=None, copy=True, order="K", ndmin=0):
+    """A new device array holding ``obj`` (always a copy unless ``copy=False`` and nothing changes)."""
+    out = _from_host(obj, dtype, copy=bool(copy))
+    return out if ndmin <= out.ndim else ndarray(out._a.reshape((1,) * (ndmin - out.ndim) + out.shape))
+
+
+def ascontiguousarray(a, dtype=None):
+    out = _from_host(a, dtype)
+    return out if out._a.flags.c_contiguous else ndarray(_np.ascontiguousarray(out._a))
+
+
+def asnumpy(a, stream=None, order="C", out=None):
+    """Copy a device array to the host (numpy arrays pass through), as ``cupy.asnumpy``."""
+    if isinstance(a, ndarray):
+        return a.get(stream=stream, order=order, out=out)
+    return _np.asarray(a, order=order)
+
+
+def get_array_module(*args):
+    """This module if any argument is a stand-in array, numpy otherwise."""
+    import sys
+
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else _np
+
+
+def scatter_add(a, slices, value) -> None:
+    """``a[slices] += value`` accumulating repeated indices (``cupyx.scatter_add``)."""
+    if not isinstance(a, ndarray):
+        raise TypeError(f"scatter_add takes a device array, got {type(a).__name__}")
+    _np.add.at(a._a, _unwrap_index(slices), value._a if isinstance(value, ndarray) else _unwrap(value))
+
+
+def use_as_cuda(enabled: bool = True) -> None:
+    """Make ``"cuda"`` mean the stand-in (``Module.to("cuda")``, ``tensor(..., device="cuda")``), or stop to."""
+    from distlab.autograd._array import set_cuda_module
+    import sys
+
+    set_cuda_module(sys.modules[__name__] if enabled else None)
+
+
+def _device_function(name, host_function):
+    def function(*args, **kwargs):
+        result = host_function(*_unwrap(args, name), **_unwrap(kwargs, name))
+        out = kwargs.get("out")
+        return out if out is not None else _wrap(result)  # with ``out=``, that very array, as cupy returns it
+    function.__name__ = name
+    function.__doc__ = f"``cupy.{name}`` on the stand-in: ``numpy.{name}`` with the result kept on the device."
+    return function
+
+
+#: Names the module takes from numpy unchanged: dtypes, constants, dtype arithmetic.
+_PASSTHROUGH = {"dtype", "newaxis", "pi", "e", "inf", "nan", "finfo", "iinfo", "result_type", "promote_types",
+                "can_cast", "issubdtype", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                "uint8", "uint16", "uint32", "uint64", "bool_", "complex64", "complex128", "integer", "floating",
+                "number", "generic", "ndim", "shape", "size"}
+#: numpy functions that read or write host files or buffers: cupy has none of them.
+_REFUSED = {"frombuffer", "fromfile", "fromiter", "load", "save", "savez", "loadtxt", "savetxt", "memmap",
+            "ctypeslib", "asmatrix", "asanyarray", "asarray_chkfinite", "require"}
+
+
+def __getattr__(name: str):
+    if name.startswith("_") or name in _REFUSED or not hasattr(_np, name):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    host = getattr(_np, name)
+    value = host if name in _PASSTHROUGH or isinstance(host, type) or not callable(host) \
+        else _device_function(name, host)
+    globals()[name] = value
+    return value
+
+
+def _register() -> None:
+    import sys
+
+    from distlab.autograd._array import register_device_array
+
+    register_device_array(ndarray, sys.modules[__name__], scatter_add)
+
+
+_register()

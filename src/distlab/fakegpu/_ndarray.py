@@ -1,0 +1,298 @@
+"""The stand-in's array: host memory that refuses every implicit conversion to numpy, as ``cupy.ndarray`` does.
+
+What it keeps from cupy, because that is what device code gets wrong:
+
+- ``np.asarray(a)``, ``np.array(a)``, ``np.ascontiguousarray(a)`` raise the TypeError cupy's ``__array__`` raises;
+  the buffer protocol and ``__array_interface__`` are absent, so numpy has no other way in;
+- ufuncs and numpy functions given stand-in arrays stay on the "device" (``__array_ufunc__`` /
+  ``__array_function__``, as cupy dispatches them), and refuse host arrays mixed in, as cupy's kernels do;
+- reductions give 0-d arrays, not numpy scalars, and indexing one element gives a 0-d view (a later write
+  through the array shows in it, as in cupy); ``float()``, ``int()``, ``bool()``,
+  ``.item()``, ``.tolist()`` and ``.get()`` are the explicit ways out, and each is counted (:mod:`._transfers`);
+- ``.set(host)`` takes only a numpy array of the same shape and dtype;
+- ``__cuda_array_interface__`` points at the memory, so a "CUDA-aware" MPI can be handed the array directly.
+
+The maths runs in numpy on the wrapped host array, so a seeded run on the stand-in is bit-equal to the same run on
+numpy: the stand-in proves where the data goes, not how a GPU rounds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _transfers
+
+__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap"]
+
+_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+             "Please use `.get()` to construct a NumPy array explicitly.")
+
+
+class MemoryPointer:
+    """What ``ndarray.data`` is in cupy: an address (``ptr``) into device memory."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __int__(self):
+        return self.ptr
+
+
+def wrap(value):
+    """Host results back onto the "device": numpy arrays and scalars become :class:`ndarray`, containers recurse."""
+    if isinstance(value, np.ndarray):
+        return ndarray(value)
+    if isinstance(value, np.generic):
+        return ndarray(np.asarray(value))
+    if isinstance(value, tuple):
+        return tuple(wrap(v) for v in value)
+    if isinstance(value, list):
+        return [wrap(v) for v in value]
+    return value
+
+
+def unwrap(value, what: str = "argument"):
+    """Stand-in arrays to their host arrays for the numpy call underneath; a host array is refused, as cupy does."""
+    if isinstance(value, ndarray):
+        return value._a
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"Unsupported type {type(value)} ({what}): a numpy array cannot be mixed with device "
+                        "arrays; move it to the device first (xp.asarray)")
+    if isinstance(value, (tuple, list)):
+        return type(value)(unwrap(v, what) for v in value)
+    if isinstance(value, dict):
+        return {k: unwrap(v, what) for k, v in value.items()}
+    return value
+
+
+def unwrap_index(key):
+    """An index may hold device arrays (unwrapped) or host arrays and lists (copied in, as cupy allows)."""
+    if isinstance(key, ndarray):
+        return key._a
+    if isinstance(key, tuple):
+        return tuple(unwrap_index(k) for k in key)
+    return key
+
+
+def _binary(ufunc, reflected=False):
+    def op(self, other):
+        if getattr(other, "__array_priority__", 0) > self.__array_priority__ and not isinstance(other, ndarray):
+            return NotImplemented  # a Tensor (or anything of higher priority) takes the operator, as with cupy
+        if not isinstance(other, (ndarray, np.ndarray, np.generic, int, float, complex, bool)):
+            return NotImplemented
+        return ufunc(other, self) if reflected else ufunc(self, other)
+    return op
+
+
+def _inplace(ufunc):
+    def op(self, other):
+        ufunc(self, other, out=(self,))
+        return self
+    return op
+
+
+class ndarray:  # noqa: N801 - the name cupy's array type has
+    """A "device" array over host memory (see the module docstring). Build one with the facade (``xp.asarray``)."""
+
+    __slots__ = ("_a", "__weakref__")
+    __array_priority__ = 100.0  # as cupy.ndarray's
+
+    def __init__(self, host: np.ndarray):
+        self._a = host
+
+    # -- the walls: no implicit conversion to the host ---------------------------------------------------------
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(_IMPLICIT)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        for x in inputs:
+            if not isinstance(x, (ndarray, np.ndarray, np.generic, int, float, complex, bool)) and x is not None:
+                return NotImplemented
+        args = unwrap(inputs, f"{ufunc.__name__} operand")
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = unwrap(out, f"{ufunc.__name__} out")
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return wrap(result)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if not all(issubclass(t, (ndarray, np.ndarray)) for t in types):
+            return NotImplemented
+        out = kwargs.get("out")
+        result = func(*unwrap(args, func.__name__), **unwrap(kwargs, func.__name__))
+        return out if out is not None else wrap(result)
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self._a
+        return {"shape": a.shape, "typestr": a.dtype.str, "descr": a.dtype.descr,
+                "strides": None if a.flags.c_contiguous else a.strides,
+                "data": (a.__array_interface__["data"][0], False), "version": 3}
+
+    # -- explicit transfers (counted) ------------------------------------------------------------------------
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """Copy to a new numpy array (or into ``out``): the explicit device-to-host transfer."""
+        _transfers.count("to_host")
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError("`out` must be a numpy.ndarray")
+            if out.shape != self._a.shape or out.dtype != self._a.dtype:
+                raise ValueError("Shape or dtype mismatch")
+            out[...] = self._a
+            return out
+        return np.array(self._a, order=order, copy=True)
+
+    def set(self, arr, stream=None):
+        """Copy a numpy array of the same shape and dtype in: the explicit host-to-device transfer."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
+        if arr.dtype != self._a.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self._a.dtype} array")
+        if arr.shape != self._a.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self._a.shape}, new shape: {arr.shape}")
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        _transfers.count("from_host")
+        self._a[...] = arr
+
+    def item(self):
+        _transfers.count("item")
+        return self._a.item()
+
+    def tolist(self):
+        _transfers.count("to_host")
+        return self._a.tolist()
+
+    def __float__(self):
+        _transfers.count("item")
+        return float(self._a)
+
+    def __int__(self):
+        _transfers.count("item")
+        return int(self._a)
+
+    def __bool__(self):
+        _transfers.count("item")
+        return bool(self._a)
+
+    def __complex__(self):
+        _transfers.count("item")
+        return complex(self._a)
+
+    def __reduce__(self):  # pickling copies to the host, as cupy's does
+        _transfers.count("to_host")
+        return _rebuild, (self._a.copy(),)
+
+    def __repr__(self):
+        return repr(self._a)  # shown, not used: a diagnostic, as cupy's repr
+
+    def __str__(self):
+        return str(self._a)
+
+    # -- metadata ---------------------------------------------------------------------------------------------
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    data = property(lambda self: MemoryPointer(self._a.__array_interface__["data"][0]))
+    T = property(lambda self: ndarray(self._a.T))
+    real = property(lambda self: ndarray(self._a.real))
+    imag = property(lambda self: ndarray(self._a.imag))
+
+    @property
+    def base(self):
+        return None if self._a.base is None else ndarray(self._a.base) if isinstance(self._a.base, np.ndarray) \
+            else self._a.base
+
+    @property
+    def device(self):
+        from .cuda import Device
+
+        return Device(0)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (wrap(x) for x in self._a)
+
+    def __getitem__(self, key):
+        key = unwrap_index(key)
+        result = self._a[key]
+        if isinstance(result, np.generic):  # one element: cupy gives a 0-d view of it, not numpy's scalar copy
+            result = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+        return wrap(result)
+
+    def __setitem__(self, key, value):
+        if isinstance(value, np.ndarray):
+            _transfers.count("from_host")  # host to device in an assignment is allowed, as in cupy
+        self._a[unwrap_index(key)] = value._a if isinstance(value, ndarray) else value
+
+    def __copy__(self):
+        return ndarray(self._a.copy())
+
+    def __deepcopy__(self, memo):
+        return ndarray(self._a.copy())
+
+    def __matmul__(self, other):
+        if getattr(other, "__array_priority__", 0) > self.__array_priority__ and not isinstance(other, ndarray):
+            return NotImplemented
+        return np.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return np.matmul(other, self)
+
+    def __abs__(self):
+        return np.absolute(self)
+
+    def __neg__(self):
+        return np.negative(self)
+
+    def __pos__(self):
+        return np.positive(self)
+
+    def __invert__(self):
+        return np.invert(self)
+
+    __hash__ = None
+
+
+_OPERATORS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+              "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power, "and": np.bitwise_and,
+              "or": np.bitwise_or, "xor": np.bitwise_xor, "lshift": np.left_shift, "rshift": np.right_shift}
+for _name, _ufunc in _OPERATORS.items():
+    setattr(ndarray, f"__{_name}__", _binary(_ufunc))
+    setattr(ndarray, f"__r{_name}__", _binary(_ufunc, reflected=True))
+    setattr(ndarray, f"__i{_name}__", _inplace(_ufunc))
+for _name, _ufunc in {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+                      "gt": np.greater, "ge": np.greater_equal}.items():
+    setattr(ndarray, f"__{_name}__", _binary(_ufunc))
+
+
+def _method(name):
+    def method(self, *args, **kwargs):
+        out = kwargs.get("out")
+        result = getattr(self._a, name)(*unwrap(args, name), **unwrap(kwargs, name))
+        return out if out is not None else wrap(result)
+    method.__name__ = name
+    return method
+
+
+#: The array methods cupy has (and device code uses), run on the host array with their results kept on the device.
+METHODS = ("reshape", "view", "astype", "copy", "ravel", "flatten", "transpose", "swapaxes", "squeeze", "sum",
+           "mean", "max", "min", "prod", "var", "std", "argmax", "argmin", "any", "all", "cumsum", "clip", "dot",
+           "nonzero", "fill", "repeat", "take", "round", "conj", "sort", "argsort", "diagonal", "trace",
+           "reshape", "cumprod", "ptp", "put", "choose", "compress", "partition", "argpartition")
+for _name in METHODS:
+    setattr(ndarray, _name, _method(_name))
+
+
+def _rebuild(host):
+    return ndarray(host)

@@ -1,0 +1,146 @@
+"""The strict device stand-in (distlab.fakegpu): it refuses what cupy refuses, keeps results on the "device",
+counts every transfer by the module that asked, and is recognised by distlab through the device registry."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from distlab import fakegpu as xp
+from distlab.autograd import array_module, is_cupy
+
+CUPY_MESSAGE = ("Implicit conversion to a NumPy array is not allowed. "
+                "Please use `.get()` to construct a NumPy array explicitly.")
+
+
+@pytest.fixture
+def dev():
+    a = xp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    xp.reset()
+    return a
+
+
+@pytest.mark.parametrize("convert", [np.asarray, np.array, np.ascontiguousarray,
+                                     lambda a: np.asarray(a, dtype=np.float64), lambda a: np.array([a, a]),
+                                     lambda a: np.frombuffer(a, dtype=np.uint8), lambda a: memoryview(a)])
+def test_implicit_conversion_to_numpy_is_refused_as_cupy_refuses_it(dev, convert):
+    with pytest.raises(TypeError) as info:
+        convert(dev)
+    assert CUPY_MESSAGE in str(info.value) or "bytes-like object is required" in str(info.value)
+
+
+@pytest.mark.parametrize("mix", [lambda d, h: d + h, lambda d, h: h * d, lambda d, h: np.add(d, h),
+                                 lambda d, h: np.concatenate([d, h]), lambda d, h: d @ h.T,
+                                 lambda d, h: np.copyto(h, d)])
+def test_host_arrays_mixed_with_device_arrays_are_refused(dev, mix):
+    with pytest.raises(TypeError, match="Unsupported type"):
+        mix(dev, np.ones((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("op", [lambda a, m: a + 1, lambda a, m: 2.0 * a, lambda a, m: np.add(a, a),
+                                lambda a, m: a @ a.T, lambda a, m: a.sum(), lambda a, m: a[0], lambda a, m: a[0, 1],
+                                lambda a, m: a.reshape(3, 2), lambda a, m: a.T, lambda a, m: a.astype(np.float64),
+                                lambda a, m: a.copy(), lambda a, m: np.concatenate([a, a]), lambda a, m: np.exp(a),
+                                lambda a, m: -a, lambda a, m: a > 1, lambda a, m: m.zeros_like(a),
+                                lambda a, m: np.float32(2) * a, lambda a, m: a.max(axis=0),
+                                lambda a, m: np.stack([a, a]), lambda a, m: m.sqrt(a), lambda a, m: m.where(a > 2, a, 0),
+                                lambda a, m: m.matmul(a, a.T), lambda a, m: a.mean(axis=1, keepdims=True)])
+def test_results_stay_on_the_device_and_equal_numpy(dev, op):
+    out = op(dev, xp)
+    assert isinstance(out, xp.ndarray), type(out)  # reductions and integer indexing give 0-d arrays, as cupy's
+    want = np.asarray(op(np.arange(6, dtype=np.float32).reshape(2, 3), np))
+    got = out.get()
+    assert got.dtype == want.dtype and np.array_equal(got, want)  # bit-equal: the stand-in computes with numpy
+
+
+def test_views_share_the_device_memory(dev):
+    flat = dev.reshape(-1)
+    flat[0] = 42.0
+    part = dev[1]
+    part[...] = 7.0
+    assert dev.get().tolist() == [[42.0, 1.0, 2.0], [7.0, 7.0, 7.0]]
+    assert flat.base is not None and dev.base is None
+
+
+def test_explicit_transfers_are_counted_by_the_calling_module(dev):
+    dev.get()
+    float(dev[0, 0])
+    dev.set(np.zeros((2, 3), np.float32))
+    xp.asarray(np.ones(3))
+    with xp.cuda.Stream() as stream:
+        assert xp.cuda.get_current_stream() is stream
+        stream.record().synchronize()
+    xp.cuda.Device().synchronize()
+    assert xp.transfers() == {("to_host", __name__): 1, ("item", __name__): 1, ("from_host", __name__): 2,
+                              ("synchronize", __name__): 2}
+    assert xp.total("from_host") == 2 and xp.total(prefix="distlab.") == 0
+
+
+def test_set_takes_only_a_host_array_of_the_same_shape_and_dtype(dev):
+    with pytest.raises(TypeError, match="Only numpy.ndarray"):
+        dev.set(xp.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="cannot be set"):
+        dev.set(np.zeros((2, 3), np.float64))
+    with pytest.raises(ValueError, match="Shape mismatch"):
+        dev.set(np.zeros(6, np.float32))
+
+
+def test_cuda_array_interface_points_at_the_memory(dev):
+    iface = dev.__cuda_array_interface__
+    assert iface["shape"] == (2, 3) and iface["typestr"] == "<f4" and iface["version"] == 3
+    assert iface["data"][0] == dev.data.ptr and iface["strides"] is None
+    assert dev.T.__cuda_array_interface__["strides"] == (4, 12)
+
+
+def test_distlab_recognises_it_through_the_registry(dev):
+    assert is_cupy(dev) and array_module(dev) is xp
+    assert not is_cupy(np.ones(2)) and array_module(np.ones(2)) is np
+    assert xp.get_array_module(dev) is xp and xp.get_array_module(np.ones(1)) is np
+
+
+def test_seeded_draws_equal_numpy_and_pickling_round_trips(dev):
+    a = xp.random.default_rng(3).standard_normal((4, 4))
+    assert np.array_equal(a.get(), np.random.default_rng(3).standard_normal((4, 4)))
+    back = pickle.loads(pickle.dumps(dev))
+    assert isinstance(back, xp.ndarray) and np.array_equal(back.get(), dev.get())
+
+
+def test_host_only_functions_are_absent():
+    for name in ("frombuffer", "fromfile", "asanyarray", "load"):
+        with pytest.raises(AttributeError):
+            getattr(xp, name)
+
+
+def test_a_local_training_step_on_the_device_moves_nothing_through_the_host(impl):
+    """DDP (default arguments, one rank), the autograd engine, nn and Adam on the stand-in: the only host copies
+    are the comm layer's staging (MPI is not CUDA-aware); every other module keeps the data on the device."""
+    import distlab
+    from distlab import nn, optim
+    from distlab.ddp import DistributedDataParallel as DDP
+
+    xp.use_as_cuda()
+    try:
+        distlab.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to("cuda"), impl=impl)
+        opt = optim.Adam(model.parameters(), lr=0.01)
+        x, y = (distlab.tensor(xp.asarray(np.ones((3, n), np.float32))) for n in (4, 2))
+        xp.reset()
+        for _ in range(3):
+            opt.zero_grad()
+            nn.MSELoss()(model(x), y).backward()
+            opt.step()
+    finally:
+        xp.use_as_cuda(False)
+    assert all(isinstance(p.data, xp.ndarray) and isinstance(p.grad.data, xp.ndarray) for p in model.parameters())
+    outside = {key: n for key, n in xp.transfers().items()
+               if key[0] != "synchronize" and not key[1].startswith("distlab.comm.")}
+    assert outside == {}, outside
+    staged = xp.total("to_host", "distlab.comm.")
+    assert staged == xp.total("from_host", "distlab.comm.")  # every staged bucket comes back
+
+
+def test_a_function_given_out_returns_that_very_array(dev):
+    out = xp.empty((2, 2), np.float32)
+    assert xp.matmul(dev, dev.T, out=out) is out and np.add(out, 1, out=out) is out
+    assert np.array_equal(out.get(), dev.get() @ dev.get().T + 1)
