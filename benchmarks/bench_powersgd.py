@@ -170,7 +170,7 @@ def torch_steps(pg, master: str, nic: str | None, x, y):
     return steps
 
 
-def worker(out: str, rounds: int, twins, cluster_name: str | None) -> None:
+def worker(out: str, rounds: int, twins, cluster_name: str | None, variants: bool = False) -> None:
     """Runs on every rank: builds every model, times them round-robin, writes the worst rank's medians."""
     from distlab import comm, nn, optim
     from distlab.ddp import DistributedDataParallel
@@ -197,12 +197,17 @@ def worker(out: str, rounds: int, twins, cluster_name: str | None) -> None:
     for impl in twins:
         steps[f"ddp {impl}"] = step_of(DistributedDataParallel(ov.mlp(), impl=impl))
         for r in RANKS:
-            model = DistributedDataParallel(ov.mlp(), impl=impl)
-            clock = Clock()
-            clocks[f"powerSGD r{r} {impl}"] = clock
-            model.register_comm_hook(PowerSGDState(clock.group(pg), matrix_approximation_rank=r,
-                                                   start_powerSGD_iter=2), powerSGD_hook)
-            steps[f"powerSGD r{r} {impl}"] = step_of(model, clock)
+            for when in ("launch", "end"):  # when Q is sent: at the next bucket's launch, or after backward
+                if when == "end" and not variants:
+                    continue
+                key = f"powerSGD r{r} {impl}" + ("" if when == "launch" else " q-at-end")
+                model = DistributedDataParallel(ov.mlp(), impl=impl)
+                clock = Clock()
+                clocks[key] = clock
+                state = PowerSGDState(clock.group(pg), matrix_approximation_rank=r, start_powerSGD_iter=2)
+                state._q_at_launch = when == "launch"
+                model.register_comm_hook(state, powerSGD_hook)
+                steps[key] = step_of(model, clock)
     if importlib.util.find_spec("torch") is not None:
         master, nic = "127.0.0.1", None
         if cluster_name:
@@ -244,8 +249,7 @@ def table(rows) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         local = r["local ms"]
-        for key in [k[:-3] for k in r if k.endswith(" ms") and len(k.split()) <= 4 and not k.endswith(
-                ("wait ms", "orth ms", "hook ms"))]:
+        for key in [k[:-3] for k in r if k.endswith(" ms") and not k.endswith(("wait ms", "orth ms", "hook ms"))]:
             step = r[f"{key} ms"]
             anchor = None
             for rank in RANKS:
@@ -291,11 +295,13 @@ def main() -> None:
     parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
     parser.add_argument("--convergence", action="store_true", help="instead: train_ddp.py with and without PowerSGD")
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--variants", action="store_true",
+                        help="also PowerSGD sending every Q after backward (not at the next bucket's launch)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--on-cluster", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        worker(options.worker, options.rounds, options.twins, options.on_cluster)
+        worker(options.worker, options.rounds, options.twins, options.on_cluster, options.variants)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     if options.convergence:
@@ -314,7 +320,7 @@ def main() -> None:
         for rate in options.rates:
             cluster.up(2, rate, options.cluster)
             args = ["--worker", str(part), "--rounds", str(options.rounds), "--twins", *options.twins,
-                    "--on-cluster", options.cluster]
+                    "--on-cluster", options.cluster] + (["--variants"] if options.variants else [])
             job = launch_script(__file__, np=2, args=args, timeout=3600, env=env, cluster=options.cluster)
             if job.returncode != 0:
                 sys.exit(f"bench_powersgd at {rate} failed (exit {job.returncode})")

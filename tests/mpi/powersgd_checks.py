@@ -1,8 +1,8 @@
 """PowerSGD on 2 ranks: equal to torch's own hooks on fixed gradients, the same collectives on every rank, DDP
 training with it on both twins (bit-identical, same traces) and under Join with uneven inputs.
 
-argv: the check ("parity", "train" or "join"), then for "train"/"join" an output prefix (parameters and traces
-per rank, compared by the test).
+argv: the check ("parity", "train" or "join"), then for "train"/"join" the twin ("reference", "core" or
+"mixed": even ranks the reference) and an output prefix (parameters and traces per rank, compared by the test).
 """
 import importlib.util
 import pickle
@@ -78,8 +78,106 @@ def parity():
     print(f"[{rank}] parity with torch {record['torch_version']}: worst relative difference {worst:.2e}")
 
 
+def mlp(seed=0):
+    from distlab import nn
+
+    return nn.Sequential(nn.Linear(8, 32, seed=seed), nn.ReLU(), nn.Linear(32, 32, seed=seed + 1), nn.ReLU(),
+                         nn.Linear(32, 4, seed=seed + 2))
+
+
+def batches(count, seed):
+    import distlab
+
+    rng = np.random.default_rng([seed, rank])
+    return [(distlab.tensor(rng.standard_normal((16, 8)).astype(np.float32)),
+             distlab.tensor(rng.standard_normal((16, 4)).astype(np.float32))) for _ in range(count)]
+
+
+def ddp_with_powersgd(impl, group, **kwargs):
+    from distlab.ddp import DistributedDataParallel
+
+    model = DistributedDataParallel(mlp(), bucket_cap_mb=0.002, impl=impl)  # several buckets in flight
+    state = PowerSGDState(group, start_powerSGD_iter=2, **kwargs)
+    model.register_comm_hook(state, powerSGD_hook)
+    return model, state
+
+
+def train(impl, prefix):
+    """8 steps of DDP with PowerSGD (rank 2): the same model on every rank after each step; parameters and the
+    trace of collectives written for the test to compare across twins and a mixed world."""
+    from distlab import nn, optim
+
+    impl = impl if impl != "mixed" else ("reference" if rank % 2 == 0 else "core")
+    group = RecordingGroup(world)
+    model, state = ddp_with_powersgd(impl, group, matrix_approximation_rank=2)
+    opt = optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = nn.MSELoss()
+    losses = []
+    for x, y in batches(1, 1) * 8:  # one batch over and over: the loss must fall
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.data))
+        flat = np.concatenate([p.data.ravel() for p in model.parameters()])
+        assert all(np.array_equal(flat, other) for other in world.allgather_object(flat)), "replicas diverged"
+    assert state.iter == 8 and len(state.error_dict) == len(model.reducer.get_grad_buckets())
+    assert any("powerSGD Q" in (t[1] or "") for t in group.trace)
+    with open(f"{prefix}.{rank}.pkl", "wb") as f:
+        pickle.dump({"params": [p.data for p in model.parameters()], "trace": group.trace, "losses": losses}, f)
+
+
+def join(impl, prefix):
+    """Uneven inputs (rank r has 4 + 3 r batches) under Join: no hang, every rank ends with the same model, a
+    joined rank's error memory is left alone, and (error feedback off) its shadow contributes exact zeros:
+    the last rank ends bit-identical to a run where the exhausted ranks step on a zero loss instead."""
+    from distlab import nn, optim
+
+    loss_fn = nn.MSELoss()
+    mine = 4 + 3 * rank
+    most = 4 + 3 * (size - 1)
+    results = {}
+    for feedback in (True, False):
+        for joined in (True, False):
+            model, state = ddp_with_powersgd(impl, None, matrix_approximation_rank=1,
+                                             use_error_feedback=feedback)
+            opt = optim.SGD(model.parameters(), lr=0.05)
+            data = batches(most, 2)
+            errors_at_join = None
+
+            def step(x, y, scale=1.0):
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                (loss * scale).backward()
+                opt.step()
+
+            if joined:
+                with model.join():
+                    for x, y in data[:mine]:
+                        step(x, y)
+                    errors_at_join = {b: e.copy() for b, e in state.error_dict.items()}
+            else:
+                for i, (x, y) in enumerate(data):
+                    step(x, y, 1.0 if i < mine else 0.0)
+            flat = np.concatenate([p.data.ravel() for p in model.parameters()])
+            assert all(np.array_equal(flat, o) for o in world.allgather_object(flat)), "models differ after join"
+            if joined and feedback and mine < most:
+                assert all(np.array_equal(state.error_dict[b], e) for b, e in errors_at_join.items()), \
+                    "a joined rank's shadow changed its error memory"
+            results[(feedback, joined)] = flat
+    assert np.array_equal(results[(False, True)], results[(False, False)]), \
+        "the joined ranks' shadow did not contribute zeros"
+    assert not np.array_equal(results[(True, True)], results[(False, True)])
+    with open(f"{prefix}.{rank}.pkl", "wb") as f:
+        pickle.dump({"params": results[(True, True)]}, f)
+
+
 gen = load_generator()
 if check == "parity":
     parity()
+elif check == "train":
+    train(sys.argv[2], sys.argv[3])
+elif check == "join":
+    join(sys.argv[2], sys.argv[3])
 else:
     raise SystemExit(f"unknown check {check!r}")

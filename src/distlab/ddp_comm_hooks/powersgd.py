@@ -158,7 +158,7 @@ class PowerSGDState:
         one strided batch, without copying them.
     """
 
-    __slots__ = _TORCH_SLOTS + ("_layouts", "_flights", "_sends", "_padded")
+    __slots__ = _TORCH_SLOTS + ("_layouts", "_flights", "_sends", "_padded", "_q_at_launch")
 
     def __init__(self, process_group, matrix_approximation_rank=1, start_powerSGD_iter=1_000,
                  min_compression_rate=2, use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0,
@@ -205,6 +205,9 @@ class PowerSGDState:
         self._flights = collections.deque()  # buckets whose P is on the wire and whose Q is not yet sent
         self._sends = {}  # bucket index -> the flat [uncompressed | P] buffer allreduced together
         self._padded = {}  # batched hook: bucket index -> the bucket padded to a square
+        # When a bucket's Q is sent: at the next bucket's launch (waiting there for its P), or only once backward
+        # is over, at the first wait (see the module docstring and docs/protocols/reducer.md for the measurement)
+        self._q_at_launch = True
 
     def __getstate__(self):
         """The state without its process group (which cannot be pickled), as the anchor."""
@@ -390,7 +393,8 @@ def _start(state, flight):
     """Launch ``flight``'s P, then send the previous buckets' Qs (their P had the time since their launch to
     travel); returns the future that finishes the bucket when waited for."""
     flight.launch()
-    _send_pending_qs(state)
+    if state._q_at_launch:
+        _send_pending_qs(state)
     state._flights.append(flight)
     future = Future(description=f"powerSGD of bucket{flight.bucket.index()}")
 
