@@ -11,7 +11,7 @@ from distlab import comm
 from distlab.ddp import GradBucket
 from distlab.ddp_comm_hooks import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
-psgd = importlib.import_module("distlab.ddp_comm_hooks.powersgd")
+matrices = importlib.import_module("distlab.ddp_comm_hooks._powersgd_matrices")
 SHAPES = [(32, 16), (32,), (32, 16), (32,), (16, 32), (16,), (4, 4)]
 
 
@@ -134,7 +134,7 @@ def test_orthogonalization_gram_schmidt_and_qr():
     rng = np.random.default_rng(4)
     for rank in (1, 2, 4):
         m = rng.standard_normal((3, 20, rank)).astype(np.float32)
-        psgd._orthogonalize(m)
+        matrices._orthogonalize(m)
         for matrix in m:
             np.testing.assert_allclose(matrix.T @ matrix, np.eye(rank), atol=1e-5)
 
@@ -142,10 +142,10 @@ def test_orthogonalization_gram_schmidt_and_qr():
 def test_zero_column_stays_zero_with_epsilon_0(caplog):
     m = np.zeros((1, 8, 2), dtype=np.float32)
     m[0, :, 1] = 1
-    psgd._orthogonalize_gram_schmidt(m, 0)
+    matrices._orthogonalize_gram_schmidt(m, 0)
     assert np.all(m[0, :, 0] == 0) and np.isfinite(m).all()
     with_eps = np.zeros((1, 8, 1), dtype=np.float32)
-    psgd._orthogonalize_gram_schmidt(with_eps, 1e-8)
+    matrices._orthogonalize_gram_schmidt(with_eps, 1e-8)
     assert np.all(with_eps == 0)
 
 
