@@ -17,7 +17,8 @@ wire not hidden), *orth* the orthogonalisation, *hook* the rest of the hook's wo
 feedback, packing), *other* the remainder of the step (forward, backward, update, the reducer).
 
 ``--convergence`` runs ``examples/train_ddp.py`` on 2 local ranks with plain DDP and with PowerSGD at rank 1,
-2 and 4 (``--powersgd R``), and reports each one's loss over its last epoch and its accuracy.
+2 and 4 (``--powersgd R``) for 3, 10 and 30 epochs (``--epochs``), and reports each one's loss over its last
+epoch and its accuracy.
 
 Prints the tables and writes ``benchmarks/results/bench_powersgd.json`` (``bench_powersgd_convergence.json``).
 """
@@ -264,11 +265,12 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def convergence(epochs: int) -> list[dict]:
-    """examples/train_ddp.py on 2 local ranks: plain DDP, then PowerSGD at rank 1, 2 and 4."""
+def convergence(epoch_counts) -> list[dict]:
+    """examples/train_ddp.py on 2 local ranks for each number of epochs: plain DDP, then PowerSGD at rank 1, 2
+    and 4 (from step 10, the example's default)."""
     rows = []
     example = HERE.parent / "examples" / "train_ddp.py"
-    for rank in (0, 1, 2, 4):
+    for epochs, rank in [(e, r) for e in epoch_counts for r in (0, 1, 2, 4)]:
         args = [sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(example), "--epochs", str(epochs),
                 "--target", "0"]
         if rank:
@@ -294,7 +296,7 @@ def main() -> None:
     parser.add_argument("--twins", nargs="+", default=["core", "reference"])
     parser.add_argument("--cluster", default=CLUSTER, help="the virtual cluster's name (made and removed here)")
     parser.add_argument("--convergence", action="store_true", help="instead: train_ddp.py with and without PowerSGD")
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=int, nargs="+", default=[3, 10, 30], help="with --convergence")
     parser.add_argument("--variants", action="store_true",
                         help="also PowerSGD sending every Q after backward (not at the next bucket's launch)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

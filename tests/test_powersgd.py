@@ -213,3 +213,12 @@ def test_training_on_both_twins_and_a_mixed_world_is_bit_identical_with_identica
 @pytest.mark.mpi
 def test_join_on_uneven_inputs_shadows_with_zeros(mpirun, impl, tmp_path):
     mpirun("powersgd_checks.py", np=2, args=["join", impl, str(tmp_path / "join")], timeout=240)
+
+
+@pytest.mark.mpi
+def test_training_example_with_powersgd_reaches_its_accuracy(mpirun):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+    job = mpirun(str(example), np=2, args=["--epochs", "8", "--powersgd", "1", "--target", "0.9"], timeout=240)
+    assert "accuracy" in job.stdout and "last epoch loss" in job.stdout
