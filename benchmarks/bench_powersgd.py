@@ -198,10 +198,10 @@ def worker(out: str, rounds: int, twins, cluster_name: str | None, variants: boo
     for impl in twins:
         steps[f"ddp {impl}"] = step_of(DistributedDataParallel(ov.mlp(), impl=impl))
         for r in RANKS:
-            for when in ("launch", "end"):  # when Q is sent: at the next bucket's launch, or after backward
-                if when == "end" and not variants:
+            for when in ("end", "launch"):  # when Q is sent: after backward (default), or at the next launch
+                if when == "launch" and not variants:
                     continue
-                key = f"powerSGD r{r} {impl}" + ("" if when == "launch" else " q-at-end")
+                key = f"powerSGD r{r} {impl}" + ("" if when == "end" else " q-at-launch")
                 model = DistributedDataParallel(ov.mlp(), impl=impl)
                 clock = Clock()
                 clocks[key] = clock
@@ -298,7 +298,7 @@ def main() -> None:
     parser.add_argument("--convergence", action="store_true", help="instead: train_ddp.py with and without PowerSGD")
     parser.add_argument("--epochs", type=int, nargs="+", default=[3, 10, 30], help="with --convergence")
     parser.add_argument("--variants", action="store_true",
-                        help="also PowerSGD sending every Q after backward (not at the next bucket's launch)")
+                        help="also PowerSGD sending each Q at the next bucket's launch (not after backward)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--on-cluster", help=argparse.SUPPRESS)
     options = parser.parse_args()

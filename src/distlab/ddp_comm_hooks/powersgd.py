@@ -13,9 +13,12 @@ Where distlab differs from the anchor, and why:
 
 - **Collective order (G1).** torch chains the P and Q allreduces with ``Future.then`` and blocks inside the
   callbacks; a callback runs when its allreduce completes, which is a different moment on every rank. distlab's
-  collectives must be issued in the same order on every rank, so the Q stage of a bucket runs at fixed points:
-  when the next bucket is launched (the hook finishes the previous bucket's P, then issues its Q, while backward
-  goes on) and when a bucket's future is waited for (the reducer's ``finalize_backward``, Join's shadow).
+  collectives must be issued in the same order on every rank, so the Q stage runs at a fixed point: when the
+  first bucket's future is waited for (the reducer's ``finalize_backward``, Join's shadow), the Qs of every
+  bucket launched are computed and sent in launch order, then each bucket is finished as it is waited for.
+  Sending each Q at the next bucket's launch instead (waiting there for the previous P) overlaps the Qs with
+  backward but makes every launch wait for the slower rank: measured slower on a loaded machine
+  (``bench_powersgd --variants``; the reducer's page has the figures).
   Per bucket the order is: [uncompressed | P] in one allreduce, then Q. torch sends the uncompressed tensors
   and P in two allreduces; one saves a round trip per bucket, with the same sums.
 - **Join.** A rank that has joined shadows the others' buckets with zeros (:class:`~distlab.join.Join`); the hook
@@ -138,9 +141,9 @@ class PowerSGDState:
         self._flights = collections.deque()  # buckets whose P is on the wire and whose Q is not yet sent
         self._sends = {}  # bucket index -> the flat [uncompressed | P] buffer allreduced together
         self._padded = {}  # batched hook: bucket index -> the bucket padded to a square
-        # When a bucket's Q is sent: at the next bucket's launch (waiting there for its P), or only once backward
-        # is over, at the first wait (see the module docstring and docs/protocols/reducer.md for the measurement)
-        self._q_at_launch = True
+        # When a bucket's Q is sent: once backward is over, at the first wait (default), or at the next bucket's
+        # launch, waiting there for its P (see the module docstring; bench_powersgd --variants measures both)
+        self._q_at_launch = False
 
     def __getstate__(self):
         """The state without its process group (which cannot be pickled), as the anchor."""
@@ -256,8 +259,8 @@ def _send_pending_qs(state, timeout=None):
 
 
 def _start(state, flight):
-    """Launch ``flight``'s P, then send the previous buckets' Qs (their P had the time since their launch to
-    travel); returns the future that finishes the bucket when waited for."""
+    """Launch ``flight``'s P (and, with ``_q_at_launch``, send the previous buckets' Qs now); returns the future
+    that sends the pending Qs and finishes the bucket when waited for."""
     flight.launch()
     if state._q_at_launch:
         _send_pending_qs(state)
