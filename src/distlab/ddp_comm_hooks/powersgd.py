@@ -325,10 +325,18 @@ def _forget(state, b):
         memory.pop(b, None)
 
 
-def _check_bucket(buffer, bucket):
+def _begin(state, bucket):
+    """(group, the bucket's buffer, the plain averaging allreduce's future before ``start_powerSGD_iter`` or
+    None); refuses a bucket PowerSGD cannot compress."""
+    group = _group(state.process_group, bucket)
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return group, buffer, allreduce_hook(group, bucket)
     if buffer.dtype.kind != "f":
         raise TypeError(f"powerSGD: bucket {bucket.index()} holds {buffer.dtype} gradients; PowerSGD compresses "
                         "floating-point gradients only")
+    return group, buffer, None
 
 
 def powerSGD_hook(state: PowerSGDState, bucket) -> Future:
@@ -346,12 +354,9 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> Future:
     Steps 5-6 run at fixed points (see the module docstring), so every rank issues the same collectives in the
     same order. Returns a future whose value is the bucket's buffer, reduced in place.
     """
-    group = _group(state.process_group, bucket)
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_hook(group, bucket)
-    _check_bucket(buffer, bucket)
+    group, buffer, plain = _begin(state, bucket)
+    if plain is not None:
+        return plain
     xp, b = _xp(buffer), bucket.index()
     lengths = bucket.lengths()
     key = (len(lengths), buffer.size, tuple(lengths))
@@ -386,12 +391,9 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket) -> Future:
     1: the gradients are laid end to end, padded with zeros to a square, and that square is compressed as
     :func:`powerSGD_hook` compresses one matrix (Gram-Schmidt or QR without epsilon, as the anchor).
     """
-    group = _group(state.process_group, bucket)
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_hook(group, bucket)
-    _check_bucket(buffer, bucket)
+    group, buffer, plain = _begin(state, bucket)
+    if plain is not None:
+        return plain
     xp, b = _xp(buffer), bucket.index()
     total = int(buffer.size)
     side = math.ceil(math.sqrt(total))
