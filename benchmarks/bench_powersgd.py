@@ -62,7 +62,7 @@ class Clock:
 
         clock = self
         flight = module._Flight
-        for name in ("launch", "send_q", "finish"):
+        for name in ("send_q", "finish"):  # the hook call itself is timed by timed()
             original = getattr(flight, name)
 
             def timed(self_, *args, _original=original, **kwargs):
@@ -82,6 +82,18 @@ class Clock:
                 clock.orth += time.perf_counter() - start
         module._orthogonalize = timed_orth
         return self
+
+    def timed(self, hook):
+        """``hook``, its calls timed into this clock's ``hook`` (the Q stage and the finish are timed by install)."""
+        clock = self
+
+        def timed_hook(state, bucket):
+            start = time.perf_counter()
+            try:
+                return hook(state, bucket)
+            finally:
+                clock.hook += time.perf_counter() - start
+        return timed_hook
 
     def group(self, group):
         """``group`` whose async allreduces time their waits."""
@@ -207,7 +219,7 @@ def worker(out: str, rounds: int, twins, cluster_name: str | None, variants: boo
                 clocks[key] = clock
                 state = PowerSGDState(clock.group(pg), matrix_approximation_rank=r, start_powerSGD_iter=2)
                 state._q_at_launch = when == "launch"
-                model.register_comm_hook(state, powerSGD_hook)
+                model.register_comm_hook(state, clock_all.timed(powerSGD_hook))
                 steps[key] = step_of(model, clock)
     if importlib.util.find_spec("torch") is not None:
         master, nic = "127.0.0.1", None
@@ -228,13 +240,12 @@ def worker(out: str, rounds: int, twins, cluster_name: str | None, variants: boo
             pg.barrier()
             clock = step.clock if hasattr(step, "clock") else None
             if clock is not None:
-                clock_all.wait = clock_all.orth = clock_all.hook = 0.0
+                clock_all.orth = clock_all.hook = clock.wait = 0.0
             start = time.perf_counter()
             step()
             samples[key].append(time.perf_counter() - start)
             if clock is not None:
                 parts[key].append((clock.wait, clock_all.orth, clock_all.hook))
-                clock.wait = 0.0
     row = {f"{key} ms": statistics.median(v) * 1e3 for key, v in samples.items()}
     for key, values in parts.items():
         for i, what in enumerate(("wait", "orth", "hook")):
