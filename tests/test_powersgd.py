@@ -222,3 +222,9 @@ def test_training_example_with_powersgd_reaches_its_accuracy(mpirun):
     example = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
     job = mpirun(str(example), np=2, args=["--epochs", "8", "--powersgd", "1", "--target", "0.9"], timeout=240)
     assert "accuracy" in job.stdout and "last epoch loss" in job.stdout
+
+
+@pytest.mark.mpi
+def test_a_missing_rank_times_out_naming_the_bucket_and_the_rank(mpirun):
+    job = mpirun("powersgd_checks.py", np=2, args=["timeout"], timeout=120)
+    assert "timeout named the bucket and the rank" in job.stdout

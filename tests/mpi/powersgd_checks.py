@@ -1,7 +1,7 @@
 """PowerSGD on 2 ranks: equal to torch's own hooks on fixed gradients, the same collectives on every rank, DDP
 training with it on both twins (bit-identical, same traces) and under Join with uneven inputs.
 
-argv: the check ("parity", "train" or "join"), then for "train"/"join" the twin ("reference", "core" or
+argv: the check ("parity", "train", "join" or "timeout"), then for "train"/"join" the twin ("reference", "core" or
 "mixed": even ranks the reference) and an output prefix (parameters and traces per rank, compared by the test).
 """
 import importlib.util
@@ -172,6 +172,30 @@ def join(impl, prefix):
         pickle.dump({"params": results[(True, True)]}, f)
 
 
+def timeout():
+    """A rank that never reduces its bucket: the other's wait times out naming PowerSGD's allreduce and the rank."""
+    import time
+
+    from distlab.errors import DistTimeoutError
+
+    group = comm.ProcessGroup(name="powersgd timeout", timeout=1.5)
+    state = PowerSGDState(group, start_powerSGD_iter=2)
+    state.iter = 2
+    world.barrier()
+    if rank == size - 1:
+        time.sleep(5.0)
+    else:
+        future = powerSGD_hook(state, grad_bucket(gen.gradients(rank, 0, 0), 0, gen.BUCKETS[0]))
+        try:
+            future.wait()
+            raise AssertionError("must time out")
+        except DistTimeoutError as exc:
+            assert exc.missing_ranks == [size - 1] and exc.name == "bucket0 powerSGD P", (exc.missing_ranks, exc)
+            assert "bucket0 powerSGD P" in str(exc) and f"ranks [{size - 1}] have not entered it" in str(exc)
+            assert future.exception() is exc
+    print(f"[{rank}] timeout named the bucket and the rank")
+
+
 gen = load_generator()
 if check == "parity":
     parity()
@@ -179,5 +203,7 @@ elif check == "train":
     train(sys.argv[2], sys.argv[3])
 elif check == "join":
     join(sys.argv[2], sys.argv[3])
+elif check == "timeout":
+    timeout()
 else:
     raise SystemExit(f"unknown check {check!r}")

@@ -265,18 +265,16 @@ def _start(state, flight):
     if state._q_at_launch:
         _send_pending_qs(state)
     state._flights.append(flight)
-    future = Future(description=f"powerSGD of bucket{flight.bucket.index()}")
-
     def drive(timeout):
         try:
             _send_pending_qs(state, timeout)
             future.set_result(flight.finish(timeout))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a timeout names the bucket's allreduce and missing ranks
             if not future.done():
                 future.set_exception(exc)
             raise
 
-    future._driver = drive
+    future = Future(driver=drive, description=f"powerSGD of bucket{flight.bucket.index()}")
     flight.future = future
     return future
 
