@@ -2,7 +2,8 @@
 
 Every rank builds the same model (DDP broadcasts rank 0's parameters anyway), reads its own shard of a
 synthetic 3-class spiral data set (a DistributedSampler, reshuffled every epoch), and steps SGD; DDP's reducer averages the gradients in buckets that are
-reduced while backward still runs. Rank 0 shows a progress bar and the accuracy.
+reduced while backward still runs. Rank 0 shows a progress bar, then the accuracy and its mean loss over
+the last epoch.
 
     python -m distlab run -n 2 examples/train_ddp.py
     python -m distlab run -n 2 --timeline ddp.json examples/train_ddp.py   # then open ddp.json in Perfetto
@@ -102,7 +103,7 @@ def main() -> None:
     buckets = model.reducer.get_logging_data()["bucket_indices"]
     if pg.rank == 0:
         print(f"accuracy {accuracy:.3f} on {counts[1]} examples across {pg.size} ranks; "
-              f"{len(buckets)} buckets after rebuild; last epoch loss {np.mean(epoch_losses):.4f} (rank 0)")
+              f"{len(buckets)} buckets after rebuild; loss {np.mean(epoch_losses):.4f}")  # rank 0, last epoch
     if accuracy < options.target:
         raise SystemExit(f"accuracy {accuracy:.3f} is below the target {options.target}")
 
