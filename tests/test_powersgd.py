@@ -228,3 +228,22 @@ def test_training_example_with_powersgd_reaches_its_accuracy(mpirun):
 def test_a_missing_rank_times_out_naming_the_bucket_and_the_rank(mpirun):
     job = mpirun("powersgd_checks.py", np=2, args=["timeout"], timeout=120)
     assert "timeout named the bucket and the rank" in job.stdout
+
+
+def test_batch_tensors_with_same_shape_gives_the_same_results():
+    """torch's option stacks same-shape matrices; distlab always batches them (strided, without a copy)."""
+    outs = []
+    for batch in (False, True):
+        state = PowerSGDState(comm.world(), matrix_approximation_rank=2, start_powerSGD_iter=2,
+                              batch_tensors_with_same_shape=batch)
+        outs.append([powerSGD_hook(state, bucket_of(grads(i))).wait().copy() for i in range(4)])
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+
+
+def test_compression_stats_are_logged_at_their_frequency(caplog):
+    state = PowerSGDState(comm.world(), start_powerSGD_iter=2, compression_stats_logging_frequency=2)
+    with caplog.at_level("INFO", logger="distlab.ddp_comm_hooks"):
+        for _ in range(6):
+            powerSGD_hook(state, bucket_of(grads(0))).wait()
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compression stats")]
+    assert [m.split(",")[0] for m in reports] == ["Compression stats: iter 2", "Compression stats: iter 4"]
