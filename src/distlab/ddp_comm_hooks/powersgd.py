@@ -181,7 +181,7 @@ class _Flight:
     """
 
     __slots__ = ("state", "group", "bucket", "layout", "source", "target", "error", "send", "p_mem", "q_mem",
-                 "epsilon", "work_p", "work_q", "finish_copy", "future")
+                 "epsilon", "work_p", "work_q", "finish_copy")
 
     def __init__(self, state, group, bucket, layout, source, target, error, send, epsilon, finish_copy=None):
         self.state, self.group, self.bucket, self.layout = state, group, bucket, layout
@@ -190,7 +190,6 @@ class _Flight:
         self.p_mem, self.q_mem = state.p_memory_dict[b], state.q_memory_dict[b]
         self.work_p = self.work_q = None
         self.finish_copy = finish_copy
-        self.future = None
 
     def _matrices(self, xp, base, run):
         offset, stride, count, rows, cols, r, p_off, q_off = run
@@ -265,6 +264,7 @@ def _start(state, flight):
     if state._q_at_launch:
         _send_pending_qs(state)
     state._flights.append(flight)
+
     def drive(timeout):
         try:
             _send_pending_qs(state, timeout)
@@ -275,7 +275,6 @@ def _start(state, flight):
             raise
 
     future = Future(driver=drive, description=f"powerSGD of bucket{flight.bucket.index()}")
-    flight.future = future
     return future
 
 
