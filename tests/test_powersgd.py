@@ -211,6 +211,13 @@ def test_training_on_both_twins_and_a_mixed_world_is_bit_identical_with_identica
 
 
 @pytest.mark.mpi
+def test_every_collective_matches_across_ranks_under_detail_checks(mpirun, tmp_path):
+    """DISTLAB_DEBUG=DETAIL checks each collective's fingerprint across ranks before running it."""
+    mpirun("powersgd_checks.py", np=2, args=["train", "core", str(tmp_path / "detail")], timeout=240,
+           env={"DISTLAB_DEBUG": "DETAIL"})
+
+
+@pytest.mark.mpi
 def test_join_on_uneven_inputs_shadows_with_zeros(mpirun, impl, tmp_path):
     mpirun("powersgd_checks.py", np=2, args=["join", impl, str(tmp_path / "join")], timeout=240)
 

@@ -93,18 +93,40 @@ def batches(count, seed):
              distlab.tensor(rng.standard_normal((16, 4)).astype(np.float32))) for _ in range(count)]
 
 
-def ddp_with_powersgd(impl, group, **kwargs):
+def ddp_with_powersgd(impl, group, wrap=None, **kwargs):
     from distlab.ddp import DistributedDataParallel
 
     model = DistributedDataParallel(mlp(), bucket_cap_mb=0.002, impl=impl)  # several buckets in flight
     state = PowerSGDState(group, start_powerSGD_iter=2, **kwargs)
-    model.register_comm_hook(state, powerSGD_hook)
+    model.register_comm_hook(state, powerSGD_hook if wrap is None else wrap(powerSGD_hook))
     return model, state
 
 
+def fused_equals_stepping_after(impl, data, want):
+    """PowerSGD inside hook_then_optimizer (each bucket's parameters updated as it is finished) ends with the
+    parameters of stepping after backward."""
+    from distlab import nn, optim
+    from distlab.ddp_comm_hooks import OptimizerHookState, hook_then_optimizer
+
+    opt_holder = []  # the optimizer needs the model's parameters, the model needs the hook
+
+    def wrap(hook):
+        return lambda state, bucket: hook_then_optimizer(hook, OptimizerHookState(opt_holder[0]))(state, bucket)
+
+    model, _ = ddp_with_powersgd(impl, None, wrap=wrap, matrix_approximation_rank=2)
+    opt_holder.append(optim.SGD(model.parameters(), lr=0.05))
+    loss_fn = nn.MSELoss()
+    for x, y in data:
+        opt_holder[0].zero_grad()
+        loss_fn(model(x), y).backward()  # the hook stepped each bucket's parameters
+    for a, b in zip([p.data for p in model.parameters()], want):
+        assert np.array_equal(a, b), "PowerSGD under hook_then_optimizer differs from stepping after backward"
+
+
 def train(impl, prefix):
-    """8 steps of DDP with PowerSGD (rank 2): the same model on every rank after each step; parameters and the
-    trace of collectives written for the test to compare across twins and a mixed world."""
+    """8 steps of DDP with PowerSGD (rank 2): the same model on every rank after each step, the same under
+    hook_then_optimizer; parameters and the trace of collectives written for the test to compare across twins
+    and a mixed world."""
     from distlab import nn, optim
 
     impl = impl if impl != "mixed" else ("reference" if rank % 2 == 0 else "core")
@@ -123,6 +145,7 @@ def train(impl, prefix):
         assert all(np.array_equal(flat, other) for other in world.allgather_object(flat)), "replicas diverged"
     assert state.iter == 8 and len(state.error_dict) == len(model.reducer.get_grad_buckets())
     assert any("powerSGD Q" in (t[1] or "") for t in group.trace)
+    fused_equals_stepping_after(impl, batches(1, 1) * 8, [p.data for p in model.parameters()])
     with open(f"{prefix}.{rank}.pkl", "wb") as f:
         pickle.dump({"params": [p.data for p in model.parameters()], "trace": group.trace, "losses": losses}, f)
 
