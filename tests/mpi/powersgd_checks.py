@@ -41,8 +41,11 @@ def parity():
     hooks = {"powerSGD_hook": powerSGD_hook, "batched_powerSGD_hook": batched_powerSGD_hook}
     group = RecordingGroup(world)
     worst = 0.0
-    for config, (hook_name, kwargs) in gen.CONFIGS.items():
+    runs = [(config, False) for config in gen.CONFIGS] + [("rank1", True), ("rank4", True)]
+    for config, q_at_launch in runs:  # the Qs sent after backward (default), or at each next bucket's launch
+        hook_name, kwargs = gen.CONFIGS[config]
         state = PowerSGDState(group, start_powerSGD_iter=gen.START, **kwargs)
+        state._q_at_launch = q_at_launch
         for it in range(gen.ITERATIONS):
             buckets = []
             for b, shapes in enumerate(gen.BUCKETS):
@@ -74,7 +77,10 @@ def parity():
     traces = world.allgather_object(group.trace)
     assert all(t == traces[0] for t in traces), "ranks issued different collectives"
     names = [t[1] for t in group.trace if "powerSGD" in (t[1] or "")]
-    assert names[:4] == ["bucket0 powerSGD P", "bucket1 powerSGD P", "bucket0 powerSGD Q", "bucket1 powerSGD Q"], names
+    p0, p1, q0, q1 = (f"bucket{b} powerSGD {x}" for x in "PQ" for b in (0, 1))
+    # every P at its bucket's launch, every Q after (with two buckets, sending Q0 at bucket 1's launch gives the
+    # same order)
+    assert names[:4] == names[-4:] == [p0, p1, q0, q1], names
     print(f"[{rank}] parity with torch {record['torch_version']}: worst relative difference {worst:.2e}")
 
 
