@@ -2,11 +2,13 @@
 
 Every rank builds the same model (DDP broadcasts rank 0's parameters anyway), reads its own shard of a
 synthetic 3-class spiral data set (a DistributedSampler, reshuffled every epoch), and steps SGD; DDP's reducer averages the gradients in buckets that are
-reduced while backward still runs. Rank 0 shows a progress bar and the accuracy.
+reduced while backward still runs. Rank 0 shows a progress bar, then the accuracy and its mean loss over
+the last epoch.
 
     python -m distlab run -n 2 examples/train_ddp.py
     python -m distlab run -n 2 --timeline ddp.json examples/train_ddp.py   # then open ddp.json in Perfetto
     DISTLAB_IMPL=reference python -m distlab run -n 2 examples/train_ddp.py  # the pure-Python reducer
+    python -m distlab run -n 2 examples/train_ddp.py --powersgd 2     # gradients compressed to rank 2 (PowerSGD)
 
 The timeline shows, per rank, each gradient's arrival ("reducer grads"), each bucket's allreduce in flight
 ("reducer buckets") and the collectives themselves ("comm world"): buckets launched before the last gradient
@@ -23,6 +25,7 @@ import distlab
 from distlab import comm, nn, optim
 from distlab.data import DistributedSampler
 from distlab.ddp import DistributedDataParallel
+from distlab.ddp_comm_hooks import PowerSGDState, powerSGD_hook
 
 
 def spirals(n_per_class: int, classes: int = 3, seed: int = 0):
@@ -58,6 +61,10 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=lambda v: v if v == "auto" else float(v), default=0.01,
                         help="small buckets show overlap clearly; 'auto' lets the reducer choose after one step")
     parser.add_argument("--target", type=float, default=0.9, help="exit 1 if the final accuracy is below this")
+    parser.add_argument("--powersgd", type=int, default=0, metavar="RANK",
+                        help="compress the gradients with PowerSGD at this matrix rank (0: plain allreduce)")
+    parser.add_argument("--powersgd-start", type=int, default=10,
+                        help="PowerSGD's start_powerSGD_iter: plain allreduce for this many steps first")
     options = parser.parse_args()
 
     pg = comm.world()
@@ -65,18 +72,24 @@ def main() -> None:
     sampler = DistributedSampler(len(y), num_replicas=pg.size, rank=pg.rank)  # this rank's share, as torch's
 
     model = DistributedDataParallel(build_model(options.hidden, options.depth), bucket_cap_mb=options.bucket_cap_mb)
+    if options.powersgd:
+        model.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=options.powersgd,
+                                               start_powerSGD_iter=options.powersgd_start), powerSGD_hook)
     opt = optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     steps = len(sampler) // options.batch
     bar = tqdm(total=options.epochs * steps, desc=f"DDP on {pg.size} ranks ({distlab.IMPL})",
                disable=pg.rank != 0, unit="step")
+    epoch_losses = []
     for epoch in range(options.epochs):
+        epoch_losses = []
         sampler.set_epoch(epoch)  # a new permutation of the whole data set, the same on every rank
         for idx in sampler.batches(options.batch, drop_last=True):
             opt.zero_grad()
             loss = loss_fn(model(distlab.tensor(x[idx])), distlab.tensor(y[idx]))
             loss.backward()
             opt.step()
+            epoch_losses.append(float(loss.data))
             bar.update()
             bar.set_postfix(loss=f"{float(loss.data):.3f}", refresh=False)
     bar.close()
@@ -90,7 +103,7 @@ def main() -> None:
     buckets = model.reducer.get_logging_data()["bucket_indices"]
     if pg.rank == 0:
         print(f"accuracy {accuracy:.3f} on {counts[1]} examples across {pg.size} ranks; "
-              f"{len(buckets)} buckets after rebuild")
+              f"{len(buckets)} buckets after rebuild; loss {np.mean(epoch_losses):.4f}")  # rank 0, last epoch
     if accuracy < options.target:
         raise SystemExit(f"accuracy {accuracy:.3f} is below the target {options.target}")
 

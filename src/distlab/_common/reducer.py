@@ -380,7 +380,7 @@ class ReducerBase:
                 # pass its own (the anchor allocates zeros; the joined rank's gradients are replaced anyway)
                 zeros = bucket.gradients
                 zeros[...] = 0
-            buckets.append(GradBucket.of_bucket(b, len(self.buckets), bucket, self.params, zeros))
+            buckets.append(GradBucket.of_bucket(b, len(self.buckets), bucket, self.params, zeros, shadow=True))
         return buckets
 
     def _run_comm_hook(self, grad_bucket):

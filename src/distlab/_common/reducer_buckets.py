@@ -114,7 +114,8 @@ class GradBucket:
     size).
     """
 
-    __slots__ = ("_index", "_bucket_count", "_buffer", "_offsets", "_lengths", "_sizes", "_parameters", "_lazy")
+    __slots__ = ("_index", "_bucket_count", "_buffer", "_offsets", "_lengths", "_sizes", "_parameters", "_lazy",
+                 "_shadow")
 
     def __init__(self, index, bucket_count, buffer, offsets, lengths, sizes, parameters):
         self._index = index
@@ -125,16 +126,19 @@ class GradBucket:
         self._sizes = list(sizes)
         self._parameters = list(parameters)
         self._lazy = None
+        self._shadow = False
 
     @classmethod
-    def of_bucket(cls, index, bucket_count, bucket, params, buffer=None):
+    def of_bucket(cls, index, bucket_count, bucket, params, buffer=None, shadow=False):
         """The reducer's view of its bucket ``index``: shares the bucket's lists (the accessors copy them) and
-        lists the parameters only if the hook asks, so launching a bucket costs nothing per parameter."""
+        lists the parameters only if the hook asks, so launching a bucket costs nothing per parameter.
+        ``shadow``: the zeros a joined rank reduces to match the others (see :meth:`is_shadow`)."""
         grad_bucket = cls.__new__(cls)
         grad_bucket._index, grad_bucket._bucket_count = index, bucket_count
         grad_bucket._buffer = bucket.gradients if buffer is None else buffer
         grad_bucket._offsets, grad_bucket._lengths, grad_bucket._sizes = bucket.offsets, bucket.lengths, bucket.sizes
         grad_bucket._parameters, grad_bucket._lazy = None, (params, bucket.variable_indices)
+        grad_bucket._shadow = shadow
         return grad_bucket
 
     def index(self) -> int:
@@ -171,6 +175,12 @@ class GradBucket:
     def sizes(self) -> list:
         """Each parameter's shape."""
         return list(self._sizes)
+
+    def is_shadow(self) -> bool:
+        """True for the zero bucket a rank that has joined (:class:`~distlab.join.Join`) reduces to match the ranks
+        still training (a distlab addition: a hook that keeps state, as PowerSGD's error feedback, then leaves
+        it alone and contributes exact zeros)."""
+        return self._shadow
 
     def is_last(self) -> bool:
         """True for the bucket reduced last in an iteration."""

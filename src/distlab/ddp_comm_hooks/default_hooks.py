@@ -1,4 +1,4 @@
-"""DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``), shared by both twins.
+"""The default DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``).
 
 A hook is ``hook(state, bucket: GradBucket) -> Future`` whose value is the reduced flat buffer. Register one with
 ``ddp.register_comm_hook(state, hook)``; ``state`` is the process group (or None for the DDP module's group).
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common.reducer_buckets import sparse_allreduce
-from .futures import Future
+from .._common.reducer_buckets import sparse_allreduce
+from ..futures import Future
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "sparse_allreduce", "noop_hook",
            "OptimizerHookState", "hook_then_optimizer"]
@@ -21,7 +21,7 @@ def _group(state, bucket):
         return state
     group = getattr(bucket, "process_group", None)
     if group is None:
-        from . import comm
+        from .. import comm
 
         group = comm.world()
     return group
