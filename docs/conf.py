@@ -16,6 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from docutils.nodes import doctest_block, literal_block
+from pygments.formatters import HtmlFormatter
+from sphinx.directives.code import LiteralInclude
+from sphinx.highlighting import PygmentsBridge
+
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 
@@ -168,6 +173,58 @@ def _repository_links(app, relative_path, parent_docname, content) -> None:
     content[0] = re.sub(r"\[([^\]]+)\]\(\./[^)]+\)", r"`\1`", text)
 
 
+class _QuotedLiteralInclude(LiteralInclude):
+    """``literalinclude`` whose blocks carry the class ``quoted``: code quoted from the sources keeps its 120
+    columns, and the site wraps its long lines (``_static/distlab.css``) instead of scrolling sideways."""
+
+    def run(self):
+        nodes = super().run()
+        for node in nodes:
+            node["classes"].append("quoted")
+        return nodes
+
+
+def _mark_docstring_blocks(app, doctree) -> None:
+    """Give the class ``quoted`` to the code blocks of docstrings (autodoc): code quoted from the sources, as the
+    ``literalinclude`` blocks."""
+    for node in doctree.findall(lambda node: isinstance(node, (literal_block, doctest_block))):
+        if "docstring of " in (node.source or node.get("source") or ""):
+            node["classes"].append("quoted")
+
+
+class _LineFormatter(HtmlFormatter):
+    """Pygments' HTML with each source line in a ``<span class="line">``: the site's CSS gives the wrapped lines
+    of quoted code a hanging indent, so a continuation reads as one."""
+
+    def wrap(self, source):
+        return super().wrap((kind, f'<span class="line">{line}</span>' if kind == 1 else line)
+                            for kind, line in source)
+
+
+_TABLE = re.compile(r"<table\b.*?</table>", flags=re.S)
+_CODE_SPAN = re.compile(r'(<span class="pre">)([^<]*)(</span>)')
+_BREAK_AFTER = re.compile(r"(?<=[.(,=/])(?=[^\s.(,=/)])")
+
+
+def _break_code_in_tables(app, pagename, templatename, context, doctree) -> None:
+    """Let a long code name in a table cell wrap after its dots, parentheses, commas and ``=`` (``<wbr>``), so a
+    column of names such as ``distlab.comm.ProcessGroup.allgather_object`` does not push the table wider than the
+    page's column."""
+    def split(code):
+        opening, text, closing = code.groups()
+        return "<wbr>".join(opening + part + closing for part in _BREAK_AFTER.split(text))
+
+    def table(found):
+        return _CODE_SPAN.sub(split, found.group(0))
+
+    if "body" in context:
+        context["body"] = _TABLE.sub(table, context["body"])
+
+
 def setup(app):
+    PygmentsBridge.html_formatter = _LineFormatter
+    app.add_directive("literalinclude", _QuotedLiteralInclude, override=True)
+    app.connect("doctree-read", _mark_docstring_blocks)
+    app.connect("html-page-context", _break_code_in_tables)
     app.connect("autodoc-process-docstring", _escape_stars_in_types, priority=600)
     app.connect("include-read", _repository_links)
