@@ -48,7 +48,8 @@ def allreduce_demo():
     pg = comm.world()
     a = np.full(4, pg.rank + 1, dtype=np.float32)
     before = a.tolist()
-    pg.allreduce(a)                # op="sum" by default; also avg, min, max, product, band, bor
+    # op="sum" by default; also avg, min, max, product, band, bor
+    pg.allreduce(a)
     return pg.rank, before, a.tolist()
 
 
@@ -66,10 +67,10 @@ def broadcast_demo():
     from distlab import comm
 
     pg = comm.world()
-    rng = np.random.default_rng(seed=pg.rank)          # each rank draws different "weights"
+    rng = np.random.default_rng(seed=pg.rank)  # each rank draws different "weights"
     weights = rng.standard_normal(3).round(3)
     mine = weights.tolist()
-    pg.broadcast(weights, src=0)                        # now everyone holds rank 0's
+    pg.broadcast(weights, src=0)               # now everyone holds rank 0's
     return pg.rank, mine, weights.tolist()
 
 
@@ -93,9 +94,9 @@ def async_demo():
     grad = np.full(1 << 20, pg.rank + 1.0, dtype=np.float32)      # 4 MiB
     work = pg.allreduce(grad, op="avg", async_op=True, name="grad")
     x = np.linspace(0.0, 1.0, 1 << 18)
-    for _ in range(20):                                           # "backward" of earlier layers
+    for _ in range(20):               # "backward" of earlier layers
         x = np.sin(x) + 0.5
-        comm.progress()                                           # let MPI move the bytes meanwhile
+        comm.progress()               # let MPI move the bytes meanwhile
     work.wait()
     return float(grad[0])
 
@@ -134,7 +135,8 @@ def timeout_demo():
 
 report = distlab.run(timeout_demo, np=2)[0]
 print(report["message"])
-print("missing ranks:", report["missing_ranks"], "- operation:", report["op"], "#", report["seq"])
+print("missing ranks:", report["missing_ranks"],
+      "- operation:", report["op"], "#", report["seq"])
 
 # %% [markdown]
 # If a rank raises and does not catch, the whole job is aborted (so no rank is left waiting) and `distlab.run`
@@ -182,7 +184,8 @@ def mismatch_demo():
         return str(exc)
 
 
-for rank, message in enumerate(distlab.run(mismatch_demo, np=2, env={"DISTLAB_DEBUG": "DETAIL"})):
+messages = distlab.run(mismatch_demo, np=2, env={"DISTLAB_DEBUG": "DETAIL"})
+for rank, message in enumerate(messages):
     print(f"rank {rank}: {message}")
 
 # %% [markdown]
@@ -213,7 +216,8 @@ def traced_steps():
         work = pg.allreduce(grad, async_op=True, name=f"grad step {step}")
         with tl.span(f"compute {step}", lane="compute"):
             for _ in range(10):
-                x = np.sin(x) + 0.5   # element-wise numpy: one core per rank, no BLAS threads
+                # element-wise numpy: one core per rank, no BLAS threads
+                x = np.sin(x) + 0.5
                 comm.progress()
         work.wait()
     pg.barrier()
@@ -244,7 +248,8 @@ print(next(e for e in trace.events if e.get("ph") == "X"))
 import matplotlib.pyplot as plt
 
 viz.plot_timeline(trace,
-                  colors={"compute": "#9bbcd9", "allreduce": "#e07b5f", "barrier": "#b0b0b0"},
+                  colors={"compute": "#9bbcd9", "allreduce": "#e07b5f",
+                          "barrier": "#b0b0b0"},
                   title="Async allreduce (red) running while each rank computes (blue)")
 plt.show()
 

@@ -43,10 +43,13 @@ print("twin:", distlab.IMPL)
 # end in an `AccumulateGrad` node, which writes `.grad`.
 
 # %%
-x = distlab.tensor(np.ones((4, 3)))                             # input data: no gradient wanted
-w1 = distlab.tensor(np.random.rand(3, 5), requires_grad=True)   # parameters (leaves)
+# input data: no gradient wanted
+x = distlab.tensor(np.ones((4, 3)))
+# parameters (leaves)
+w1 = distlab.tensor(np.random.rand(3, 5), requires_grad=True)
 w2 = distlab.tensor(np.random.rand(5, 1), requires_grad=True)
-unused = distlab.tensor(np.zeros(2), requires_grad=True)        # a parameter this step does not use
+# a parameter this step does not use
+unused = distlab.tensor(np.zeros(2), requires_grad=True)
 
 loss = ((x @ w1).relu() @ w2).sum()
 print("loss.grad_fn:", loss.grad_fn)
@@ -69,7 +72,8 @@ print("w1 reachable:", w1 in leaves, "| w2 reachable:", w2 in leaves,
 # record the order.
 
 # %%
-model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(),
+                      nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 names = [name for name, _ in model.named_parameters()]
 print("registration (forward) order:", names)
 
@@ -83,7 +87,8 @@ def finalize():
 
 
 def first_hook_queues_finalize(t):
-    # DDP's reducer queues finalize_backward from its first hook of the step, the same way.
+    # DDP's reducer queues finalize_backward from its first hook of the step,
+    # the same way.
     if len(order) == 1:
         autograd.queue_callback(finalize)
 
@@ -156,7 +161,7 @@ def data_parallel_training(steps=150):
     pg = comm.world()
     net = make_model()
     for p in net.parameters():
-        pg.broadcast(p.data, src=0)                  # every replica starts from rank 0's weights
+        pg.broadcast(p.data, src=0)  # every replica starts from rank 0's weights
     pending = []
 
     def wait_all():                                   # runs once backward is over
@@ -187,7 +192,8 @@ def data_parallel_training(steps=150):
     return losses, [p.data.copy() for p in net.parameters()]
 
 
-(losses_r0, weights_r0), (losses_r1, weights_r1) = distlab.run(data_parallel_training, np=2)
+per_rank = distlab.run(data_parallel_training, np=2)
+(losses_r0, weights_r0), (losses_r1, weights_r1) = per_rank
 same = all(np.array_equal(a, b) for a, b in zip(weights_r0, weights_r1))
 print("replicas identical after training:", same)
 print(f"2-rank loss: first {losses_r0[0]:.4f}, last {losses_r0[-1]:.4f}")

@@ -52,19 +52,23 @@ def train(iterations=18):
 
     hvd.init()
     rank = hvd.rank()
-    grads = {f"grad.{i}": np.full(64 * (i + 1), rank + 1.0, dtype=np.float32) for i in range(5)}
+    grads = {f"grad.{i}": np.full(64 * (i + 1), rank + 1.0, dtype=np.float32)
+             for i in range(5)}
     rows = []
     for it in range(iterations):
         if it == 8:
-            grads["grad.new"] = np.ones(32, dtype=np.float32)   # a new parameter: a miss, then hits
+            # a new parameter: a miss, then hits
+            grads["grad.new"] = np.ones(32, dtype=np.float32)
         if it == 12:
-            grads["grad.2"] = np.ones(100, dtype=np.float32)    # a changed shape: entry invalid
+            # a changed shape: entry invalid
+            grads["grad.2"] = np.ones(100, dtype=np.float32)
         names = sorted(grads) if rank == 0 else sorted(grads, reverse=True)
         before = hvd.stats()
         handles = [hvd.allreduce_async(grads[name], name=name) for name in names]
         results = [hvd.synchronize(h) for h in handles]
         after = hvd.stats()
-        keys = ("cycles", "fast_path", "slow_path", "hits", "misses", "invalid", "requeued")
+        keys = ("cycles", "fast_path", "slow_path",
+                "hits", "misses", "invalid", "requeued")
         row = {key: after[key] - before[key] for key in keys}
         # the same average on every element
         row["agreed"] = all(np.allclose(r, r.flat[0]) for r in results)
@@ -76,7 +80,8 @@ def train(iterations=18):
 rows = distlab.run(train, np=2)[0]
 print("iter  hits misses invalid requeued  slow fast cycles")
 for it, row in enumerate(rows):
-    print(f"{it:4d}  {row['hits']:4d} {row['misses']:6d} {row['invalid']:7d} {row['requeued']:8d}  "
+    print(f"{it:4d}  {row['hits']:4d} {row['misses']:6d} {row['invalid']:7d} "
+          f"{row['requeued']:8d}  "
           f"{row['slow_path']:4d} {row['fast_path']:4d} {row['cycles']:6d}")
 print("every result agreed:", all(row["agreed"] for row in rows))
 
@@ -103,7 +108,8 @@ print("every result agreed:", all(row["agreed"] for row in rows))
 
 # %%
 rows_off = distlab.run(train, np=2, env={"DISTLAB_CACHE_CAPACITY": "0"})[0]
-print("cache off: slow-path cycles", sum(r["slow_path"] for r in rows_off), "fast-path cycles",
+print("cache off: slow-path cycles", sum(r["slow_path"] for r in rows_off),
+      "fast-path cycles",
       sum(r["fast_path"] for r in rows_off), "hits", sum(r["hits"] for r in rows_off))
 
 # %%

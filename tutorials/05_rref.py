@@ -61,7 +61,8 @@ class Holder:
         # the owner answers worker2's fork request asynchronously
         while not rref.confirmed_by_owner():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the owner did not confirm {rref!r} within {timeout} s")
+                raise TimeoutError(
+                    f"the owner did not confirm {rref!r} within {timeout} s")
             time.sleep(0.001)
         return repr(rref)
 
@@ -78,7 +79,7 @@ def scenario():
     import distlab.rpc as rpc
 
     rank = int(os.environ["RANK"])
-    rpc.init_rpc(f"worker{rank}")              # every rank joins; worker0 drives the scenario
+    rpc.init_rpc(f"worker{rank}")  # every rank joins; worker0 drives the scenario
     steps, ids = [], {}
 
     def owner_counts(label):
@@ -137,7 +138,8 @@ for worker, text in ids.items():
 # %%
 import matplotlib.pyplot as plt
 
-fig, (tree, counts) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [1, 1.4]})
+fig, (tree, counts) = plt.subplots(1, 2, figsize=(10, 3.2),
+                                   gridspec_kw={"width_ratios": [1, 1.4]})
 
 import re
 
@@ -151,28 +153,31 @@ def fork_label(text):
     return f"fork {found.group(1)}.{found.group(2)}" if found else "fork"
 
 
-owner, user0, user2 = ("worker1\nowner: the array", f"worker0\nuser ({fork_label(ids['worker0'])})",
-                       f"worker2\nuser ({fork_label(ids['worker2'])})")
+owner = "worker1\nowner: the array"
+user0 = f"worker0\nuser ({fork_label(ids['worker0'])})"
+user2 = f"worker2\nuser ({fork_label(ids['worker2'])})"
 nodes = {owner: (0.5, 0.85), user0: (0.25, 0.45), user2: (0.75, 0.12)}
-edges = [(owner, user0, "remote()"), (user0, user2, "sent as an argument\n(child of worker0's)")]
+edges = [(owner, user0, "remote()"),
+         (user0, user2, "sent as an argument\n(child of worker0's)")]
 for a, b, label in edges:
     (x0, y0), (x1, y1) = nodes[a], nodes[b]
     tree.annotate("", xy=(x1, y1 + 0.08), xytext=(x0, y0 - 0.08),
                   arrowprops={"arrowstyle": "->", "color": "#555555"})
     tree.text((x0 + x1) / 2 + 0.03, (y0 + y1) / 2, label, fontsize=7, color="#555555")
 for name, (x, y) in nodes.items():
+    face = "#e8f0f8" if "owner" in name else "#fbe9e3"
     tree.text(x, y, name, ha="center", va="center", fontsize=8,
-              bbox={"boxstyle": "round", "facecolor": "#e8f0f8" if "owner" in name else "#fbe9e3"})
+              bbox={"boxstyle": "round", "facecolor": face})
 tree.set_xlim(0, 1.1)
 tree.set_ylim(0, 1)
 tree.axis("off")
 tree.set_title("Who holds what (ids from the run)", fontsize=9)
 
 labels = [label for label, _ in steps]
-counts.step(range(len(steps)), [c["num_forks"] for _, c in steps], where="post", marker="o",
-            label="forks")
-counts.step(range(len(steps)), [c["num_owner_rrefs"] for _, c in steps], where="post", marker="s",
-            label="owner RRefs (values kept alive)")
+counts.step(range(len(steps)), [c["num_forks"] for _, c in steps], where="post",
+            marker="o", label="forks")
+counts.step(range(len(steps)), [c["num_owner_rrefs"] for _, c in steps], where="post",
+            marker="s", label="owner RRefs (values kept alive)")
 counts.set_xticks(range(len(steps)))
 counts.set_xticklabels(labels, rotation=25, ha="right", fontsize=7)
 counts.set_yticks([0, 1, 2])

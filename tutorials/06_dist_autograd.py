@@ -37,7 +37,8 @@ print("twin:", distlab.IMPL)
 
 # %%
 class Stage:
-    """One stage of the model, on one worker: tanh(x @ W), then the next stage's RRef (if any)."""
+    """One stage of the model, on one worker: tanh(x @ W), then the next stage's RRef
+    (if any)."""
 
     def __init__(self, weight, next_stage=None):
         from distlab.autograd import Tensor
@@ -47,7 +48,8 @@ class Stage:
 
     def forward(self, x):
         y = (x @ self.w).tanh()
-        return y if self.next is None else self.next.rpc_sync().forward(y)   # a nested RPC
+        # the next stage, if any, through a nested RPC
+        return y if self.next is None else self.next.rpc_sync().forward(y)
 
     def report(self, context_id):
         """What this worker recorded for the context, and the gradient of its W."""
@@ -85,11 +87,12 @@ def scenario():
         first = rpc.remote("worker1", Stage, (weights[0], second))
         x = Tensor(rng.standard_normal((2, 4)), requires_grad=True)
         with dist_autograd.context() as context_id:
-            y = first.rpc_sync().forward(x)             # worker0 -> worker1 -> worker2, and back
+            y = first.rpc_sync().forward(x)  # worker0 -> worker1 -> worker2, and back
             loss = (y * y).sum()
             ctx = dist_autograd.get_container().retrieve_context(context_id)
-            before = {0: {"known workers": sorted(ctx.known_worker_ids()), "send functions":
-                          len(ctx.send_functions()), "recv functions": len(ctx.recv_functions())},
+            before = {0: {"known workers": sorted(ctx.known_worker_ids()),
+                          "send functions": len(ctx.send_functions()),
+                          "recv functions": len(ctx.recv_functions())},
                       1: first.rpc_sync().report(context_id),
                       2: second.rpc_sync().report(context_id)}
             dist_autograd.backward(context_id, [loss])
@@ -97,8 +100,9 @@ def scenario():
                      2: second.rpc_sync().report(context_id)}
             grad_x = dist_autograd.get_gradients(context_id)[x].data
         alive = [rpc.rpc_sync(w, contexts_alive) for w in range(3)]
-        out = {"context id": context_id, "x": x.data, "weights": weights, "before": before,
-               "after": after, "grad x": grad_x, "x.grad": x.grad, "alive after": alive}
+        out = {"context id": context_id, "x": x.data, "weights": weights,
+               "before": before, "after": after, "grad x": grad_x, "x.grad": x.grad,
+               "alive after": alive}
         del first, second
     rpc.shutdown()            # graceful: every worker waits for the others
     return out
@@ -118,7 +122,8 @@ print(f"context id {result['context id']:#x}: worker 0 minted it "
 
 # %%
 for worker, info in result["before"].items():
-    print(f"worker {worker}: knows {info['known workers']}, {info['send functions']} send / "
+    print(f"worker {worker}: knows {info['known workers']}, "
+          f"{info['send functions']} send / "
           f"{info['recv functions']} recv functions, "
           f"gradient of its W so far: {info.get('grad of W')}")
 
@@ -142,7 +147,8 @@ for w in ws[1:]:
 (y * y).sum().backward()
 
 print("x.grad on worker 0 after the distributed pass:", result["x.grad"])
-print("gradient of x equals local:", np.allclose(result["grad x"], x.grad.data, rtol=1e-12))
+print("gradient of x equals local:",
+      np.allclose(result["grad x"], x.grad.data, rtol=1e-12))
 for worker, info in result["after"].items():
     print(f"worker {worker}: gradient of its W equals local:",
           np.allclose(info["grad of W"], ws[worker].grad.data, rtol=1e-12))
@@ -173,11 +179,13 @@ import matplotlib.pyplot as plt
 from distlab import viz
 from distlab.timeline import merge
 
-trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-dist-autograd-"), "dist_autograd.json")
+trace_dir = tempfile.mkdtemp(prefix="distlab-dist-autograd-")
+trace_path = os.path.join(trace_dir, "dist_autograd.json")
 distlab.run(scenario, np=3, env={"DISTLAB_TIMELINE": trace_path})
 merge(trace_path)
 trace = viz.load_trace(trace_path)
 viz.plot_sequence(trace, window=("dist backward", "release context"), collectives=False,
-                  names={0: "worker0 (x)", 1: "worker1 (stage 1)", 2: "worker2 (stage 2)"},
+                  names={0: "worker0 (x)", 1: "worker1 (stage 1)",
+                         2: "worker2 (stage 2)"},
                   title="Distributed backward: prepare, gradients, answers")
 plt.show()

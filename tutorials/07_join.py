@@ -39,8 +39,8 @@ def train(batches_per_rank, use_join, divide_by_initial_world_size=True):
 
     pg = comm.world()
     distlab.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
-                                    bucket_cap_mb=0.0001)   # tiny buckets: two of them
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)  # tiny: two buckets
     opt = optim.SGD(model.parameters(), lr=0.1)
     rng = np.random.default_rng(pg.rank)
     batches = [(rng.standard_normal((4, 4)), rng.standard_normal((4, 1)))
@@ -81,7 +81,8 @@ print("rank 1:", results[1].get("error", "finished"))
 import numpy as np
 
 results = distlab.run(train, args=([4, 2], True), np=2)
-same = all(np.array_equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+same = all(np.array_equal(a, b)
+           for a, b in zip(results[0]["weights"], results[1]["weights"]))
 print("both ranks finished; final models identical:", same)
 
 # %% [markdown]
@@ -104,7 +105,8 @@ distlab.run(train, args=([4, 2], True), np=2,
             env={"DISTLAB_TIMELINE": trace_path, "DISTLAB_DEBUG": "DETAIL"})
 merge(trace_path)
 trace = viz.load_trace(trace_path)
-# the collectives matched across ranks by sequence number; DETAIL's own fingerprint checks left out
+# the collectives matched across ranks by sequence number;
+# DETAIL's own fingerprint checks left out
 calls = [c for c in trace.collectives() if "DETAIL" not in c.name]
 print("DETAIL found no mismatch. The collectives, each issued by ranks",
       sorted({c.ranks for c in calls}))
@@ -144,7 +146,8 @@ plt.show()
 # %%
 by_world = distlab.run(train, args=([4, 2], True, True), np=2)[0]["weights"]
 by_active = distlab.run(train, args=([4, 2], True, False), np=2)[0]["weights"]
-print("final models differ:", not all(np.allclose(a, b) for a, b in zip(by_world, by_active)))
+print("final models differ:",
+      not all(np.allclose(a, b) for a, b in zip(by_world, by_active)))
 print("largest difference in a weight:",
       max(float(np.abs(a - b).max()) for a, b in zip(by_world, by_active)))
 
@@ -178,7 +181,8 @@ def train_bn(batches_per_rank, joinables):
     rng = np.random.default_rng(pg.rank)
     batches = [(rng.standard_normal((4, 4)), rng.standard_normal((4, 1)))
                for _ in range(batches_per_rank[pg.rank])]
-    members = {"ddp": [model], "all": [model, *nn.SyncBatchNorm.layers_in(model), opt]}[joinables]
+    members = {"ddp": [model],
+               "all": [model, *nn.SyncBatchNorm.layers_in(model), opt]}[joinables]
     try:
         with Join(members):
             for x, y in batches:
