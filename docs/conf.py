@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from docutils.nodes import doctest_block, literal_block
+from jupyter_client.manager import KernelManager
 from pygments.formatters import HtmlFormatter
 from sphinx.directives.code import LiteralInclude
 from sphinx.highlighting import PygmentsBridge
@@ -141,6 +142,11 @@ def _draw_flow_figures() -> None:
     if done.stdout.strip():
         print(done.stdout.strip())
 
+
+# The tutorials' kernels talk to the build over CurveZMQ-encrypted TCP: jupyter_client provisions the keys when
+# the kernelspec declares support (ipykernel's does), and ipykernel no longer warns, once per tutorial, that the
+# connection is plain text.
+KernelManager.transport_encryption.default_value = "auto"
 
 # Before Sphinx looks for source files.
 _convert_tutorials()

@@ -22,7 +22,8 @@
 # 2. looks at the buckets, before and after the one-time rebuild in gradient-arrival order;
 # 3. draws the **overlap timeline**: each gradient's arrival and each bucket's allreduce, per rank;
 # 4. shows what happens when a parameter gets no gradient on one rank;
-# 5. measures bucket size against overlap across a network link, and what the default, `"auto"`, picks.
+# 5. compares bucket sizes across a network link, and what the default, `"auto"`, picks (figures
+#    stored from a measured run; one cell, not run by the docs, measures yours).
 #
 # The docs' "DDP reducer" page walks through the code this runs.
 
@@ -94,7 +95,8 @@ def bucket_layouts():
     from distlab.ddp import DistributedDataParallel
 
     pg = comm.world()
-    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.004)   # about 4 KB per bucket
+    # about 4 KB per bucket
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.004)
     names = [name for name, _ in model.module.named_parameters()]
     opt = optim.SGD(model.parameters(), lr=0.01)
     layouts = []
@@ -128,7 +130,8 @@ def traced_training(steps=6):
     layers = []
     for _ in range(6):
         layers += [nn.Linear(256, 256), nn.Tanh()]
-    model = DistributedDataParallel(nn.Sequential(*layers, nn.Linear(256, 1)), bucket_cap_mb=0.4)
+    model = DistributedDataParallel(nn.Sequential(*layers, nn.Linear(256, 1)),
+                                    bucket_cap_mb=0.4)
     opt = optim.SGD(model.parameters(), lr=0.001)
     rng = np.random.default_rng(pg.rank)
     x, y = rng.standard_normal((128, 256)), rng.standard_normal((128, 1))
@@ -136,7 +139,8 @@ def traced_training(steps=6):
         opt.zero_grad()
         nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
         opt.step()
-    return len(model.reducer.get_logging_data()["bucket_indices"]), len(model.reducer.params)
+    n_buckets = len(model.reducer.get_logging_data()["bucket_indices"])
+    return n_buckets, len(model.reducer.params)
 
 
 # %%
@@ -147,10 +151,12 @@ from distlab import viz
 from distlab.timeline import merge
 
 trace_path = os.path.join(tempfile.mkdtemp(prefix="distlab-ddp-"), "ddp.json")
-n_buckets, n_params = distlab.run(traced_training, np=2, env={"DISTLAB_TIMELINE": trace_path})[0]
+runs = distlab.run(traced_training, np=2, env={"DISTLAB_TIMELINE": trace_path})
+n_buckets, n_params = runs[0]
 merge(trace_path)
 trace = viz.load_trace(trace_path)
-print(f"{n_params} parameters in {n_buckets} buckets; {len(trace.events)} events in {trace_path}")
+print(f"{n_params} parameters in {n_buckets} buckets; "
+      f"{len(trace.events)} events in {trace_path}")
 
 # %% [markdown]
 # We draw the last iteration with `distlab.viz.plot_bucket_overlap`: per rank, backward as a bar from the
@@ -244,18 +250,19 @@ for rank, result in enumerate(results):
 # predicts fastest (the "DDP reducer" docs page explains the model).
 #
 # distlab's virtual cluster (`python -m distlab cluster`) puts two "hosts" on this machine in network
-# namespaces joined by a link shaped to a chosen rate, and runs the ranks across them over TCP. It needs root;
-# run as root, the next cell measures one DDP step per bucket cap at two link rates, one rank per host.
-# Otherwise it shows figures measured that way on the development machine (2 cores, otherwise idle).
+# namespaces joined by a link shaped to a chosen rate, and runs the ranks across them over TCP. The function
+# below measures one DDP step per bucket cap, one rank per host. It needs root and takes a minute, so this
+# page shows the figures it measured on the development machine, stored with the command, the machine and
+# the date in `docs/_data/tutorial_03_bucket_caps.json`; the cell after them runs it live (as root).
 
 # %%
-import importlib.util
-import os
+import json
+from pathlib import Path
 
 
 def step_per_bucket_cap(caps=("auto", 25, 4, 1), layers=24, rounds=5):
-    """Each rank's median step (ms) per bucket cap, the local step, the allreduce alone, and the
-    cap auto chose; the slowest rank's figures (a step waits for both)."""
+    """Each rank's median step (ms) per bucket cap, the local step, the allreduce alone,
+    and the cap auto chose; the slowest rank's figures (a step waits for both)."""
     import statistics
     import time
 
@@ -302,45 +309,65 @@ def step_per_bucket_cap(caps=("auto", 25, 4, 1), layers=24, rounds=5):
     return slowest
 
 
+def stored_figures(name="tutorial_03_bucket_caps.json"):
+    """The figures stored in the docs tree (docs/_data), found from distlab's sources."""
+    for folder in Path(distlab.__file__).resolve().parents:
+        if (folder / "docs" / "_data" / name).exists():
+            return json.loads((folder / "docs" / "_data" / name).read_text())
+    raise FileNotFoundError(f"docs/_data/{name}: run this from a distlab checkout")
+
+
+def show(results):
+    for rate, r in results.items():
+        steps = ", ".join(f"{cap} {r[cap]:.1f} ms" for cap in ("auto", "25", "4", "1"))
+        print(f"{rate:>7}: local step {r['local']:.1f} ms, "
+              f"allreduce alone {r['allreduce']:.1f} ms, "
+              f"auto chose {r['auto cap MB']:.2g} MiB\n"
+              f"         DDP step per cap: {steps}")
+
+
+stored = stored_figures()
+print(f"measured {stored['date']} on {stored['machine']}")
+results = stored["results"]
+show(results)
+
+# %% [markdown]
+# To measure on your machine, run the next cell as root (the page does not run it: the docs show the same
+# figures wherever they are built). It brings up a two-host virtual cluster per link rate, measures, takes the
+# cluster down, and writes the figures to `bucket_caps.json` in the notebook's folder, in the stored file's
+# format; the figure below then draws yours.
+
+# %% tags=["skip-execution"]
+import os
+import time
+
+from distlab import cluster
+
+
 def in_a_thread(fn, *args, **kwargs):
-    """Run ``fn`` in a thread of its own: the cluster tool drives netlink through an asyncio loop,
-    which cannot run inside the notebook kernel's own loop (a fresh thread has none)."""
+    """Run ``fn`` in a thread of its own: the cluster tool drives netlink through an
+    asyncio loop, which cannot run inside the notebook kernel's own loop (a fresh thread
+    has none)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(fn, *args, **kwargs).result()
 
 
-RATES = ("1gbit", "10gbit")
-# What this cell measured as root on the development machine (2 cores, otherwise idle,
-# 2026-11-24); a run moves by several ms, and auto's choice between neighbouring caps with it
-# (at 10 Gbit/s it chose 1 MiB in one of three runs, the whole 6 MB model in two)
-STORED_RESULTS = {
-    "1gbit": {"local": 8.9, "allreduce": 55.0, "auto": 57.6, "25": 60.2, "4": 61.1, "1": 59.4,
-              "auto cap MB": 1.0},
-    "10gbit": {"local": 8.3, "allreduce": 4.8, "auto": 15.7, "25": 15.2, "4": 15.2, "1": 16.4,
-               "auto cap MB": 6.03},
-}
-live = os.geteuid() == 0 and importlib.util.find_spec("pyroute2") is not None
-if live:
-    from distlab import cluster
-
-    results = {}
-    try:
-        for rate in RATES:
-            in_a_thread(cluster.up, 2, rate, "dltut03")
-            runs = in_a_thread(distlab.run, step_per_bucket_cap, np=2, cluster="dltut03")
-            results[rate] = runs[0]
-    finally:
-        in_a_thread(cluster.down, "dltut03")
-else:
-    print("(not root: the figures below were measured with this cell as root, on the development")
-    print(" machine, 2 cores, otherwise idle)")
-    results = STORED_RESULTS
-for rate, r in results.items():
-    steps = ", ".join(f"{cap} {r[cap]:.1f} ms" for cap in ("auto", "25", "4", "1"))
-    print(f"{rate:>7}: local step {r['local']:.1f} ms, allreduce alone {r['allreduce']:.1f} ms, "
-          f"auto chose {r['auto cap MB']:.2g} MiB\n         DDP step per cap: {steps}")
+if os.geteuid() != 0:
+    raise PermissionError("the virtual cluster needs root: run this notebook as root")
+results = {}
+try:
+    for rate in ("1gbit", "10gbit"):
+        in_a_thread(cluster.up, 2, rate, "dltut03")
+        runs = in_a_thread(distlab.run, step_per_bucket_cap, np=2, cluster="dltut03")
+        results[rate] = runs[0]
+finally:
+    in_a_thread(cluster.down, "dltut03")
+mine = {**stored, "date": time.strftime("%Y-%m-%d"), "machine": "this machine",
+        "results": results}
+Path("bucket_caps.json").write_text(json.dumps(mine, indent=1))
+show(results)
 
 # %%
 import matplotlib.pyplot as plt
@@ -354,11 +381,12 @@ for ax, (rate, r) in zip(axes, results.items()):
     ax.axhline(floor, color="black", linestyle=":", linewidth=1)
     ax.text(len(caps) - 0.5, floor, " floor", va="bottom", ha="right", fontsize=8)
     ax.set_xticks(range(len(caps)))
-    labels = [f"auto, default\n({r['auto cap MB']:.2g} MiB)"] + [f"{c} MiB" for c in caps[1:]]
+    labels = [f"auto, default\n({r['auto cap MB']:.2g} MiB)"]
+    labels += [f"{c} MiB" for c in caps[1:]]
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("DDP step, ms")
-    title = f"link {rate}: local step {r['local']:.0f} ms, allreduce {r['allreduce']:.0f} ms"
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"link {rate}: local step {r['local']:.0f} ms, "
+                 f"allreduce {r['allreduce']:.0f} ms", fontsize=9)
 fig.tight_layout()
 plt.show()
 
@@ -368,8 +396,9 @@ plt.show()
 # early: PyTorch's big second bucket (the rest of the model, under its 25 MiB cap) leaves the link idle for most
 # of backward. On the fast link the allreduce is short and costs CPU that this 2-core machine also needs for
 # backward, so splitting it into many buckets gains little, and the caps land within a few percent of each
-# other, auto's included (which is fastest there changes from run to run). `auto` picks a cap from its measurements on every rank alike; the choice, with the
-# prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
+# other, auto's included (which is fastest there changes from run to run). `auto` picks a cap from its
+# measurements on every rank alike; the choice, with the prediction for every candidate, is in
+# `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
 # network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the overlap:
 # each bucket's parameters are updated as soon as it is reduced (the DDP reducer page measures it).
 #
