@@ -209,13 +209,13 @@ class _LineFormatter(HtmlFormatter):
 
 _TABLE = re.compile(r"<table\b.*?</table>", flags=re.S)
 _CODE_SPAN = re.compile(r'(<span class="pre">)([^<]*)(</span>)')
-_BREAK_AFTER = re.compile(r"(?<=[.(,=/])(?=[^\s.(,=/)])")
+_BREAK_AFTER = re.compile(r"(?<=[^\s.(,=/_][.(,=/_])(?=[^\s.(,=/_)])")
 
 
 def _break_code_in_tables(app, pagename, templatename, context, doctree) -> None:
-    """Let a long code name in a table cell wrap after its dots, parentheses, commas and ``=`` (``<wbr>``), so a
-    column of names such as ``distlab.comm.ProcessGroup.allgather_object`` does not push the table wider than the
-    page's column."""
+    """Let a long code name in a table cell wrap after its dots, underscores, opening parentheses, commas, ``=``
+    and ``/`` (a ``<wbr>``; never after a leading underscore), so that a column of names such as
+    ``distlab.comm.ProcessGroup.allgather_object`` does not push the table wider than the page's column."""
     def split(code):
         opening, text, closing = code.groups()
         return "<wbr>".join(opening + part + closing for part in _BREAK_AFTER.split(text))
