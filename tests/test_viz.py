@@ -59,7 +59,8 @@ def test_load_trace_groups_spans_messages_and_collectives(tmp_path):
 
 
 def _inside(fig):
-    """Every text of the figure lies within the figure (with a pixel of rounding)."""
+    """Every text of the figure lies within the figure (with a pixel of rounding), as drawn."""
+    fig.canvas.draw()  # a legend places its texts when drawn
     renderer = fig.canvas.get_renderer()
     box = fig.bbox
     out = []
@@ -81,9 +82,21 @@ def test_sequence_diagram_draws_the_recorded_events_with_labels_inside(tmp_path)
     fig = viz.plot_sequence(trace, notes=("negotiation",), title="a run", names={1: "worker B (owner)"}, width=6.5)
     texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
     assert "worker B (owner)" in texts and "rank 0" in texts and "allreduce negotiation bits" in texts
-    assert any(t.startswith("call f with") and t.endswith("…") for t in texts)  # shortened to fit
-    assert any(t.startswith("RequestList [a,") and t.endswith("…") for t in texts)
+    # too wide for its place: wrapped over lines (its row grows), never shortened
+    assert "call f with a long\nlabel that cannot fit\nbetween two lifelines" in texts
+    assert any(t.startswith("RequestList [a,") and "\n" in t for t in texts)
+    assert [label["text"] for label in fig.sequence_labels if label["shortened"]] == []
+    assert {"call f with a long label that cannot fit between two lifelines",
+            "RequestList [a, b, c, d, e, f, g, h, i, j, k, l, m]"} <= {label["text"] for label in fig.sequence_labels}
+    # a legend names the kinds drawn, the lanes of the notes, and the time column
+    assert fig.sequence_legend == ["message, sender to receiver", "collective, across the ranks in it",
+                                   "note a rank recorded (negotiation)", "left: ms since the first row"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == fig.sequence_legend
     assert _inside(fig) == []
+    # a word longer than its place is shortened as the last resort, and said so
+    narrow = viz.plot_sequence(trace, notes=("negotiation",), width=2.0, legend=False)
+    assert narrow.sequence_legend == [] and narrow.axes[0].get_legend() is None
+    assert any(label["shortened"] and label["shown"].endswith("…") for label in narrow.sequence_labels)
     # a window keeps only what happened in it; a collective filter drops collectives
     assert [r.kind for r in viz.sequence_rows(trace, window=("call f with a long label that cannot fit between "
                                                              "two lifelines", None))] == ["send", "receive"]

@@ -16,7 +16,9 @@ The scenarios run the reference twin, as the docs build does.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -382,9 +384,14 @@ def negotiation_stop():
 
 
 def _with_group(item) -> str:
-    """Label a collective with its process group (the comm lane without "comm "), other items by name."""
+    """Label a collective with its process group (the comm lane without "comm "; Horovod's process sets as
+    "global set" and "set N"), other items by name."""
     group = getattr(item, "group", None)
-    return f"{item.name}  [{group.removeprefix('comm ')}]" if group else item.name
+    if not group:
+        return item.name
+    group = group.removeprefix("comm ")
+    group = "global set" if group == "collectives" else group.removeprefix("collectives ")
+    return f"{item.name}  [{group}]"
 
 
 def _negotiation_collectives(call) -> bool:
@@ -457,9 +464,92 @@ SCENARIOS = {
         title="Stopping: rank 1 shuts its collectives down while rank 0 waits"),
     "negotiation_cached": dict(
         fn=negotiation_first_and_cached, np=2, notes=("negotiation",), window=("cached begin", END),
-        collectives=_negotiation_collectives,
+        drop_idle_cycles=True,
         title="Later cycles: every rank hits the cache; one bit-vector allreduce decides"),
 }
+
+# -- what the captions say, checked on what each run recorded ---------------------------------------------------
+# Per figure, (a phrase its caption on the docs page says, a check of the drawn rows that makes it true). Rows
+# are dicts: kind ("collective", "note", "send", "receive"), label, ranks (the ranks drawn in the row).
+
+
+def _labels(rows, kind, rank=None):
+    return [r["label"] for r in rows if r["kind"] == kind and (rank is None or rank in r["ranks"])]
+
+
+def _before(labels, first, then):
+    """Every label starting with ``first`` comes before every label starting with ``then``."""
+    firsts = [i for i, label in enumerate(labels) if label.startswith(first)]
+    thens = [i for i, label in enumerate(labels) if label.startswith(then)]
+    return bool(firsts) and bool(thens) and max(firsts) < min(thens)
+
+
+def _one_bit_vector_then_fused(rows):
+    calls = _labels(rows, "collective")
+    return (len([c for c in calls if c.startswith("allreduce negotiation bits")]) == 1
+            and _before(calls, "allreduce negotiation bits", "allreduce fused"))
+
+
+CLAIMS = {
+    "reducer_buckets": [
+        ("bucket launches", lambda rows: all(n.endswith("launched") for n in _labels(rows, "note")
+                                             if n.startswith("bucket "))),
+    ],
+    "reducer_order": [
+        ("rank 1 `a` before `b`", lambda rows: _before(_labels(rows, "note", 1), "grad a.", "grad b.")),
+        ("on rank 1 bucket 1 (layer `a`) is full first, but it is launched only after bucket 0",
+         lambda rows: all(_before(_labels(rows, "note", rank), "bucket 0 launched", "bucket 1 launched")
+                          for rank in (0, 1))
+         and _before(_labels(rows, "note", 1), "grad b.", "bucket 1 launched")),
+        ("allreduce `bucket0` and allreduce `bucket1` pair up across the ranks",
+         lambda rows: _labels(rows, "collective") == ["allreduce bucket0", "allreduce bucket1"]),
+    ],
+    "negotiation_cached": [
+        ("the bit-vector allreduce (AND) finds the common hits", _one_bit_vector_then_fused),
+        ("without any gather or broadcast",
+         lambda rows: not any(c.startswith(("allgather", "broadcast")) for c in _labels(rows, "collective"))),
+    ],
+    "negotiation_process_sets": [
+        ("each is an allgather of membership masks negotiated on the global set",
+         lambda rows: sum(c.startswith("allgather process_set.add") and c.endswith("[global set]")
+                          for c in _labels(rows, "collective")) == 2),
+        ("set 1 (ranks 0, 2) and set 2 (ranks 1, 2, 3) negotiate on their own communicators",
+         lambda rows: {tuple(r["ranks"]) for r in rows if r["label"].startswith("allreduce grad")}
+         == {(0, 2), (1, 2, 3)}),
+    ],
+    "negotiation_stop": [
+        ('`NotInitializedError("distlab.collectives stopped: rank 1 called shutdown()")`',
+         lambda rows: any(n.startswith("NotInitializedError: distlab.collectives stopped")
+                          and n.endswith("rank 1 called shutdown()") for n in _labels(rows, "note", 0))),
+    ],
+}
+
+
+_FIGURE = re.compile(r"^```\{figure\} \.\./_generated/flows/(\w+)\.svg\n(?::[^\n]*\n)*\n(.*?)\n```", flags=re.M | re.S)
+
+
+def captions() -> dict[str, str]:
+    """Every flow figure's caption on the docs pages, by figure name."""
+    found = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if "_build" not in page.parts:
+            found.update(_FIGURE.findall(page.read_text()))
+    return found
+
+
+def claim_problems(name: str, drawn: dict, caption: str | None = None) -> list[str]:
+    """What is wrong with a drawn figure: a label shortened, no legend, or a claim of its caption that the
+    recorded run does not bear out (and, given the caption, a claim phrase the caption no longer says)."""
+    problems = [f"{name}: label shortened to {label['shown']!r} ({label['text']!r} does not fit)"
+                for label in drawn["labels"] if label["shortened"]]
+    if not drawn["legend"]:
+        problems.append(f"{name}: no legend")
+    for phrase, holds in CLAIMS.get(name, []):
+        if caption is not None and phrase not in " ".join(caption.split()):
+            problems.append(f"{name}: the caption no longer says {phrase!r}")
+        if not holds(drawn["rows"]):
+            problems.append(f"{name}: the caption says {phrase!r}, which the recorded run does not show")
+    return problems
 
 
 # -- running and drawing ---------------------------------------------------------------------------------------
@@ -484,7 +574,9 @@ def record(name: str, spec: dict) -> Path:
     return trace
 
 
-def draw(name: str, spec: dict, trace: Path) -> Path:
+def draw(name: str, spec: dict, trace: Path) -> tuple[Path, list[str]]:
+    """Draw one figure; write beside it what it shows (``<name>.drawn.json``: its rows, labels and legend);
+    return it and its problems (:func:`claim_problems`)."""
     import matplotlib.pyplot as plt
 
     from distlab import viz
@@ -493,15 +585,29 @@ def draw(name: str, spec: dict, trace: Path) -> Path:
     if spec.get("drop_idle_cycles"):
         idle = idle_cycles(viz.load_trace(trace))
         collectives = lambda call: (call.group, call.seq) not in idle  # noqa: E731
-    fig = viz.plot_sequence(trace, window=spec.get("window", (BEGIN, END)), notes=spec.get("notes", ()),
-                            ranks=spec.get("ranks"),
-                            messages=spec.get("messages", True), collectives=collectives,
-                            names=spec.get("names"), label=spec.get("label"), title=spec.get("title"))
+    what = dict(window=spec.get("window", (BEGIN, END)), notes=spec.get("notes", ()), ranks=spec.get("ranks"),
+                messages=spec.get("messages", True), collectives=collectives)
+    fig = viz.plot_sequence(trace, **what, names=spec.get("names"), label=spec.get("label"),
+                            title=spec.get("title"))
     target = OUT / f"{name}.svg"
     fig.savefig(target, format="svg", metadata={"Date": None})
+    label = spec.get("label") or (lambda item: item.name)
+    rows = [{"kind": row.kind, "label": label(row.item), "ranks": _row_ranks(row)}
+            for row in viz.sequence_rows(trace, **what)]
+    drawn = {"rows": rows, "labels": fig.sequence_labels, "legend": fig.sequence_legend}
+    (OUT / f"{name}.drawn.json").write_text(json.dumps(drawn, indent=1))
     plt.close(fig)
     shutil.copy(trace, OUT / f"{name}.json")
-    return target
+    return target, claim_problems(name, drawn)
+
+
+def _row_ranks(row) -> list[int]:
+    item = row.item
+    if row.kind == "collective":
+        return sorted(item.ranks)
+    if row.kind in ("send", "receive"):
+        return [item.src, item.dst]
+    return [item.rank]
 
 
 def main(argv: list[str]) -> int:
@@ -521,13 +627,20 @@ def main(argv: list[str]) -> int:
 
     matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: small files, crisp at any zoom
     traces = {}  # one run per scenario function (two figures may show two windows of one run)
+    problems = []
     for name in wanted:
         start = time.monotonic()
         spec = SCENARIOS[name]
         if spec["fn"] not in traces:
             traces[spec["fn"]] = record(name, spec)
-        target = draw(name, spec, traces[spec["fn"]])
+        target, found = draw(name, spec, traces[spec["fn"]])
+        problems += [p for p in claim_problems(name, json.loads((OUT / f"{name}.drawn.json").read_text()),
+                                               captions().get(name)) if p not in found] + found
         print(f"make_flow_figures: {target.relative_to(ROOT)} ({time.monotonic() - start:.1f} s)")
+    for problem in problems:
+        print(f"make_flow_figures: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     if wanted == list(SCENARIOS):
         stamp.write_text(digest)
     return 0

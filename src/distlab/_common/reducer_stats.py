@@ -65,7 +65,7 @@ class ReducerStats:
         if not self.timeline.enabled:
             return
         start = now_us()
-        self.timeline.instant(f"bucket {bucket} ready", cat="reducer", lane="reducer buckets",
+        self.timeline.instant(f"bucket {bucket} launched", cat="reducer", lane="reducer buckets",
                               args={"bytes": nbytes, "params": nparams})
 
         def done(_future):
