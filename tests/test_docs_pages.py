@@ -1,6 +1,7 @@
 """What the docs must show a learner (docs/_scripts/check_pages.py, run by `make docs`): the checker itself on
 small pages, the width rule on the docs' sources (no build needed), and the built site when `make docs` made one."""
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -63,14 +64,54 @@ def test_a_flow_figure_wider_than_the_column_is_named(tmp_path):
     assert len(problems) == 1 and problems[0].startswith("wide.svg: 720pt wide")
 
 
-def test_only_diagram_shell_and_text_blocks_must_fit_the_page():
+def test_a_block_fits_when_its_estimated_width_fits_the_column():
+    # the calibration (check_pages' docstring): 7.80 px per character plus 28 px of padding, in a 736 px column
+    # (a tutorial cell's input 732 px): 90 characters fit, 91 scroll (738 px, as Chromium measured)
+    assert check_pages.WIDEST == 90
     wide = "x" * (check_pages.WIDEST + 1)
     fits = "x" * check_pages.WIDEST
     page = check_pages.parse(_block("text", f"a\n{wide}\nb") + _block("sh", fits) + _block("python", wide)
-                             + _block("default", wide) + _block("myst-ansi", wide, output=True))
-    problems, python_lines = check_pages.width_problems("w.html", page)
-    assert len(problems) == 1 and f"a text block {check_pages.WIDEST + 1} characters wide" in problems[0]
-    assert python_lines == 2  # counted, not failed: Python source keeps the code's 120 columns
+                             + _block("myst-ansi", wide, output=True)
+                             + f'<div class="cell_input">{_block("ipython3", fits)}</div>')
+    problems, wrapped = check_pages.width_problems("w.html", page)
+    assert [p.split(" block")[0] for p in problems] == ["w.html: a text", "w.html: a python"]
+    assert "738 px in a 736 px column" in problems[0] and wrapped == 0
+    assert page.blocks[-1].inset == check_pages.CELL_INSET_PX and page.blocks[-1].fits
+
+
+def test_quoted_code_wraps_and_is_counted_not_failed():
+    wide = "y" * 120
+    page = check_pages.parse(f'<div class="quoted highlight-python notranslate"><div class="highlight">'
+                             f'<pre>{wide}\nshort\n{wide}</pre></div></div>')
+    assert check_pages.width_problems("q.html", page) == ([], 2)
+    # and the site's CSS does wrap it, with a hanging indent
+    css = (DOCS / "_static" / "distlab.css").read_text()
+    assert re.search(r"div\.quoted div\.highlight pre \{\s*white-space: pre-wrap;", css)
+
+
+def _table(*rows):
+    cells = "".join("<tr>" + "".join(f"<td><p>{cell}</p></td>" for cell in row) + "</tr>" for row in rows)
+    return f'<div class="table-wrapper"><table class="docutils">{cells}</table></div>'
+
+
+def _code(name, breaks=False):
+    parts = name.replace(".", ".\0").split("\0") if breaks else [name]
+    return ('<code class="docutils literal notranslate">'
+            + "<wbr>".join(f'<span class="pre">{part}</span>' for part in parts) + "</code>")
+
+
+def test_a_table_is_as_wide_as_its_longest_words():
+    names = ["distlab.comm.ProcessGroup.allgather_object", "distlab.collectives.broadcast_optimizer_state",
+             "distlab.distributed_autograd.DistributedOptimizer"]
+    unbroken = check_pages.parse(_table([_code(n) for n in names], ["a", "b", "c"]))
+    broken = check_pages.parse(_table([_code(n, breaks=True) for n in names], ["a", "b", "c"]))
+    # 42 + 45 + 49 characters of code at 7.80 px, 7.2 px of code padding and 17 px of cell each
+    assert round(unbroken.tables[0].px) == round((42 + 45 + 49) * 7.80 + 3 * (7.2 + 17))
+    assert check_pages.width_problems("t.html", unbroken)[0][0].startswith("t.html: a table about 1133 px")
+    assert check_pages.width_problems("t.html", broken) == ([], 0)  # broken after the dots, it fits
+    # prose: Arial's advance widths at 16 px, bold in a header cell
+    assert check_pages.text_px("mmm") == 3 * 833 * 16 / 1000
+    assert check_pages.text_px("ab", bold=True) > check_pages.text_px("ab")
 
 
 def test_the_width_rule_on_markdown_sources():
@@ -113,6 +154,61 @@ def _site_is_current() -> bool:
 @pytest.mark.skipif(not _site_is_current(), reason="no built site, or one older than the docs: run `make docs`")
 def test_the_built_site_shows_executed_tutorials_and_flow_figures():
     problems, _ = check_pages.check(SITE, DOCS / "_generated" / "flows")
+    assert problems == []
+
+
+def _flow_figures():
+    spec = importlib.util.spec_from_file_location("make_flow_figures", DOCS / "_scripts" / "make_flow_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_flow_figures = _flow_figures()
+
+
+def _drawn(**changes):
+    rows = [{"kind": "collective", "label": "allreduce negotiation bits", "ranks": [0, 1]},
+            {"kind": "collective", "label": "allreduce fused x2", "ranks": [0, 1]}]
+    drawn = {"rows": rows, "legend": ["collective, across the ranks in it"],
+             "labels": [{"kind": "collective", "text": r["label"], "shown": r["label"], "shortened": False}
+                        for r in rows]}
+    drawn.update(changes)
+    return drawn
+
+
+def test_a_flow_figure_must_bear_out_its_caption():
+    caption = ("The same two tensors in a later step: both ranks hit the cache, the bit-vector allreduce (AND) "
+               "finds the common hits, and the fused allreduce runs without any gather or broadcast.")
+    assert make_flow_figures.claim_problems("negotiation_cached", _drawn(), caption) == []
+    # two bit-vector allreduces where the caption says one; a gather; a cut label; no legend; a caption that
+    # no longer says what the figure is checked for
+    bits = _drawn()["rows"][0]
+    assert "does not show" in make_flow_figures.claim_problems(
+        "negotiation_cached", _drawn(rows=[bits, *_drawn()["rows"]]))[0]
+    gather = {"kind": "collective", "label": "allgather_object negotiation requests", "ranks": [0, 1]}
+    assert len(make_flow_figures.claim_problems("negotiation_cached", _drawn(rows=[bits, gather]))) == 2
+    cut = [{"kind": "note", "text": "negotiate process_set.add.0", "shown": "negotiate process_set.…",
+            "shortened": True}]
+    assert make_flow_figures.claim_problems("x", _drawn(labels=cut, legend=[])) == [
+        "x: label shortened to 'negotiate process_set.…' ('negotiate process_set.add.0' does not fit)",
+        "x: no legend"]
+    assert "no longer says" in make_flow_figures.claim_problems("negotiation_cached", _drawn(), "Two cycles.")[0]
+
+
+def _flows_are_current() -> bool:
+    stamp = DOCS / "_generated" / "flows" / ".stamp"
+    return stamp.exists() and stamp.read_text() == make_flow_figures.inputs_hash()
+
+
+@pytest.mark.skipif(not _flows_are_current(), reason="no flow figures drawn from today's sources: run `make docs`")
+def test_every_flow_figure_has_a_legend_whole_labels_and_the_caption_it_shows():
+    captions = make_flow_figures.captions()
+    assert sorted(captions) == sorted(make_flow_figures.SCENARIOS)  # every figure shown, with a caption
+    problems = []
+    for name in make_flow_figures.SCENARIOS:
+        drawn = json.loads((DOCS / "_generated" / "flows" / f"{name}.drawn.json").read_text())
+        problems += make_flow_figures.claim_problems(name, drawn, captions[name])
     assert problems == []
 
 
