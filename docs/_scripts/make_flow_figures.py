@@ -532,11 +532,13 @@ _FIGURE = re.compile(r"^```\{figure\} \.\./_generated/flows/(\w+)\.svg\n(?::[^\n
 
 
 def captions() -> dict[str, str]:
-    """Every flow figure's caption on the docs pages, by figure name."""
-    found = {}
+    """Every flow figure's captions on the docs pages, by figure name (a figure shown twice, in a page's summary
+    and in its scenarios, has both captions, one after the other)."""
+    found: dict[str, str] = {}
     for page in sorted((ROOT / "docs").rglob("*.md")):
         if "_build" not in page.parts:
-            found.update(_FIGURE.findall(page.read_text()))
+            for name, caption in _FIGURE.findall(page.read_text()):
+                found[name] = f"{found[name]}\n{caption}" if name in found else caption
     return found
 
 
