@@ -202,6 +202,24 @@ def test_the_support_table_names_tests_that_exist():
     assert [p.split(":")[0] for p in support_problems(bad, DOCS.parent)] == ["a x numpy", "b x numpy", "c x numpy"]
 
 
+def test_the_overview_pages_describe_every_entry():
+    # the API landing page: every module page listed once, in its hidden toctree, with a description; every
+    # module page titled by its module's name
+    api = DOCS / "api"
+    index = (api / "index.rst").read_text()
+    pages = sorted(p.stem for p in api.glob("*.rst") if p.stem != "index")
+    described = re.findall(r"^- :doc:`(\w+)`: \S.*$", index, flags=re.M)
+    toctree = re.findall(r"^   (\w+)$", index.split(".. toctree::")[1], flags=re.M)
+    assert sorted(described) == pages and toctree == described
+    assert [p for p in pages if not (api / f"{p}.rst").read_text().startswith("``distlab")] == []
+    # the Tutorials page: every tutorial in order, with what it teaches and how long it takes
+    tutorials = sorted(p.stem for p in (DOCS.parent / "tutorials").glob("[0-9]*.py"))
+    page = (DOCS / "tutorials.md").read_text()
+    listed = re.findall(r"^\d+\. \{doc\}`[^<]+<tutorials/(\w+)>` \(about \d+ minutes", page, flags=re.M)
+    assert listed == tutorials
+    assert page.count("*You will learn*") == len(tutorials)
+
+
 def _flow_figures():
     spec = importlib.util.spec_from_file_location("make_flow_figures", DOCS / "_scripts" / "make_flow_figures.py")
     module = importlib.util.module_from_spec(spec)
