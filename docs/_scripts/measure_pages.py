@@ -24,7 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: The pages a learner reads (the API pages quote docstrings and are measured too, but listed apart).
+#: Pages Sphinx generates (the general and module indices, search), left out of the counts.
+GENERATED = {"genindex.html", "py-modindex.html", "search.html"}
+
 _PROBE = r"""
 <script>
 window.addEventListener("load", () => {
@@ -43,11 +45,12 @@ window.addEventListener("load", () => {
     out.tables.push({width: table.scrollWidth, client: box.clientWidth, scroll: box.scrollWidth,
                      head: (table.querySelector("tr") || table).textContent.trim().slice(0, 60)});
   });
-  const pre = document.querySelector("div.highlight pre");
+  const pre = document.querySelector("div:not(.quoted) > div.highlight pre");
   if (pre) {
     const style = getComputedStyle(pre);
     const probe = document.createElement("span");
     probe.textContent = "x".repeat(1000);
+    probe.style.cssText = "position: absolute; white-space: nowrap; display: inline";
     pre.appendChild(probe);
     out.font = {family: style.fontFamily, size: style.fontSize, char: probe.getBoundingClientRect().width / 1000,
                 padding: parseFloat(style.paddingLeft) + parseFloat(style.paddingRight)};
@@ -117,6 +120,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(results, indent=1))
     total_blocks = total_tables = 0
     for name, page in results.items():
+        if name in GENERATED:  # Sphinx's indices: not pages a learner reads
+            continue
         blocks = [b for b in page["blocks"] if b["scroll"] > b["client"] and not b["output"]]
         tables = [t for t in page["tables"] if t["scroll"] > t["client"]]
         total_blocks += len(blocks)
