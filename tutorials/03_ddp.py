@@ -328,6 +328,7 @@ def show(results):
 
 stored = stored_figures()
 print(f"measured {stored['date']} on {stored['machine']}")
+print(f"by: {stored['command']}")
 results = stored["results"]
 show(results)
 
