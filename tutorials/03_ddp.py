@@ -401,7 +401,8 @@ plt.show()
 # measurements on every rank alike; the choice, with the prediction for every candidate, is in
 # `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
 # network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the overlap:
-# each bucket's parameters are updated as soon as it is reduced (the DDP reducer page measures it).
+# each bucket's parameters are updated as soon as it is reduced (the docs' benchmarks page
+# measures it).
 #
 # The overlap benchmark (`benchmarks/bench_overlap.py`) measures the same on a 26 MB model at three link
-# rates, both twins, with and without `gradient_as_bucket_view`; the DDP reducer page shows its table.
+# rates, both twins, with and without `gradient_as_bucket_view`; the docs' benchmarks page shows its table.
