@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import zmq
 from docutils.nodes import doctest_block, literal_block
 from jupyter_client.manager import KernelManager
 from pygments.formatters import HtmlFormatter
@@ -146,7 +147,9 @@ def _draw_flow_figures() -> None:
 # The tutorials' kernels talk to the build over CurveZMQ-encrypted TCP: jupyter_client provisions the keys when
 # the kernelspec declares support (ipykernel's does), and ipykernel no longer warns, once per tutorial, that the
 # connection is plain text.
-KernelManager.transport_encryption.default_value = "auto"
+# (jupyter_client and ipykernel releases before CurveZMQ neither provision keys nor warn.)
+if hasattr(KernelManager, "transport_encryption") and zmq.has("curve"):
+    KernelManager.transport_encryption.default_value = "auto"
 
 # Before Sphinx looks for source files.
 _convert_tutorials()
