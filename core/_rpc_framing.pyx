@@ -13,18 +13,22 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from distlab._common import rpc_framing as _shared
-from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_control, bad_counts, bad_flags,
-                                         bad_fork_record, bad_magic, bad_pickle, bad_reserved, bad_version,
-                                         buffer_count, short_message, too_short, unknown_kind, with_sizes)
+from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_control, bad_counts, bad_device,
+                                         bad_devices, bad_flags, bad_fork_record, bad_magic, bad_pickle,
+                                         bad_reserved, bad_version, buffer_count, short_message, too_short,
+                                         unknown_kind, with_sizes)
 from distlab._wire import RFD_TUPLE_SIZE, RPC_WIRE_MAGIC
 from distlab.errors import RpcMessageError
 
-__all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
+__all__ = ["pack_header", "unpack_header", "unpack_devices", "pack_batch", "split_batch", "check_pickle"]
 
 cdef enum:
-    VERSION = 2
+    VERSION = 3
     MAX_BUFFERS = 65536
     MAX_FORKS = 65536
+    MAX_DEVICES = 65536
+    FLAG_DEVICES = 8
+    HOST_DEVICE = -1
     MAX_PUT_DIGITS = 18
     OP_UNKNOWN = 0
     OP_PLAIN = 1
@@ -48,15 +52,16 @@ cdef enum:
     K_BATCH = 9
     NUM_KINDS = 10
     USER_KIND_BASE = 64
-    RESPONSE_FLAGS = 1
-    REQUEST_FLAGS = 6
+    RESPONSE_FLAGS = 9
+    REQUEST_FLAGS = 14
 
 # The C constants above must be the shared ones (they describe bytes that travel between ranks).
 # Sizes are read from the shared module (the header layout is the struct there); the codes are asserted equal.
 cdef Py_ssize_t HEADER_SIZE = _shared.HEADER.size
 cdef Py_ssize_t FORK_INTS = RFD_TUPLE_SIZE
-assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS) == (
-    _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS)
+assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, MAX_DEVICES, FLAG_DEVICES, HOST_DEVICE) == (
+    _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS, _shared.MAX_DEVICES,
+    _shared.FLAG_DEVICES, _shared.HOST_DEVICE)
 assert (OP_UNKNOWN, OP_PLAIN, OP_STOP, OP_FIXED1, OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_COUNT1, OP_COUNT4, OP_COUNT8,
         OP_LINE, OP_LINE2, OP_PUT_LINE, OP_PUT4, OP_FRAME, OP_NEXT_BUFFER) == (
     _shared.OP_UNKNOWN, _shared.OP_PLAIN, _shared.OP_STOP, _shared.OP_FIXED1, _shared.OP_FIXED2, _shared.OP_FIXED4,
@@ -73,16 +78,20 @@ for _code in range(256):
 cdef uint8_t MAGIC0 = RPC_WIRE_MAGIC[0], MAGIC1 = RPC_WIRE_MAGIC[1]
 
 
-def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body):
+def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body, devices=()):
     """See :func:`distlab.reference.rpc_framing.pack_header`."""
     cdef Py_buffer meta_b, body_b
-    cdef Py_ssize_t nbuf = len(sizes), nforks = len(forks), i, at
+    cdef Py_ssize_t nbuf = len(sizes), nforks = len(forks), i, at, ndev = len(devices)
     cdef uint8_t* p
+    if ndev:
+        if ndev != nbuf:
+            raise bad_devices(devices, nbuf)
+        flags |= FLAG_DEVICES
     PyObject_GetBuffer(meta, &meta_b, PyBUF_SIMPLE)
     try:
         PyObject_GetBuffer(body, &body_b, PyBUF_SIMPLE)
         try:
-            at = HEADER_SIZE + 8 * nbuf + 8 * FORK_INTS * nforks
+            at = HEADER_SIZE + 8 * (nbuf + ndev) + 8 * FORK_INTS * nforks
             out = PyBytes_FromStringAndSize(NULL, at + meta_b.len + body_b.len)
             p = <uint8_t*>PyBytes_AS_STRING(out)
             p[0], p[1], p[2], p[3] = MAGIC0, MAGIC1, VERSION, 0
@@ -94,7 +103,9 @@ def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body):
             _put(p + 28, meta_b.len, 4)
             for i in range(nbuf):
                 _put(p + HEADER_SIZE + 8 * i, sizes[i], 8)
-            i = HEADER_SIZE + 8 * nbuf
+            for i in range(ndev):
+                _put(p + HEADER_SIZE + 8 * (nbuf + i), devices[i], 8)
+            i = HEADER_SIZE + 8 * (nbuf + ndev)
             for fork in forks:
                 if len(fork) != FORK_INTS:
                     raise bad_fork_record(fork)
@@ -120,6 +131,38 @@ def unpack_header(data, int64_t max_bytes):
         PyBuffer_Release(&b)
     view = memoryview(data)
     return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
+
+
+def unpack_devices(data):
+    """See :func:`distlab.reference.rpc_framing.unpack_devices`."""
+    cdef Py_buffer b
+    cdef const uint8_t* v
+    cdef int32_t kind, flags, nbuf
+    cdef int64_t mid, device
+    cdef Py_ssize_t i
+    cdef object value  # PyTuple_SET_ITEM steals the reference Py_INCREF took
+    PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
+    try:
+        v = <const uint8_t*>b.buf
+        if b.len < HEADER_SIZE:
+            raise short_message(b.len)
+        kind, flags, mid = <int32_t>_get(v + 4, 4), <int32_t>_get(v + 8, 4), <int64_t>_get(v + 12, 8)
+        if not flags & FLAG_DEVICES:
+            return ()
+        nbuf = <int32_t>_get(v + 20, 4)
+        if HEADER_SIZE + 16 * <Py_ssize_t>nbuf > b.len:
+            raise too_short(HEADER_SIZE + 16 * nbuf, b.len, kind, flags, mid)
+        devices = PyTuple_New(nbuf)
+        for i in range(nbuf):
+            device = <int64_t>_get(v + HEADER_SIZE + 8 * (nbuf + i), 8)
+            if not HOST_DEVICE <= device < MAX_DEVICES:
+                raise bad_device(i, device, kind, flags, mid)
+            value = device
+            Py_INCREF(value)
+            PyTuple_SET_ITEM(devices, i, value)
+        return devices
+    finally:
+        PyBuffer_Release(&b)
 
 
 def pack_batch(frames):
@@ -194,7 +237,9 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
     nbuf, nforks, nmeta = <int32_t>_get(v + 20, 4), <int32_t>_get(v + 24, 4), <int32_t>_get(v + 28, 4)
     if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
         raise bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
-    meta_at = HEADER_SIZE + 8 * <Py_ssize_t>nbuf + 8 * FORK_INTS * <Py_ssize_t>nforks
+    # the device records (FLAG_DEVICES) follow the sizes
+    meta_at = (HEADER_SIZE + (16 if flags & FLAG_DEVICES else 8) * <Py_ssize_t>nbuf
+               + 8 * FORK_INTS * <Py_ssize_t>nforks)
     body_at = meta_at + nmeta
     if body_at > n:
         raise too_short(body_at, n, kind, flags, mid)
@@ -225,7 +270,7 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
         if taken != nbuf:
             raise with_sizes(buffer_count("payload", taken, nbuf, kind, flags, mid), sizes)
     forks = []
-    j = HEADER_SIZE + 8 * nbuf
+    j = HEADER_SIZE + (16 if flags & FLAG_DEVICES else 8) * nbuf
     for i in range(nforks):
         record = PyTuple_New(FORK_INTS)
         for k in range(FORK_INTS):

@@ -6,6 +6,7 @@ packs and parses; what it means is explained there. The header message is::
     fixed header      HEADER (distlab._wire.RPC_HEADER_FORMAT): magic b"dR", wire version, reserved (0),
                       kind, flags, message id, nbuf, nforks, nmeta
     int64 * nbuf      byte size of each out-of-band buffer (they follow as MPI messages of their own)
+    int64 * nbuf      only with FLAG_DEVICES: the device each buffer lands on at the receiver (HOST_DEVICE: host)
     int64 * 6 * nforks  RRef fork records (distlab._wire.RFD_TUPLE_SIZE ints each)
     nmeta bytes       the pickled request metadata (absent when there is none)
     body              the pickled payload (the rest of the message)
@@ -29,8 +30,9 @@ from __future__ import annotations
 import struct
 
 from distlab._common import rpc_framing as shared
-from distlab._common.rpc_framing import (FORK_RECORD_BYTES, FRAME_LEN, HEADER, K_BATCH, K_RESPONSE, K_STOP,
-                                         K_WAKE, MAGIC, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, NUM_KINDS,
+from distlab._common.rpc_framing import (FLAG_DEVICES, FORK_RECORD_BYTES, FRAME_LEN, HEADER, HOST_DEVICE, K_BATCH,
+                                         K_RESPONSE, K_STOP, K_WAKE, MAGIC, MAX_BUFFERS, MAX_DEVICES, MAX_FORKS,
+                                         MAX_PUT_DIGITS, NUM_KINDS,
                                          OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1, OP_FIXED2,
                                          OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_NEXT_BUFFER,
                                          OP_PLAIN, OP_PUT4, OP_PUT_LINE, OP_STOP, REQUEST_FLAGS, RESPONSE_FLAGS,
@@ -38,24 +40,31 @@ from distlab._common.rpc_framing import (FORK_RECORD_BYTES, FRAME_LEN, HEADER, K
 from distlab._wire import RFD_TUPLE_SIZE
 from distlab.errors import RpcMessageError
 
-__all__ = ["pack_header", "unpack_header", "pack_batch", "split_batch", "check_pickle"]
+__all__ = ["pack_header", "unpack_header", "unpack_devices", "pack_batch", "split_batch", "check_pickle"]
 
 #: How many bytes follow an opcode of each fixed-size class, and how wide each byte count is.
 _FIXED = {OP_FIXED1: 1, OP_FIXED2: 2, OP_FIXED4: 4, OP_FIXED8: 8}
 _COUNT_WIDTH = {OP_COUNT1: 1, OP_COUNT4: 4, OP_COUNT8: 8, OP_FRAME: 8}
 
 
-def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body) -> bytes:
-    """The header message: fixed header, buffer sizes, fork records, metadata bytes, body.
+def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body, devices=()) -> bytes:
+    """The header message: fixed header, buffer sizes, device records, fork records, metadata bytes, body.
 
     ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body
-    (a tuple that is not ``RFD_TUPLE_SIZE`` ints is a ValueError).
+    (a tuple that is not ``RFD_TUPLE_SIZE`` ints is a ValueError); ``devices``, when not empty, one device index
+    per buffer (where the receiver rebuilds it; ``HOST_DEVICE`` for host memory): it sets ``FLAG_DEVICES``.
     """
     for fork in forks:
         if len(fork) != RFD_TUPLE_SIZE:
             raise shared.bad_fork_record(fork)
+    if devices:
+        if len(devices) != len(sizes):
+            raise shared.bad_devices(devices, len(sizes))
+        flags |= FLAG_DEVICES  # mirrors tensorpipe's message descriptor: each tensor names its target device
     fixed = HEADER.pack(MAGIC, VERSION, 0, kind, flags, mid, len(sizes), len(forks), len(meta))
     sizes_bytes = struct.pack(f"<{len(sizes)}q", *sizes)
+    if devices:
+        sizes_bytes += struct.pack(f"<{len(devices)}q", *devices)
     fork_bytes = struct.pack(f"<{RFD_TUPLE_SIZE * len(forks)}q", *[x for fork in forks for x in fork])
     return b"".join((fixed, sizes_bytes, fork_bytes, meta, body))
 
@@ -93,7 +102,7 @@ def unpack_header(data, max_bytes: int) -> tuple:
     if not (0 <= nbuf <= MAX_BUFFERS and 0 <= nforks <= MAX_FORKS and nmeta >= 0):
         raise shared.bad_counts(nbuf, nforks, nmeta, kind, flags, mid)
     sizes_at = HEADER.size
-    forks_at = sizes_at + 8 * nbuf
+    forks_at = sizes_at + (16 if flags & FLAG_DEVICES else 8) * nbuf  # the device records follow the sizes
     meta_at = forks_at + FORK_RECORD_BYTES * nforks
     body_at = meta_at + nmeta
     if body_at > n:
@@ -121,6 +130,27 @@ def unpack_header(data, max_bytes: int) -> tuple:
     flat = struct.unpack_from(f"<{RFD_TUPLE_SIZE * nforks}q", view, forks_at)
     forks = [flat[i:i + RFD_TUPLE_SIZE] for i in range(0, len(flat), RFD_TUPLE_SIZE)]
     return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
+
+
+def unpack_devices(data) -> tuple:
+    """The device record of each out-of-band buffer of a header message that ``unpack_header`` accepted: a tuple
+    of device indices (``HOST_DEVICE`` for host memory), empty when the message has no ``FLAG_DEVICES``.
+
+    RpcMessageError for a record that names no device (below ``HOST_DEVICE``, or ``MAX_DEVICES`` or more).
+    """
+    view = memoryview(data)
+    if len(view) < HEADER.size:
+        raise shared.short_message(len(view))
+    _magic, _version, _reserved, kind, flags, mid, nbuf, _nforks, _nmeta = HEADER.unpack_from(view, 0)
+    if not flags & FLAG_DEVICES:
+        return ()
+    if HEADER.size + 16 * nbuf > len(view):
+        raise shared.too_short(HEADER.size + 16 * nbuf, len(view), kind, flags, mid)
+    devices = struct.unpack_from(f"<{nbuf}q", view, HEADER.size + 8 * nbuf)
+    for index, device in enumerate(devices):
+        if not HOST_DEVICE <= device < MAX_DEVICES:
+            raise shared.bad_device(index, device, kind, flags, mid)
+    return devices
 
 
 def pack_batch(frames) -> bytes:

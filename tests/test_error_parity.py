@@ -20,8 +20,8 @@ from distlab import _backend, comm, nn
 from distlab._common.negotiation import dtype_code
 from distlab._common.rpc_framing import HEADER, MAX_BUFFERS
 from distlab._common.stall import StallInspector
-from distlab._wire import (RPC_KIND_CODES, RPC_WIRE_MAGIC, RPC_WIRE_VERSION, VERSION_OFFSET, RequestType,
-                          ResponseType)
+from distlab._wire import (RPC_FLAG_DEVICES, RPC_KIND_CODES, RPC_WIRE_MAGIC, RPC_WIRE_VERSION, VERSION_OFFSET,
+                          RequestType, ResponseType)
 from distlab.errors import (AutogradContextNotFoundError, AutogradIdOverflowError, CacheStateError,
                             DistAutogradError, DistTimeoutError, MessageFormatError, RpcMessageError,
                             RRefDeletedError, RRefIdOverflowError, RRefProtocolError)
@@ -628,6 +628,21 @@ def a_pickle_without_stop(m):
 @case("rpc_framing", ValueError)
 def a_fork_record_of_five_ints(m):
     m.pack_header(1, 0, 7, [], [(0, 1, 2, 3, 4)], b"", b"body")
+
+
+@case("rpc_framing", ValueError)
+def device_records_not_one_per_buffer(m):
+    m.pack_header(1, 0, 7, [8, 8], [], b"", b"body", (0,))
+
+
+@case("rpc_framing", RpcMessageError)
+def a_device_record_naming_no_device(m):
+    m.unpack_devices(_header(flags=RPC_FLAG_DEVICES, nbuf=1) + struct.pack("<2q", 8, -2))
+
+
+@case("rpc_framing", RpcMessageError)
+def device_records_cut_short(m):
+    m.unpack_devices(_header(flags=RPC_FLAG_DEVICES, nbuf=2) + struct.pack("<3q", 8, 8, 0))
 
 
 # ------------------------------------------------------------------------------------------ autograd_container

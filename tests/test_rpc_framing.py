@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from distlab import _backend
 from distlab._common.rpc_framing import HEADER, MAX_BUFFERS
-from distlab._wire import RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_KIND_CODES, RPC_KINDS, RPC_WIRE_MAGIC, RPC_WIRE_VERSION
+from distlab._wire import (RPC_FLAG_DEVICES, RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_KIND_CODES, RPC_KINDS, RPC_WIRE_MAGIC,
+                           RPC_WIRE_VERSION)
 from distlab.errors import DistlabError, RpcMessageError
 from distlab.rpc import framing
 
@@ -90,9 +91,9 @@ def test_twins_write_the_same_bytes_and_read_them_alike():
     (header(kind=len(RPC_KINDS)), f"unknown message kind {len(RPC_KINDS)}"),
     (header(kind=63), "unknown message kind 63"),
     (header(kind=-2 ** 31, nbuf=-1), "unknown message kind -2147483648"),   # the kind is checked before counts
-    (header(flags=8), "flags 0x8 on a call message"),
+    (header(flags=16), "flags 0x10 on a call message"),
     (header(flags=RPC_FLAG_ERROR), "flags 0x1 on a call message"),
-    (header(kind=0, flags=RPC_FLAG_INLINE), "flags 0x2 on a response message .it may carry 0x1 at most"),
+    (header(kind=0, flags=RPC_FLAG_INLINE), "flags 0x2 on a response message .it may carry 0x9 at most"),
     (header(kind=RPC_KIND_CODES["batch"], flags=RPC_FLAG_INLINE), "flags 0x2 on a batch message"),
     (header(kind=70, flags=-1), "flags -0x1 on a request message"),
     (header(reserved=1), "reserved header byte is 1"),
@@ -356,10 +357,13 @@ def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind
     dbuf, dforks, dmeta = deltas
     data = (HEADER.pack(RPC_WIRE_MAGIC, version, reserved, kind, flags, 3, len(sizes) + dbuf, nforks + dforks,
                         len(meta) + dmeta)
-            + struct.pack(f"<{len(sizes)}q", *sizes) + bytes(48 * nforks) + meta + body)
+            + struct.pack(f"<{len(sizes)}q", *sizes)
+            + (struct.pack(f"<{len(sizes)}q", *[-1] * len(sizes)) if flags & RPC_FLAG_DEVICES else b"")
+            + bytes(48 * nforks) + meta + body)
     outcome, _peak = _outcomes(lambda codec: codec.unpack_header(data, LIMIT)[:5])
     control = kind in (RPC_KIND_CODES["stop"], RPC_KIND_CODES["wake"], RPC_KIND_CODES["batch"])
-    allowed = RPC_FLAG_ERROR if kind == 0 else (0 if control else RPC_FLAG_INLINE | 4)
+    allowed = (0 if control else RPC_FLAG_DEVICES) | (RPC_FLAG_ERROR if kind == 0 else
+                                                     (0 if control else RPC_FLAG_INLINE | 4))
     sound = (version == RPC_WIRE_VERSION and reserved == 0 and (0 <= kind < len(RPC_KINDS) or kind >= 64)
              and not flags & ~allowed and min(sizes, default=0) >= 0 and sum(sizes) <= LIMIT)
     if control:   # no buffers, forks or metadata; stop and wake no body (a batch's body is its frames)

@@ -6,6 +6,7 @@ import struct
 __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS", "FINGERPRINT_MAX_DIMS",
            "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RPC_WIRE_MAGIC",
            "RPC_WIRE_VERSION", "RPC_HEADER_FORMAT", "RPC_FLAG_ERROR", "RPC_FLAG_INLINE", "RPC_FLAG_NOREPLY",
+           "RPC_FLAG_DEVICES", "RPC_HOST_DEVICE",
            "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
            "RREF_LOCAL_ID_BITS", "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN",
            "LIST_FLAGS", "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET", "LIST_HEADER", "REQUEST_HEAD",
@@ -52,13 +53,17 @@ RPC_USER_KIND_BASE = 64
 #: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, a reserved byte (0),
 #: kind, flags, message id, number of out-of-band buffers, number of RRef fork records, length of the pickled
 #: metadata. Bump the version whenever the layout changes: a worker refuses messages of another version with a
-#: clear error.
+#: clear error. Version 3 added the device records (``RPC_FLAG_DEVICES``).
 RPC_WIRE_MAGIC = b"dR"
-RPC_WIRE_VERSION = 2
+RPC_WIRE_VERSION = 3
 RPC_HEADER_FORMAT = "<2sBBiiqiii"
 RPC_FLAG_ERROR = 1      # response: the body is a remote exception description
 RPC_FLAG_INLINE = 2     # request: cheap, run on the listener thread
 RPC_FLAG_NOREPLY = 4    # request: no response expected
+#: The message carries device arrays: after the buffer sizes come as many int64 device records, the device each
+#: out-of-band buffer is rebuilt on at the receiver (its device index there, RPC_HOST_DEVICE for host memory).
+RPC_FLAG_DEVICES = 8
+RPC_HOST_DEVICE = -1
 #: MPI tags on the agent's own communicator: header messages, then each out-of-band buffer.
 RPC_TAG_HEADER = 17
 RPC_TAG_BUFFER = 18

@@ -15,6 +15,7 @@ __all__ = [
     "RpcError",
     "RpcThreadLevelError",
     "RpcMessageError",
+    "RpcDeviceError",
     "RemoteError",
     "RRefError",
     "RRefDeletedError",
@@ -154,6 +155,11 @@ class RpcMessageError(RpcError):
 
 def _rebuild_rpc_message_error(message, kind, flags, mid):
     return RpcMessageError(message, kind=kind, flags=flags, mid=mid)
+
+
+class RpcDeviceError(RpcError, ValueError):
+    """Device arrays and RPC: an array on a device no device map covers for its destination, a device map that
+    names a device a worker lacks or maps two devices to one, or a device record this worker cannot honour."""
 
 
 class RemoteError(RpcError):

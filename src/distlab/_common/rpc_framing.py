@@ -10,6 +10,8 @@ Limits (a message that breaks one is refused before anything is allocated or wai
     out-of-band buffers per message (65,536).
 ``MAX_FORKS``
     RRef fork records per message (65,536).
+``MAX_DEVICES``
+    a device record names a device index below this (65,536), or ``HOST_DEVICE`` (-1) for host memory.
 ``max_message_bytes()``
     the largest header message, and the largest total of a message's out-of-band buffers:
     ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` (default 16 GiB).
@@ -20,12 +22,14 @@ import os
 import pickletools
 import struct
 
-from distlab._wire import (RFD_TUPLE_SIZE, RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY, RPC_HEADER_FORMAT,
-                           RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE, RPC_WIRE_MAGIC, RPC_WIRE_VERSION)
+from distlab._wire import (RFD_TUPLE_SIZE, RPC_FLAG_DEVICES, RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY,
+                           RPC_HEADER_FORMAT, RPC_HOST_DEVICE, RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE,
+                           RPC_WIRE_MAGIC, RPC_WIRE_VERSION)
 from distlab.errors import RpcMessageError
 
 __all__ = [
-    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS",
+    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS", "MAX_DEVICES",
+    "FLAG_DEVICES", "HOST_DEVICE", "bad_devices", "bad_device",
     "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "NUM_KINDS", "USER_KIND_BASE", "K_RESPONSE", "K_STOP",
     "K_WAKE", "K_BATCH", "RESPONSE_FLAGS", "REQUEST_FLAGS", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
     "OP_FIXED1", "OP_FIXED2", "OP_FIXED4", "OP_FIXED8", "OP_COUNT1", "OP_COUNT4", "OP_COUNT8", "OP_LINE",
@@ -41,6 +45,9 @@ FORK_RECORD_BYTES = 8 * RFD_TUPLE_SIZE   # one fork record: RFD_TUPLE_SIZE int64
 FRAME_LEN = struct.Struct("<I")          # a batch is frames, each a little-endian uint32 length then a message
 MAX_BUFFERS = 1 << 16
 MAX_FORKS = 1 << 16
+MAX_DEVICES = 1 << 16
+FLAG_DEVICES = RPC_FLAG_DEVICES  # the header carries one device record per out-of-band buffer
+HOST_DEVICE = RPC_HOST_DEVICE
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 34
 
 
@@ -66,8 +73,8 @@ K_RESPONSE = RPC_KIND_CODES["response"]
 K_STOP = RPC_KIND_CODES["stop"]        # stop, wake and batch: no buffers, forks, metadata or flags; stop and wake
 K_WAKE = RPC_KIND_CODES["wake"]        # carry no body either (a batch's body is its frames)
 K_BATCH = RPC_KIND_CODES["batch"]
-RESPONSE_FLAGS = RPC_FLAG_ERROR                     # the flags a response may carry
-REQUEST_FLAGS = RPC_FLAG_INLINE | RPC_FLAG_NOREPLY  # the flags a request may carry
+RESPONSE_FLAGS = RPC_FLAG_ERROR | RPC_FLAG_DEVICES                     # the flags a response may carry
+REQUEST_FLAGS = RPC_FLAG_INLINE | RPC_FLAG_NOREPLY | RPC_FLAG_DEVICES  # the flags a request may carry
 
 
 # -- pickle opcodes, by what follows them (what the pickle check needs to know to step over them) ----------------
@@ -184,6 +191,18 @@ def bad_control(kind, nbuf, nforks, nmeta, nbody, flags, mid) -> RpcMessageError
         f"malformed RPC message: a {RPC_KINDS[kind]} message with {nbuf} out-of-band buffers, {nforks} RRef fork "
         f"records, {nmeta} metadata bytes and a {nbody}-byte body (it carries none"
         f"{', its body is its frames' if kind == K_BATCH else ''})", kind=kind, flags=flags, mid=mid)
+
+
+def bad_devices(devices, nbuf) -> ValueError:
+    """Device records handed to ``pack_header`` that are not one int per buffer (a caller's bug)."""
+    return ValueError(f"pack_header: {len(devices)} device records for {nbuf} out-of-band buffers (one each)")
+
+
+def bad_device(index, device, kind, flags, mid) -> RpcMessageError:
+    return RpcMessageError(
+        f"malformed RPC message: out-of-band buffer {index} is for device {device}, but a device record is a "
+        f"device index from 0 to {MAX_DEVICES - 1} or {HOST_DEVICE} (host memory)", kind=kind, flags=flags,
+        mid=mid)
 
 
 def bad_batch(pos, size, end) -> RpcMessageError:

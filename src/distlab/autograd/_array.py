@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["array_module", "is_cupy", "device_module", "register_device_array", "set_cuda_module", "cuda_module",
+__all__ = ["array_module", "is_cupy", "device_module", "register_device_array", "device_array_types", "set_cuda_module", "cuda_module",
            "unbroadcast", "index_add", "to_numpy", "asarray_like"]
 
 #: device array type -> its array module (``cupy``, or a stand-in with cupy's functions)
@@ -30,6 +30,11 @@ def register_device_array(array_type, module, scatter_add) -> None:
     """
     _DEVICE_MODULES[array_type] = module
     _SCATTER_ADD[module] = scatter_add
+
+
+def device_array_types() -> dict:
+    """``{device array type: its array module}`` registered so far (cupy's once an array of it was seen)."""
+    return dict(_DEVICE_MODULES)
 
 
 def _register_cupy(arr):

@@ -187,7 +187,8 @@ def _send_grads(agent, ctx, task, sends):
     one message per send/recv pair; the receiver's part, reported through the prepare tree, covers it)."""
     for worker, message_id, grads in sends:
         payload = (ctx.context_id, message_id, task.pass_id, task.retain_graph, grads)
-        agent.send(worker, K_BACKWARD, payload, noreply=True, inline=config.inline_backward)
+        # gradients go back the way their tensors came: the own device map to `worker`, else the inverse of its map
+        agent.send(worker, K_BACKWARD, payload, noreply=True, inline=config.inline_backward, device_map="either")
 
 
 def _as_backward_error(exc, context_id):

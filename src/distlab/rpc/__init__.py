@@ -22,8 +22,9 @@ from . import functions
 from .agent import CallInfo, WorkerInfo, current_call
 from .api import (_set_rpc_timeout, cheap, get_agent, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
                   is_initialized, remote, rpc_async, rpc_sync, shutdown)
+from .devices import RpcBackendOptions
 from .rref import RRef, rref_debug_info
 
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync", "rpc_async",
            "remote", "cheap", "get_agent", "is_initialized", "WorkerInfo", "CallInfo", "current_call", "RRef",
-           "rref_debug_info", "functions"]
+           "rref_debug_info", "functions", "RpcBackendOptions"]

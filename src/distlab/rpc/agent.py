@@ -29,6 +29,7 @@ from distlab.futures import Future, default_timeout
 
 from . import framing
 from .deadlines import DeadlineWatcher
+from .devices import Placement
 from .dispatch import CallInfo, Dispatcher, current_call
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
 from .transport import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Transport
@@ -60,9 +61,15 @@ class RpcAgent:
     names : list of str, optional
         Every worker's name by id, when already known (``init_rpc`` learns them while it makes ``comm``);
         otherwise gathered over ``comm``.
+    placement : distlab.rpc.devices.Placement, optional
+        Where device arrays sent to each worker land (the device maps ``init_rpc`` checked); None: no device
+        maps, so device arrays are refused.
+    device_count : int, optional
+        The devices this worker sees (device arrays received for another are refused).
     """
 
-    def __init__(self, name: str, comm, rpc_timeout: float = 60.0, num_threads: int = 4, names=None):
+    def __init__(self, name: str, comm, rpc_timeout: float = 60.0, num_threads: int = 4, names=None,
+                 placement=None, device_count=None):
         from distlab.timeline import get_timeline, now_us
 
         check_thread_level()
@@ -93,6 +100,9 @@ class RpcAgent:
                                         self._transport.waiting.idle_interval,
                                         self._transport.waiting.maybe_go_idle)
         self._transport.waiting.on_leave_idle = self._watcher.notify
+        self._transport.device_count = device_count
+        self.placement = placement
+        self._dispatch.place = self._place
         self.wait_mode = self._transport.waiting.mode
         self.running = True
 
@@ -155,19 +165,29 @@ class RpcAgent:
         return self._registry.resolve(to)
 
     # -- sending ----------------------------------------------------------------------------------------------
+    def _place(self, dst: int, mode: str):
+        """``place(device) -> device at dst`` for the framing (see :meth:`distlab.rpc.devices.Placement.target`)."""
+        placement = self.placement
+        if placement is None:
+            placement = self.placement = Placement(self.info.name, [w.name for w in self.workers], {}, {})
+        return lambda device: placement.target(dst, mode, device)
+
     def send(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline: bool = False,
-             noreply: bool = False, _track_timeout: bool = True) -> Future:
+             noreply: bool = False, _track_timeout: bool = True, device_map: str = "request") -> Future:
         """Send a request; return a Future completed with the handler's result (or a RemoteError).
 
         ``timeout`` (default ``rpc_timeout``; 0 or None-like negative means none) fails the future with
-        DistTimeoutError. ``noreply`` sends a one-way message and returns a completed future.
+        DistTimeoutError. ``noreply`` sends a one-way message and returns a completed future. ``device_map``: the
+        map device arrays in ``payload`` follow: ``"request"`` this worker's own map to ``dst`` (a call),
+        ``"reply"`` the inverse of ``dst``'s map to this worker, ``"either"`` the own map if set, else the
+        inverse (see :class:`distlab.rpc.devices.Placement`).
         """
         if not self.running:
             raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
         dst = self._registry.id_of(dst)
         for hook in self._send_hooks:
             meta = hook(dst, kind, meta)
-        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook)
+        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._place(dst, device_map))
         mid = next(self._mids)
         fut = Future(description=f"rpc {self._dispatch.label(kind)} #{mid} to {self.workers[dst].name}")
         flags = (FLAG_INLINE if inline else 0) | (FLAG_NOREPLY if noreply else 0)

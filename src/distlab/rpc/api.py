@@ -13,7 +13,9 @@ from distlab.errors import RpcError
 from distlab.futures import Future, default_timeout
 
 from . import framing, functions, wrappers
+from . import devices as _devices
 from .agent import RpcAgent, WorkerInfo, check_thread_level
+from .devices import RpcBackendOptions
 from .functions import is_async_execution
 from .workers import check_name, join_workers
 
@@ -62,7 +64,7 @@ def _handle_call(src, payload, meta):
     return result
 
 
-def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
+def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, rpc_backend_options=None):
     """Start this worker's RPC agent (collective over COMM_WORLD: every rank calls it).
 
     Parameters
@@ -78,6 +80,10 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
         :class:`~distlab.errors.DistTimeoutError` naming the ranks that did not.
     num_threads : int
         Threads running the requests this worker receives.
+    rpc_backend_options : RpcBackendOptions, optional
+        PyTorch's ``rpc_backend_options``: device maps (where this worker's device arrays land on each callee),
+        devices, and (when set there) ``rpc_timeout`` and ``num_worker_threads``, which take precedence. Every
+        worker checks every worker's device maps; an inconsistent one is an RpcDeviceError on every worker.
     """
     global _agent, _atexit_registered
     from mpi4py import MPI
@@ -90,11 +96,24 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4):
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
         if world_size is not None and world_size != world.Get_size():
             raise ValueError(f"init_rpc(world_size={world_size}) but MPI has {world.Get_size()} ranks")
+        options = rpc_backend_options
+        if options is not None and not isinstance(options, RpcBackendOptions):
+            raise TypeError(f"rpc_backend_options must be a distlab.rpc.RpcBackendOptions, got {options!r}")
+        if options is not None and options.rpc_timeout is not None:
+            rpc_timeout = options.rpc_timeout
+        if options is not None and options.num_worker_threads is not None:
+            num_threads = options.num_worker_threads
         rpc_timeout = _check_timeout(default_timeout() if rpc_timeout is None else rpc_timeout)
         check_thread_level()
         check_name(name)
         comm, names = join_workers(world, name, rpc_timeout or default_timeout())
-        agent = RpcAgent(name, comm, rpc_timeout=rpc_timeout, num_threads=num_threads, names=names)
+        try:
+            placement, device_count = _devices.exchange(comm, name, names, options)
+        except BaseException:
+            comm.Free()
+            raise
+        agent = RpcAgent(name, comm, rpc_timeout=rpc_timeout, num_threads=num_threads, names=names,
+                         placement=placement, device_count=device_count)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
         _rref_layer.attach(agent)
         _agent = agent  # before the listener starts: handlers may call get_agent() at once

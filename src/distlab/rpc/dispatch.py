@@ -130,6 +130,8 @@ class Dispatcher:
         #: set by the RRef layer: fork_hook(rref) -> fork data; fork_receiver(forks) -> (resolved, futures)
         self.fork_hook: Callable | None = None
         self.fork_receiver: Callable | None = None
+        #: set by the agent: place(dst, mode) -> where device arrays land at dst (a reply follows mode "reply")
+        self.place: Callable | None = None
 
     # -- registry ---------------------------------------------------------------------------------------------
     def register_handler(self, kind: int, fn: Callable, inline: bool, internal: bool) -> None:
@@ -252,7 +254,8 @@ class Dispatcher:
         if not self.running and dst != self.info.id:
             return
         try:
-            body, buffers, forks = framing.dumps(value, self.fork_hook)
+            body, buffers, forks = framing.dumps(value, self.fork_hook,
+                                                 self.place(dst, "reply") if self.place else None)
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self.reply_error(dst, mid, 0, exc)
             return

@@ -28,26 +28,37 @@ is pickled, each RRef's ``__reduce__`` calls the *fork hook* installed by :func:
 fork data tuple into an RRef (``receive_fork``), waits for their confirmations, then unpickles the body with the
 placeholders resolved (:func:`loads`).
 
+Device arrays (cupy, or a registered stand-in) travel out of band too, each buffer with a device record in the
+header: ``dumps(..., place=...)`` asks ``place(device)`` where each lands (the device map; see
+:mod:`distlab.rpc.devices`), and refuses them when it is None.
+
 Functions defined in ``__main__`` (and lambdas, local functions) travel by value through cloudpickle; the
 bytes are cached per function object.
 """
 from __future__ import annotations
 
+import collections.abc
+import copyreg
+import functools
+import io
 import pickle
 import threading
 import weakref
 
 import cloudpickle
+import numpy as np
 
 from distlab import _backend
-from distlab._common.rpc_framing import HEADER, MAX_BUFFERS, MAX_FORKS, max_message_bytes
+from distlab._common.rpc_framing import HEADER, HOST_DEVICE, MAX_BUFFERS, MAX_FORKS, max_message_bytes
 from distlab._wire import RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY
-from distlab.errors import RpcMessageError
+from distlab.errors import RpcDeviceError, RpcMessageError
+
+from . import devices as _devices
 
 __all__ = [
     "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX", "MAX_BUFFERS", "MAX_FORKS",
     "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "load_meta", "pack_batch", "split_batch",
-    "by_value", "call_payload", "current_forks",
+    "by_value", "call_payload", "current_forks", "buffer_devices", "device_records", "place_buffers",
 ]
 
 FLAG_ERROR = RPC_FLAG_ERROR      # response: the body is a remote exception description
@@ -167,20 +178,66 @@ def rref_reduce(fork_data):
     return _fork_placeholder, (len(forks) - 1,)
 
 
-def dumps(obj, fork_hook=None):
+def _reduce_device_array(kind, array):
+    """Pickle a device array as a host buffer (out of band) whose device record says where it lands."""
+    place, pending = _local.device  # those of the running dumps
+    if place is None:
+        raise RpcDeviceError(f"a {kind.name} device array can only travel as an RPC argument or result")
+    target = place(kind.device_of(array))  # RpcDeviceError when no device map covers it
+    host = kind.to_host(array)  # waits for the array's stream (mirrors the agent's stream sync)
+    pb = pickle.PickleBuffer(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    pending[id(pb)] = (pb, target)
+    return _devices.rebuild_device_array, (kind.name, pb, host.dtype.str, tuple(host.shape))
+
+
+_picklers: dict = {}  # (pickle module, device kinds, copyreg entries) -> its Pickler reducing those device arrays
+
+
+def _pickle(module, obj, callback, kinds) -> bytes:
+    """``module.dumps`` (pickle or cloudpickle, protocol 5), with device arrays reduced when any kind is known."""
+    if not kinds:
+        return module.dumps(obj, protocol=5, buffer_callback=callback)
+    key = (module, tuple(kinds), len(copyreg.dispatch_table))
+    pickler_class = _picklers.get(key)
+    if pickler_class is None:
+        # A class attribute: the C pickler reads dispatch_table once, in __init__ (cloudpickle's Pickler has its own
+        # as a class attribute, so setting one on an instance afterwards would be ignored).
+        base = getattr(module.Pickler, "dispatch_table", None)  # cloudpickle's own; the C pickler has a slot
+        table = dict(base if isinstance(base, collections.abc.Mapping) else copyreg.dispatch_table)
+        for kind in kinds:
+            table[kind.type] = functools.partial(_reduce_device_array, kind)
+        pickler_class = _picklers[key] = type("DevicePickler", (module.Pickler,), {"dispatch_table": table})
+    file = io.BytesIO()
+    pickler_class(file, protocol=5, buffer_callback=callback).dump(obj)
+    return file.getvalue()
+
+
+def dumps(obj, fork_hook=None, place=None):
     """Pickle ``obj`` (protocol 5). Return ``(body, buffers, forks)``.
 
     ``buffers`` are ``pickle.PickleBuffer`` views of the arrays' memory (out-of-band, larger than
-    ``INBAND_MAX``); ``forks`` holds the fork data of every RRef in ``obj`` (``fork_hook(rref)`` made each).
+    ``INBAND_MAX``), and a :class:`~distlab.rpc.devices.DeviceBuffer` for each device array (always out of band:
+    ``place(device)`` names the receiver's device it lands on, and raises RpcDeviceError when no device map
+    covers it; without ``place`` a device array is refused); ``forks`` holds the fork data of every RRef in
+    ``obj`` (``fork_hook(rref)`` made each).
     """
     buffers = []
+    pending = {}  # id(PickleBuffer) -> (PickleBuffer, target device) of the device arrays being pickled
 
     def callback(pb):
+        device = pending.pop(id(pb), None) if pending else None
+        if device is not None:
+            buffers.append(_devices.DeviceBuffer(pb.raw(), device[1]))
+            return False
         raw = pb.raw()
         if raw.nbytes <= INBAND_MAX:
             return True  # in-band
         buffers.append(raw)
         return False
+
+    kinds = _devices.device_kinds()
+    outer_device = getattr(_local, "device", None)
+    _local.device = (place, pending)
 
     outer_forks = getattr(_local, "forks", None)
     outer_hook = getattr(_local, "hook", None)
@@ -188,15 +245,16 @@ def dumps(obj, fork_hook=None):
     _local.hook = fork_hook
     try:
         try:
-            body = pickle.dumps(obj, protocol=5, buffer_callback=callback)
+            body = _pickle(pickle, obj, callback, kinds)
         except (pickle.PicklingError, AttributeError, TypeError):
             if forks:
                 raise
             buffers.clear()
-            body = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
+            body = _pickle(cloudpickle, obj, callback, kinds)
     finally:
         _local.forks = outer_forks
         _local.hook = outer_hook
+        _local.device = outer_device
     return body, buffers, forks
 
 
@@ -231,10 +289,37 @@ def call_payload(func, args, kwargs) -> tuple:
     return (by_value(func), tuple(args), dict(kwargs) if kwargs else None)
 
 
+def buffer_devices(buffers) -> tuple:
+    """The device record of each buffer (``HOST_DEVICE`` for host memory); empty when none is a device array."""
+    if not any(type(b) is _devices.DeviceBuffer for b in buffers):
+        return ()
+    return tuple(b.device if type(b) is _devices.DeviceBuffer else HOST_DEVICE for b in buffers)
+
+
+def device_records(data, count, kind, flags, mid) -> tuple:
+    """The device records of a header message with ``FLAG_DEVICES``, checked against ``count``, this worker's
+    devices (None: none known): a record for a device it lacks is an RpcMessageError (answered to the sender)."""
+    records = _codec.unpack_devices(data)
+    for device in records:
+        if device != HOST_DEVICE and (count is None or device >= count):
+            raise RpcMessageError(
+                f"RPC message #{mid} carries a device array for device cuda:{device}, but this worker sees "
+                f"{count or 0} device(s); fix the sender's device map (RpcBackendOptions.set_device_map)",
+                kind=kind, flags=flags, mid=mid)
+    return records
+
+
+def place_buffers(buffers, records) -> list:
+    """Receiving: each buffer whose device record names a device, wrapped in a DeviceBuffer (what :func:`loads`
+    rebuilds the device array from)."""
+    return [b if device == HOST_DEVICE else _devices.DeviceBuffer(b, device) for b, device in zip(buffers, records)]
+
+
 def pack_header(kind, flags, mid, buffers, meta, forks, body) -> bytes:
     """Build the header message bytes (see the module docstring)."""
     meta_bytes = pickle.dumps(meta, protocol=5) if meta is not None else b""
-    return _codec.pack_header(kind, flags, mid, [b.nbytes for b in buffers], forks, meta_bytes, body)
+    return _codec.pack_header(kind, flags, mid, [b.nbytes for b in buffers], forks, meta_bytes, body,
+                              buffer_devices(buffers))
 
 
 def unpack_header(data) -> tuple:

@@ -24,10 +24,11 @@ import traceback
 from typing import Callable
 
 from distlab._common.rpc_framing import FRAME_LEN, with_sizes
-from distlab._wire import RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
+from distlab._wire import RPC_FLAG_DEVICES, RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
 from distlab.errors import RpcMessageError
 
 from . import framing
+from .devices import DeviceBuffer
 from .waiting import AdaptiveWait
 
 __all__ = ["Transport", "TAG_HEADER", "TAG_BUFFER", "kind_name"]
@@ -50,6 +51,11 @@ K_BATCH = RPC_KIND_CODES["batch"]
 def kind_name(kind: int) -> str:
     """The name of a message kind (for errors and the timeline)."""
     return RPC_KINDS[kind] if 0 <= kind < len(RPC_KINDS) else f"kind {kind}"
+
+
+def _data(buf):
+    """The memory MPI sends for an out-of-band buffer (a device array's is its host copy)."""
+    return buf.data if type(buf) is DeviceBuffer else buf
 
 
 class Transport:
@@ -103,6 +109,8 @@ class Transport:
         self._outbox_bytes: dict[int, int] = {}
         self._local = collections.deque()  # messages the listener sent to its own worker: (header, buffers)
         self._listener_ident = None
+        #: the devices this worker sees (set by the agent; None: no device arrays can be received)
+        self.device_count = None
         self.running = True
         self._listener = threading.Thread(target=self._listen, name=f"distlab-rpc-listener-{name}", daemon=True)
 
@@ -123,7 +131,7 @@ class Transport:
             # A send to one's own rank completes only when the listener receives it, so from the listener it
             # would never complete (a 1-rank job then hung). Deliver it after the current message, as the same
             # bytes (buffers copied, as MPI would).
-            self._local.append((header, [bytearray(b) for b in buffers]))
+            self._local.append((header, [bytearray(_data(b)) for b in buffers]))
             return
         if not buffers and len(header) <= EAGER_MAX:
             if threading.get_ident() == self.waiting.listener_ident:
@@ -138,7 +146,7 @@ class Transport:
             else:
                 requests.append(comm.Isend([header, MPI.BYTE], dst, TAG_HEADER))
             for buf in buffers:
-                requests.append(comm.Isend([buf, MPI.BYTE], dst, TAG_BUFFER))
+                requests.append(comm.Isend([_data(buf), MPI.BYTE], dst, TAG_BUFFER))
         with self._isend_lock:
             self._isends.append((requests, header, buffers))
             if len(self._isends) > 8:
@@ -232,8 +240,11 @@ class Transport:
                     self.waiting.woken()
                 return kind == K_STOP
             self._check_kind(src, kind, flags, mid, sizes)
+            records = self._device_records(data, kind, flags, mid, sizes) if flags & RPC_FLAG_DEVICES else ()
             if buffers is None:
                 buffers = self._receive_buffers(src, sizes, kind, flags, mid) if sizes else []
+            if records:  # device arrays: each buffer names the device it is rebuilt on
+                buffers = framing.place_buffers(buffers, records)
             meta = framing.load_meta(meta, kind, flags, mid)
         except RpcMessageError as exc:
             if exc.sizes and buffers is None:
@@ -253,6 +264,13 @@ class Transport:
             raise with_sizes(RpcMessageError(
                 f"refused message #{mid} ({kind_name(kind)}) from worker {src}: worker {self.name} has no handler "
                 f"for message kind {kind}", kind=kind, flags=flags, mid=mid), sizes)
+
+    def _device_records(self, data, kind, flags, mid, sizes) -> tuple:
+        """The device record of each buffer, checked against this worker's devices (RpcMessageError otherwise)."""
+        try:
+            return framing.device_records(data, self.device_count, kind, flags, mid)
+        except RpcMessageError as exc:
+            raise with_sizes(exc, sizes) from None
 
     def _receive_buffers(self, src, sizes, kind, flags, mid, keep=True) -> list:
         """Receive a message's out-of-band buffers from ``src``: each one matched by a probe (``Improbe``),
