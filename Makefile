@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.distlab-installed
 NP      ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: all venv build demo test test-fast docs linkcheck bench clean distclean
+.PHONY: all venv build demo test test-fast docs linkcheck bench gpu-check clean distclean
 
 all: build
 
@@ -67,6 +67,13 @@ linkcheck: docs
 
 bench: build
 	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done
+
+# The prepared device check, for a machine with a CUDA GPU, cupy and a C++ compiler but no network and no MPI
+# (docs/gpu.md): a venv (.venv-gpu) that sees the machine's packages, the carried mpich wheel from wheels/, the core
+# built with one job per core, the GPU tests and bench_gpu.py --quick; log and JSON in benchmarks/results/gpu-check.
+# Uses the machine's python3, not .venv. `make gpu-check GPU_CHECK_ARGS=--dry-run` prints the plan.
+gpu-check:
+	PATH="$(subst $(CURDIR)/$(VENV)/bin:,,$(PATH))" $(PYTHON3) scripts/gpu_check.py --jobs $$(nproc) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build core/*.c core/*.so docs/_build .pytest_cache
