@@ -65,8 +65,9 @@ linkcheck: docs
 	$(PY) docs/_scripts/check_links.py docs/_build/html
 	$(PY) -P -m sphinx -b linkcheck docs docs/_build/linkcheck
 
+# Every benchmark but bench_gpu.py, which needs a GPU (make gpu-check runs it).
 bench: build
-	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do [ $$b = benchmarks/bench_gpu.py ] || $(PY) -P $$b || exit 1; done
 
 # The prepared device check, for a machine with a CUDA GPU, cupy and a C++ compiler but no network and no MPI
 # (docs/gpu.md): a venv (.venv-gpu) that sees the machine's packages, the carried mpich wheel from wheels/, the core

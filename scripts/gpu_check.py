@@ -3,7 +3,7 @@
 For a fresh machine with a CUDA GPU, cupy, a C++ compiler, Python with numpy, Cython, setuptools, mpi4py and
 pytest, and no network (see docs/gpu.md). It makes a virtual environment that sees the machine's packages, puts
 the carried ``mpich`` wheel in it (the machine has no MPI), builds the core in parallel, runs the GPU tests
-(``tests/test_gpu*.py``, 2 ranks sharing the GPU) and the GPU benchmark's quick mode, and writes under the results
+(marker ``gpu`` in ``tests/test_*gpu*.py``, 2 ranks sharing the GPU) and the GPU benchmark's quick mode, and writes under the results
 directory: ``gpu-check.log`` (every command and its output), ``gpu-check.json`` (each step: command, exit status,
 seconds), ``gpu-tests.xml`` (pytest's JUnit report) and ``bench_gpu.json``.
 
@@ -96,7 +96,7 @@ def plan(args) -> list:
     steps.append(("preflight", [str(vpy), "-P", "-c", PREFLIGHT], None))
     steps.append(("build the core", [str(vpy), "setup.py", "-q", "build_ext", "--inplace", "-j", str(args.jobs)],
                   None))
-    env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_gpu*.py"))
+    env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*gpu*.py"))
     steps.append(("gpu tests", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                 f"--junitxml={results / 'gpu-tests.xml'}", *env_tests], args.timeout))
     steps.append(("bench_gpu --quick", [str(vpy), "-P", "benchmarks/bench_gpu.py", "--quick", "--json",
