@@ -9,6 +9,7 @@ the last epoch.
     python -m distlab run -n 2 --timeline ddp.json examples/train_ddp.py   # then open ddp.json in Perfetto
     DISTLAB_IMPL=reference python -m distlab run -n 2 examples/train_ddp.py  # the pure-Python reducer
     python -m distlab run -n 2 examples/train_ddp.py --powersgd 2     # gradients compressed to rank 2 (PowerSGD)
+    python -m distlab run -n 2 examples/train_ddp.py --device cuda   # on GPUs (cupy), as accurate as on the CPU
 
 The timeline shows, per rank, each gradient's arrival ("reducer grads"), each bucket's allreduce in flight
 ("reducer buckets") and the collectives themselves ("comm world"): buckets launched before the last gradient
@@ -26,6 +27,8 @@ from distlab import comm, nn, optim
 from distlab.data import DistributedSampler
 from distlab.ddp import DistributedDataParallel
 from distlab.ddp_comm_hooks import PowerSGDState, powerSGD_hook
+
+from _device import add_device_argument, select
 
 
 def spirals(n_per_class: int, classes: int = 3, seed: int = 0):
@@ -65,13 +68,18 @@ def main() -> None:
                         help="compress the gradients with PowerSGD at this matrix rank (0: plain allreduce)")
     parser.add_argument("--powersgd-start", type=int, default=10,
                         help="PowerSGD's start_powerSGD_iter: plain allreduce for this many steps first")
+    add_device_argument(parser)
     options = parser.parse_args()
 
+    xp = select(options.device)
     pg = comm.world()
-    x, y = spirals(600)
+    x, y = (xp.asarray(a) for a in spirals(600))
     sampler = DistributedSampler(len(y), num_replicas=pg.size, rank=pg.rank)  # this rank's share, as torch's
 
-    model = DistributedDataParallel(build_model(options.hidden, options.depth), bucket_cap_mb=options.bucket_cap_mb)
+    model = build_model(options.hidden, options.depth)
+    if options.device != "cpu":
+        model.to("cuda")
+    model = DistributedDataParallel(model, bucket_cap_mb=options.bucket_cap_mb)
     if options.powersgd:
         model.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=options.powersgd,
                                                start_powerSGD_iter=options.powersgd_start), powerSGD_hook)
@@ -97,7 +105,7 @@ def main() -> None:
     mine = DistributedSampler(len(y), num_replicas=pg.size, rank=pg.rank, shuffle=False).indices()
     with distlab.no_grad():
         predicted = model(distlab.tensor(x[mine])).data.argmax(axis=1)
-    counts = np.array([(predicted == y[mine]).sum(), len(mine)], dtype=np.int64)
+    counts = np.array([int((predicted == y[mine]).sum()), len(mine)], dtype=np.int64)
     pg.allreduce(counts)
     accuracy = counts[0] / counts[1]
     buckets = model.reducer.get_logging_data()["bucket_indices"]
