@@ -8,7 +8,13 @@ caller and a recv function on the stage's owner), the loss is computed on the dr
 runs backward across the workers (each stage's gradients stay in the context on its owner) and
 ``DistributedOptimizer.step(context_id)`` updates every stage where it lives. At the end the same model is
 trained locally in one process from the same initial weights: the parameters agree to float tolerance.
+
+``--device cuda`` puts every stage on its owner's GPU and the data on the driver's (cupy; ``--device fake``: the
+CI stand-in): the driver sets a device map to every worker (``RpcBackendOptions(device_maps=...)``), so the
+activations land on each stage's device, the results come back through the inverse maps, and distributed
+autograd's gradients go back the way their tensors came.
 """
+import argparse
 import os
 import sys
 import threading
@@ -18,8 +24,11 @@ import numpy as np
 import distlab.rpc as rpc
 from distlab import distributed_autograd as dist_autograd
 from distlab import nn, optim
-from distlab.autograd import Tensor
+from distlab.autograd import Tensor, to_numpy
 from distlab.distributed_autograd import DistributedOptimizer
+from distlab.rpc import RpcBackendOptions
+
+from _device import add_device_argument, select
 
 SIZES = [1, 32, 32, 1]  # three stages: 1 -> 32 -> 32 -> 1
 STEPS = 150
@@ -28,6 +37,7 @@ LR = 0.05
 rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
 _done = threading.Event()
+xp = np  # the array module of --device (set on every rank before init_rpc)
 
 
 class Stage(nn.Module):
@@ -37,6 +47,8 @@ class Stage(nn.Module):
         super().__init__()
         self.lin = nn.Linear(SIZES[index], SIZES[index + 1], dtype=np.float64, seed=100 + index)
         self.last = index == len(SIZES) - 2
+        if xp is not np:
+            self.to("cuda")
 
     def forward(self, x):
         y = self.lin(x)
@@ -48,7 +60,7 @@ class Stage(nn.Module):
 
 def data():
     x = np.linspace(-3, 3, 64).reshape(-1, 1)
-    return x, np.sin(x)
+    return xp.asarray(x), xp.asarray(np.sin(x))
 
 
 def mse(pred, target):
@@ -108,12 +120,20 @@ def check_world_size():
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_argument(parser)
+    device = parser.parse_args().device
     world = check_world_size()
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    xp = select(device)
+    options = None
+    if device != "cpu" and rank == 0:  # the driver's device arrays land on each stage owner's device (itself too:
+        count = xp.cuda.runtime.getDeviceCount()  # a stage it owns is called over RPC like the others)
+        options = RpcBackendOptions(device_maps={f"worker{w}": {0: w % count} for w in range(world)})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     if rank == 0:
         dist_params = train_distributed()
         local_params = train_local()
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(dist_params, local_params))
+        worst = max(float(np.abs(to_numpy(a) - to_numpy(b)).max()) for a, b in zip(dist_params, local_params))
         print(f"distributed vs local training: max parameter difference {worst:.2e}")
         assert worst < 1e-9, worst
         for dst in range(1, world):

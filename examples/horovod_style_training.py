@@ -11,6 +11,7 @@ returns the last rank to join, whose model trained to the end, and every rank th
     python -m distlab run -n 2 examples/horovod_style_training.py
     python -m distlab run -n 4 --timeline hvd.json examples/horovod_style_training.py   # open in Perfetto
     DISTLAB_IMPL=reference python -m distlab run -n 2 examples/horovod_style_training.py
+    python -m distlab run -n 2 examples/horovod_style_training.py --device cuda   # on GPUs (cupy)
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from distlab import nn, optim
 from distlab.data import DistributedSampler
 from train_ddp import spirals  # the same data set as the DDP example (examples/ is on sys.path when run)
 
+from _device import add_device_argument, select
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,16 +36,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--target", type=float, default=0.85, help="exit 1 if the final accuracy is below this")
+    add_device_argument(parser)
     options = parser.parse_args()
 
+    xp = select(options.device)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    x, y = spirals(600)
+    x, y = (xp.asarray(a) for a in spirals(600))
     sampler = DistributedSampler(len(y), num_replicas=size, rank=rank, uneven=True)
 
     model = nn.Sequential(nn.Linear(2, options.hidden, seed=10 + rank), nn.ReLU(),
                           nn.Linear(options.hidden, options.hidden, seed=20 + rank), nn.ReLU(),
                           nn.Linear(options.hidden, 3, seed=30 + rank))
+    if options.device != "cpu":
+        model.to("cuda")
     hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
     opt = hvd.DistributedOptimizer(optim.SGD(model.parameters(), lr=options.lr, momentum=0.9),
                                    named_parameters=model.named_parameters())

@@ -2,6 +2,7 @@
 
     python -m distlab run -n 2 examples/uneven_inputs.py
     python -m distlab run -n 4 examples/uneven_inputs.py --batches 30 --divide-by-active
+    python -m distlab run -n 2 examples/uneven_inputs.py --device cuda   # on GPUs (cupy); --device fake: CI's stand-in
 
 The data set is a list of batches, shared out by a ``DistributedSampler(uneven=True)``: unlike torch's sampler,
 it neither pads nor cuts, so with 61 batches on 2 ranks rank 0 trains on 31 per epoch and rank 1 on 30; over
@@ -27,7 +28,10 @@ from distlab.data import DistributedSampler
 from distlab.ddp import DistributedDataParallel
 from distlab.join import Join
 from distlab.metrics import DistributedMean
+from distlab.autograd import to_numpy
 from distlab.optim import ZeroRedundancyOptimizer
+
+from _device import add_device_argument, select
 
 
 def main() -> None:
@@ -36,16 +40,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5, help="passes over the data set")
     parser.add_argument("--divide-by-active", action="store_true",
                         help="divide gradients by the ranks still training instead of the world size")
+    add_device_argument(parser)
     options = parser.parse_args()
 
+    xp = select(options.device)
     pg = comm.world()
     true_w = np.array([[2.0], [-1.0], [0.5]], dtype=np.float32)
     x = np.random.default_rng(0).standard_normal((options.batches, 16, 3)).astype(np.float32)
-    y = x @ true_w
+    x, y = xp.asarray(x), xp.asarray(x @ true_w)
     sampler = DistributedSampler(options.batches, uneven=True)  # rank r: ceil((batches - r) / size) batches
 
     distlab.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 16, seed=0), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1, seed=1))
+    if options.device != "cpu":
+        net.to("cuda")
     model = DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(net))
     opt = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, lr=0.01)
     loss_fn = nn.MSELoss()
@@ -69,7 +77,7 @@ def main() -> None:
 
     state = model.module.state_dict()
     for key, value in state.items():
-        everyone = pg.allgather(np.ascontiguousarray(value))
+        everyone = pg.allgather(np.ascontiguousarray(to_numpy(value)))  # a host copy of each, compared
         assert all(np.array_equal(everyone[0], v) for v in everyone), f"{key} differs across ranks"
     shard = sum(v.nbytes for s in opt.optim.state.values() for v in s.values() if hasattr(v, "nbytes"))
     shards = pg.allgather_object(shard)
