@@ -55,20 +55,42 @@ rng = np.random.default_rng(0)
 X, Y = rng.standard_normal((8, 4)), rng.standard_normal((8, 1))
 
 
-def ddp_gradients():
+def gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device
+        return False
+
+
+DEVICE = "cuda" if gpu_present() else "cpu"
+print("DDP runs on", "the GPU (cupy; the two ranks share GPU 0 if there is only one)" if DEVICE == "cuda" else
+      "the CPU: no GPU here (with cupy and a CUDA device, this cell runs DDP on the GPU)")
+
+
+def ddp_gradients(device):
+    import os
+
     from distlab import nn
+    from distlab.autograd import to_numpy
     from distlab.data import DistributedSampler
     from distlab.ddp import DistributedDataParallel
 
-    model = DistributedDataParallel(make_model())
+    xp = np
+    if device == "cuda":
+        import cupy as xp
+
+        xp.cuda.Device(int(os.environ["RANK"]) % xp.cuda.runtime.getDeviceCount()).use()
+    model = DistributedDataParallel(make_model().to(device))
     # rank r takes examples r, r + 2, r + 4, ...
     mine = DistributedSampler(len(X), shuffle=False).indices()
-    loss = nn.MSELoss()(model(distlab.tensor(X[mine])), distlab.tensor(Y[mine]))
+    loss = nn.MSELoss()(model(distlab.tensor(xp.asarray(X[mine]))), distlab.tensor(xp.asarray(Y[mine])))
     loss.backward()
-    return {name: p.grad.data.copy() for name, p in model.module.named_parameters()}
+    return {name: to_numpy(p.grad.data) for name, p in model.module.named_parameters()}  # host copies
 
 
-per_rank = distlab.run(ddp_gradients, np=2)
+per_rank = distlab.run(ddp_gradients, args=(DEVICE,), np=2)
 
 local = make_model()
 nn.MSELoss()(local(distlab.tensor(X)), distlab.tensor(Y)).backward()
