@@ -65,8 +65,10 @@ def gpu_present() -> bool:
 
 
 DEVICE = "cuda" if gpu_present() else "cpu"
-print("DDP runs on", "the GPU (cupy; the two ranks share GPU 0 if there is only one)" if DEVICE == "cuda" else
-      "the CPU: no GPU here (with cupy and a CUDA device, this cell runs DDP on the GPU)")
+if DEVICE == "cuda":
+    print("DDP runs on the GPU (cupy; the two ranks share GPU 0 if there is only one)")
+else:
+    print("DDP runs on the CPU: no GPU here (with cupy and a CUDA device, it runs on the GPU)")
 
 
 def ddp_gradients(device):
@@ -85,9 +87,10 @@ def ddp_gradients(device):
     model = DistributedDataParallel(make_model().to(device))
     # rank r takes examples r, r + 2, r + 4, ...
     mine = DistributedSampler(len(X), shuffle=False).indices()
-    loss = nn.MSELoss()(model(distlab.tensor(xp.asarray(X[mine]))), distlab.tensor(xp.asarray(Y[mine])))
-    loss.backward()
-    return {name: to_numpy(p.grad.data) for name, p in model.module.named_parameters()}  # host copies
+    x, y = distlab.tensor(xp.asarray(X[mine])), distlab.tensor(xp.asarray(Y[mine]))
+    nn.MSELoss()(model(x), y).backward()
+    # host copies of the gradients
+    return {name: to_numpy(p.grad.data) for name, p in model.module.named_parameters()}
 
 
 per_rank = distlab.run(ddp_gradients, args=(DEVICE,), np=2)
