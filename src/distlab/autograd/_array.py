@@ -9,6 +9,7 @@ a stand-in (``distlab.fakegpu``, for CI) registers itself when imported. ``"cuda
 from __future__ import annotations
 
 import sys
+from types import MappingProxyType
 
 import numpy as np
 
@@ -20,6 +21,7 @@ _DEVICE_MODULES: dict = {}
 #: device array module -> its ``scatter_add(target, index, values)`` (``cupyx.scatter_add`` for cupy)
 _SCATTER_ADD: dict = {}
 _CUDA: list = []  # the module "cuda" names when not cupy (set_cuda_module)
+_DEVICE_VIEW = MappingProxyType(_DEVICE_MODULES)
 
 
 def register_device_array(array_type, module, scatter_add) -> None:
@@ -32,9 +34,10 @@ def register_device_array(array_type, module, scatter_add) -> None:
     _SCATTER_ADD[module] = scatter_add
 
 
-def device_array_types() -> dict:
-    """``{device array type: its array module}`` registered so far (cupy's once an array of it was seen)."""
-    return dict(_DEVICE_MODULES)
+def device_array_types():
+    """``{device array type: its array module}`` registered so far (cupy's once an array of it was seen): a live,
+    read-only view."""
+    return _DEVICE_VIEW
 
 
 def _register_cupy(arr):

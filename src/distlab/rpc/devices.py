@@ -165,15 +165,22 @@ class DeviceKind:
             return 0
 
 
+_kinds_cache: list = [None, []]  # [(registered types, cupy imported), the kinds]: dumps asks for every message
+
+
 def device_kinds() -> list:
     """The kinds of device array this process knows: those registered with
     :func:`distlab.autograd.register_device_array` (the stand-in on import), and cupy's once cupy is imported."""
-    found = {module.__name__: DeviceKind(module.__name__, array_type, module)
-             for array_type, module in device_array_types().items()}
+    registered = device_array_types()
     cupy = sys.modules.get("cupy")
-    if cupy is not None and "cupy" not in found:
-        found["cupy"] = DeviceKind("cupy", cupy.ndarray, cupy)
-    return list(found.values())
+    key = (len(registered), cupy is not None)
+    if key != _kinds_cache[0]:
+        found = {module.__name__: DeviceKind(module.__name__, array_type, module)
+                 for array_type, module in list(registered.items())}
+        if cupy is not None and "cupy" not in found:
+            found["cupy"] = DeviceKind("cupy", cupy.ndarray, cupy)
+        _kinds_cache[:] = [key, list(found.values())]
+    return _kinds_cache[1]
 
 
 def kind_named(name: str) -> DeviceKind:
