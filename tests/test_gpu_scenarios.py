@@ -18,33 +18,25 @@ def test_gpu_scenarios_on_the_stand_in(mpirun):
     assert result.stdout.count("gpu scenarios OK (core, fake)") == 2
 
 
-@pytest.mark.gpu
-@pytest.mark.mpi
-@requires_gpu
-def test_gpu_scenarios_on_cupy(mpirun, impl):
-    result = mpirun("gpu_scenarios.py", np=2, args=[impl, "cupy"], timeout=240)
-    assert result.stdout.count(f"gpu scenarios OK ({impl}, cupy)") == 2
+SCRIPTS = [("gpu_scenarios.py", "gpu scenarios OK"), ("rpc_devices.py", "rpc devices OK")]
+
+
+def _on_cupy(mpirun, script, success, twins):
+    result = mpirun(script, np=2, args=[twins, "cupy"], timeout=240)
+    assert result.stdout.count(f"{success} ({twins}, cupy)") == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
 @requires_gpu
-def test_gpu_scenarios_on_cupy_mixed_world(mpirun):
-    result = mpirun("gpu_scenarios.py", np=2, args=["mixed", "cupy"], timeout=240)
-    assert result.stdout.count("gpu scenarios OK (mixed, cupy)") == 2
+@pytest.mark.parametrize("script, success", SCRIPTS, ids=[s for s, _ in SCRIPTS])
+def test_on_cupy(mpirun, impl, script, success):
+    _on_cupy(mpirun, script, success, impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
 @requires_gpu
-def test_rpc_and_dist_autograd_with_a_device_map_on_cupy(mpirun, impl):
-    result = mpirun("rpc_devices.py", np=2, args=[impl, "cupy"], timeout=240)
-    assert result.stdout.count(f"rpc devices OK ({impl}, cupy)") == 2
-
-
-@pytest.mark.gpu
-@pytest.mark.mpi
-@requires_gpu
-def test_rpc_with_a_device_map_on_cupy_mixed_world(mpirun):
-    result = mpirun("rpc_devices.py", np=2, args=["mixed", "cupy"], timeout=240)
-    assert result.stdout.count("rpc devices OK (mixed, cupy)") == 2
+@pytest.mark.parametrize("script, success", SCRIPTS, ids=[s for s, _ in SCRIPTS])
+def test_on_cupy_mixed_world(mpirun, script, success):
+    _on_cupy(mpirun, script, success, "mixed")
