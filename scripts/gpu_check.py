@@ -60,6 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--python", default=sys.executable, help="the machine's Python (with cupy and numpy)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds for the tests and benchmark steps")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="on a machine without a GPU: every step with the stand-in (distlab.fakegpu) instead of "
+                             "cupy (the gpu tests then skip, the benchmark runs --device fake)")
     return parser.parse_args(argv)
 
 
@@ -91,16 +94,17 @@ def plan(args) -> list:
     if not (venv / "bin" / "mpiexec").exists():
         wheels = sorted(glob.glob(str(REPO / args.wheels / "mpich-*.whl")))
         wheel = wheels[-1] if wheels else str(REPO / args.wheels / "mpich-*.whl")
-        steps.append(("mpich", [args.python, "-m", "pip", "install", "--no-index", "--no-deps", "--prefix",
+        steps.append(("mpich", [args.python, "-m", "pip", "install", "--no-index", "--no-deps", "--ignore-installed", "--prefix",
                                 str(venv), wheel], None))
-    steps.append(("preflight", [str(vpy), "-P", "-c", PREFLIGHT], None))
+    steps.append(("preflight", [str(vpy), "-P", "-c", PREFLIGHT, *(["rehearse"] if args.rehearse else [])], None))
     steps.append(("build the core", [str(vpy), "setup.py", "-q", "build_ext", "--inplace", "-j", str(args.jobs)],
                   None))
     env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*gpu*.py"))
     steps.append(("gpu tests", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                 f"--junitxml={results / 'gpu-tests.xml'}", *env_tests], args.timeout))
     steps.append(("bench_gpu --quick", [str(vpy), "-P", "benchmarks/bench_gpu.py", "--quick", "--json",
-                                        str(results / "bench_gpu.json")], args.timeout))
+                                        str(results / "bench_gpu.json"),
+                                        *(["--device", "fake"] if args.rehearse else [])], args.timeout))
     return steps
 
 
@@ -108,7 +112,8 @@ def plan(args) -> list:
 PREFLIGHT = f"""
 import importlib, shutil, sys
 missing = []
-for name in {NEEDED!r}:
+rehearse = sys.argv[1:] == ["rehearse"]
+for name in {NEEDED!r}[:-1] if rehearse else {NEEDED!r}:
     try:
         importlib.import_module(name)
     except Exception as exc:
@@ -117,6 +122,10 @@ if not (shutil.which("c++") or shutil.which("g++")):
     missing.append("a C++ compiler (c++ or g++)")
 if missing:
     sys.exit("gpu-check: the machine lacks " + "; ".join(missing))
+from mpi4py import MPI
+print("MPI:", MPI.Get_library_version().splitlines()[0])
+if rehearse:
+    sys.exit(print("rehearsal: no GPU needed (the stand-in runs the benchmark)"))
 import cupy
 n = cupy.cuda.runtime.getDeviceCount()
 if n < 1:
@@ -140,7 +149,8 @@ def write_paths(args, venv: Path) -> str:
 
 def describe(step) -> str:
     name, what, timeout = step
-    shown = " ".join(what) if isinstance(what, list) else "(writes the venv's .pth files and distlab's finder)"
+    shown = (" ".join("<the preflight script>" if a == PREFLIGHT else a for a in what) if isinstance(what, list)
+             else "(writes the venv's .pth files and distlab's finder)")
     return f"[{name}] {shown}" + (f"  (timeout {timeout:g} s)" if timeout else "")
 
 

@@ -21,13 +21,19 @@ def test_the_plan_builds_in_parallel_and_runs_the_gpu_tests_and_the_quick_benchm
     assert gpu_check.main(["--dry-run", "--venv", str(tmp_path / "v"), "--jobs", "16"]) == 0
     plan = capsys.readouterr().out
     assert f"-m venv --without-pip {tmp_path / 'v'}" in plan
-    assert "pip install --no-index --no-deps --prefix" in plan and "mpich-*.whl" in plan
+    assert "pip install --no-index --no-deps --ignore-installed --prefix" in plan and "mpich-" in plan
     assert "setup.py -q build_ext --inplace -j 16" in plan
     assert "-m pytest -q -m gpu" in plan and "tests/test_gpu.py" in plan and "tests/test_gpu_scenarios.py" in plan
     assert "benchmarks/bench_gpu.py --quick --json" in plan and "gpu-check/bench_gpu.json" in plan
     steps = [line.split("]")[0].strip(" [") for line in plan.splitlines()[1:] if line.startswith("  [")]
     assert steps == ["venv", "see the machine's packages", "mpich", "preflight", "build the core", "gpu tests",
                      "bench_gpu --quick"]
+
+
+def test_the_rehearsal_plan_needs_no_gpu(tmp_path, capsys):
+    assert gpu_check.main(["--dry-run", "--rehearse", "--venv", str(tmp_path / "v")]) == 0
+    plan = capsys.readouterr().out
+    assert "<the preflight script> rehearse" in plan and "bench_gpu.py --quick" in plan and "--device fake" in plan
 
 
 def test_without_the_mpich_wheel_it_says_how_to_fetch_it(tmp_path, capsys):
