@@ -130,8 +130,9 @@ import cupy
 n = cupy.cuda.runtime.getDeviceCount()
 if n < 1:
     sys.exit("gpu-check: cupy sees no CUDA device")
-props = cupy.cuda.runtime.getDeviceProperties(0)
-print(f"python {{sys.version.split()[0]}}, cupy {{cupy.__version__}}, {{n}} device(s): {{props['name'].decode()}}")
+name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+name = name.decode() if isinstance(name, bytes) else name
+print(f"python {{sys.version.split()[0]}}, cupy {{cupy.__version__}}, {{n}} device(s): {{name}}")
 """
 
 
