@@ -103,6 +103,11 @@ def test_device_arrays_travel_out_of_band_and_land_on_their_device():
             framing.device_records(header, count - 1 if count else None, 1, 0, 3)
     with pytest.raises(RpcDeviceError, match="can only travel as an RPC argument or result"):
         framing.dumps(a)
+    # next to something only cloudpickle can carry (plain pickle fails, the retry goes through cloudpickle)
+    body, buffers, _ = framing.dumps((a, lambda: 3), None, lambda device: device)
+    assert [type(b) for b in buffers] == [devices.DeviceBuffer]
+    with pytest.raises(RpcDeviceError, match="can only travel as an RPC argument or result"):
+        framing.dumps((a, lambda: 3))
     with pytest.raises(RpcDeviceError, match="arrived without its device record"):
         devices.rebuild_device_array("distlab.fakegpu", bytearray(8), "<f8", (1,))
     with pytest.raises(RpcDeviceError, match="which this worker cannot rebuild"):
