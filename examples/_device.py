@@ -3,6 +3,7 @@ there are fewer GPUs than ranks) or ``fake`` (``distlab.fakegpu``, the strict ho
 the device code paths without a GPU; it refuses implicit host conversions as cupy does, and is no faster)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -36,3 +37,11 @@ def select(device: str):
         raise SystemExit("--device cuda needs a CUDA device, and cupy sees none; run with --device cpu")
     cupy.cuda.Device(int(os.environ.get("RANK", "0")) % count).use()
     return cupy
+
+
+def this_rank(xp):
+    """A context making this rank's GPU current (``with this_rank(xp):``): RPC runs functions on the agent's
+    threads, and a thread starts on GPU 0 (as in PyTorch). Nothing for numpy."""
+    if xp is np:
+        return contextlib.nullcontext()
+    return xp.cuda.Device(int(os.environ.get("RANK", "0")) % xp.cuda.runtime.getDeviceCount())

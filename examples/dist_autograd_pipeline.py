@@ -28,7 +28,7 @@ from distlab.autograd import Tensor, to_numpy
 from distlab.distributed_autograd import DistributedOptimizer
 from distlab.rpc import RpcBackendOptions
 
-from _device import add_device_argument, select
+from _device import add_device_argument, select, this_rank
 
 SIZES = [1, 32, 32, 1]  # three stages: 1 -> 32 -> 32 -> 1
 STEPS = 150
@@ -48,11 +48,13 @@ class Stage(nn.Module):
         self.lin = nn.Linear(SIZES[index], SIZES[index + 1], dtype=np.float64, seed=100 + index)
         self.last = index == len(SIZES) - 2
         if xp is not np:
-            self.to("cuda")
+            with this_rank(xp):  # built on an RPC thread (remote): on this rank's GPU
+                self.to("cuda")
 
     def forward(self, x):
-        y = self.lin(x)
-        return y if self.last else y.tanh()
+        with this_rank(xp):
+            y = self.lin(x)
+            return y if self.last else y.tanh()
 
     def parameter_rrefs(self):
         return [rpc.RRef(p) for p in self.parameters()]

@@ -27,7 +27,7 @@ import distlab.rpc as rpc
 from distlab.autograd import to_numpy
 from distlab.rpc import RpcBackendOptions, RRef, rref_debug_info
 
-from _device import add_device_argument, select
+from _device import add_device_argument, select, this_rank
 
 xp = np  # the array module of --device (main sets it on every rank)
 
@@ -49,7 +49,7 @@ class ParameterServer:
             return self.weights.copy()
 
     def apply_gradients(self, grad):
-        with self.lock:
+        with self.lock, this_rank(xp):
             self.weights -= LR * grad
             self.updates += 1
             return self.updates
@@ -71,13 +71,14 @@ def run_trainer(ps, trainer_rank):
     # A shard built on the server and referenced from here (remote -> UserRRef), then sent back to its owner.
     shard_on_server = rpc.remote(0, make_shard, (trainer_rank,))
     assert rpc.rpc_sync(0, shard_norm, (shard_on_server,)) > 0
-    x, y = (xp.asarray(a) for a in make_shard(trainer_rank))
-    loss = None
-    for _ in range(STEPS):
-        w = ps.rpc_sync().get_weights()
-        err = x @ w - y
-        loss = float((err ** 2).mean())
-        ps.rpc_sync().apply_gradients(2 * x.T @ err / len(y))
+    with this_rank(xp):  # this runs on an RPC thread: make this rank's GPU current
+        x, y = (xp.asarray(a) for a in make_shard(trainer_rank))
+        loss = None
+        for _ in range(STEPS):
+            w = ps.rpc_sync().get_weights()
+            err = x @ w - y
+            loss = float((err ** 2).mean())
+            ps.rpc_sync().apply_gradients(2 * x.T @ err / len(y))
     return loss
 
 
