@@ -118,6 +118,8 @@ if rank == 0:
     expect(RpcDeviceError, lambda: rpc.rpc_sync("w1", on_device, (x,)), "a device array is on device cuda:0",
            "no device map is set for worker 'w1'", "set_device_map('w1'")
     expect(RpcDeviceError, lambda: rpc.rpc_async("w1", on_device, (x,)), "no device map is set for worker 'w1'")
+    expect(RpcDeviceError, lambda: rpc.remote("w1", on_device, (x,)), "no device map is set for worker 'w1'")
+    assert rpc.rref_debug_info()["num_pending_users"] == 0  # the refused remote left no RRef behind
     # a result on the device goes back through the inverse of the caller's map, which w0 did not set
     expect(RemoteError, lambda: rpc.rpc_sync("w1", make_device, (4,)), "is sent back to worker 'w0'",
            "worker 'w0' set no device map for worker 'w1'")
