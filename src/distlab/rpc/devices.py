@@ -174,12 +174,13 @@ def device_kinds() -> list:
     registered = device_array_types()
     cupy = sys.modules.get("cupy")
     key = (len(registered), cupy is not None)
-    if key != _kinds_cache[0]:
-        found = {module.__name__: DeviceKind(module.__name__, array_type, module)
-                 for array_type, module in list(registered.items())}
-        if cupy is not None and "cupy" not in found:
-            found["cupy"] = DeviceKind("cupy", cupy.ndarray, cupy)
-        _kinds_cache[:] = [key, list(found.values())]
+    if key == _kinds_cache[0]:
+        return _kinds_cache[1]
+    found = {module.__name__: DeviceKind(module.__name__, array_type, module)
+             for array_type, module in list(registered.items())}
+    if cupy is not None and "cupy" not in found:
+        found["cupy"] = DeviceKind("cupy", cupy.ndarray, cupy)
+    _kinds_cache[:] = [key, list(found.values())]
     return _kinds_cache[1]
 
 

@@ -235,9 +235,10 @@ def dumps(obj, fork_hook=None, place=None):
         buffers.append(raw)
         return False
 
-    kinds = _devices.device_kinds()
-    outer_device = getattr(_local, "device", None)
-    _local.device = (place, pending)
+    kinds = _devices.device_kinds()  # none unless cupy or a stand-in is in use: then nothing more is done
+    if kinds:
+        outer_device = getattr(_local, "device", None)
+        _local.device = (place, pending)
 
     outer_forks = getattr(_local, "forks", None)
     outer_hook = getattr(_local, "hook", None)
@@ -245,7 +246,8 @@ def dumps(obj, fork_hook=None, place=None):
     _local.hook = fork_hook
     try:
         try:
-            body = _pickle(pickle, obj, callback, kinds)
+            body = (_pickle(pickle, obj, callback, kinds) if kinds else
+                    pickle.dumps(obj, protocol=5, buffer_callback=callback))
         except (pickle.PicklingError, AttributeError, TypeError):
             if forks:
                 raise
@@ -254,7 +256,8 @@ def dumps(obj, fork_hook=None, place=None):
     finally:
         _local.forks = outer_forks
         _local.hook = outer_hook
-        _local.device = outer_device
+        if kinds:
+            _local.device = outer_device
     return body, buffers, forks
 
 
