@@ -68,7 +68,7 @@ DEVICE = "cuda" if gpu_present() else "cpu"
 if DEVICE == "cuda":
     print("DDP runs on the GPU (cupy; the two ranks share GPU 0 if there is only one)")
 else:
-    print("DDP runs on the CPU: no GPU here (with cupy and a CUDA device, it runs on the GPU)")
+    print("DDP runs on the CPU: no GPU here (with cupy and a GPU, it runs there)")
 
 
 def ddp_gradients(device):
