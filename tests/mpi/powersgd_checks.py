@@ -15,6 +15,7 @@ from distlab import comm
 from distlab.ddp import GradBucket
 from distlab.ddp_comm_hooks import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from distlab.testing import RecordingGroup
+from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
 
 world = comm.world()
 rank, size = world.rank, world.size
@@ -91,24 +92,24 @@ def mlp(seed=0):
                          nn.Linear(32, 4, seed=seed + 2))
 
 
-def batches(count, seed):
+def batches(count, seed, device="cpu"):
     import distlab
 
     rng = np.random.default_rng([seed, rank])
-    return [(distlab.tensor(rng.standard_normal((16, 8)).astype(np.float32)),
-             distlab.tensor(rng.standard_normal((16, 4)).astype(np.float32))) for _ in range(count)]
+    return [(on(device, distlab.tensor(rng.standard_normal((16, 8)).astype(np.float32))),
+             on(device, distlab.tensor(rng.standard_normal((16, 4)).astype(np.float32)))) for _ in range(count)]
 
 
-def ddp_with_powersgd(impl, group, wrap=None, **kwargs):
+def ddp_with_powersgd(impl, group, wrap=None, device="cpu", **kwargs):
     from distlab.ddp import DistributedDataParallel
 
-    model = DistributedDataParallel(mlp(), bucket_cap_mb=0.002, impl=impl)  # several buckets in flight
+    model = DistributedDataParallel(to_device(mlp(), device), bucket_cap_mb=0.002, impl=impl)  # several buckets
     state = PowerSGDState(group, start_powerSGD_iter=2, **kwargs)
     model.register_comm_hook(state, powerSGD_hook if wrap is None else wrap(powerSGD_hook))
     return model, state
 
 
-def fused_equals_stepping_after(impl, data, want):
+def fused_equals_stepping_after(impl, data, want, device):
     """PowerSGD inside hook_then_optimizer (each bucket's parameters updated as it is finished) ends with the
     parameters of stepping after backward."""
     from distlab import nn, optim
@@ -119,41 +120,54 @@ def fused_equals_stepping_after(impl, data, want):
     def wrap(hook):
         return lambda state, bucket: hook_then_optimizer(hook, OptimizerHookState(opt_holder[0]))(state, bucket)
 
-    model, _ = ddp_with_powersgd(impl, None, wrap=wrap, matrix_approximation_rank=2)
+    model, _ = ddp_with_powersgd(impl, None, wrap=wrap, device=device, matrix_approximation_rank=2)
     opt_holder.append(optim.SGD(model.parameters(), lr=0.05))
     loss_fn = nn.MSELoss()
     for x, y in data:
         opt_holder[0].zero_grad()
         loss_fn(model(x), y).backward()  # the hook stepped each bucket's parameters
     for a, b in zip([p.data for p in model.parameters()], want):
-        assert np.array_equal(a, b), "PowerSGD under hook_then_optimizer differs from stepping after backward"
+        assert np.array_equal(host(a), host(b)), "PowerSGD under hook_then_optimizer differs from stepping after " \
+            "backward"
 
 
-def train(impl, prefix):
-    """8 steps of DDP with PowerSGD (rank 2): the same model on every rank after each step, the same under
-    hook_then_optimizer; parameters and the trace of collectives written for the test to compare across twins
-    and a mixed world."""
+def train_on(impl, device):
+    """8 steps of DDP with PowerSGD (rank 2) on ``device``: the same model on every rank after each step, the
+    same under hook_then_optimizer. Returns the parameters (on the host), the trace of collectives and the losses."""
     from distlab import nn, optim
 
-    impl = impl if impl != "mixed" else ("reference" if rank % 2 == 0 else "core")
+    start_counting(device)
     group = RecordingGroup(world)
-    model, state = ddp_with_powersgd(impl, group, matrix_approximation_rank=2)
+    model, state = ddp_with_powersgd(impl, group, device=device, matrix_approximation_rank=2)
     opt = optim.SGD(model.parameters(), lr=0.05)
     loss_fn = nn.MSELoss()
     losses = []
-    for x, y in batches(1, 1) * 8:  # one batch over and over: the loss must fall
+    for x, y in batches(1, 1, device) * 8:  # one batch over and over: the loss must fall
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         losses.append(float(loss.data))
-        flat = np.concatenate([p.data.ravel() for p in model.parameters()])
+        flat = np.concatenate([host(p.data).ravel() for p in model.parameters()])
         assert all(np.array_equal(flat, other) for other in world.allgather_object(flat)), "replicas diverged"
     assert state.iter == 8 and len(state.error_dict) == len(model.reducer.get_grad_buckets())
     assert any("powerSGD Q" in (t[1] or "") for t in group.trace)
-    fused_equals_stepping_after(impl, batches(1, 1) * 8, [p.data for p in model.parameters()])
+    fused_equals_stepping_after(impl, batches(1, 1, device) * 8, [p.data for p in model.parameters()], device)
+    # the Qs are drawn on the host, as the anchor draws them on the CPU, and copied in
+    staged = {k: n for k, n in staged_outside_comm(device).items() if k != ("from_host", "distlab.ddp_comm_hooks.powersgd")}
+    assert not staged, staged
+    return [host(p.data) for p in model.parameters()], group.trace, losses
+
+
+def train(impl, prefix):
+    """:func:`train_on` numpy, then on the strict device stand-in (bit-equal, the same trace); the parameters and
+    the trace written for the test to compare across twins and a mixed world."""
+    impl = impl if impl != "mixed" else ("reference" if rank % 2 == 0 else "core")
+    (params, trace, losses), on_device = (train_on(impl, device) for device in DEVICES)
+    assert all(np.array_equal(a, b) for a, b in zip(params, on_device[0])), "the stand-in differs from numpy"
+    assert trace == on_device[1] and losses == on_device[2]
     with open(f"{prefix}.{rank}.pkl", "wb") as f:
-        pickle.dump({"params": [p.data for p in model.parameters()], "trace": group.trace, "losses": losses}, f)
+        pickle.dump({"params": params, "trace": trace, "losses": losses}, f)
 
 
 def join(impl, prefix):

@@ -11,14 +11,14 @@ import logging
 
 import numpy as np
 
+from ..autograd._array import array_module
+
 log = logging.getLogger("distlab.ddp_comm_hooks")
 
 
 def _xp(array):
-    """The array module of ``array`` (numpy, or cupy for device arrays), without importing cupy."""
-    if isinstance(array, np.ndarray):
-        return np
-    return __import__(type(array).__module__.split(".")[0])
+    """The array module of ``array``: numpy, or the device module distlab registered for it (cupy, a stand-in)."""
+    return array_module(array)
 
 
 def _strided(xp, base, offset, stride, count, shape):
@@ -60,14 +60,14 @@ def _orthogonalize_gram_schmidt(matrices, epsilon=0.0):
         col = matrices[:, :, i:i + 1]
         norm = xp.linalg.norm(col, axis=1, keepdims=True)
         if epsilon == 0:
+            # the anchor divides by zero here (NaN); its intent, and distlab's: keep 0s. On a device no column is
+            # read back to say so (a host sync per column and step).
             zero = norm == 0
-            if zero.any():  # the anchor divides by zero here (NaN); its intent, and distlab's: keep 0s
-                if not _zero_column_logged[0]:
-                    _zero_column_logged[0] = True
-                    log.error("The matrices to be orthogonalized have at least a column of all 0s; they stay 0. "
-                              "Set a small orthogonalization_epsilon such as 1e-8 in the PowerSGD state.")
-                norm[zero] = 1
-            col /= norm
+            if xp is np and not _zero_column_logged[0] and zero.any():
+                _zero_column_logged[0] = True
+                log.error("The matrices to be orthogonalized have at least a column of all 0s; they stay 0. "
+                          "Set a small orthogonalization_epsilon such as 1e-8 in the PowerSGD state.")
+            col /= xp.where(zero, 1, norm)
         else:
             col /= norm + epsilon
         if i + 1 < num_cols:
