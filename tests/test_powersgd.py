@@ -56,7 +56,8 @@ def test_state_pickles_without_its_process_group(xp):
     assert restored.process_group is None and restored.iter == 3
     assert np.array_equal(host(restored.error_dict[0]), host(state.error_dict[0]))
     # the restored state goes on where the saved one was: warm-started Q, same error, same draws
-    a, b = powerSGD_hook(state, bucket_of(grads(1, xp=xp))).wait(), powerSGD_hook(restored, bucket_of(grads(1, xp=xp))).wait()
+    a = powerSGD_hook(state, bucket_of(grads(1, xp=xp))).wait()
+    b = powerSGD_hook(restored, bucket_of(grads(1, xp=xp))).wait()
     assert np.array_equal(host(a), host(b))
 
 
@@ -128,7 +129,8 @@ def test_without_warm_start_q_is_drawn_anew_from_the_seed(xp):
         return [powerSGD_hook(state, bucket_of(grads(0, xp=xp))).wait().copy() for _ in range(4)], state
 
     (outs, state), (again, _), (other, _) = run(0), run(0), run(1)
-    assert all(np.array_equal(host(a), host(b)) for a, b in zip(outs, again))  # same seed: same draws (every rank agrees)
+    # the same seed, the same draws (every rank agrees)
+    assert all(np.array_equal(host(a), host(b)) for a, b in zip(outs, again))
     assert not np.array_equal(host(outs[2]), host(other[2]))
     assert not state.p_memory_dict and not state.q_memory_dict  # nothing kept between steps
 

@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 
 from distlab import comm
-from distlab import fakegpu as xp
 from distlab.errors import CollectiveMismatchError
+from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting
 
 pg = comm.world()
 r, n = pg.rank, pg.size
@@ -25,39 +25,78 @@ def refused(error, words, call):
     raise AssertionError(f"must raise {error.__name__}: {words}")
 
 
-# -- reduce: in place on dst, other ranks untouched; avg; bfloat16; a device array; the module function -------
-a = np.full(3, r + 1.0)
-pg.reduce(a, dst=last, name="loss")
-assert a.tolist() == ([n * (n + 1) / 2] * 3 if r == last else [r + 1.0] * 3), a
-b = np.full(2, r + 1.0, dtype=np.float32)
-pg.reduce(b, dst=0, op="avg")
-assert b[0] == ((n + 1) / 2 if r == 0 else r + 1.0), b
-bf = np.full(2, r + 1, dtype=ml_dtypes.bfloat16)
-comm.reduce(bf, dst=1, op=comm.ReduceOp.MAX)
-assert float(bf[0]) == (n if r == 1 else r + 1), bf
-dev = xp.asarray(np.full(2, r, dtype=np.int64))
-pg.reduce(dev, dst=0, async_op=True).wait()
-assert dev.get().tolist() == ([n * (n - 1) // 2] * 2 if r == 0 else [r] * 2)
+right, left = (r + 1) % n, (r - 1) % n
+unchecked = comm.ProcessGroup(name="unchecked", fingerprint_checks=False)
 
-# -- gather / scatter: lists on the root only --------------------------------------------------------------------
-dst = 1 % n
-out = [np.zeros((2, 2), dtype=np.int32) for _ in range(n)] if r == dst else None
-got = comm.gather(np.full((2, 2), r, dtype=np.int32), out, dst=dst)
-assert (got is None) == (r != dst)
-if r == dst:
-    assert [int(x[0, 0]) for x in out] == list(range(n))
-bf_list = [np.zeros(1, dtype=ml_dtypes.bfloat16) for _ in range(n)] if r == 0 else None
-pg.gather(np.full(1, r + 0.5, dtype=ml_dtypes.bfloat16), bf_list, dst=0)
-if r == 0:
-    assert [float(x[0]) for x in bf_list] == [k + 0.5 for k in range(n)]
-into = np.zeros(3, dtype=np.float64)
-sources = [np.full(3, 10.0 * k) for k in range(n)] if r == last else None
-work = pg.scatter(into, sources, src=last, async_op=True)
-work.wait()
-assert into.tolist() == [10.0 * r] * 3 and work.result() is into
-dev = xp.asarray(np.zeros(2, dtype=np.float32))
-comm.scatter(dev, [xp.asarray(np.full(2, k, np.float32)) for k in range(n)] if r == 0 else None, src=0)
-assert dev.get().tolist() == [r, r]
+# -- on numpy, then on the strict device stand-in ("cuda"): the rooted, point-to-point and all-to-all collectives
+#    on device arrays give numpy's results, and nothing outside the comm layer stages through the host
+for device in DEVICES:
+    start_counting(device)
+
+    def d(array):
+        return on(device, array)
+
+    # reduce: in place on dst, other ranks untouched; avg; bfloat16 (host only, as cupy has none); async
+    a = d(np.full(3, r + 1.0))
+    pg.reduce(a, dst=last, name="loss")
+    assert host(a).tolist() == ([n * (n + 1) / 2] * 3 if r == last else [r + 1.0] * 3), a
+    b = d(np.full(2, r + 1.0, dtype=np.float32))
+    pg.reduce(b, dst=0, op="avg")
+    assert float(b[0]) == ((n + 1) / 2 if r == 0 else r + 1.0), b
+    bf = np.full(2, r + 1, dtype=ml_dtypes.bfloat16)
+    comm.reduce(bf, dst=1, op=comm.ReduceOp.MAX)
+    assert float(bf[0]) == (n if r == 1 else r + 1), bf
+    dev = d(np.full(2, r, dtype=np.int64))
+    pg.reduce(dev, dst=0, async_op=True).wait()
+    assert host(dev).tolist() == ([n * (n - 1) // 2] * 2 if r == 0 else [r] * 2)
+
+    # gather / scatter: lists on the root only
+    dst = 1 % n
+    out = [d(np.zeros((2, 2), dtype=np.int32)) for _ in range(n)] if r == dst else None
+    got = comm.gather(d(np.full((2, 2), r, dtype=np.int32)), out, dst=dst)
+    assert (got is None) == (r != dst)
+    if r == dst:
+        assert [int(x[0, 0]) for x in out] == list(range(n))
+    bf_list = [np.zeros(1, dtype=ml_dtypes.bfloat16) for _ in range(n)] if r == 0 else None
+    pg.gather(np.full(1, r + 0.5, dtype=ml_dtypes.bfloat16), bf_list, dst=0)
+    if r == 0:
+        assert [float(x[0]) for x in bf_list] == [k + 0.5 for k in range(n)]
+    into = d(np.zeros(3, dtype=np.float64))
+    sources = [d(np.full(3, 10.0 * k)) for k in range(n)] if r == last else None
+    work = pg.scatter(into, sources, src=last, async_op=True)
+    work.wait()
+    assert host(into).tolist() == [10.0 * r] * 3 and work.result() is into
+    dev = d(np.zeros(2, dtype=np.float32))
+    comm.scatter(dev, [d(np.full(2, k, np.float32)) for k in range(n)] if r == 0 else None, src=0)
+    assert host(dev).tolist() == [r, r]
+
+    # isend/irecv and batch_isend_irecv in a ring
+    recv_buf = d(np.zeros(4, dtype=np.int64))
+    works = [comm.irecv(recv_buf, src=left, tag=3), comm.isend(d(np.full(4, r, dtype=np.int64)), dst=right, tag=3)]
+    for w in works:
+        w.wait()
+    assert host(recv_buf).tolist() == [left] * 4 and works[0].result() == left
+    from_left, from_right = d(np.zeros(2)), d(np.zeros(2))
+    ops = [comm.P2POp(comm.isend, d(np.full(2, r + 0.25)), right),
+           comm.P2POp(comm.isend, d(np.full(2, r + 0.5)), left),
+           comm.P2POp(comm.irecv, from_left, left), comm.P2POp(comm.irecv, from_right, right)]
+    for w in comm.batch_isend_irecv(ops):
+        w.wait()
+    assert float(from_left[0]) == left + 0.25 and float(from_right[0]) == right + 0.5, (from_left, from_right)
+
+    # all_to_all_single: uneven splits, equal splits, on a checked and an unchecked group
+    for group in (pg, unchecked):
+        rows_to = [(r + j) % 3 for j in range(n)]  # rows rank r sends to rank j (zero rows allowed)
+        rows_from = [(j + r) % 3 for j in range(n)]  # rows rank j sends to rank r
+        inp = d(np.concatenate([np.full((k, 2), 100 * r + j, dtype=np.float32) for j, k in enumerate(rows_to)]))
+        out = d(np.full((sum(rows_from), 2), -1, dtype=np.float32))
+        group.all_to_all_single(out, inp, rows_from, rows_to)
+        expect = np.concatenate([np.full((k, 2), 100 * j + r, dtype=np.float32) for j, k in enumerate(rows_from)])
+        assert np.array_equal(host(out), expect), (host(out), expect)
+        even = d(np.zeros(2 * n, dtype=np.int16))
+        comm.all_to_all_single(even, d(np.repeat(np.arange(n, dtype=np.int16) + 10 * r, 2)), group=group)
+        assert host(even).tolist() == [10 * k + r for k in range(n) for _ in range(2)], even
+    assert not staged_outside_comm(device), staged_outside_comm(device)
 
 # -- objects: gather_object, scatter_object_list, send/recv_object_list ----------------------------------------
 objects = [None] * n if r == 0 else None
@@ -68,7 +107,6 @@ box = [None]
 assert comm.scatter_object_list(box, [("item", k) for k in range(n)] if r == last else None, src=last) == \
     ("item", r)
 assert box == [("item", r)]
-right, left = (r + 1) % n, (r - 1) % n
 sending = pg.send_object_list([r, {"from": r}, None], right, async_op=True)
 inbox = [0, 0, 0]
 assert comm.recv_object_list(inbox, src=left) == left and inbox == [left, {"from": left}, None]
@@ -78,36 +116,9 @@ one = [None]
 assert pg.recv_object_list(one) == left and one == ["any"]  # from any rank
 sending.wait()
 
-# -- isend/irecv and batch_isend_irecv in a ring ---------------------------------------------------------------
-recv_buf = np.zeros(4, dtype=np.int64)
-works = [comm.irecv(recv_buf, src=left, tag=3), comm.isend(np.full(4, r, dtype=np.int64), dst=right, tag=3)]
-for w in works:
-    w.wait()
-assert recv_buf.tolist() == [left] * 4 and works[0].result() == left
-from_left, from_right = np.zeros(2), np.zeros(2)
-ops = [comm.P2POp(comm.isend, np.full(2, r + 0.25), right), comm.P2POp(comm.isend, np.full(2, r + 0.5), left),
-       comm.P2POp(comm.irecv, from_left, left), comm.P2POp(comm.irecv, from_right, right)]
-for w in comm.batch_isend_irecv(ops):
-    w.wait()
-assert from_left[0] == left + 0.25 and from_right[0] == right + 0.5, (from_left, from_right)
-
 # -- monitored_barrier ------------------------------------------------------------------------------------------
 comm.monitored_barrier()
 pg.monitored_barrier(timeout=30, wait_all_ranks=True, name="checkpoint")
-
-# -- all_to_all_single: uneven splits, equal splits, on a checked and an unchecked group ---------------------------
-unchecked = comm.ProcessGroup(name="unchecked", fingerprint_checks=False)
-for group in (pg, unchecked):
-    rows_to = [(r + j) % 3 for j in range(n)]  # rows rank r sends to rank j (zero rows allowed)
-    rows_from = [(j + r) % 3 for j in range(n)]  # rows rank j sends to rank r
-    inp = np.concatenate([np.full((k, 2), 100 * r + j, dtype=np.float32) for j, k in enumerate(rows_to)])
-    out = np.full((sum(rows_from), 2), -1, dtype=np.float32)
-    group.all_to_all_single(out, inp, rows_from, rows_to)
-    expect = np.concatenate([np.full((k, 2), 100 * j + r, dtype=np.float32) for j, k in enumerate(rows_from)])
-    assert np.array_equal(out, expect), (out, expect)
-    even = np.zeros(2 * n, dtype=np.int16)
-    comm.all_to_all_single(even, np.repeat(np.arange(n, dtype=np.int16) + 10 * r, 2), group=group)
-    assert even.tolist() == [10 * k + r for k in range(n) for _ in range(2)], even
 
 # -- module functions on a sub-group take and return global ranks ------------------------------------------------
 odds = comm.new_group(list(range(1, n, 2)))

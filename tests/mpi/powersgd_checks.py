@@ -154,7 +154,8 @@ def train_on(impl, device):
     assert any("powerSGD Q" in (t[1] or "") for t in group.trace)
     fused_equals_stepping_after(impl, batches(1, 1, device) * 8, [p.data for p in model.parameters()], device)
     # the Qs are drawn on the host, as the anchor draws them on the CPU, and copied in
-    staged = {k: n for k, n in staged_outside_comm(device).items() if k != ("from_host", "distlab.ddp_comm_hooks.powersgd")}
+    staged = {k: n for k, n in staged_outside_comm(device).items()
+              if k != ("from_host", "distlab.ddp_comm_hooks.powersgd")}
     assert not staged, staged
     return [host(p.data) for p in model.parameters()], group.trace, losses
 
