@@ -3,7 +3,8 @@ or the mode "nojoin".
 
 1. SyncBatchNorm equals BatchNorm1d on the concatenated batch (forward, running stats, input and parameter
    gradients), for (N, C) and (N, C, L) and a different N on each rank; its gradients equal central differences
-   of the global loss (a distributed gradcheck: each rank's inputs perturbed in turn).
+   of the global loss (a distributed gradcheck: each rank's inputs perturbed in turn). On numpy, then on the
+   device stand-in.
 2. Under Join alone, with uneven inputs, the ranks still training normalise with the batches actually seen.
 3. DDP + SyncBatchNorm + ZeroRedundancyOptimizer under one Join with uneven inputs equals one process training on
    the union of the batches seen at each step (BatchNorm1d on the concatenation).
@@ -50,8 +51,9 @@ if prefix == "nojoin":
     sys.exit(0)
 
 
-# -- 1. SyncBatchNorm == BatchNorm1d on the concatenation ----------------------------------------------------------
-for shape_tail in ((), (3,)):
+# -- 1. SyncBatchNorm == BatchNorm1d on the concatenation (numpy, then the device stand-in, in one launch) ----------
+for device, shape_tail in [(device, tail) for device in DEVICES for tail in ((), (3,))]:
+    start_counting(device)
     rng = np.random.default_rng(7)
     rows = [3 + r for r in range(size)]  # a different batch size on every rank
     xs = [rng.standard_normal((n, 4) + shape_tail) * 2 + 1 for n in rows]
@@ -61,27 +63,29 @@ for shape_tail in ((), (3,)):
                                                                                       dtype=np.float64)
     for layer in (sync, local):
         layer.weight.data[...], layer.bias.data[...] = weight, bias
-    x = distlab.tensor(xs[rank].copy(), requires_grad=True)
+        to_device(layer, device)
+    x = distlab.tensor(on(device, xs[rank].copy()), requires_grad=True)
     y = sync(x)
-    (y * distlab.tensor(vs[rank])).sum().backward()
-    x_all = distlab.tensor(np.concatenate(xs), requires_grad=True)
+    (y * distlab.tensor(on(device, vs[rank]))).sum().backward()
+    x_all = distlab.tensor(on(device, np.concatenate(xs)), requires_grad=True)
     y_all = local(x_all)
-    (y_all * distlab.tensor(np.concatenate(vs))).sum().backward()
+    (y_all * distlab.tensor(on(device, np.concatenate(vs)))).sum().backward()
     start = sum(rows[:rank])
-    assert np.allclose(y.data, y_all.data[start:start + rows[rank]], atol=1e-12)
-    assert np.allclose(x.grad.data, x_all.grad.data[start:start + rows[rank]], atol=1e-12)
-    grads = np.concatenate([sync.weight.grad.data, sync.bias.grad.data])
+    assert np.allclose(host(y.data), host(y_all.data[start:start + rows[rank]]), atol=1e-12)
+    assert np.allclose(host(x.grad.data), host(x_all.grad.data[start:start + rows[rank]]), atol=1e-12)
+    grads = np.concatenate([host(sync.weight.grad.data), host(sync.bias.grad.data)])
     world.allreduce(grads)  # DDP's sum of the per-rank shares
-    assert np.allclose(grads, np.concatenate([local.weight.grad.data, local.bias.grad.data]), atol=1e-12)
+    assert np.allclose(grads, np.concatenate([host(local.weight.grad.data), host(local.bias.grad.data)]), atol=1e-12)
     for name in ("running_mean", "running_var"):
-        assert np.allclose(getattr(sync, name).data, getattr(local, name).data, atol=1e-14), name
+        assert np.allclose(host(getattr(sync, name).data), host(getattr(local, name).data), atol=1e-14), name
 
+    assert not staged_outside_comm(device), staged_outside_comm(device)
     if shape_tail:
         continue  # the gradcheck below costs two collective forwards per input element: once is enough
 
     # Distributed gradcheck: L = sum over ranks of sum(y * v); perturb one element on one rank at a time.
     def global_loss():
-        value = np.array([float((sync(distlab.tensor(xs[rank])).data * vs[rank]).sum())])
+        value = np.array([float((sync(distlab.tensor(on(device, xs[rank]))).data * on(device, vs[rank])).sum())])
         return world.allreduce(value)[0]
 
     eps, numerical = 1e-6, np.zeros_like(xs[rank])
@@ -95,7 +99,7 @@ for shape_tail in ((), (3,)):
             xs[owner][index] = saved
             if owner == rank:
                 numerical[index] = (plus - minus) / (2 * eps)
-    assert np.allclose(x.grad.data, numerical, atol=1e-6), np.abs(x.grad.data - numerical).max()
+    assert np.allclose(host(x.grad.data), numerical, atol=1e-6), np.abs(host(x.grad.data) - numerical).max()
 print(f"rank {rank}: SyncBatchNorm equals BatchNorm1d on the concatenated batch", flush=True)
 
 mine, most = 2 + rank, 2 + size - 1
