@@ -21,29 +21,28 @@ from scenario_checks import expect, staged_outside_comm, start_counting  # noqa:
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 
-
-# -- grouped allreduce: one response for the group, repeated (the cache), then a member missing on one rank ------
-for step in range(3):
-    before = hvd.stats()
-    out = hvd.grouped_allreduce([np.full(3, r + i + step, np.float32) for i in range(5)], name="grp", op=hvd.Sum)
-    assert [o.tolist() for o in out] == [[sum(k + i + step for k in range(n))] * 3 for i in range(5)], out
-    after = hvd.stats()
-    assert after["responses"] - before["responses"] == 1, (before, after)      # one response for five tensors
-    assert after["fused_tensors"] - before["fused_tensors"] == 5
-assert hvd.stats()["fast_path"] >= 1
-group = hvd.grouped_allreduce([np.ones(4, np.float64) * r for _ in range(3)], name="avg.group")
-assert all(np.allclose(g, (n - 1) / 2) for g in group)
-members = 2 if r == 0 else 3
-exc = expect(hvd.CollectiveError, lambda: hvd.grouped_allreduce([np.ones(2)] * members, name="bad.group"),
-             "grouped allreduce 'bad.group'", "disagree on the group's members", "rank 0 submitted 2 tensors",
-             "raised on every rank")
-exc = expect(hvd.CollectiveError,
-             lambda: hvd.grouped_allreduce([np.ones(2), np.ones(3 if r == 1 else 2)], name="bad.member"),
-             "grouped allreduce 'bad.member' failed as a whole", "Mismatched shapes")
-expect(TypeError, lambda: hvd.grouped_allreduce([np.ones(2), np.ones(2, np.int32)], name="mixed"), "same dtype")
-
 for device, xp in (("cpu", np), ("cuda", fakegpu)):  # numpy, then the strict device stand-in, in one launch
     start_counting(device)
+    # -- grouped allreduce: one response for the group, repeated (the cache), then a member missing on one rank --
+    for step in range(3):
+        before = hvd.stats()
+        out = hvd.grouped_allreduce([xp.full(3, r + i + step, np.float32) for i in range(5)], name="grp", op=hvd.Sum)
+        assert [o.tolist() for o in out] == [[sum(k + i + step for k in range(n))] * 3 for i in range(5)], out
+        after = hvd.stats()
+        assert after["responses"] - before["responses"] == 1, (before, after)      # one response for five tensors
+        assert after["fused_tensors"] - before["fused_tensors"] == 5
+    assert hvd.stats()["fast_path"] >= 1
+    group = hvd.grouped_allreduce([xp.ones(4, np.float64) * r for _ in range(3)], name="avg.group")
+    assert all(np.allclose(g.tolist(), (n - 1) / 2) for g in group)
+    members = 2 if r == 0 else 3
+    exc = expect(hvd.CollectiveError, lambda: hvd.grouped_allreduce([xp.ones(2)] * members, name="bad.group"),
+                 "grouped allreduce 'bad.group'", "disagree on the group's members", "rank 0 submitted 2 tensors",
+                 "raised on every rank")
+    exc = expect(hvd.CollectiveError,
+                 lambda: hvd.grouped_allreduce([xp.ones(2), xp.ones(3 if r == 1 else 2)], name="bad.member"),
+                 "grouped allreduce 'bad.member' failed as a whole", "Mismatched shapes")
+    expect(TypeError, lambda: hvd.grouped_allreduce([xp.ones(2), xp.ones(2, np.int32)], name="mixed"), "same dtype")
+
     # -- alltoall with splits ----------------------------------------------------------------------------------------
     rows = xp.arange(sum(range(1, n + 1)), dtype=np.float64) + 100 * r       # rank r sends j+1 rows to rank j
     splits = list(range(1, n + 1))
