@@ -94,6 +94,7 @@ def test_horovod_front_ops_and_process_sets(mpirun, np_, args, env):
 def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
     result = mpirun("collectives_lifecycle.py", np=np_, args=args, timeout=120)
     assert result.stdout.count("lifecycle OK") == np_
+    assert result.stdout.count("lifecycle on cuda OK") == np_  # the same on the device stand-in
 
 
 @pytest.mark.mpi
