@@ -135,6 +135,7 @@ def test_trace_shows_buckets_in_order_then_the_used_map(runs):
 def test_model_or_argument_mismatch_is_refused_on_every_rank(mpirun, impl):
     job = mpirun("ddp_errors.py", np=4, args=[impl])
     assert job.stdout.count("model checks OK") == 4
+    assert job.stdout.count("model checks on cuda OK") == 4  # the same on the device stand-in
 
 
 def test_training_example_reaches_its_accuracy_and_writes_a_timeline(mpirun, tmp_path):
