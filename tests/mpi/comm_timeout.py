@@ -1,15 +1,18 @@
-"""A rank that never arrives: the others time out naming it (found through the side channel), caught here."""
+"""A rank that never arrives: the others time out naming it (found through the side channel), caught here; on
+numpy arrays, through a chained future, and on a device array (the strict stand-in)."""
 import time
 
 import numpy as np
 
 from distlab import comm
 from distlab.errors import DistTimeoutError, ProcessGroupBrokenError
+from scenario_checks import host, on, staged_outside_comm, start_counting
 
 pg = comm.world()
 r, n = pg.rank, pg.size
 late = n - 1
 chained = comm.ProcessGroup(name="chained")
+on_device = comm.ProcessGroup(name="on device")
 pg.barrier()
 if r == late:
     time.sleep(6.0)  # busy elsewhere: never enters the allreduces
@@ -41,4 +44,13 @@ else:
     except DistTimeoutError as exc:
         assert exc.missing_ranks == [late] and f"ranks [{late}] have not entered it" in str(exc), str(exc)
         assert exc.name == "hooked" and work.exception() is exc and doubled.exception() is exc
+    # A device array (the strict stand-in), staged through the host: the same error, nothing copied back.
+    start_counting("cuda")
+    grad = on("cuda", np.ones(4, dtype=np.float32))
+    try:
+        on_device.allreduce(grad, name="grad.device", async_op=True).wait(timeout=1.5)
+        raise AssertionError("must time out")
+    except DistTimeoutError as exc:
+        assert exc.missing_ranks == [late] and exc.name == "grad.device" and "16 bytes" in str(exc), str(exc)
+    assert host(grad).tolist() == [1.0] * 4 and not staged_outside_comm("cuda")
 print(f"rank {r}: timeout reported: OK", flush=True)
