@@ -62,6 +62,24 @@ def test_both_twins_raise_the_same_error(component, expected, make_error):
                                f"{reference[1]}\n  core:      {core[0].__name__}: {core[1]}")
 
 
+def test_reducer_errors_are_the_same_on_device_arrays(xp):
+    """Every reducer case again with its parameters, gradients and inputs on the device stand-in (``xp``): the
+    same class and words as on numpy, on both twins (a device array must not reach another branch)."""
+    if not _backend.core_available():
+        pytest.skip(_backend.BUILD_HINT)
+    twins = _backend.load_twins("reducer")
+    cases = [p.values for p in CASES if p.values[0] == "reducer"]
+    XP[0] = xp
+    try:
+        on_device = [[outcome(make, twins[t], expected) for t in ("reference", "core")]
+                     for _, expected, make in cases]
+    finally:
+        XP[0] = np
+    on_host = [[outcome(make, twins[t], expected) for t in ("reference", "core")] for _, expected, make in cases]
+    # the same words but the device's name, where a message names it
+    assert [[(kind, words.replace(" cuda ", " cpu ")) for kind, words in twins_] for twins_ in on_device] == on_host
+
+
 def test_there_are_cases_for_every_component():
     covered = {param.values[0] for param in CASES}
     assert covered == set(_backend.COMPONENTS), set(_backend.COMPONENTS) - covered
@@ -94,8 +112,17 @@ def a_sequence_number_that_is_not_a_number(m):
 
 
 # -------------------------------------------------------------------------------------------------- reducer
+#: the array module the reducer's cases build their arrays with: numpy, or the device stand-in for
+#: test_reducer_errors_are_the_same_on_device_arrays
+XP = [np]
+
+
+def _ones(*args, **kwargs):
+    return XP[0].ones(*args, **kwargs)
+
+
 def _params(*dtypes):
-    return [nn.Parameter(np.ones(3 - i, dtype=dtype)) for i, dtype in enumerate(dtypes)]
+    return [nn.Parameter(_ones(3 - i, dtype=dtype)) for i, dtype in enumerate(dtypes)]
 
 
 def _ready_reducer(m, params, buckets, **kwargs):
@@ -103,7 +130,7 @@ def _ready_reducer(m, params, buckets, **kwargs):
     reducer.prepare_for_forward()
     reducer.prepare_for_backward([])
     for p in params:
-        p.grad = distlab.tensor(np.ones_like(p.data))
+        p.grad = distlab.tensor(XP[0].ones_like(p.data))
     return reducer
 
 
@@ -118,7 +145,7 @@ def marked_ready_twice(m):
 def gradient_of_another_dtype(m):
     params = _params(np.float32)
     reducer = _ready_reducer(m, params, [[0]], param_names=["w"])
-    params[0].grad = distlab.tensor(np.ones(3, dtype=np.float64))
+    params[0].grad = distlab.tensor(_ones(3, dtype=np.float64))
     reducer.mark_variable_ready(0)
 
 
@@ -126,7 +153,7 @@ def gradient_of_another_dtype(m):
 def gradient_of_another_shape(m):
     params = _params(np.float32)
     reducer = _ready_reducer(m, params, [[0]], param_names=["w"])
-    params[0].grad = distlab.tensor(np.ones(5, dtype=np.float32))
+    params[0].grad = distlab.tensor(_ones(5, dtype=np.float32))
     reducer.mark_variable_ready(0)
 
 
@@ -211,11 +238,11 @@ def _ddp(m, **kwargs):
     from distlab.ddp import DistributedDataParallel
 
     impl = "core" if m.__name__.startswith("distlab.core") else "reference"
-    return DistributedDataParallel(_TwoBranch(), impl=impl, **kwargs)
+    return DistributedDataParallel(_TwoBranch().to("cpu" if XP[0] is np else "cuda"), impl=impl, **kwargs)
 
 
 def _x():
-    return distlab.tensor(np.ones((2, 4), dtype=np.float32))
+    return distlab.tensor(_ones((2, 4), dtype=np.float32))
 
 
 @case("reducer", RuntimeError)

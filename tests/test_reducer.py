@@ -225,7 +225,16 @@ def test_the_ddp_module_is_the_one_public_home():
 def test_mixed_dtypes_in_a_bucket(impl, group):
     module = distlab._backend.load("reducer", impl)
     params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float64))]
-    with pytest.raises(TypeError, match="bucket 0 mixes .* 'a' is numpy float32, 'b' is numpy float64"):
+    with pytest.raises(TypeError, match="bucket 0 mixes .* 'a' is cpu float32, 'b' is cpu float64"):
+        module.Reducer(params, [[0, 1]], group, param_names=["a", "b"])
+
+
+def test_host_and_device_parameters_in_one_bucket_are_refused(impl, group):
+    from distlab import fakegpu
+
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(fakegpu.ones(2, dtype=np.float32))]
+    with pytest.raises(TypeError, match="bucket 0 mixes .* 'a' is cpu float32, 'b' is cuda float32; all parameters"):
         module.Reducer(params, [[0, 1]], group, param_names=["a", "b"])
 
 

@@ -265,6 +265,11 @@ def build_buckets(bucket_indices, params, names, expect_sparse, reduce_dtype, gr
     return buckets
 
 
+def _device_of(array) -> str:
+    """"cpu" for host arrays, "cuda" for device arrays (as torch names a tensor's device in its errors)."""
+    return "cpu" if array_module(array) is np else "cuda"
+
+
 def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limit, reduce_dtype) -> Bucket:
     if not indices:
         raise ValueError(f"bucket {bucket_index} is empty: every bucket must hold at least one parameter")
@@ -282,7 +287,7 @@ def _build_bucket(bucket_index, indices, params, names, expect_sparse, size_limi
         if data.dtype != first.dtype or type(data) is not type(first):
             raise TypeError(
                 f"bucket {bucket_index} mixes parameters of different dtype or device: {names[indices[0]]!r} is "
-                f"{type(first).__module__} {first.dtype}, {names[i]!r} is {type(data).__module__} {data.dtype}; "
+                f"{_device_of(first)} {first.dtype}, {names[i]!r} is {_device_of(data)} {data.dtype}; "
                 "all parameters of a bucket must share dtype and device")
     dtype = np.dtype(reduce_dtype) if reduce_dtype is not None else first.dtype
     offset = 0
