@@ -526,31 +526,32 @@ class TensorSubclass(distlab.Tensor):
 
 @pytest.mark.parametrize("kind", ["contiguous", "transposed", "strided", "float64", "tensor subclass"])
 @pytest.mark.parametrize("hook", [None, noop_hook])
-def test_gradients_of_every_layout_reach_the_bucket(impl, group, kind, hook):
-    """The core's C copies take only plain C-contiguous arrays; anything else must give the same result via numpy."""
+def test_gradients_of_every_layout_reach_the_bucket(impl, group, kind, hook, xp):
+    """The core's C copies take only plain C-contiguous host arrays; anything else (other layouts, device arrays)
+    must give the same result through the array module."""
     module = distlab._backend.load("reducer", impl)
     dtype = np.float64 if kind == "float64" else np.float32
-    plain = nn.Parameter(np.zeros((3, 4), dtype=dtype))
-    special = GradProperty(np.zeros((4, 3), dtype=dtype))
+    plain = nn.Parameter(xp.zeros((3, 4), dtype=dtype))
+    special = GradProperty(xp.zeros((4, 3), dtype=dtype))
     reducer = module.Reducer([plain, special], [[1, 0]], group, param_names=["plain", "special"])
     if hook is not None:
         reducer.register_comm_hook(None, hook)
-    source = np.arange(12, dtype=dtype).reshape(3, 4)
+    source = xp.arange(12, dtype=dtype).reshape(3, 4)
     grads = {"contiguous": (source, source.reshape(4, 3)), "transposed": (source, source.T),
-             "strided": (np.arange(24, dtype=dtype).reshape(3, 8)[:, ::2], source.reshape(4, 3)),
+             "strided": (xp.arange(24, dtype=dtype).reshape(3, 8)[:, ::2], source.reshape(4, 3)),
              "float64": (source, source.reshape(4, 3)), "tensor subclass": (source, source.reshape(4, 3))}[kind]
     wrap = TensorSubclass if kind == "tensor subclass" else distlab.tensor
-    expected = [np.array(g, copy=True) for g in grads]
+    expected = [to_numpy(g).copy() for g in grads]
     for _ in range(2):  # twice: the second iteration runs with rebuilt buckets
         reducer.prepare_for_forward()
         reducer.prepare_for_backward([])
-        plain.grad, special.grad = wrap(np.array(grads[0])), wrap(np.array(grads[1]))
+        plain.grad, special.grad = wrap(grads[0].copy(order="K")), wrap(grads[1].copy(order="K"))
         reads, data_reads = special.reads, TensorSubclass.reads
         in_backward(lambda: (reducer.autograd_hook(1), reducer.autograd_hook(0)))
         assert special.reads > reads  # the properties were honoured, not bypassed
         assert (TensorSubclass.reads > data_reads) == (kind == "tensor subclass")
         for p, want in zip((plain, special), expected):
-            assert np.array_equal(distlab.Tensor.data.__get__(p.grad), want)
+            assert np.array_equal(to_numpy(distlab.Tensor.data.__get__(p.grad)), want)
         reducer.rebuild_buckets()
 
 
