@@ -2,7 +2,8 @@
 first late rank (all of them with wait_all_ranks), every rank that arrived raises rank 0's verdict, a late rank
 finds it waiting when it arrives, and ranks whose rank 0 never came name rank 0 (4 ranks: on 2, rank 1 is late).
 
-Ranks ``late`` (the last one on 2 ranks, the last two on 4) sleep through everything else.
+Ranks ``late`` (the last one on 2 ranks, the last two on 4) sleep through everything else. A reduce and a receive
+on device arrays (the strict stand-in) time out the same way.
 """
 import time
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from distlab import comm
 from distlab.errors import DistTimeoutError
+from scenario_checks import host, on, staged_outside_comm, start_counting
 
 pg = comm.world()
 r, n = pg.rank, pg.size
@@ -26,7 +28,7 @@ calls = {
     "all_to_all_single": lambda g: g.all_to_all_single(np.zeros(n), np.zeros(n), async_op=True),
 }
 groups = {op: pg.new_group(list(range(n)), name=op) for op in calls}
-p2p = {kind: pg.new_group(list(range(n)), name=kind) for kind in ("recv_object_list", "irecv")}
+p2p = {kind: pg.new_group(list(range(n)), name=kind) for kind in ("recv_object_list", "irecv", "reduce", "recv")}
 on_time = pg.new_group([k for k in range(n) if k not in late], name="on_time")  # None on the late ranks
 pg.barrier()
 MONITOR = 0.8
@@ -48,7 +50,7 @@ def expect_timeout(call, *words, missing):
 
 
 if r in late:
-    time.sleep(3 * MONITOR + 0.5 * len(calls) + 2.5)
+    time.sleep(3 * MONITOR + 0.5 * len(calls) + 3.3)
     # The verdicts wait for the late ranks: they raise at once, naming what rank 0 reported.
     start = time.monotonic()
     expect_timeout(lambda: first.monitored_barrier(timeout=MONITOR), "rank 0 reports: Rank", missing=late[:1])
@@ -88,6 +90,21 @@ else:
         timeout=0.3), "recv_object_list", f"its peer, rank {late[0]}, never posted", missing=late[:1])
     batch = comm.batch_isend_irecv([comm.P2POp(comm.irecv, np.zeros(2), late[0], group=p2p["irecv"])])
     expect_timeout(lambda: batch[0].wait(timeout=0.3), "recv", f"its peer, rank {late[0]}", missing=late[:1])
+    # device arrays (the strict stand-in), staged through the host: a reduce to rank 0 and a receive into one
+    start_counting("cuda")
+    on_time.barrier()
+    reduce = p2p["reduce"].reduce(on("cuda", np.ones(4)), dst=0, async_op=True)
+    if r == 0:
+        expect_timeout(lambda: reduce.wait(timeout=0.5), "reduce #1 ", "have not entered it", missing=late)
+    else:  # off the root it may finish without the late ranks, as above
+        try:
+            reduce.wait(timeout=0.5)
+        except DistTimeoutError as exc:
+            assert set(late) <= set(exc.missing_ranks), str(exc)
+    into = on("cuda", np.zeros(2))
+    expect_timeout(lambda: p2p["recv"].irecv(into, src=late[0]).wait(timeout=0.3), "recv",
+                   f"its peer, rank {late[0]}", missing=late[:1])
+    assert host(into).tolist() == [0.0, 0.0] and not staged_outside_comm("cuda")
     if r == 0 and n > len(late) + 1:  # some rank other than 0 is on time (4 ranks)
         time.sleep(MONITOR + 1.0)  # the others give up on it first
         # their arrivals wait for it; the late ranks' do not
