@@ -37,13 +37,15 @@ def grad_bucket(flat, b, shapes):
 
 
 def parity():
-    """Every configuration torch recorded: the reduced bucket, P, Q and the error memory, step by step."""
+    """Every configuration torch recorded: the reduced bucket, P, Q and the error memory, step by step; on numpy,
+    then on the strict device stand-in."""
     record = np.load(DATA / "powersgd_torch.npz")
     hooks = {"powerSGD_hook": powerSGD_hook, "batched_powerSGD_hook": batched_powerSGD_hook}
     group = RecordingGroup(world)
     worst = 0.0
     runs = [(config, False) for config in gen.CONFIGS] + [("rank1", True), ("rank4", True)]
-    for config, q_at_launch in runs:  # the Qs sent after backward (default), or at each next bucket's launch
+    # the Qs sent after backward (default), or at each next bucket's launch; on numpy, then on the stand-in
+    for device, config, q_at_launch in [(device, *run) for device in DEVICES for run in runs]:
         hook_name, kwargs = gen.CONFIGS[config]
         state = PowerSGDState(group, start_powerSGD_iter=gen.START, **kwargs)
         state._q_at_launch = q_at_launch
@@ -51,8 +53,8 @@ def parity():
             buckets = []
             for b, shapes in enumerate(gen.BUCKETS):
                 if it == gen.START:  # the Q torch started from (warm start then orthogonalises it)
-                    state.q_memory_dict[b] = record[f"{config}/q0/b{b}"].copy()
-                buckets.append(grad_bucket(gen.gradients(rank, it, b), b, shapes))
+                    state.q_memory_dict[b] = on(device, record[f"{config}/q0/b{b}"].copy())
+                buckets.append(grad_bucket(on(device, gen.gradients(rank, it, b)), b, shapes))
             futures = [hooks[hook_name](state, bucket) for bucket in buckets]  # launched in order, as DDP
             for b, future in enumerate(futures):  # then waited in order, as finalize_backward
                 out = future.wait()
@@ -67,6 +69,7 @@ def parity():
                     if key not in record:
                         continue
                     want = record[key]
+                    value = host(value)
                     assert value.shape == want.shape, (key, value.shape, want.shape)
                     err = float(np.max(np.abs(value - want)) / (np.max(np.abs(want)) + 1e-30))
                     worst = max(worst, err)
@@ -174,19 +177,20 @@ def train(impl, prefix):
 def join(impl, prefix):
     """Uneven inputs (rank r has 4 + 3 r batches) under Join: no hang, every rank ends with the same model, a
     joined rank's error memory is left alone, and (error feedback off) its shadow contributes exact zeros:
-    the last rank ends bit-identical to a run where the exhausted ranks step on a zero loss instead."""
+    the last rank ends bit-identical to a run where the exhausted ranks step on a zero loss instead. On numpy, then
+    on the strict device stand-in, bit-equal."""
     from distlab import nn, optim
 
     loss_fn = nn.MSELoss()
     mine = 4 + 3 * rank
     most = 4 + 3 * (size - 1)
     results = {}
-    for feedback in (True, False):
+    for device, feedback in [(device, feedback) for device in DEVICES for feedback in (True, False)]:
         for joined in (True, False):
-            model, state = ddp_with_powersgd(impl, None, matrix_approximation_rank=1,
+            model, state = ddp_with_powersgd(impl, None, device=device, matrix_approximation_rank=1,
                                              use_error_feedback=feedback)
             opt = optim.SGD(model.parameters(), lr=0.05)
-            data = batches(most, 2)
+            data = batches(most, 2, device)
             errors_at_join = None
 
             def step(x, y, scale=1.0):
@@ -203,17 +207,20 @@ def join(impl, prefix):
             else:
                 for i, (x, y) in enumerate(data):
                     step(x, y, 1.0 if i < mine else 0.0)
-            flat = np.concatenate([p.data.ravel() for p in model.parameters()])
+            flat = np.concatenate([host(p.data).ravel() for p in model.parameters()])
             assert all(np.array_equal(flat, o) for o in world.allgather_object(flat)), "models differ after join"
             if joined and feedback and mine < most:
-                assert all(np.array_equal(state.error_dict[b], e) for b, e in errors_at_join.items()), \
+                assert all(np.array_equal(host(state.error_dict[b]), host(e)) for b, e in errors_at_join.items()), \
                     "a joined rank's shadow changed its error memory"
-            results[(feedback, joined)] = flat
-    assert np.array_equal(results[(False, True)], results[(False, False)]), \
-        "the joined ranks' shadow did not contribute zeros"
-    assert not np.array_equal(results[(True, True)], results[(False, True)])
+            results[(device, feedback, joined)] = flat
+    for device in DEVICES:
+        assert np.array_equal(results[(device, False, True)], results[(device, False, False)]), \
+            "the joined ranks' shadow did not contribute zeros"
+        assert not np.array_equal(results[(device, True, True)], results[(device, False, True)])
+    assert all(np.array_equal(v, results[("cuda",) + k[1:]]) for k, v in results.items() if k[0] == "cpu"), \
+        "the stand-in differs from numpy"
     with open(f"{prefix}.{rank}.pkl", "wb") as f:
-        pickle.dump({"params": results[(True, True)]}, f)
+        pickle.dump({"params": results[("cpu", True, True)]}, f)
 
 
 def timeout():
