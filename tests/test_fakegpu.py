@@ -144,3 +144,14 @@ def test_a_function_given_out_returns_that_very_array(dev):
     out = xp.empty((2, 2), np.float32)
     assert xp.matmul(dev, dev.T, out=out) is out and np.add(out, 1, out=out) is out
     assert np.array_equal(out.get(), dev.get() @ dev.get().T + 1)
+
+
+def test_as_strided_gives_a_view_of_the_device_memory():
+    """``xp.lib.stride_tricks.as_strided`` as cupy's: a strided view that writes through; a host array is refused."""
+    flat = xp.asarray(np.arange(12, dtype=np.float32))
+    pairs = xp.lib.stride_tricks.as_strided(flat[1:], (2, 3), (6 * 4, 4))
+    assert isinstance(pairs, xp.ndarray) and pairs.tolist() == [[1, 2, 3], [7, 8, 9]]
+    pairs[1, 0] = -1
+    assert float(flat[7]) == -1
+    with pytest.raises(TypeError, match="device array"):
+        xp.lib.stride_tricks.as_strided(np.zeros(4), (2,), (8,))
