@@ -1,21 +1,18 @@
 """Build distlab: the facade in src/distlab, the reference twin in reference/, the Cython core twin in core/.
 
 Cython extensions are named explicitly (globbing infers wrong module names under a package_dir mapping).
-To add a core module, add its stem to CORE_MODULES; its source is core/<stem>.pyx.
+The core modules are read from the registry of twins, src/distlab/_twins.py (executed as a file: distlab is not
+importable before it is built); a core module's source is core/<stem>.pyx, with the .pxi files it includes.
 """
+from pathlib import Path
+
 import numpy
 from setuptools import Extension, find_packages, setup
 from Cython.Build import cythonize
 
-CORE_MODULES = [
-    "_fingerprint",
-    "_reducer",
-    "_join",
-    "_rref",
-    "_autograd_container",
-    "_negotiation",
-    "_rpc_framing",
-]
+_registry: dict = {}
+exec((Path(__file__).resolve().parent / "src" / "distlab" / "_twins.py").read_text(encoding="utf-8"), _registry)
+CORE_MODULES = [core for _files, _loaded, core in _registry["TWINS"].values()]
 
 # numpy's headers: the reducer reads gradient arrays through numpy's C API (`cimport numpy`). Built against numpy
 # 2.x, the extension runs with numpy 1.x and 2.x alike.

@@ -97,7 +97,8 @@ cdef class Reducer:
 
     IMPL = "core"
     # ReducerBase's methods (construction, once-per-iteration steps, rebuild, registration, Join), bound here in
-    # its order. No lock, as in the reference: hooks run on the thread that runs backward, one pass at a time.
+    # its order (tests/test_api_parity.py fails if one is missing). No lock, as in the reference: hooks run on the
+    # thread that runs backward, one pass at a time.
     _configure = ReducerBase._configure
     _build_buckets = ReducerBase._build_buckets
     get_grad_buckets = ReducerBase.get_grad_buckets

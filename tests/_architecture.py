@@ -34,16 +34,19 @@ MAX_SRC_LINES = 500
 MAX_REFERENCE_LINES = 450
 CORE_ONLY_MARKER = "# --- core-only helpers"
 
-#: component -> (reference modules in reading order, core module). The core module's ``include``d .pxi files are
-#: read in place.
+
+def _registry() -> dict[str, tuple[tuple[str, ...], str, str]]:
+    """The registry of twins, src/distlab/_twins.py, read as a file (as setup.py reads it)."""
+    namespace: dict = {}
+    exec((SRC / "_twins.py").read_text(encoding="utf-8"), namespace)
+    return namespace["TWINS"]
+
+
+#: component -> (reference modules in reading order, core module), from the registry. The core module's
+#: ``include``d .pxi files are read in place.
 TWINS: dict[str, tuple[tuple[str, ...], str]] = {
-    "fingerprint": (("fingerprint.py",), "_fingerprint.pyx"),
-    "reducer": (("reducer.py",), "_reducer.pyx"),
-    "join": (("join.py",), "_join.pyx"),
-    "negotiation": (("messages.py", "response_cache.py", "coordinator.py", "negotiation.py"), "_negotiation.pyx"),
-    "rref": (("rref_impl.py", "rref_context.py"), "_rref.pyx"),
-    "rpc_framing": (("rpc_framing.py",), "_rpc_framing.pyx"),
-    "autograd_container": (("autograd_context.py", "autograd_container.py"), "_autograd_container.pyx"),
+    name: (tuple(f"{module}.py" for module in files), f"{core}.pyx")
+    for name, (files, _loaded, core) in _registry().items()
 }
 
 
@@ -232,7 +235,8 @@ FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.met
            "distlab.cluster", "distlab.viz")
 #: Modules that import nothing from distlab (or only what is listed): the leaves everything else may use.
 LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(), "distlab._env": set(),
-          "distlab.futures": {"distlab.errors"}, "distlab._backend": {"distlab.errors", "distlab._env"}}
+          "distlab._twins": set(), "distlab.futures": {"distlab.errors"},
+          "distlab._backend": {"distlab.errors", "distlab._env", "distlab._twins"}}
 
 
 def _within(module: str, packages) -> bool:

@@ -1,7 +1,8 @@
 """Shared fixtures: the twin fixtures, the import-hygiene check, and the MPI scenario runner.
 
 Tests never name a twin: they take ``impl`` (ids ``reference`` and ``core``) or a fixture derived from it, such
-as ``fingerprint`` below, which yields that twin's module of a component.
+as ``fingerprint``, which yields that twin's module of a component (one such fixture per component of
+``distlab._twins.TWINS``, named after it).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from distlab import _backend
+from distlab._twins import TWINS
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -60,11 +62,9 @@ def twin(component: str):
     return _fixture
 
 
-fingerprint = twin("fingerprint")
-rref = twin("rref")
-rpc_framing = twin("rpc_framing")
-autograd_container = twin("autograd_container")
-negotiation = twin("negotiation")
+# One fixture per registered component (``reducer``, ``negotiation``, ...), named after it, read from the registry.
+for _component in TWINS:
+    globals()[_component] = twin(_component)
 
 
 @pytest.fixture(params=["numpy", "fakegpu"])

@@ -108,3 +108,41 @@ def test_exceptions_are_shared_not_per_twin():
                     assert obj.__module__.startswith("distlab.") and not obj.__module__.startswith(
                         ("distlab.reference", "distlab.core")), f"{name} must be defined in src/distlab"
     assert issubclass(distlab.errors.DistTimeoutError, TimeoutError)
+
+
+def missing_bindings(reference_cls, core_cls) -> list[str]:
+    """The shared methods the reference class inherits that the core class does not bind.
+
+    A reference class inherits construction, rebuild and error code from a base in ``distlab._common``; a core
+    ``cdef class`` cannot inherit a Python class, so it binds each of those methods by hand
+    (``_configure = ReducerBase._configure``). Every method the reference inherits from a shared base must be
+    that same function on the core class, else the core twin lacks it (or runs a copy of it).
+    """
+    missing = []
+    for base in reference_cls.__mro__[1:]:
+        if not base.__module__.startswith("distlab._common"):
+            continue
+        for name, function in vars(base).items():
+            if inspect.isfunction(function) and getattr(reference_cls, name, None) is function:
+                if getattr(core_cls, name, None) is not function:
+                    missing.append(f"{base.__name__}.{name}")
+    return missing
+
+
+@pytest.mark.parametrize("component", sorted(_backend.COMPONENTS))
+def test_core_binds_every_shared_method_the_reference_inherits(component):
+    twins = _backend.load_twins(component)
+    for name in twins["reference"].__all__:
+        ref_obj, core_obj = getattr(twins["reference"], name), getattr(twins["core"], name)
+        if inspect.isclass(ref_obj) and ref_obj is not core_obj:
+            assert missing_bindings(ref_obj, core_obj) == [], f"{component}.{name}: shared methods not bound"
+
+
+def test_a_missing_binding_fails():
+    # guards the test above: a core class that forgets one of the reducer's bindings is reported, by name
+    reducer = _backend.load_twins("reducer")
+    core_cls, reference_cls = reducer["core"].Reducer, reducer["reference"].Reducer
+    assert "ReducerBase.get_grad_buckets" not in missing_bindings(reference_cls, core_cls)
+    namespace = {name: value for name, value in vars(core_cls).items() if name != "get_grad_buckets"}
+    forgetful = type("Reducer", (), {k: v for k, v in namespace.items() if not k.startswith("__")})
+    assert missing_bindings(reference_cls, forgetful) == ["ReducerBase.get_grad_buckets"]

@@ -77,7 +77,16 @@ def test_each_layering_rule_can_fail(importer, imported):
     assert "distlab.rpc.api" in graph["distlab.distributed_autograd._state"]
 
 
-def test_the_twin_registries_agree():
+def test_every_twin_file_is_in_the_one_registry():
+    # the registry (src/distlab/_twins.py) is the only list: a core extension or a reference module it does not
+    # name would be neither built, loaded nor checked; and every component gets its fixture from it
+    import conftest
     import distlab._backend as backend
 
-    assert set(arch.TWINS) == set(backend.COMPONENTS)
+    registered_core = {core for _files, core in arch.TWINS.values()}
+    registered_reference = {name for files, _core in arch.TWINS.values() for name in files}
+    registered_reference |= {loaded.rpartition(".")[2] + ".py" for loaded, _core in backend.COMPONENTS.values()}
+    assert {p.name for p in arch.CORE.glob("*.pyx")} == registered_core
+    assert {p.name for p in arch.REFERENCE.glob("*.py")} - {"__init__.py"} == registered_reference
+    assert set(backend.COMPONENTS) == set(arch.TWINS)
+    assert all(hasattr(conftest, component) for component in arch.TWINS)

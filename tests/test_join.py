@@ -4,10 +4,6 @@ import pytest
 from distlab import comm
 from distlab._common.join import JoinConfig
 
-from conftest import twin
-
-join = twin("join")
-
 
 def make_joinable(join, group):
     class Toy(join.Joinable):

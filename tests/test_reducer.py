@@ -12,10 +12,6 @@ from distlab.autograd import to_numpy
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.ddp_comm_hooks import allreduce_hook, noop_hook
 
-from conftest import twin
-
-reducer_twin = twin("reducer")
-
 
 class TwoBranch(nn.Module):
     """fc1 always used; fc2 only when asked (an unused parameter otherwise); on ``xp``'s device."""
@@ -166,7 +162,6 @@ def test_prior_reduction_error_names_the_unused_parameters(impl, xp):
 
 
 def test_marked_twice_names_the_parameter(impl, group):
-    reducer = reducer_twin.__wrapped__(impl) if hasattr(reducer_twin, "__wrapped__") else None
     module = distlab._backend.load("reducer", impl)
     params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
     reducer = module.Reducer(params, [[1, 0]], group, param_names=["a.w", "b.w"])

@@ -18,8 +18,10 @@ def test_importing_distlab_loads_no_mpi_and_no_component():
                    "if m.startswith(('mpi4py', 'numpy', 'distlab.'))))")
     assert done.returncode == 0, done.stderr
     # distlab.core is the (empty) package of the compiled modules, imported to look them up, not to load them;
-    # distlab._malloc sets glibc's thresholds (ctypes only), reading its setting through distlab._env
-    allowed = {"distlab._backend", "distlab._env", "distlab._malloc", "distlab.errors", "distlab.core"}
+    # distlab._malloc sets glibc's thresholds (ctypes only), reading its setting through distlab._env; the registry
+    # of twins (distlab._twins) is a table
+    allowed = {"distlab._backend", "distlab._env", "distlab._malloc", "distlab._twins", "distlab.errors",
+               "distlab.core"}
     assert set(eval(done.stdout)) <= allowed, done.stdout
 
 

@@ -10,8 +10,8 @@
 ``reference``
     the readable pure-Python twin.
 
-Each twinned component is listed in :data:`COMPONENTS` with its reference module and its core module; both
-define the same ``__all__``. Facade modules (``distlab.ddp``, ...) call :func:`load` to get the active one.
+Each twinned component is registered once, in :data:`distlab._twins.TWINS`; :data:`COMPONENTS` gives its
+reference module and its core module, both of which define the same ``__all__``. Facade modules (``distlab.ddp``, ...) call :func:`load` to get the active one.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import importlib.util
 from types import ModuleType
 
 from ._env import choice
+from ._twins import TWINS
 from .errors import CoreNotBuiltError
 
 __all__ = ["IMPLS", "COMPONENTS", "requested_impl", "active_impl", "check_core_built", "load", "load_twins",
@@ -28,15 +29,9 @@ __all__ = ["IMPLS", "COMPONENTS", "requested_impl", "active_impl", "check_core_b
 
 IMPLS = ("reference", "core")
 
-#: component name -> (reference module, core module). Add a line here when a component gains its twins.
+#: component name -> (reference module, core module), read from the one registry, :data:`distlab._twins.TWINS`.
 COMPONENTS: dict[str, tuple[str, str]] = {
-    "fingerprint": ("distlab.reference.fingerprint", "distlab.core._fingerprint"),
-    "reducer": ("distlab.reference.reducer", "distlab.core._reducer"),
-    "join": ("distlab.reference.join", "distlab.core._join"),
-    "rref": ("distlab.reference.rref", "distlab.core._rref"),
-    "autograd_container": ("distlab.reference.autograd_container", "distlab.core._autograd_container"),
-    "negotiation": ("distlab.reference.negotiation", "distlab.core._negotiation"),
-    "rpc_framing": ("distlab.reference.rpc_framing", "distlab.core._rpc_framing"),
+    name: (f"distlab.reference.{loaded}", f"distlab.core.{core}") for name, (_files, loaded, core) in TWINS.items()
 }
 
 BUILD_HINT = (
