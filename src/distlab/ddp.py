@@ -26,16 +26,17 @@ from . import _backend, comm
 from ._common.join import HostJoinable, JoinConfig
 from ._common.reducer import (
     AUTO,
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     MiB,
     GradBucket,
+    bucket_cap,
     compute_bucket_assignment_by_size,
 )
 from .autograd import SparseGrad, Tensor, is_grad_enabled
 from .nn import Module
 
-__all__ = ["DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"]
+# Reducer comes from __getattr__ (PEP 562)
+__all__ = ["DistributedDataParallel", "Reducer", "GradBucket", "compute_bucket_assignment_by_size"]  # noqa: F822
 
 
 def __getattr__(name):
@@ -104,14 +105,9 @@ class DistributedDataParallel(HostJoinable, Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        bucket_cap_mb = AUTO if bucket_cap_mb is None else bucket_cap_mb
-        auto = isinstance(bucket_cap_mb, str)
-        if auto and bucket_cap_mb != AUTO:
-            raise ValueError(f"bucket_cap_mb must be a number of MiB or {AUTO!r}, got {bucket_cap_mb!r}")
-        if not auto and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         # "auto" starts from 25 MiB buckets; the reducer chooses the caps when it rebuilds the buckets.
-        self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if auto else int(bucket_cap_mb * MiB)
+        auto, self.bucket_bytes_cap = bucket_cap(bucket_cap_mb, "bucket_cap_mb", MiB, "MiB")
+        bucket_cap_mb = AUTO if auto else bucket_cap_mb
         self._join_config = JoinConfig.disabled()  # DDP is a Joinable (through HostJoinable)
         self._fused_optimizer = None  # set by _register_fused_optim
         self._divide_by_initial_world_size = True

@@ -12,7 +12,9 @@ Timeouts (:func:`check_timeout`, used by every distlab wait): a number of second
 ``timedelta`` does in PyTorch): the wait may then hang, which is what the bound exists to prevent, so use it only
 under a debugger. NaN, negative values and ``0`` are refused: ``0`` means "the default" to c10d's ``Work.wait``
 and "no timeout" to torch RPC, and "do not wait" to Python's own waits; rather than guess, distlab asks for
-``None`` (the default) or ``is_completed()`` (to poll).
+``None`` (the default) or ``is_completed()`` (to poll). :func:`resolve_timeout` is the one place a wait turns its
+``timeout`` argument (or None) into seconds. The RPC API is the one exception, as in torch: there ``0`` means
+"no timeout" (``distlab.rpc.init_rpc(rpc_timeout=0)``, ``rpc_sync(..., timeout=0)``).
 
 This module does not import MPI: RPC, the autograd engine and tests use futures without an MPI job.
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import DistTimeoutError
 
-__all__ = ["Future", "collect_all", "default_timeout", "check_timeout"]
+__all__ = ["Future", "collect_all", "default_timeout", "check_timeout", "resolve_timeout"]
 
 _UNSET = object()
 log = logging.getLogger("distlab.futures")
@@ -83,6 +85,14 @@ def default_timeout() -> float:
     except ValueError:
         raise ValueError(f"DISTLAB_TIMEOUT={value!r} is not a number of seconds") from None
     return check_timeout(timeout, f"DISTLAB_TIMEOUT={value!r}")
+
+
+def resolve_timeout(value, what: str, default: float | None = None) -> float:
+    """The timeout a wait runs under: ``value`` checked by :func:`check_timeout`, or, when it is None, ``default``
+    (already checked, say a group's own timeout) or else :func:`default_timeout`."""
+    if value is None:
+        return default_timeout() if default is None else default
+    return check_timeout(value, what)
 
 
 def _event_wait(event: threading.Event, deadline: float) -> bool:
@@ -174,11 +184,11 @@ class Future:
             out raises that operation's error (naming its missing ranks).
         """
         if not self.done():
-            given = None if timeout is None else check_timeout(timeout, "Future.wait(timeout)")
-            timeout = default_timeout() if given is None else given
+            given = timeout is not None
+            timeout = resolve_timeout(timeout, "Future.wait(timeout)")
             deadline = time.monotonic() + timeout
             if self._driver is not None:
-                self._driver(given)  # completes this future (perhaps through callbacks) or raises
+                self._driver(timeout if given else None)  # completes this future (perhaps through callbacks) or raises
             if not self.done():
                 # Completed by another thread (an RPC reply, or the callback of a parent completed elsewhere
                 # that has not yet run): sleep on an event until it is.

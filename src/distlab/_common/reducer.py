@@ -44,13 +44,25 @@ log = logging.getLogger("distlab.ddp")
 
 __all__ = ["AUTO", "MiB", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "ReducerBase", "GradBucket", "Bucket",
            "build_buckets", "compute_bucket_assignment_by_size", "empty_sparse_grad", "sparse_allreduce",
-           "NO_SIZE_LIMIT", "ReducerStats", "marked_twice", "prior_reduction_unfinished", "static_graph_changed",
+           "NO_SIZE_LIMIT", "ReducerStats", "bucket_cap", "marked_twice", "prior_reduction_unfinished", "static_graph_changed",
            "grad_mismatch", "grad_shape_mismatch", "check_hook_result", "check_hook_value"]
 
 MiB = 1024 * 1024
 #: The anchor's defaults: buckets of 25 MiB, and a first bucket of 1 MiB after the rebuild.
 DEFAULT_BUCKET_BYTES = 25 * MiB
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+
+def bucket_cap(value, what: str, unit: int = 1, unit_name: str = "bytes") -> tuple[bool, int]:
+    """``(auto, cap in bytes)`` for a bucket cap: DDP's ``bucket_cap_mb`` (``unit=MiB``) or the reducer's
+    ``bucket_bytes_cap``; ``"auto"`` (``None`` too, torch's spelling of "the default") starts from
+    :data:`DEFAULT_BUCKET_BYTES` and has the reducer choose the caps at its rebuild. The one check of both."""
+    auto = value is None or isinstance(value, str)
+    if auto and value not in (None, AUTO):
+        raise ValueError(f"{what} must be a number of {unit_name} or {AUTO!r}, got {value!r}")
+    if not auto and not value > 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return auto, DEFAULT_BUCKET_BYTES if auto else int(value * unit)
 
 
 # -- the shared part of the reducer ---------------------------------------------------------------------------
@@ -87,10 +99,7 @@ class ReducerBase:
         if len(self.expect_sparse_gradients) != n:
             raise ValueError(f"expect_sparse_gradients has {len(self.expect_sparse_gradients)} entries for {n} "
                              "parameters")
-        self.auto_bucket_cap = isinstance(bucket_bytes_cap, str) and bucket_bytes_cap == AUTO
-        if isinstance(bucket_bytes_cap, str) and not self.auto_bucket_cap:
-            raise ValueError(f"bucket_bytes_cap must be a number of bytes or {AUTO!r}, got {bucket_bytes_cap!r}")
-        self.bucket_bytes_cap = DEFAULT_BUCKET_BYTES if self.auto_bucket_cap else int(bucket_bytes_cap)
+        self.auto_bucket_cap, self.bucket_bytes_cap = bucket_cap(bucket_bytes_cap, "bucket_bytes_cap")
         self.first_bucket_bytes_cap = int(first_bucket_bytes_cap)
         self.auto_choice = None  # with "auto": what was measured and chosen at the rebuild
         self.find_unused_parameters = bool(find_unused_parameters)

@@ -17,7 +17,7 @@ from ..errors import (
     NotInitializedError,
     StallShutdownError,
 )
-from ..futures import default_timeout
+from ..futures import resolve_timeout
 from . import _engine as _engines
 from ._engine import OP_CODES, Handle
 from ._execute import even_splits
@@ -83,7 +83,7 @@ def shutdown(timeout: float | None = None) -> None:
 
     The other ranks' pending handles say that this rank called shutdown().
     """
-    _shutdown(default_timeout() if timeout is None else timeout, "called shutdown()")
+    _shutdown(resolve_timeout(timeout, "shutdown(timeout)"), "called shutdown()")
 
 
 def _shutdown(timeout: float, reason: str) -> None:
@@ -349,7 +349,7 @@ def synchronize(handle: Handle, timeout: float | None = None):
     A timeout raises :class:`~distlab.errors.DistTimeoutError`; on the set's rank 0, once the stall inspector
     has checked, it names the ranks that have not submitted the tensor (``missing_ranks``).
     """
-    timeout = default_timeout() if timeout is None else timeout
+    timeout = resolve_timeout(timeout, "synchronize(timeout)")
     try:
         return handle.future.wait(timeout)
     except DistTimeoutError:

@@ -21,14 +21,14 @@ from .._env import choice
 from .._types import ReduceOp
 from .._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS
 from ..errors import CollectiveMismatchError, DistTimeoutError, ProcessGroupBrokenError
-from ..futures import check_timeout, default_timeout
+from ..futures import resolve_timeout
 from ..timeline import get_timeline, now_us
 from .board import ArrivalBoard, node_keys
 from .missing import SideChannel, ask_lead
 from .exchange import ExchangeOperations
 from .operations import GroupOperations
 from .rooted import RootedOperations
-from .setup import free_deferred, bounded_barrier, bounded_dup, bounded_wait, release_comm
+from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
 from .shared import aligned, create_arena
 from .work import Work, _busy, spin
 
@@ -76,12 +76,12 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
                  fingerprint_checks: bool | None = None):
-        timeout = default_timeout() if timeout is None else check_timeout(timeout, "ProcessGroup(timeout)")
+        timeout = resolve_timeout(timeout, "ProcessGroup(timeout)")
         if fingerprint_checks not in (None, True, False):
             raise TypeError(f"ProcessGroup(fingerprint_checks): True, False or None, got {fingerprint_checks!r}")
         free_deferred()
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        comm = bounded_dup(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
+        comm = dup_within(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
         # Every group over COMM_WORLD has the same node layout: asked of MPI once (all ranks took part).
         self._setup(comm, timeout, name, _world_node if parent == MPI.COMM_WORLD else None)
         if fingerprint_checks is not None:
@@ -269,9 +269,9 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
             raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group {self.name!r} "
                              f"(size {self.size})")
         self._check_usable()
-        timeout = self.timeout if timeout is None else check_timeout(timeout, "new_group(timeout)")
+        timeout = resolve_timeout(timeout, "new_group(timeout)", self.timeout)
         what = f"new_group({ranks}) of group {self.name!r}"
-        checks = bounded_barrier(self.comm, what, timeout, check=zlib.crc32(np.asarray(ranks, np.int64)))
+        checks = barrier_within(self.comm, what, timeout, check=zlib.crc32(np.asarray(ranks, np.int64)))
         if len(set(checks)) > 1:
             mine = [r for r, c in enumerate(checks) if c == checks[self.rank]]
             others = [r for r, c in enumerate(checks) if c != checks[self.rank]]

@@ -8,7 +8,8 @@ name missing ranks on other nodes too, and cost nothing from a late rank (it has
 the information). Once every notice is in, every rank is at the same call, so the blocking MPI call that follows
 (``Idup`` here, ``Split`` or the board's set-up in the caller) completes at once.
 
-Other subsystems creating their own communicators call these too::
+Other subsystems creating their own communicators call these too (``dup_within`` and ``barrier_within`` are the
+same with a timeout the caller has already resolved, by :func:`distlab.futures.resolve_timeout`)::
 
     comm = bounded_dup(MPI.COMM_WORLD, "init_rpc", timeout)       # instead of MPI.COMM_WORLD.Dup()
     bounded_barrier(comm, "collectives.init()", timeout)           # before any blocking collective set-up
@@ -26,10 +27,10 @@ from mpi4py import MPI
 
 from .._wire import COMM_SETUP_TAG
 from ..errors import DistTimeoutError
-from ..futures import check_timeout, default_timeout
+from ..futures import resolve_timeout
 from .missing import listen_all
 
-__all__ = ["bounded_barrier", "bounded_dup", "bounded_wait"]
+__all__ = ["bounded_barrier", "bounded_dup", "barrier_within", "dup_within", "bounded_wait"]
 
 _orphans: list = []  # requests (and their buffers) of timed-out setups: MPI may still use the buffers
 
@@ -74,7 +75,11 @@ def bounded_barrier(comm, what: str, timeout=None, check: int = 0) -> list[int]:
     list of int
         Every rank's ``check`` word, in rank order.
     """
-    timeout = default_timeout() if timeout is None else check_timeout(timeout, f"{what}: timeout")
+    return barrier_within(comm, what, resolve_timeout(timeout, f"{what}: timeout"), check)
+
+
+def barrier_within(comm, what: str, timeout: float, check: int = 0) -> list[int]:
+    """:func:`bounded_barrier` with ``timeout`` already resolved (float seconds, checked)."""
     deadline = time.monotonic() + timeout
     notices = _post_notices(comm, check)
     _poll(lambda: MPI.Request.Testall(notices.requests), deadline,
@@ -84,7 +89,11 @@ def bounded_barrier(comm, what: str, timeout=None, check: int = 0) -> list[int]:
 
 def bounded_dup(comm, what: str, timeout=None):
     """``comm.Dup()`` under a deadline: a DistTimeoutError naming the ranks that never arrived, not a hang."""
-    timeout = default_timeout() if timeout is None else check_timeout(timeout, f"{what}: timeout")
+    return dup_within(comm, what, resolve_timeout(timeout, f"{what}: timeout"))
+
+
+def dup_within(comm, what: str, timeout: float):
+    """:func:`bounded_dup` with ``timeout`` already resolved (float seconds, checked)."""
     deadline = time.monotonic() + timeout
     notices = _post_notices(comm, 0)
     _poll(lambda: MPI.Request.Testall(notices.requests), deadline,

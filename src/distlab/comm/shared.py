@@ -46,7 +46,7 @@ from mpi4py import MPI
 from .._types import ReduceOp
 from ..errors import CollectiveMismatchError
 from .board import map_node_file
-from .setup import bounded_dup, release_comm
+from .setup import dup_within, release_comm
 
 __all__ = ["SharedArena", "create_arena", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
            "SHARED_MIN_BYTES", "SHARED_MIN_BYTES_VAR"]
@@ -219,7 +219,7 @@ def create_arena(group, nbytes: int) -> SharedArena | None:
         return None
     ident = np.array([secrets.randbits(62) if group.rank == 0 else 0], dtype=np.int64)
     group.broadcast(ident, src=0, name="shared arena id")
-    comm = bounded_dup(group.comm, f"shared arena of group {group.name!r}", group.timeout)
+    comm = dup_within(group.comm, f"shared arena of group {group.name!r}", group.timeout)
     return SharedArena(memory, nbytes, group.rank, group.size, int(ident[0]), comm)
 
 

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import DistTimeoutError
-from ..futures import Future, check_timeout
+from ..futures import Future, resolve_timeout
 from .missing import ask_lead, listen_all
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class Work:
         """
         if not self._done:
             group = self.group
-            timeout = group.timeout if timeout is None else check_timeout(timeout, "Work.wait(timeout)")
+            timeout = resolve_timeout(timeout, "Work.wait(timeout)", group.timeout)
             deadline = time.monotonic() + timeout
             # Hold the group's lock for the whole wait and poll the MPI request itself: no lock round trip per
             # poll (another thread's progress() simply finds this work done afterwards).

@@ -103,7 +103,7 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, 
             rpc_timeout = options.rpc_timeout
         if options is not None and options.num_worker_threads is not None:
             num_threads = options.num_worker_threads
-        rpc_timeout = _check_timeout(default_timeout() if rpc_timeout is None else rpc_timeout)
+        rpc_timeout = _check_timeout(rpc_timeout)
         check_thread_level()
         check_name(name)
         comm, names = join_workers(world, name, rpc_timeout or default_timeout())
@@ -125,7 +125,15 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, 
 
 
 def _check_timeout(seconds) -> float:
-    """A timeout in seconds, 0 for none; ``inf`` (DISTLAB_TIMEOUT's "no deadline") is 0 too."""
+    """An RPC timeout in seconds, 0 for none; ``inf`` (DISTLAB_TIMEOUT's "no deadline") is 0 too; None for
+    ``DISTLAB_TIMEOUT``.
+
+    Here, and only in ``distlab.rpc``, 0 means "no timeout", as it does in PyTorch RPC (``rpc_timeout=0``,
+    ``rpc_sync(..., timeout=0)``); everywhere else (:func:`distlab.futures.check_timeout`: process groups,
+    ``Work.wait``, futures, collectives) 0 is refused as ambiguous, since c10d reads it as "the default".
+    """
+    if seconds is None:
+        seconds = default_timeout()
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
         raise ValueError(f"an RPC timeout is a number of seconds >= 0 (0: none), got {seconds!r}")
     return 0.0 if seconds == float("inf") else float(seconds)
@@ -162,8 +170,8 @@ def get_rpc_timeout() -> float:
 
 
 def _set_rpc_timeout(rpc_timeout) -> None:
-    """Set the default timeout of the calls this worker makes from now on (seconds; 0: none), as PyTorch's
-    ``rpc._set_rpc_timeout``; calls already in flight keep theirs."""
+    """Set the default timeout of the calls this worker makes from now on (seconds; 0: none; None:
+    ``DISTLAB_TIMEOUT``), as PyTorch's ``rpc._set_rpc_timeout``; calls already in flight keep theirs."""
     get_agent().rpc_timeout = _check_timeout(rpc_timeout)
 
 

@@ -92,15 +92,15 @@ class WorkerRegistry:
 def join_workers(world, name: str, timeout: float):
     """Make the agent's communicator (a duplicate of ``world``) and learn every worker's name, bounded.
 
-    Collective over ``world``: :func:`distlab.comm.setup.bounded_dup` first (each rank sends every other a notice
+    Collective over ``world``: :func:`distlab.comm.setup.dup_within` first (each rank sends every other a notice
     and waits for theirs), so a rank that never calls ``init_rpc`` makes the others raise DistTimeoutError naming
     it after ``timeout`` seconds instead of hanging in ``MPI_Comm_dup``; then, every rank being there, the names
     are gathered on the new communicator. Returns ``(comm, names)``.
     """
-    from distlab.comm.setup import bounded_dup
+    from distlab.comm.setup import dup_within
 
     size = world.Get_size()
     if size > MAX_WORKERS:
         raise ValueError(f"distlab.rpc supports at most {MAX_WORKERS} workers, the world has {size} ranks")
-    comm = bounded_dup(world, f"init_rpc (worker {name!r})", timeout)
+    comm = dup_within(world, f"init_rpc (worker {name!r})", timeout)
     return comm, comm.allgather(name)
