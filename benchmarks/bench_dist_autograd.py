@@ -82,7 +82,7 @@ def driver(world, rounds):
     import numpy as np
 
     from distlab import distributed_autograd as dist_autograd
-    from distlab import nn, optim, rpc
+    from distlab import optim, rpc
     from distlab.autograd import Tensor
     from distlab.distributed_autograd import DistributedOptimizer
 

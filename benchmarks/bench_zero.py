@@ -116,7 +116,7 @@ def main() -> None:
               "rows": rows_by_size}
     (RESULTS / "bench_zero.json").write_text(json.dumps(report, indent=1))
     print(table(rows_by_size))
-    print(f"\nlargest per-rank share of the unsharded Adam state: "
+    print("\nlargest per-rank share of the unsharded Adam state: "
           + ", ".join(f"{size} ranks {share:.4f} (1/{size} = {1 / size:.4f})" for size, share in worst.items()))
     print(f"written to {RESULTS / 'bench_zero.json'}")
 

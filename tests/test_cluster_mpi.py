@@ -142,7 +142,7 @@ def test_a_rank_killed_on_host_2_ends_the_job_on_host_1_naming_it(mpirun, virtua
                  expect_failure=True)
     assert time.monotonic() - start < 60
     assert f"rank 3 on {virtual_cluster}-h2 kills itself" in job.stdout
-    assert f"rank 3 (pid " in job.stderr and f"on host {virtual_cluster}-h2 was killed by signal 9 (SIGKILL)" in \
+    assert "rank 3 (pid " in job.stderr and f"on host {virtual_cluster}-h2 was killed by signal 9 (SIGKILL)" in \
         job.stderr, job.stderr
     no_processes_left(virtual_cluster)
 

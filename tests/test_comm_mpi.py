@@ -1,5 +1,4 @@
 """The comm layer on 2 and 4 ranks: collectives, device staging, DETAIL mismatches, timeouts, failure handling."""
-import time
 
 import pytest
 

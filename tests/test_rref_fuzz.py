@@ -7,7 +7,7 @@ delete for (0, 2**40) deleted the owner (1, 0)) and raised OverflowError where t
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend

@@ -9,7 +9,8 @@ module that needs it (``distlab.comm`` and everything built on it).
 """
 import importlib as _importlib
 
-from . import _backend, _malloc  # _malloc: glibc keeps freed memory for the next step (DISTLAB_MALLOC)
+# _malloc: glibc keeps freed memory for the next step (DISTLAB_MALLOC); imported for that effect
+from . import _backend, _malloc  # noqa: F401
 
 __version__ = "0.1.0"
 

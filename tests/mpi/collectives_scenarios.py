@@ -171,7 +171,7 @@ if r == 0:
     reports = hvd.stall_reports()
     assert reports, "no stall report"
     missing = "rank 1" if n == 2 else "ranks " + ", ".join(map(str, range(1, n)))
-    assert f"'straggler' (allreduce): waiting" in reports[0] and f"ready on rank 0; missing {missing}" in reports[0], \
+    assert "'straggler' (allreduce): waiting" in reports[0] and f"ready on rank 0; missing {missing}" in reports[0], \
         reports[0]
     assert any(issubclass(w.category, StallWarning) for w in seen)
 # a timed-out wait names the missing ranks (on rank 0, once the stall inspector has looked)

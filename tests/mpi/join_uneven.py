@@ -5,7 +5,6 @@ argv: impl ("reference", "core", "mixed"), output prefix (traces and final param
 """
 import pickle
 import sys
-import warnings
 
 import numpy as np
 

@@ -4,7 +4,6 @@ Argument ``mixed``: even ranks use the reference twin, odd ranks the core twin.
 """
 import sys
 
-import numpy as np
 
 from distlab import _backend, comm
 

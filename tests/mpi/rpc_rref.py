@@ -12,7 +12,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
 
 import distlab.rpc as rpc
 from distlab import _backend
-from distlab.errors import DistTimeoutError, RemoteError, RpcError, RRefCreationTimeoutError, RRefDeletedError
+from distlab.errors import DistTimeoutError, RemoteError, RRefCreationTimeoutError, RRefDeletedError
 from distlab.rpc import RRef, rref_debug_info
 
 rank = int(os.environ["RANK"])

@@ -20,7 +20,8 @@ if "mpi4py.MPI" not in _sys.modules:
 
 from . import functions
 from .agent import CallInfo, WorkerInfo, current_call
-from .api import (_set_rpc_timeout, cheap, get_agent, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
+from .api import (_set_rpc_timeout,  # noqa: F401 - PyTorch's private name, re-exported
+                  cheap, get_agent, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
                   is_initialized, remote, rpc_async, rpc_sync, shutdown)
 from .devices import RpcBackendOptions
 from .rref import RRef, rref_debug_info

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from typing import Callable
 
