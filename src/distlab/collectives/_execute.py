@@ -108,7 +108,7 @@ def check_reduction(dtype, op: ReduceOp, kind: str, name: str) -> None:
 
     Found in the cycle thread instead, the refusal would stop the engine, and with it every rank's collectives.
     """
-    from ..comm.ops import mpi_reduction  # the engine runs, so MPI is up
+    from ..comm.reduce_ops import mpi_reduction  # the engine runs, so MPI is up
 
     mpi_reduction(np.dtype(dtype), ReduceOp.parse("sum" if op is ReduceOp.AVG else op.value), kind, name)
 

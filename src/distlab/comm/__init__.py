@@ -33,7 +33,7 @@ The package, one job per module: :mod:`~distlab.comm.group` (``ProcessGroup``, :
 their object variants), :mod:`~distlab.comm.exchange` (all_to_all_single with split sizes, object lists point to
 point, isend/irecv), :mod:`~distlab.comm.monitor` (monitored_barrier), :mod:`~distlab.comm.functions`
 (torch.distributed's module functions for these, with global ranks), :mod:`~distlab.comm.work` (``Work``, the poll loop,
-:func:`progress`), :mod:`~distlab.comm.ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device` (numpy and
+:func:`progress`), :mod:`~distlab.comm.reduce_ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device` (numpy and
 cupy buffers, CUDA-aware detection, staging), :mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the
 side channel naming missing ranks), :mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`,
 :func:`bounded_barrier`).

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from .._types import ReduceOp
 from .group import world
 from .operations import _check_tag
-from .ops import check_movable
+from .reduce_ops import check_movable
 
 __all__ = ["reduce", "gather", "scatter", "gather_object", "scatter_object_list", "send_object_list",
            "recv_object_list", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier",

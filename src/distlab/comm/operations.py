@@ -18,7 +18,7 @@ from ..errors import CollectiveMismatchError
 from ..timeline import now_us
 from . import shared
 from .device import empty_like, mpi_buffer
-from .ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
+from .reduce_ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
 from .pieces import SPLIT_FROM_BYTES, in_turn, piece_bytes, start_pieces
 from .work import StatusRequest
 

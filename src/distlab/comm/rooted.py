@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from .._types import ReduceOp
 from .device import backend_for, mpi_buffer
-from .ops import averaging, is_bfloat16, mpi_reduction, parse_op
+from .reduce_ops import averaging, is_bfloat16, mpi_reduction, parse_op
 
 __all__ = ["RootedOperations", "to_host", "pickled"]
 
