@@ -8,10 +8,10 @@ from distlab.rpc import wrappers
 
 @pytest.fixture
 def clean_registry():
-    saved = wrappers._wrappers
-    wrappers._wrappers = ()
+    saved = wrappers.registered
+    wrappers.registered = ()
     yield wrappers
-    wrappers._wrappers = saved
+    wrappers.registered = saved
 
 
 def test_no_wrapper_leaves_the_call_alone(clean_registry):

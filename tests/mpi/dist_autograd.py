@@ -18,7 +18,7 @@ from distlab import nn, optim
 from distlab.autograd import Tensor
 from distlab.distributed_autograd import DistributedOptimizer, config, forward
 from distlab._wire import RPC_KIND_CODES
-from distlab.rpc.api import _call_payload
+from distlab.rpc.framing import call_payload as _call_payload
 from distlab.errors import AutogradContextNotFoundError, DistAutogradError, DistBackwardError, RemoteError
 
 from autograd_checks import Boom

@@ -1,20 +1,22 @@
 """Public RPC functions: ``init_rpc``, ``rpc_sync``, ``rpc_async``, ``remote``, ``shutdown``, ``get_worker_info``.
 
 Shared plumbing over :class:`distlab.rpc.agent.RpcAgent`; the RRef protocol state lives in the active twin
-(``distlab._backend.load("rref")``), wired to the agent in :mod:`distlab.rpc.rref`.
+(``distlab._backend.load("rref")``), wired to the agent in :mod:`distlab.rpc.rref`. This module starts and stops
+both (``init_rpc``, ``shutdown``); the running agent and the calls through it (``get_agent``, ``rpc_sync``,
+``rpc_async``) are :mod:`distlab.rpc.calls`, below this module and the RRef layer alike.
 """
 from __future__ import annotations
 
 import atexit
 import threading
 
-from distlab._wire import RPC_KIND_CODES
 from distlab.errors import RpcError
 from distlab.futures import Future, default_timeout
 
-from . import framing, functions, wrappers
+from . import calls, functions, rref
 from . import devices as _devices
 from .agent import RpcAgent, WorkerInfo, check_thread_level
+from .calls import K_CALL, cheap, get_agent, is_initialized, rpc_async, rpc_sync
 from .devices import RpcBackendOptions
 from .functions import is_async_execution
 from .workers import check_name, join_workers
@@ -22,10 +24,7 @@ from .workers import check_name, join_workers
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
            "rpc_async", "remote", "cheap", "get_agent", "is_initialized"]
 
-K_CALL = RPC_KIND_CODES["call"]
-
 _state_lock = threading.Lock()
-_agent: RpcAgent | None = None
 _atexit_registered = False
 #: The RRef layer (attach, graceful_delete, detach, remote), installed by distlab.rpc.rref when it is imported:
 #: rref builds on this module, so this module never imports it.
@@ -35,25 +34,6 @@ _rref_layer = None
 def _install_rref_layer(layer) -> None:
     global _rref_layer
     _rref_layer = layer
-
-
-def cheap(fn):
-    """Mark ``fn`` as cheap: the callee runs it on its listener thread (no thread-pool hop; it must not block)."""
-    fn.__distlab_rpc_cheap__ = True
-    return fn
-
-
-def get_agent() -> RpcAgent:
-    """The running agent; RpcError if ``init_rpc`` was not called or ``shutdown`` was."""
-    agent = _agent
-    if agent is None or not agent.running:
-        raise RpcError("distlab.rpc is not initialized on this worker (call init_rpc first, or it was shut down)")
-    return agent
-
-
-def is_initialized() -> bool:
-    """True between ``init_rpc`` and ``shutdown``."""
-    return _agent is not None and _agent.running
 
 
 def _handle_call(src, payload, meta):
@@ -85,12 +65,13 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, 
         devices, and (when set there) ``rpc_timeout`` and ``num_worker_threads``, which take precedence. Every
         worker checks every worker's device maps; an inconsistent one is an RpcDeviceError on every worker.
     """
-    global _agent, _atexit_registered
+    global _atexit_registered
     from mpi4py import MPI
 
     with _state_lock:
-        if _agent is not None and _agent.running:
-            raise RpcError(f"init_rpc was already called on this worker (as {_agent.info.name!r})")
+        running = calls.current_agent()
+        if running is not None and running.running:
+            raise RpcError(f"init_rpc was already called on this worker (as {running.info.name!r})")
         world = MPI.COMM_WORLD
         if rank is not None and rank != world.Get_rank():
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
@@ -115,8 +96,8 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, 
         agent = RpcAgent(name, comm, rpc_timeout=rpc_timeout, num_threads=num_threads, names=names,
                          placement=placement, device_count=device_count)
         agent.register_handler(K_CALL, _handle_call, _internal=True)
-        _rref_layer.attach(agent)
-        _agent = agent  # before the listener starts: handlers may call get_agent() at once
+        rref.attach(agent)
+        calls.set_agent(agent)  # before the listener starts: handlers may call get_agent() at once
         agent.start()
         if not _atexit_registered:
             atexit.register(_stop_at_exit)
@@ -143,12 +124,12 @@ def _stop_at_exit() -> None:
     """atexit: a program that ends without ``shutdown()`` (an uncaught error, or simply forgotten) must not
     leave the listener thread inside MPI when mpi4py finalizes MPI, which then crashed (segmentation fault).
     Registered after mpi4py initialised MPI, so it runs first. Non-graceful: the other workers may be gone."""
-    agent = _agent
+    agent = calls.current_agent()
     if agent is None or not agent.running:
         return
     try:
         agent.stop(graceful=False, timeout=5.0)
-        _rref_layer.detach(agent, check_leaks=False)
+        rref.detach(agent, check_leaks=False)
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
 
@@ -175,47 +156,7 @@ def _set_rpc_timeout(rpc_timeout) -> None:
     get_agent().rpc_timeout = _check_timeout(rpc_timeout)
 
 
-_call_payload = framing.call_payload
-
-
-# -- call wrappers (distlab.rpc.wrappers: how distributed autograd rewrites calls made inside a context) -----------
-def _wrap(agent, to, func, args, kwargs, remote=False):
-    """None, or ``(func, args, kwargs, unwrap)`` when a registered call wrapper rewrote the call (callers on
-    the per-call path test ``wrappers._wrappers`` first: no call at all when none is registered)."""
-    return wrappers._wrappers and wrappers.wrap_call(agent.worker_info(to).id, func, args, kwargs, remote)
-
-
-def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
-    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
-    agent = get_agent()
-    wrapped = wrappers._wrappers and _wrap(agent, to, func, args, kwargs)
-    if wrapped:
-        inline = getattr(func, "__distlab_rpc_cheap__", False)
-        func, args, kwargs, unwrap = wrapped
-        return unwrap(agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout, inline=inline))
-    return agent.call_sync(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
-                           inline=getattr(func, "__distlab_rpc_cheap__", False))
-
-
-def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
-    """Like :func:`rpc_sync` but return a Future at once."""
-    agent = get_agent()
-    wrapped = wrappers._wrappers and _wrap(agent, to, func, args, kwargs)
-    if wrapped:
-        inline = getattr(func, "__distlab_rpc_cheap__", False)
-        func, args, kwargs, unwrap = wrapped
-        return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout, inline=inline).then(
-            lambda f: unwrap(f.value()))
-    return agent.send(to, K_CALL, _call_payload(func, args, kwargs), timeout=timeout,
-                      inline=getattr(func, "__distlab_rpc_cheap__", False))
-
-
-def remote(to, func, args=(), kwargs=None, timeout=None):
-    """Run ``func`` on worker ``to`` and return an RRef to its result (see :mod:`distlab.rpc.rref`)."""
-    wrapped = _wrap(get_agent(), to, func, args, kwargs, remote=True)
-    if wrapped:
-        func, args, kwargs, _unwrap = wrapped
-    return _rref_layer.remote(to, func, args, kwargs, timeout)
+remote = rref.remote
 
 
 def shutdown(graceful=True, timeout=None):
@@ -223,9 +164,8 @@ def shutdown(graceful=True, timeout=None):
     every UserRRef, wait until no OwnerRRef remains, wait until every worker is done sending, then stop; raises
     RRefLeakError naming leaked RRefs. Every wait is bounded by ``timeout`` (default the RPC timeout, or
     ``DISTLAB_TIMEOUT`` when that is disabled)."""
-    global _agent
     with _state_lock:
-        agent = _agent
+        agent = calls.current_agent()
         if agent is None or not agent.running:
             raise RpcError("shutdown: distlab.rpc is not initialized on this worker")
         timeout = (agent.rpc_timeout or default_timeout()) if timeout is None else timeout
@@ -235,12 +175,12 @@ def shutdown(graceful=True, timeout=None):
                 # work), then UserRRefs are deleted and owners drained, then every worker is done sending.
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
-                _rref_layer.graceful_delete(agent, timeout)
+                rref.graceful_delete(agent, timeout)
                 agent.wait_idle(timeout)
                 agent.barrier(timeout)
         finally:
             agent.stop(graceful=graceful, timeout=timeout)
-            leaks = _rref_layer.detach(agent, check_leaks=graceful)
-            _agent = None
+            leaks = rref.detach(agent, check_leaks=graceful)
+            calls.set_agent(None)
         if leaks is not None:
             raise leaks

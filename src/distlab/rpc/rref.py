@@ -15,15 +15,15 @@ import functools
 import pickle
 import sys
 import time
-import types
 
 from distlab import _backend
 from distlab._wire import RPC_KIND_CODES
 from distlab.errors import DistTimeoutError, RpcError, RRefError
 from distlab.futures import Future
 
-from . import api, framing, functions
+from . import calls, framing, functions, wrappers
 from .agent import current_call
+from .calls import K_CALL, get_agent
 from .functions import async_execution, is_async_execution
 
 __all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
@@ -79,7 +79,7 @@ class RRef:
 
     def owner(self):
         """The owner's WorkerInfo."""
-        return api.get_agent().worker_info(self._r.owner())
+        return get_agent().worker_info(self._r.owner())
 
     def owner_name(self) -> str:
         """The owner's worker name."""
@@ -106,12 +106,12 @@ class RRef:
         r.check_usable("to_here()")
         # a call wrapper (distributed autograd inside a context) turns the fetch into a call of local_value
         # carrying its metadata (torch: to_here records a send function on the owner, a recv function here)
-        wrapped = api._wrap(api.get_agent(), r.owner(), RRef.local_value, (self,), None)
+        wrapped = wrappers.wrap_for(get_agent(), r.owner(), RRef.local_value, (self,), None)
         if wrapped:
             func, args, kwargs, unwrap = wrapped
-            return unwrap(api.get_agent().call_sync(r.owner(), api.K_CALL, api._call_payload(func, args, kwargs),
-                                                    timeout=timeout))
-        return api.get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
+            return unwrap(get_agent().call_sync(r.owner(), K_CALL, framing.call_payload(func, args, kwargs),
+                                                timeout=timeout))
+        return get_agent().call_sync(r.owner(), K_FETCH, r.rref_id.key(), timeout=timeout, inline=True)
 
     def rpc_sync(self, timeout=None):
         """Proxy: ``rref.rpc_sync().m(*a)`` is ``rpc_sync(owner, lambda: value.m(*a))``.
@@ -121,15 +121,15 @@ class RRef:
         ``__getattr__`` are not checked. A method decorated with
         :func:`~distlab.rpc.functions.async_execution` answers when the Future it returns completes.
         """
-        return _Proxy(self, api.rpc_sync, timeout)
+        return _Proxy(self, calls.rpc_sync, timeout)
 
     def rpc_async(self, timeout=None):
         """Proxy like :meth:`rpc_sync` returning Futures (the AttributeError is raised at the call too)."""
-        return _Proxy(self, api.rpc_async, timeout)
+        return _Proxy(self, calls.rpc_async, timeout)
 
     def remote(self, timeout=None):
         """Proxy like :meth:`rpc_sync` returning RRefs."""
-        return _Proxy(self, api.remote, timeout)
+        return _Proxy(self, remote, timeout)
 
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
         """Run backward from the value, a scalar :class:`~distlab.autograd.Tensor` (mirrors ``PyRRef::backward``).
@@ -148,7 +148,7 @@ class RRef:
                             f"{self.owner_name()!r}, where backward runs within a distributed autograd context")
         r.check_usable("backward()")
         # A call of the RRef layer, not of the user: not wrapped by distributed autograd (torch: RRefBackwardReq).
-        api.get_agent().call_sync(r.owner(), api.K_CALL, framing.call_payload(
+        get_agent().call_sync(r.owner(), K_CALL, framing.call_payload(
             _backward_on_owner, (self, dist_autograd_ctx_id, retain_graph), None))
 
     def _get_type(self, timeout=None):
@@ -160,7 +160,7 @@ class RRef:
                 self._type = type(self.local_value())
             else:
                 r.check_usable("a proxy (rpc_sync(), rpc_async(), remote())")
-                self._type = api.get_agent().call_sync(r.owner(), api.K_CALL, framing.call_payload(
+                self._type = get_agent().call_sync(r.owner(), K_CALL, framing.call_payload(
                     _value_type, (self,), None), timeout=timeout)
         return self._type
 
@@ -335,9 +335,13 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func(*args, **kwargs)`` on worker ``to``; return an RRef to the result at once.
 
     If the owner has not acknowledged the creation within ``timeout`` seconds (default the RPC timeout),
-    ``to_here`` raises RRefCreationTimeoutError.
+    ``to_here`` raises RRefCreationTimeoutError. A registered call wrapper (:mod:`distlab.rpc.wrappers`) may
+    rewrite the call first.
     """
-    agent = api.get_agent()
+    agent = get_agent()
+    wrapped = wrappers.wrap_for(agent, to, func, args, kwargs, remote=True)
+    if wrapped:
+        func, args, kwargs, _unwrap = wrapped
     ctx = _ctx
     dst = agent.worker_info(to).id
     func_v, args, kwargs = framing.call_payload(func, args, kwargs)
@@ -407,8 +411,3 @@ def detach(agent, check_leaks=True):
     if ctx is None or not check_leaks:
         return None
     return ctx.check_leaks()
-
-
-# api builds on nothing of this module; it reaches the RRef layer through what is installed here.
-api._install_rref_layer(types.SimpleNamespace(attach=attach, graceful_delete=graceful_delete, detach=detach,
-                                              remote=remote))

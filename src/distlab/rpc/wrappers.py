@@ -21,11 +21,12 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-__all__ = ["register_call_wrapper", "unregister_call_wrapper", "is_registered", "wrap_call"]
+__all__ = ["register_call_wrapper", "unregister_call_wrapper", "is_registered", "wrap_call", "wrap_for", "registered"]
 
 _lock = threading.Lock()
-#: The registered wrappers, replaced (never mutated) on change so that readers need no lock.
-_wrappers: tuple = ()
+#: The registered wrappers, replaced (never mutated) on change so that readers need no lock. The per-call paths
+#: test it before calling :func:`wrap_for` (no call at all when none is registered); only this module assigns it.
+registered: tuple = ()
 
 
 def register_call_wrapper(fn: Callable) -> Callable[[], None]:
@@ -38,32 +39,32 @@ def register_call_wrapper(fn: Callable) -> Callable[[], None]:
     ValueError
         ``fn`` is registered already.
     """
-    global _wrappers
+    global registered
     if not callable(fn):
         raise TypeError(f"register_call_wrapper: the wrapper must be callable, got {type(fn).__name__}")
     with _lock:
-        if fn in _wrappers:
+        if fn in registered:
             raise ValueError(f"register_call_wrapper: {fn!r} is registered already")
-        _wrappers = _wrappers + (fn,)
+        registered = registered + (fn,)
     return lambda: unregister_call_wrapper(fn)
 
 
 def unregister_call_wrapper(fn: Callable) -> None:
     """Remove ``fn`` (nothing happens if it is not registered)."""
-    global _wrappers
+    global registered
     with _lock:
-        _wrappers = tuple(w for w in _wrappers if w is not fn)
+        registered = tuple(w for w in registered if w is not fn)
 
 
 def is_registered(fn: Callable) -> bool:
     """True if ``fn`` is a registered call wrapper."""
-    return fn in _wrappers
+    return fn in registered
 
 
 def wrap_call(dst_id: int, func, args, kwargs, remote: bool = False):
     """Pass a call through every wrapper; return None (no wrapper changed it) or ``(func, args, kwargs, unwrap)``."""
     unwraps = []
-    for wrapper in _wrappers:
+    for wrapper in registered:
         wrapped = wrapper(dst_id, func, args, kwargs, remote)
         if wrapped is not None:
             func, args, kwargs, unwrap = wrapped
@@ -79,3 +80,9 @@ def wrap_call(dst_id: int, func, args, kwargs, remote: bool = False):
         return reply
 
     return func, args, kwargs, unwrap_all
+
+
+def wrap_for(agent, to, func, args, kwargs, remote: bool = False):
+    """:func:`wrap_call` for a call to worker ``to`` (a name, id or WorkerInfo) of ``agent``; None when no wrapper
+    is registered or none changed the call."""
+    return registered and wrap_call(agent.worker_info(to).id, func, args, kwargs, remote)

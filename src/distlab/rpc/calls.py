@@ -1,0 +1,76 @@
+"""The worker's running agent and the calls made through it: ``get_agent``, ``rpc_sync``, ``rpc_async``, ``cheap``.
+
+Below both :mod:`distlab.rpc.api` (which starts and stops the agent: ``init_rpc``, ``shutdown``) and
+:mod:`distlab.rpc.rref` (the RRef layer, whose proxies and fetches call through the agent): both import this
+module, and it imports neither, so every call goes one way (api -> rref -> calls -> agent).
+"""
+from __future__ import annotations
+
+from distlab._wire import RPC_KIND_CODES
+from distlab.errors import RpcError
+from distlab.futures import Future
+
+from . import wrappers
+from .agent import RpcAgent
+from .framing import call_payload
+
+__all__ = ["get_agent", "is_initialized", "current_agent", "set_agent", "cheap", "rpc_sync", "rpc_async", "K_CALL"]
+
+K_CALL = RPC_KIND_CODES["call"]
+
+_agent: RpcAgent | None = None
+
+
+def current_agent() -> RpcAgent | None:
+    """The agent ``init_rpc`` started on this worker (None before it; perhaps stopped)."""
+    return _agent
+
+
+def set_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` this worker's agent (``init_rpc``), or forget it (None: ``shutdown``)."""
+    global _agent
+    _agent = agent
+
+
+def get_agent() -> RpcAgent:
+    """The running agent; RpcError if ``init_rpc`` was not called or ``shutdown`` was."""
+    agent = _agent
+    if agent is None or not agent.running:
+        raise RpcError("distlab.rpc is not initialized on this worker (call init_rpc first, or it was shut down)")
+    return agent
+
+
+def is_initialized() -> bool:
+    """True between ``init_rpc`` and ``shutdown``."""
+    return _agent is not None and _agent.running
+
+
+def cheap(fn):
+    """Mark ``fn`` as cheap: the callee runs it on its listener thread (no thread-pool hop; it must not block)."""
+    fn.__distlab_rpc_cheap__ = True
+    return fn
+
+
+def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
+    agent = get_agent()
+    wrapped = wrappers.registered and wrappers.wrap_for(agent, to, func, args, kwargs)
+    if wrapped:
+        inline = getattr(func, "__distlab_rpc_cheap__", False)
+        func, args, kwargs, unwrap = wrapped
+        return unwrap(agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline))
+    return agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout,
+                           inline=getattr(func, "__distlab_rpc_cheap__", False))
+
+
+def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
+    """Like :func:`rpc_sync` but return a Future at once."""
+    agent = get_agent()
+    wrapped = wrappers.registered and wrappers.wrap_for(agent, to, func, args, kwargs)
+    if wrapped:
+        inline = getattr(func, "__distlab_rpc_cheap__", False)
+        func, args, kwargs, unwrap = wrapped
+        return agent.send(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline).then(
+            lambda f: unwrap(f.value()))
+    return agent.send(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout,
+                      inline=getattr(func, "__distlab_rpc_cheap__", False))
