@@ -15,7 +15,9 @@ The rules they check (CONTRIBUTING.md, "The twin rule"):
 - no import cycle anywhere in src/distlab, reference/ or core/ (every import statement counts, also inside
   functions, except under ``if TYPE_CHECKING:``);
 - no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`;
-- imports go in the direction ARCHITECTURE.md draws (:func:`layering_violations`).
+- imports go in the direction ARCHITECTURE.md draws (:func:`layering_violations`);
+- calls go that way too: no call of a private name only a module above defines, and no call of another module's
+  private function (:func:`private_call_violations`).
 """
 from __future__ import annotations
 
@@ -271,6 +273,93 @@ def layering_violations(graph: dict[str, set[str]] | None = None) -> list[tuple[
     return out
 
 
+# ------------------------------------------------------------------------------------------------ private calls
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _python_modules() -> dict[str, ast.Module]:
+    return {module: ast.parse(path.read_text(encoding="utf-8")) for module, path in _module_files().items()
+            if path.suffix == ".py"}
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Every name a module defines: functions, classes, assigned names and attributes (``self._x = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Name):
+                        names.add(sub.id)
+                    elif isinstance(sub, ast.Attribute):
+                        names.add(sub.attr)
+    return names
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def private_call_violations(trees: dict[str, ast.Module] | None = None,
+                            graph: dict[str, set[str]] | None = None) -> list[tuple[str, int, str, str]]:
+    """(module, line, call, why) for each call of a private name that reaches across modules the wrong way.
+
+    Two rules, over src/distlab and reference/ (``trees``, default every module; ``graph``, default
+    :func:`import_graph`):
+
+    - a call ``x._name(...)`` (``self._name(...)`` included) of a name that only modules above it (that import it,
+      directly or not) define: a call up the layers, hidden from the import graph (a mixin calling its subclass, a
+      callee calling back into its caller's private methods);
+    - a call ``module._name(...)`` of another distlab module's private function: private names are not an
+      interface between modules (an installer such as ``api._install_layer(...)`` hides a back-edge this way).
+    """
+    trees = _python_modules() if trees is None else trees
+    graph = import_graph() if graph is None else graph
+    defined = {module: _defined_names(tree) for module, tree in trees.items()}
+    below = {module: _reach(graph, module) for module in trees}
+    out = []
+    for module, tree in sorted(trees.items()):
+        aliases = {}  # local name -> distlab module, for `from . import x` and `import distlab.x as y`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = module.rpartition(".")[0] if node.level else ""
+                if node.level > 1:
+                    base = ".".join(module.split(".")[: -node.level])
+                source = ".".join(p for p in (base, node.module or "") if p)
+                for alias in node.names:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _private(node.func.attr)):
+                continue
+            name, receiver = node.func.attr, node.func.value
+            call = ast.unparse(node.func)
+            if isinstance(receiver, ast.Name) and aliases.get(receiver.id) in trees:
+                target = aliases[receiver.id]
+                if target != module:
+                    out.append((module, node.lineno, call, f"calls a private function of {target}"))
+                continue
+            if name in defined[module]:
+                continue
+            definers = [m for m in trees if name in defined[m]]
+            above = sorted(m for m in definers if module in below[m])
+            if above and len(above) == len(definers):
+                out.append((module, node.lineno, call, f"{name} is defined only above it, in {', '.join(above)}"))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ line counts
 def oversized_modules() -> list[tuple[str, int, int]]:
     """(path, lines, limit) of each module over its limit."""
@@ -301,6 +390,9 @@ def main() -> int:
     print("imports against the layering:")
     for importer, imported, rule in layering_violations():
         print(f"  {importer} -> {imported}: {rule}")
+    print("calls of private names across modules (up the layers, or into another module's private functions):")
+    for module, line, call, why in private_call_violations():
+        print(f"  {module}:{line} {call}: {why}")
     print("modules over their line limit:")
     for path, lines, limit in oversized_modules():
         print(f"  {path}: {lines} > {limit}")

@@ -90,3 +90,24 @@ def test_every_twin_file_is_in_the_one_registry():
     assert {p.name for p in arch.REFERENCE.glob("*.py")} - {"__init__.py"} == registered_reference
     assert set(backend.COMPONENTS) == set(arch.TWINS)
     assert all(hasattr(conftest, component) for component in arch.TWINS)
+
+
+def test_no_private_calls_up_the_layers_or_into_another_module():
+    assert arch.private_call_violations() == []
+
+
+def test_each_private_call_rule_can_fail():
+    # guards the test above: a mixin that calls its subclass's private method, a callee that calls back into its
+    # caller's private method, and an installer called through another module's private function are all caught
+    import ast
+
+    trees = {
+        "distlab.low": ast.parse("class Mixin:\n    def run(self):\n        return self._issue()\n"
+                                 "def poll(group):\n    group._report()\n"),
+        "distlab.high": ast.parse("from . import low\nclass Group(low.Mixin):\n    def _issue(self):\n        pass\n"
+                                  "    def _report(self):\n        pass\nlow._install(1)\n"),
+    }
+    trees["distlab.low"].body.append(ast.parse("def _install(layer):\n    pass\n").body[0])
+    graph = {"distlab.high": {"distlab.low"}, "distlab.low": set()}
+    found = {(module, call) for module, _line, call, _why in arch.private_call_violations(trees, graph)}
+    assert found == {("distlab.low", "self._issue"), ("distlab.low", "group._report"), ("distlab.high", "low._install")}

@@ -139,11 +139,10 @@ def test_spin_checks_the_deadline_on_every_poll():
             polls_after_deadline.append(1)
         return False
 
-    def raise_timeout(timeout, op, seq, name, nbytes, peer):
-        raise DistTimeoutError("timed out", op=op, seq=seq, timeout=timeout)
-
-    side = types.SimpleNamespace(remote=[], waiting_seq=0)
-    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _raise_timeout=raise_timeout)
+    # the side channel knows nothing: the report (distlab.comm.missing.raise_timeout) names no rank
+    side = types.SimpleNamespace(remote=[], waiting_seq=0, describe=lambda seq, lead: ([], "no news"),
+                                 gave_up=lambda seq: None)
+    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _broken=None, rank=0, size=1, name="fake")
     import time
 
     deadline[0] = time.monotonic() + 0.2

@@ -409,3 +409,20 @@ class ReducerBase:
         """A joined rank records every parameter, so its next shadowed rebuild broadcasts like the others'."""
         if self._should_rebuild_buckets():
             self.rebuilt_param_indices = list(range(len(self.params)))
+
+    # -- the hot path each twin defines (declared here, where the shared steps above call them) ---------------
+    def _init_per_parameter_state(self):
+        """Allocate the per-parameter bookkeeping (locators, ready flags, hook counts): the twin's own layout."""
+        raise NotImplementedError
+
+    def _make_hook(self, index):
+        """The post-accumulate-grad hook of parameter ``index`` (calls the twin's ``autograd_hook``)."""
+        raise NotImplementedError
+
+    def _should_rebuild_buckets(self) -> bool:
+        """True when the buckets are rebuilt after this iteration (the twin reads its arrival order)."""
+        raise NotImplementedError
+
+    def _unmarked_parameters(self):
+        """The indices of the parameters not yet marked ready in this backward pass."""
+        raise NotImplementedError

@@ -120,7 +120,7 @@ class _SetState:
                 entry.future.set_exception(exc)
 
 
-class _Engine:
+class Engine:
     def __init__(self):
         from mpi4py import MPI
 
@@ -359,11 +359,11 @@ class _Engine:
 
 
 #: The running engine of this process (None before init() and after shutdown()), and the lock guarding it.
-current: _Engine | None = None
+current: Engine | None = None
 lock = threading.Lock()
 
 
-def get() -> _Engine:
+def get() -> Engine:
     """The running engine, or NotInitializedError saying how to start it."""
     engine = current
     if engine is None:

@@ -55,7 +55,7 @@ def init() -> None:
     global _atexit_registered
     with _engines.lock:
         if _engines.current is None:
-            _engines.current = _engines._Engine()
+            _engines.current = _engines.Engine()
         if not _atexit_registered:
             # A program that ends without shutdown() must not leave the cycle thread inside MPI at finalize.
             atexit.register(_shutdown_at_exit)

@@ -23,13 +23,15 @@ from .._wire import COMM_OBJECT_TAG
 from ..errors import CollectiveMismatchError
 from .monitor import monitored_barrier
 from .rooted import pickled
+from .steps import GroupSteps
 
 __all__ = ["ExchangeOperations", "split_mismatches"]
 
 
-class ExchangeOperations:
+class ExchangeOperations(GroupSteps):
     """``all_to_all_single``, object lists point to point, ``isend``/``irecv`` and ``monitored_barrier`` of
-    :class:`~distlab.comm.ProcessGroup` (a mixin, like :class:`~distlab.comm.operations.GroupOperations`)."""
+    :class:`~distlab.comm.ProcessGroup` (on the steps of :class:`~distlab.comm.steps.GroupSteps`, like
+    :class:`~distlab.comm.operations.GroupOperations`)."""
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
                           async_op: bool = False, name=None):

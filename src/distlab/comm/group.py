@@ -1,12 +1,11 @@
 """``ProcessGroup``: a group of ranks and its collectives, and the default group (:func:`world`, :func:`new_group`).
 
-A group owns one MPI communicator (a duplicate of the one it was given) and its node's arrival board. Its
-collectives number themselves (the sequence number), post arrival on the board, check their arguments before
-either, and hand MPI the array's own buffer.
+A group owns one MPI communicator (a duplicate of the one it was given) and its node's arrival board. Its calls
+(the call families it inherits, on :class:`~distlab.comm.steps.GroupSteps`) number themselves (the sequence
+number), post arrival on the board, check their arguments before either, and hand MPI the array's own buffer.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -18,24 +17,19 @@ from mpi4py import MPI
 
 from .. import _backend
 from .._env import choice
-from .._types import ReduceOp
-from .._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS
-from ..errors import CollectiveMismatchError, DistTimeoutError, ProcessGroupBrokenError
+from ..errors import ProcessGroupBrokenError
 from ..futures import resolve_timeout
-from ..timeline import get_timeline, now_us
+from ..timeline import get_timeline
 from .board import ArrivalBoard, node_keys
-from .missing import SideChannel, ask_lead
+from .missing import SideChannel
 from .exchange import ExchangeOperations
 from .operations import GroupOperations
 from .rooted import RootedOperations
 from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
 from .shared import aligned, create_arena
-from .work import Work, _busy, spin
+from .work import Work, _busy
 
 __all__ = ["ProcessGroup", "world", "new_group", "debug_level"]
-
-log = logging.getLogger("distlab.comm")
-_OP_CODES = {name: code for code, name in enumerate(COLLECTIVE_OPS)}
 
 
 def debug_level() -> str:
@@ -109,8 +103,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         self.size = comm.Get_size()
         self._my_slot = board.my_slot
         self._side = SideChannel(comm, board)
-        self._seq = 0
-        self._next_seq = itertools.count(1).__next__  # atomic under the GIL: no lock on the hot path
+        self._start_numbering()
         self._lock = threading.RLock()
         self._broken: str | None = None
         self._pending: dict[Work, None] = {}  # async work not yet seen complete, in issue order (progress())
@@ -160,101 +153,6 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         if arena is None:
             return None
         return arena, [arena.array(start, count, dtype) for start, (count, dtype) in zip(starts, specs)]
-
-    # -- issuing operations ---------------------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._broken:
-            raise ProcessGroupBrokenError(
-                f"process group {self.name!r} cannot be used: {self._broken}. Create a new group or restart.")
-
-    def _enter(self, op: str, name, array=None, root: int = -1, reduce_op: str = "", check: bool = True) -> int:
-        """Number the collective, post arrival, and (DETAIL) check it matches on every rank (unless ``check`` is
-        False: ``monitored_barrier`` carries its fingerprint in its own messages)."""
-        if self._broken:
-            self._check_usable()
-        seq = self._seq = self._next_seq()
-        self._my_slot[1] = _OP_CODES[op]
-        self._my_slot[0] = seq
-        if self._info:
-            log.info("group %s rank %d: %s #%d %s", self.name, self.rank, op, seq, name or "")
-        if self._detail and check:
-            shape = None if array is None else array.shape
-            dtype = None if array is None else array.dtype
-            reduce_name = reduce_op.value if isinstance(reduce_op, ReduceOp) else reduce_op
-            self._check_fingerprint(self._fingerprint.make_fingerprint(seq, op, shape, dtype, root, reduce_name),
-                                    op, seq, name)
-        return seq
-
-    def _check_fingerprint(self, words, op: str, seq: int, name) -> None:
-        table = np.empty((self.size, FINGERPRINT_WORDS), dtype=np.int64)
-
-        def stages():
-            yield self.comm.Iallgather(words, table)
-
-        Work(self, op, seq, f"{name or op} (DETAIL fingerprint check)", table.nbytes, stages=stages()).wait()
-        message = self._fingerprint.find_mismatch(table)
-        if message is not None:
-            where = f" ({name!r})" if name else ""
-            raise CollectiveMismatchError(f"rank {self.rank}{where}: {message}", seq=seq,
-                                          groups=self._fingerprint.fingerprint_groups(table))
-
-    def _issue(self, op: str, seq: int, name, nbytes: int, request, finish, result, async_op: bool,
-               peer=None, start_us: float = 0.0):
-        """Complete a one-request operation: return a Work (async) or wait here and return ``result``.
-
-        The sync path makes no Work object: it is the hot path of small collectives.
-        """
-        if async_op:
-            work = Work(self, op, seq, name, nbytes, request, finish, result, peer, start_us=start_us)
-            self._pending[work] = None
-            _busy.add(self)
-            return work
-        if not request.Test():
-            timeout = self.timeout
-            spin(self, request.Test, time.monotonic() + timeout, timeout, op, seq, name, nbytes, peer)
-        if finish is not None:
-            finish()
-        if start_us:
-            self._record(op, name, seq, nbytes, start_us)
-        return result
-
-    def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
-        """Run a multi-request operation (``stages`` yields each request and returns the result)."""
-        start_us = now_us() if self._timeline.enabled else 0.0
-        work = Work(self, op, seq, name, nbytes, peer=peer, stages=stages, start_us=start_us)
-        if async_op:
-            if not work._done:
-                self._pending[work] = None
-                _busy.add(self)
-            return work
-        work.wait()
-        return work._result
-
-    def _record(self, op: str, name, seq: int, nbytes: int, start_us: float) -> None:
-        self._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {self.name}",
-                                args={"seq": seq, "bytes": nbytes, "op": op})
-
-    def _raise_timeout(self, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
-        label = f"{op} #{seq}" if seq else op
-        if name:
-            label += f" of {name!r}"
-        label += f" ({nbytes} bytes)" if nbytes else ""
-        if peer is not None:
-            missing, detail = [peer], f"its peer, rank {peer}, never posted the matching call"
-        elif seq:
-            missing, detail = self._side.describe(seq, ask_lead(timeout))
-            self._side.gave_up(seq)
-        else:
-            missing, detail = [], "no rank posted a matching call"
-        self._broken = f"{label} timed out and may still be in flight"
-        raise DistTimeoutError(
-            f"{label} timed out after {timeout:g} s on rank {self.rank} of group {self.name!r} "
-            f"(size {self.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
-            f"that every rank calls the same collectives.",
-            op=op, seq=seq, name=name, missing_ranks=missing, timeout=timeout)
-
-    def _start(self) -> float:
-        return now_us() if self._timeline_on else 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def new_group(self, ranks, name=None, timeout=None):

@@ -24,10 +24,12 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import DistTimeoutError
+
 from .._wire import (COLLECTIVE_OPS, COMM_NOTE_HEADER, COMM_NOTE_KINDS, COMM_NOTE_STATES, COMM_NOTE_TAG,
                      COMM_NOTE_VERSION)
 
-__all__ = ["SideChannel", "ask_lead", "listen_all"]
+__all__ = ["SideChannel", "ask_lead", "listen_all", "raise_timeout"]
 
 _ASK, _ANSWER = (COMM_NOTE_KINDS.index(k) for k in ("ask", "answer"))
 _ELSEWHERE, _WAITING, _GAVE_UP = (COMM_NOTE_STATES.index(s) for s in ("elsewhere", "waiting", "gave_up"))
@@ -38,6 +40,29 @@ _listening: "weakref.WeakSet[SideChannel]" = weakref.WeakSet()  # channels with 
 def ask_lead(timeout: float) -> float:
     """How long before its deadline a waiting rank asks the other nodes (a quarter of the timeout, at most 1 s)."""
     return min(1.0, 0.25 * timeout)
+
+
+def raise_timeout(group, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
+    """Raise the DistTimeoutError of ``group``'s operation ``op`` #``seq``, naming the ranks that never posted it
+    (its ``peer``, or what the side channel learnt), and mark the group broken (the operation may still be in
+    flight inside MPI)."""
+    label = f"{op} #{seq}" if seq else op
+    if name:
+        label += f" of {name!r}"
+    label += f" ({nbytes} bytes)" if nbytes else ""
+    if peer is not None:
+        missing, detail = [peer], f"its peer, rank {peer}, never posted the matching call"
+    elif seq:
+        missing, detail = group._side.describe(seq, ask_lead(timeout))
+        group._side.gave_up(seq)
+    else:
+        missing, detail = [], "no rank posted a matching call"
+    group._broken = f"{label} timed out and may still be in flight"
+    raise DistTimeoutError(
+        f"{label} timed out after {timeout:g} s on rank {group.rank} of group {group.name!r} "
+        f"(size {group.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
+        f"that every rank calls the same collectives.",
+        op=op, seq=seq, name=name, missing_ranks=missing, timeout=timeout)
 
 
 def listen_all() -> None:

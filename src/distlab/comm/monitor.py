@@ -29,7 +29,7 @@ from .._wire import COMM_MONITOR_TAG, COMM_MONITOR_VERDICTS, FINGERPRINT_WORDS
 from ..errors import CollectiveMismatchError, DistTimeoutError
 from ..futures import check_timeout
 from .missing import ask_lead
-from .work import spin
+from .work import record, spin
 
 __all__ = ["monitored_barrier"]
 
@@ -74,7 +74,7 @@ def monitored_barrier(group, timeout=None, wait_all_ranks: bool = False, name=No
         else:
             _report(group, seq, words, timeout, name)
     if start:
-        group._record(_OP, name, seq, 0, start)
+        record(group, _OP, name, seq, 0, start)
 
 
 def _monitor(group, seq: int, words, timeout: float, wait_all_ranks: bool, name) -> None:

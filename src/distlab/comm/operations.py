@@ -20,14 +20,15 @@ from . import shared
 from .device import empty_like, mpi_buffer
 from .reduce_ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
 from .pieces import SPLIT_FROM_BYTES, in_turn, piece_bytes, start_pieces
+from .steps import GroupSteps
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
 
 
-class GroupOperations:
-    """The collective and point-to-point calls of :class:`~distlab.comm.ProcessGroup` (a mixin: it uses the
-    group's ``comm``, ``rank``, ``size``, ``_enter``, ``_issue`` and ``_staged``)."""
+class GroupOperations(GroupSteps):
+    """The collective and point-to-point calls of :class:`~distlab.comm.ProcessGroup`; each checks its arguments,
+    then takes the steps of its base class (:class:`~distlab.comm.steps.GroupSteps`)."""
 
     # -- collectives ------------------------------------------------------------------------------------------
     def allreduce(self, array, op="sum", async_op: bool = False, name=None):

@@ -22,13 +22,14 @@ from mpi4py import MPI
 from .._types import ReduceOp
 from .device import backend_for, mpi_buffer
 from .reduce_ops import averaging, is_bfloat16, mpi_reduction, parse_op
+from .steps import GroupSteps
 
 __all__ = ["RootedOperations", "to_host", "pickled"]
 
 
-class RootedOperations:
-    """The rooted calls of :class:`~distlab.comm.ProcessGroup` (a mixin, like
-    :class:`~distlab.comm.operations.GroupOperations`)."""
+class RootedOperations(GroupSteps):
+    """The rooted calls of :class:`~distlab.comm.ProcessGroup` (on the steps of
+    :class:`~distlab.comm.steps.GroupSteps`, like :class:`~distlab.comm.operations.GroupOperations`)."""
 
     def reduce(self, array, dst: int = 0, op="sum", async_op: bool = False, name=None):
         """Reduce ``array`` across ranks into rank ``dst``'s ``array``, in place (``op`` as in :meth:`allreduce`).

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from ..errors import DistTimeoutError
 from ..futures import Future, resolve_timeout
-from .missing import ask_lead, listen_all
+from .missing import ask_lead, listen_all, raise_timeout
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["Work", "spin", "progress", "StatusRequest"]
+__all__ = ["Work", "spin", "progress", "record", "StatusRequest"]
 
 SPIN_SECONDS = 0.01  # busy-poll this long before backing off (large transfers need every progress call)
 YIELD_EVERY = 3  # oversubscribed: yield the core every 4th poll (a mask: measured best of 1, 4 and 16)
@@ -88,7 +88,7 @@ class Work:
         if not group._pending:
             _busy.discard(group)
         if self._start_us:
-            group._record(self.op, self.name, self.seq, self.nbytes, self._start_us)
+            record(group, self.op, self.name, self.seq, self.nbytes, self._start_us)
         if self._future is not None:
             self._complete_future()
 
@@ -179,6 +179,12 @@ class StatusRequest:
         return self.request.Test(self.status)
 
 
+def record(group: "ProcessGroup", op: str, name, seq: int, nbytes: int, start_us: float) -> None:
+    """Put a completed operation of ``group`` on the timeline (from ``start_us`` to now)."""
+    group._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {group.name}",
+                             args={"seq": seq, "bytes": nbytes, "op": op})
+
+
 def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, seq: int, name, nbytes: int,
          peer) -> None:
     """Poll ``test()`` until True (MPI progresses only inside MPI calls); past ``deadline`` raise the timeout.
@@ -204,7 +210,7 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             now = time.monotonic()
             if now >= next_event:
                 if now >= deadline:
-                    group._raise_timeout(timeout, op, seq, name, nbytes, peer)
+                    raise_timeout(group, timeout, op, seq, name, nbytes, peer)
                 next_event = deadline
                 side.waiting_seq = seq
                 side.ask(seq)
