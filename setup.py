@@ -25,7 +25,7 @@ setup(
     package_dir={"": "src", "distlab.reference": "reference", "distlab.core": "core"},
     # every package under src/ (found, not listed: a new subpackage cannot be forgotten), plus the two twins
     packages=find_packages("src") + ["distlab.reference", "distlab.core"],
-    package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd"]},
+    package_data={"distlab.core": ["*.pyx", "*.pxi", "*.pxd", "*.pyi"]},
     ext_modules=cythonize(
         extensions,
         # Module-wide directives only; boundscheck/wraparound/cdivision are set per hot function in core/.

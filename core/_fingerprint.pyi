@@ -1,0 +1,12 @@
+"""Stub of the compiled distlab.core._fingerprint (the core twin of distlab.reference.fingerprint).
+
+Generated from the reference twin by tests/_stubs.py (do not edit; run ``python tests/_stubs.py``); the
+documentation is the reference twin's.
+"""
+
+__all__ = ['make_fingerprint', 'describe_fingerprint', 'fingerprint_groups', 'find_mismatch']
+
+def make_fingerprint(seq, op, shape=..., dtype=..., root=..., reduce_op=...): ...
+from distlab._common.fingerprint import describe_fingerprint as describe_fingerprint
+from distlab._common.fingerprint import fingerprint_groups as fingerprint_groups
+def find_mismatch(table): ...
