@@ -113,12 +113,12 @@ def job_environment(extra: dict | None = None, np: int = 1, job_dir: Path | None
     if cluster_job is not None:
         env.update(cluster_job.env)  # one machine: BLAS threads per rank as on one host (below)
     # As torchrun does: ranks sharing a machine must not each start one BLAS thread per core, or they fight
-    # over the cores (seen here: a 30 us matmul taking 50 ms). An explicit setting wins.
+    # over the cores (docs/measurements.md, "Launcher: BLAS threads per rank"). An explicit setting wins.
     threads = str(max(1, (os.cpu_count() or 1) // max(1, int(np))))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
     # MPICH's progress engine busy-polls; throttled, an RPC listener blocked in MPI leaves the core to the
-    # rank's other threads (measured here: rpc_sync 135 -> 47 us under load; collectives unchanged). Other
+    # rank's other threads (docs/measurements.md, "RPC: MPICH progress throttling"). Other
     # MPIs ignore the variable. It must be set before MPI starts, hence here.
     env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     # The venv's bin first, so mpiexec finds the hydra proxy and ranks find the same Python.

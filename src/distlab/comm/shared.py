@@ -1,12 +1,12 @@
 """Shared-memory arenas, and the allreduce that reduces their arrays in place.
 
 When every rank of a group runs on one node, MPI's allreduce of a large array is copies through shared memory:
-each rank's data goes into MPI's cells, is reduced, and comes back (5.8-6.4 ms for 26 MB on two ranks here). A
+each rank's data goes into MPI's cells, is reduced, and comes back. A
 :class:`SharedArena` instead places the array itself in memory every rank of the node maps: one slot per rank,
 laid out alike. DDP allocates its gradient buckets there. An allreduce of an arena array of at least
 ``SHARED_MIN_BYTES`` then needs no copy in or out: once every rank has arrived, rank ``r`` adds up block ``r`` of
-all the slots and writes the sum into every slot (2.5 ms for the same 26 MB). Each rank reads and writes its
-block once.
+all the slots and writes the sum into every slot, in less than half the time for a large array
+(docs/measurements.md, "Collectives: shared-memory arenas"). Each rank reads and writes its block once.
 
 The steps of one such allreduce, each a nonblocking MPI call polled like every other wait, so timeouts name
 the missing ranks as usual:
@@ -70,8 +70,8 @@ def _min_bytes() -> int:
     return int(value)
 
 
-#: Smaller arrays go through MPI even from an arena: two synchronisations and the Python steps cost about 30 us,
-#: against 5-8 us for MPI's small allreduce; at 256 KiB the two tie (benchmarks/bench_comm.py, 2 ranks).
+#: Smaller arrays go through MPI even from an arena: two synchronisations and the Python steps cost more than
+#: MPI's small allreduce; at 256 KiB the two tie (docs/measurements.md, "Collectives: shared-memory arenas").
 SHARED_MIN_BYTES = _min_bytes()
 
 

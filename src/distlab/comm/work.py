@@ -2,12 +2,11 @@
 
 MPI moves a nonblocking operation only while some MPI call runs on the rank, so distlab never sleeps inside one
 blocking ``MPI_Wait`` (which could not time out either): it polls the request. The loop (:func:`spin`) spins
-first (a large transfer needs every progress call), then backs off with sleeps of at most 0.2 ms (a transfer
-across a network link still needs progress calls to feed the socket: with 1 ms sleeps a 4 MiB allreduce at
-1 Gbit/s took 1.20x raw mpi4py's, with 0.2 ms 1.03x, in benchmarks/bench_cluster.py); when the machine runs
-more ranks than they have cores it also yields the core every fourth poll, or a spinning rank would keep its
-peer from running the other half of the collective (measured: 8.5 ms for a 4 KiB allreduce without yielding,
-36 us raw; on 4 ranks over 2 virtual hosts sharing 2 cores, 5.2-5.7 ms against 0.14-0.15 ms yielding). The
+first (a large transfer needs every progress call), then backs off with short sleeps (a transfer across a network
+link still needs progress calls to feed the socket: longer sleeps slowed a shaped link's allreduce); when the
+machine runs more ranks than they have cores it also yields the core every fourth poll, or a spinning rank would
+keep its peer from running the other half of the collective (docs/measurements.md, "Collectives: the poll
+loop", has the figures and the commands). The
 machine, not MPI's node, because virtual hosts on one kernel share its cores (:func:`~distlab.comm.board.node_keys`).
 Past its spin phase a waiting rank reads the side channel's notes between sleeps (:mod:`distlab.comm.missing`),
 and near its deadline it asks the other nodes where their ranks are.
@@ -190,10 +189,9 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
     """Poll ``test()`` until True (MPI progresses only inside MPI calls); past ``deadline`` raise the timeout.
 
     The clock is read on every poll: a deadline read every 16th poll overshot by seconds when each poll was slow
-    (a ``Test`` waiting for MPI's lock while another thread is inside MPI, a yield on a loaded machine). Measured
-    with a stub ``test``, the loop's own cost per poll went from about 130 to 190 ns, against about 210 ns for
-    ``Request.Test`` alone; a collective that completes on its first test (most small ones) never enters this
-    loop, and ``bench_comm`` at 4 and 64 KiB showed no difference beyond the noise of a loaded machine. Past
+    (a ``Test`` waiting for MPI's lock while another thread is inside MPI, a yield on a loaded machine). Reading
+    it costs less per poll than ``Request.Test`` itself, and a collective that completes on its first test (most
+    small ones) never enters this loop (docs/measurements.md, "Collectives: the poll loop"). Past
     the spin phase the loop reads the side channel's notes between sleeps; ``ask_lead`` before the deadline it
     asks the other nodes.
     """
@@ -239,7 +237,7 @@ def progress() -> int:
         for index, work in enumerate(works):
             if not work._poll():
                 # Operations of one group finish in the order they were issued, as a rule: the first one still
-                # running says the rest are too (testing them all cost ~7 us per DDP gradient hook).
+                # running says the rest are too (testing them all was measurably slower per DDP gradient hook).
                 pending += len(works) - index
                 break
     return pending

@@ -7,9 +7,8 @@ RRef protocol state is the active twin's ``RRefContext`` (``distlab._backend.loa
 
 MPICH progress throttling: with a listener thread blocked in ``MPI_Mprobe`` and a caller thread in ``MPI_Send``,
 MPICH's progress engine polls from both threads. ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` lets one poll at a time.
-Measured here (benchmarks/bench_rpc.py, 2 ranks): on an idle machine it changes nothing (36-50 us round trip
-either way); with another process busy on one of the 2 cores, the core rpc_sync no-op went from 135 us to 47 us
-and async throughput from 13,000 to 27,800 calls/s. It must be in the environment before MPI is initialised,
+On an idle machine it changes nothing; with another process busy on one of the cores, it made the rpc_sync no-op
+about 3x faster and doubled async throughput (docs/measurements.md, "RPC: MPICH progress throttling"). It must be in the environment before MPI is initialised,
 so importing ``distlab.rpc`` before ``mpi4py.MPI`` sets it (unless already set); launchers should export it.
 """
 import os as _os

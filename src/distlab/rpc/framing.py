@@ -65,8 +65,8 @@ FLAG_ERROR = RPC_FLAG_ERROR      # response: the body is a remote exception desc
 FLAG_INLINE = RPC_FLAG_INLINE    # request: cheap, run on the listener thread
 FLAG_NOREPLY = RPC_FLAG_NOREPLY  # request: no response expected
 
-#: Buffers at most this big travel in-band: an extra MPI message costs more than the copy. Measured here
-#: (2 ranks, rpc_sync echo of a 4000-byte array): out-of-band 540-630 us, in-band 140-235 us.
+#: Buffers at most this big travel in-band: an extra MPI message costs more than the copy (docs/measurements.md,
+#: "RPC: in-band buffers and the buffer spin").
 INBAND_MAX = 4096
 #: ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` when distlab.rpc was imported.
 MAX_MESSAGE_BYTES = max_message_bytes()

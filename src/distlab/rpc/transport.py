@@ -38,8 +38,8 @@ TAG_BUFFER = RPC_TAG_BUFFER
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
 BATCH_MAX_FRAMES = 64
 #: How long the listener polls for a message's buffers without pausing. The sender sends them right after the
-#: header, so they are matched within microseconds; a pause (``time.sleep`` sleeps at least ~60 us here) cost
-#: the 1 MiB echo ~200 us of its ~600 us round trip.
+#: header, so they are matched within microseconds; a pause (``time.sleep`` sleeps far longer) cost the 1 MiB
+#: echo a third of its round trip (docs/measurements.md, "RPC: in-band buffers and the buffer spin").
 BUFFER_SPIN = 0.002
 
 K_RESPONSE = RPC_KIND_CODES["response"]

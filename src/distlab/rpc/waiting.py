@@ -1,10 +1,9 @@
 """How the RPC listener waits for messages: the adaptive wait (shared plumbing of :mod:`distlab.rpc`).
 
-Measured on this 2-core machine (MPICH wheel, 2 ranks, ``benchmarks/bench_rpc.py``): a listener blocked in
-``MPI_Mprobe`` (GIL released, MPICH's progress engine polls in C) gave a 36-50 us round trip on an idle machine;
-``MPI_Improbe`` polled from Python with ``sleep(0)``/back-off gave 190-240 us, and spinning on ``Improbe`` made
-the caller wait for the GIL (0.7-1.3 ms per round trip under load). But a blocking ``Mprobe`` busy-polls inside
-MPICH: an idle worker burnt a whole core. So (``DISTLAB_RPC_WAIT=adaptive``, the default; ``block`` keeps the
+A listener blocked in ``MPI_Mprobe`` (GIL released, MPICH's progress engine polls in C) gives the fastest round
+trip; ``MPI_Improbe`` polled from Python with back-off is several times slower, and spinning on ``Improbe`` makes
+the caller wait for the GIL (docs/measurements.md, "RPC: how the listener waits", has the figures and the
+command). But a blocking ``Mprobe`` busy-polls inside MPICH: an idle worker burnt a whole core. So (``DISTLAB_RPC_WAIT=adaptive``, the default; ``block`` keeps the
 blocking probe throughout):
 
 - *blocking*: ``Mprobe`` while there is traffic;
@@ -13,7 +12,7 @@ blocking probe throughout):
   spinning, back-off up to ``IDLE_SLEEP_MAX``), which a send from this worker or any arriving message ends;
 - *streaming*: while other threads stream sends (rpc_async, remote) and nobody blocks in ``call_sync``, it
   polls with ``STREAM_PAUSE`` pauses: a listener in ``Mprobe`` holds MPICH's lock while it polls, and each
-  ``MPI_Send`` of the streaming thread waited ~100 us for it.
+  ``MPI_Send`` of the streaming thread waited for it.
 
 The caller always waits on a condition variable: only one Python thread ever waits in MPI, and nobody spin-polls.
 """
