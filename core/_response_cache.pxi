@@ -372,3 +372,121 @@ cdef list _bits_list(const vector[uint64_t]& words):
             out.append(<long>(i * 64 + __builtin_ctzll(word)))
             word &= word - 1
     return out
+
+
+# --- core-only helpers ---------------------------------------------------------------------------------------
+cdef Request _BLANK_REQUEST = Request()
+
+
+cdef inline bint _same_shape(_Params& a, Request r):
+    cdef int i
+    if a.ndim != r._ndim:
+        return False
+    if a.ndim > 8:
+        return a.shape == r._cshape
+    for i in range(a.ndim):
+        if a.dims[i] != r._dims[i]:
+            return False
+    return True
+
+
+cdef inline bint _params_match(_Params& a, Request r):
+    # the HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
+    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a, r)
+                         and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
+                         and a.post == r.postscale_factor and a.group_id == r.group_id
+                         and a.group_size == r.group_size))
+
+
+cdef inline bint _params_equal(_Params& a, _Params& b):
+    return (a.joined or b.joined or (a.rtype == b.rtype and a.dtype == b.dtype and a.shape == b.shape
+                                     and a.device == b.device and a.op == b.op and a.pre == b.pre
+                                     and a.post == b.post and a.group_id == b.group_id
+                                     and a.group_size == b.group_size))
+
+
+cdef _Params _params_of(Request r):
+    cdef _Params p
+    p.rtype = r.request_type
+    p.dtype = r.tensor_type
+    p.device = r.device
+    p.op = r.reduce_op
+    p.joined = False
+    p.known = True
+    p.pre = r.prescale_factor
+    p.post = r.postscale_factor
+    p.group_id = r.group_id
+    p.group_size = r.group_size
+    p.shape = r._cshape
+    p.ndim = r._ndim
+    memcpy(p.dims, r._dims, sizeof(p.dims))    # a Request's dims beyond its ndim are zero
+    return p
+
+
+# Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
+
+
+# remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current. No lock:
+
+
+# the increment is one C statement under the GIL (no Python code runs between its read and its write).
+
+
+cdef uint64_t _EPOCHS = 0
+
+
+cdef uint32_t _NO_BIT = 0xFFFFFFFF
+
+
+cdef inline uint64_t _new_epoch():
+    global _EPOCHS
+    _EPOCHS += 1
+    return _EPOCHS
+
+
+cdef inline int _cache_state(ResponseCache cache, Request r, uint32_t* bit):
+    """ResponseCache.cached() without the Python call; sets ``bit`` on HIT and INVALID."""
+    cdef uint32_t b
+    if r._hint_epoch == cache._epoch:
+        b = r._hint_bit
+    else:
+        it = cache._name_to_bit.find(r._cname)
+        b = _NO_BIT if it == cache._name_to_bit.end() else deref(it).second
+        r._hint_epoch = cache._epoch
+        r._hint_bit = b
+    if b == _NO_BIT:
+        return S_MISS
+    bit[0] = b
+    return S_HIT if _params_match(cache._params[cache._bit_slot[b]], r) else S_INVALID
+
+
+cdef int _slot_at(ResponseCache cache, long bit) except -1:
+    """The slot holding ``bit`` (the reference's _name_at); CacheStateError for a hole or an unknown bit."""
+    if bit < 0 or bit >= <long>cache._bit_slot.size() or cache._bit_slot[bit] < 0:
+        raise cache_error("no_entry", bit=bit, active=cache._bit_slot.size())
+    return cache._bit_slot[bit]
+
+
+cdef inline void _touch(ResponseCache cache, uint32_t bit):
+    # move to most recently used: splice relinks the node (no allocation; the bit's iterator stays valid)
+    cache._lru.splice(cache._lru.end(), cache._lru, cache._bit_iters[bit])
+    cache._bits_outdated = True
+
+
+cdef int _free_slot(ResponseCache cache) except -1:
+    """A free slot for a new entry: a recycled one, or a new one appended to every per-slot array."""
+    cdef int slot
+    cdef _Params blank = _params_of(_BLANK_REQUEST)
+    if cache._free.size():
+        slot = cache._free.back()
+        cache._free.pop_back()
+        return slot
+    slot = cache._params.size()
+    cache._params.push_back(blank)
+    cache._info.push_back(_RespInfo(0, 0, 0, 0.0, 0.0, 0, 0, NO_GROUP))
+    cache._names.push_back(string())
+    cache._slot_bit.push_back(0)
+    cache._responses.append(None)
+    cache._pynames.append(None)
+    cache._pysizes.append(None)
+    return slot
