@@ -14,7 +14,9 @@ The rules they check (CONTRIBUTING.md, "The twin rule"):
   :data:`CORE_ONLY_MARKER` and are not compared;
 - no import cycle anywhere in src/distlab, reference/ or core/ (every import statement counts, also inside
   functions, except under ``if TYPE_CHECKING:``);
-- no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`;
+- core/ is laid out like reference/, file for file (:func:`layout_mismatches`);
+- no module under src/distlab over :data:`MAX_SRC_LINES` lines, no reference module over :data:`MAX_REFERENCE_LINES`,
+  no file of core/ over :data:`MAX_CORE_LINES`;
 - imports go in the direction ARCHITECTURE.md draws (:func:`layering_violations`);
 - calls go that way too: no call of a private name only a module above defines, and no call of another module's
   private function (:func:`private_call_violations`).
@@ -34,6 +36,7 @@ CORE = REPO / "core"
 MAX_VERBATIM_SHARE = 0.15
 MAX_SRC_LINES = 500
 MAX_REFERENCE_LINES = 450
+MAX_CORE_LINES = 500
 CORE_ONLY_MARKER = "# --- core-only helpers"
 
 
@@ -60,6 +63,51 @@ def core_source(core_file: str) -> str:
         match = re.match(r'\s*include\s+"([^"]+)"', line)
         out.extend(core_source(match.group(1)).splitlines() if match else [line])
     return "\n".join(out)
+
+
+def core_files(core_file: str) -> list[str]:
+    """The files of a core extension: each ``include``d .pxi where it is included (recursively), then the module
+    itself."""
+    out = []
+    for line in (CORE / core_file).read_text(encoding="utf-8").splitlines():
+        match = re.match(r'\s*include\s+"([^"]+)"', line)
+        if match:
+            out += [f for f in core_files(match.group(1)) if f not in out]
+    return out + [core_file]
+
+
+def core_outline(core_file: str) -> list[str]:
+    """The names a core extension defines, file by file in :func:`core_files` order, each file's outline stopping
+    at its own :data:`CORE_ONLY_MARKER`."""
+    return [name for f in core_files(core_file) for name in outline((CORE / f).read_text(encoding="utf-8"))]
+
+
+def _stem(core_or_reference_file: str) -> str:
+    return core_or_reference_file.lstrip("_").split(".")[0]
+
+
+def layout_mismatches(component: str) -> list[str]:
+    """How a component's core files fail to line up with its reference files, file for file.
+
+    Each core file is named after a reference module (``_messages.pxi`` after ``messages.py``); in include order,
+    the names of the core files (a name repeated by consecutive files counted once) are the reference modules in
+    reading order, then the module ``load`` returns; and every name a core file shares with the reference twin is
+    defined in that file's reference counterpart.
+    """
+    reference_files, core_file = TWINS[component]
+    files = core_files(core_file)
+    stems = [s for i, s in enumerate(map(_stem, files)) if i == 0 or s != _stem(files[i - 1])]
+    loaded = _registry()[component][1]
+    expected = list(dict.fromkeys([_stem(f) for f in reference_files] + [loaded]))
+    problems = [] if stems == expected else [f"core files {files} do not line up with reference {expected}"]
+    reference_names = {_stem(f): set(outline((REFERENCE / f).read_text(encoding="utf-8")))
+                       for f in reference_files}
+    everywhere = set().union(*reference_names.values())
+    for f in files:
+        for name in outline((CORE / f).read_text(encoding="utf-8")):
+            if name in everywhere and name not in reference_names.get(_stem(f), ()):
+                problems.append(f"{f} defines {name}, which reference/{_stem(f)}.py does not")
+    return problems
 
 
 def _substantive(text: str) -> list[str]:
@@ -130,7 +178,7 @@ def outline_disorder(component: str) -> list[tuple[str, str]]:
     position = {}
     for index, name in enumerate(reference_names):
         position.setdefault(name, index)
-    shared = [name for name in outline(core_source(core_file)) if name in position]
+    shared = [name for name in core_outline(core_file) if name in position]
     return [(a, b) for a, b in zip(shared, shared[1:]) if position[a] > position[b]]
 
 
@@ -364,11 +412,12 @@ def private_call_violations(trees: dict[str, ast.Module] | None = None,
 def oversized_modules() -> list[tuple[str, int, int]]:
     """(path, lines, limit) of each module over its limit."""
     out = []
-    for folder, limit in ((SRC, MAX_SRC_LINES), (REFERENCE, MAX_REFERENCE_LINES)):
-        for path in sorted(folder.rglob("*.py")):
+    for folder, limit, pattern in ((SRC, MAX_SRC_LINES, "*.py"), (REFERENCE, MAX_REFERENCE_LINES, "*.py"),
+                                   (CORE, MAX_CORE_LINES, "*.p[yx][xid]")):
+        for path in sorted(folder.rglob(pattern)):
             lines = len(path.read_text(encoding="utf-8").splitlines())
             if lines > limit:
-                out.append((str(path.relative_to(REPO)), lines, limit))
+                out.append((str(path.relative_to(REPO) if path.is_relative_to(REPO) else path), lines, limit))
     return out
 
 
@@ -393,6 +442,10 @@ def main() -> int:
     print("calls of private names across modules (up the layers, or into another module's private functions):")
     for module, line, call, why in private_call_violations():
         print(f"  {module}:{line} {call}: {why}")
+    print("core files that do not line up with reference/:")
+    for component in TWINS:
+        for problem in layout_mismatches(component):
+            print(f"  {component}: {problem}")
     print("modules over their line limit:")
     for path, lines, limit in oversized_modules():
         print(f"  {path}: {lines} > {limit}")

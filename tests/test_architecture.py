@@ -31,7 +31,7 @@ def test_outline_sees_both_twins_names():
     # guards the two checks above against an outline parser that finds nothing (and so never fails)
     for component in arch.TWINS:
         reference_text = "\n".join((arch.REFERENCE / name).read_text() for name in arch.TWINS[component][0])
-        core_names = arch.outline(arch.core_source(arch.TWINS[component][1]))
+        core_names = arch.core_outline(arch.TWINS[component][1])
         shared = set(arch.outline(reference_text)) & set(core_names)
         assert len(shared) >= 2, f"{component}: the twins share only {sorted(shared)}"
 
@@ -111,3 +111,42 @@ def test_each_private_call_rule_can_fail():
     graph = {"distlab.high": {"distlab.low"}, "distlab.low": set()}
     found = {(module, call) for module, _line, call, _why in arch.private_call_violations(trees, graph)}
     assert found == {("distlab.low", "self._issue"), ("distlab.low", "group._report"), ("distlab.high", "low._install")}
+
+
+@pytest.mark.parametrize("component", sorted(arch.TWINS))
+def test_core_lines_up_with_the_reference_file_for_file(component):
+    assert arch.layout_mismatches(component) == []
+
+
+def test_every_core_file_has_a_reference_counterpart():
+    # a file of core/ belongs to a registered extension (a .pyx, a .pxi it includes, or its .pyi stub) and is named
+    # after a reference module
+    units = {f for _files, core in arch.TWINS.values() for f in arch.core_files(core)}
+    units |= {core.replace(".pyx", ".pyi") for _files, core in arch.TWINS.values()}
+    for path in sorted(arch.CORE.glob("*.p[yx][xid]")):
+        assert path.name in units, f"core/{path.name} belongs to no registered core extension"
+        assert (arch.REFERENCE / f"{path.name.lstrip('_').split('.')[0]}.py").exists(), (
+            f"core/{path.name} has no reference counterpart")
+
+
+def test_a_core_laid_out_differently_fails(tmp_path, monkeypatch):
+    # guards the two tests above: includes out of the reference's order, a name in the wrong file, and a core
+    # file over its limit are each reported
+    for path in arch.CORE.glob("*.p[yx]i"):
+        (tmp_path / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    for path in arch.CORE.glob("*.pyx"):
+        (tmp_path / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.setattr(arch, "CORE", tmp_path)
+    assert arch.layout_mismatches("negotiation") == []
+    main = (tmp_path / "_negotiation.pyx").read_text(encoding="utf-8")
+    swapped = main.replace('include "_response_cache.pxi"\ninclude "_coordinator.pxi"',
+                           'include "_coordinator.pxi"\ninclude "_response_cache.pxi"')
+    (tmp_path / "_negotiation.pyx").write_text(swapped, encoding="utf-8")
+    assert any("do not line up" in problem for problem in arch.layout_mismatches("negotiation"))
+    moved = main.replace('include "_coordinator.pxi"\n',
+                         'include "_coordinator.pxi"\n\n\ndef fuse_responses(responses, threshold):\n    pass\n')
+    (tmp_path / "_negotiation.pyx").write_text(moved, encoding="utf-8")
+    assert "_negotiation.pyx defines fuse_responses, which reference/negotiation.py does not" in (
+        arch.layout_mismatches("negotiation"))
+    (tmp_path / "_coordinator.pxi").write_text("pass\n" * (arch.MAX_CORE_LINES + 1), encoding="utf-8")
+    assert any(path.endswith("_coordinator.pxi") for path, _lines, _limit in arch.oversized_modules())
