@@ -40,7 +40,7 @@ MAX_CORE_LINES = 500
 CORE_ONLY_MARKER = "# --- core-only helpers"
 
 
-def _registry() -> dict[str, tuple[tuple[str, ...], str, str]]:
+def registry() -> dict[str, tuple[tuple[str, ...], str, str]]:
     """The registry of twins, src/distlab/_twins.py, read as a file (as setup.py reads it)."""
     namespace: dict = {}
     exec((SRC / "_twins.py").read_text(encoding="utf-8"), namespace)
@@ -51,7 +51,7 @@ def _registry() -> dict[str, tuple[tuple[str, ...], str, str]]:
 #: ``include``d .pxi files are read in place.
 TWINS: dict[str, tuple[tuple[str, ...], str]] = {
     name: (tuple(f"{module}.py" for module in files), f"{core}.pyx")
-    for name, (files, _loaded, core) in _registry().items()
+    for name, (files, _loaded, core) in registry().items()
 }
 
 
@@ -97,7 +97,7 @@ def layout_mismatches(component: str) -> list[str]:
     reference_files, core_file = TWINS[component]
     files = core_files(core_file)
     stems = [s for i, s in enumerate(map(_stem, files)) if i == 0 or s != _stem(files[i - 1])]
-    loaded = _registry()[component][1]
+    loaded = registry()[component][1]
     expected = list(dict.fromkeys([_stem(f) for f in reference_files] + [loaded]))
     problems = [] if stems == expected else [f"core files {files} do not line up with reference {expected}"]
     reference_names = {_stem(f): set(outline((REFERENCE / f).read_text(encoding="utf-8")))

@@ -31,7 +31,7 @@ documentation is the reference twin's.
 def _components() -> dict[str, tuple[str, str]]:
     """component -> (reference module, core module), as distlab._backend.COMPONENTS has them."""
     return {name: (f"distlab.reference.{loaded}", f"distlab.core.{core}")
-            for name, (_files, loaded, core) in arch._registry().items()}
+            for name, (_files, loaded, core) in arch.registry().items()}
 
 
 def stub_path(component: str) -> Path:
