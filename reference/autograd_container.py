@@ -1,6 +1,6 @@
 """Distributed autograd containers, reference twin: ids, contexts, and the per-worker container of contexts.
 
-Twinned with ``core/_autograd_container.pyx``, which also holds the twin of :mod:`distlab.reference.autograd_context`.
+Twinned with ``core/_autograd_container.pyx``, which includes the twin of :mod:`distlab.reference.autograd_context`.
 
 Mirrors PyTorch's torch/csrc/distributed/autograd/context/container.cpp (``DistAutogradContainer``),
 context.cpp (``DistAutogradContext``) and rpc_messages/autograd_metadata.h (``AutogradMetadata``).

@@ -1,7 +1,7 @@
 """Distributed autograd contexts, reference twin: what one worker keeps about one pass (part of the
 ``autograd_container`` component; read :mod:`distlab.reference.autograd_container` first).
 
-Twinned with ``core/_autograd_container.pyx`` (its ``DistAutogradContext``).
+Twinned with ``core/_autograd_context.pxi`` (included by ``core/_autograd_container.pyx``).
 
 Mirrors torch/csrc/distributed/autograd/context/context.cpp (``DistAutogradContext``) and
 rpc_messages/autograd_metadata.h (``AutogradMetadata``).

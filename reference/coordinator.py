@@ -1,6 +1,6 @@
 """Rank 0's side of the slow path: the message table, when a tensor is ready, groups, validation and fusion.
 
-Twinned with ``core/_negotiation.pyx``, which holds the twins of all the negotiation modules.
+Twinned with ``core/_coordinator.pxi`` (included by ``core/_negotiation.pyx``).
 
 Mirrors horovod/common/controller.cc ``IncrementTensorCount``, ``ConstructResponse`` and ``FuseResponses``, the
 part of ``ComputeResponseList`` that runs on the coordinator (``is_coordinator_``), and the group handling of

@@ -1,6 +1,6 @@
 """Negotiation messages: ``Request``, ``Response`` and their lists, with a compact binary wire format.
 
-Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_messages.pxi``).
+Twinned with ``core/_messages.pxi`` (included by ``core/_negotiation.pyx``).
 
 Mirrors horovod/common/message.h and message.cc. A rank describes each collective it wants to run as a
 ``Request`` (name, type, dtype, shape, root, device, reduce op, scale factors, group); the coordinator answers

@@ -1,6 +1,6 @@
 """The controller's cycle: from queued requests to the same ``ResponseList`` on every rank.
 
-Twinned with ``core/_negotiation.pyx``, which holds the twins of all three negotiation modules.
+Twinned with ``core/_negotiation.pyx``, which includes the twins of the other negotiation modules.
 
 Mirrors horovod/common/controller.cc ``Controller::ComputeResponseList``, ``ConstructResponse``,
 ``FuseResponses`` and ``IncrementTensorCount``. Each cycle:

@@ -1,6 +1,6 @@
 """Horovod's response cache and cache coordinator (mirrors horovod/common/response_cache.h and .cc).
 
-Twinned with ``core/_negotiation.pyx`` (through its include ``core/_negotiation_cache.pxi``).
+Twinned with ``core/_response_cache.pxi`` (included by ``core/_negotiation.pyx``).
 
 Once a tensor has been negotiated, every rank stores the coordinator's ``Response`` for it in an LRU cache, and
 all ranks perform the same cache operations in the same order, so the cache (and its *bit* numbering) is

@@ -1,6 +1,6 @@
 """The RRef context: one per worker, the state of the RRef protocol (reference twin).
 
-Part of the RRef component :mod:`distlab.reference.rref`. Twinned with ``core/_rref.pyx`` (its ``RRefContext``).
+Part of the RRef component :mod:`distlab.reference.rref`. Twinned with ``core/_rref_context.pxi``.
 
 Mirrors rref_context.cpp ``RRefContext``. State (all guarded by one lock):
 

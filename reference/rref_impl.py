@@ -1,7 +1,7 @@
 """Ids, fork data and the two kinds of RRef (reference twin; mirrors rref_impl.h and types.h).
 
 Part of the RRef component :mod:`distlab.reference.rref` (read its introduction first). Twinned with
-``core/_rref.pyx``. Nothing here sends messages: :mod:`distlab.reference.rref_context` drives these objects.
+``core/_rref_impl.pxi``. Nothing here sends messages: :mod:`distlab.reference.rref_context` drives these objects.
 """
 from __future__ import annotations
 
