@@ -27,7 +27,7 @@ import numpy as np
 
 from .._wire import COMM_MONITOR_TAG, COMM_MONITOR_VERDICTS, FINGERPRINT_WORDS
 from ..errors import CollectiveMismatchError, DistTimeoutError
-from ..futures import check_timeout
+from ..futures import resolve_timeout
 from .missing import ask_lead
 from .work import record, spin
 
@@ -61,7 +61,7 @@ def monitored_barrier(group, timeout=None, wait_all_ranks: bool = False, name=No
         ``DISTLAB_DEBUG=DETAIL``: on every rank, when some rank's fingerprint differs (it called another
         collective, or is behind).
     """
-    timeout = group.timeout if timeout is None else check_timeout(timeout, "monitored_barrier(timeout)")
+    timeout = resolve_timeout(timeout, "monitored_barrier(timeout)", group.timeout)
     if not isinstance(wait_all_ranks, bool):
         raise TypeError(f"monitored_barrier: wait_all_ranks must be True or False, got {wait_all_ranks!r}")
     group._check_usable()

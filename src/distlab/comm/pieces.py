@@ -1,7 +1,7 @@
 """Large allreduces across nodes, in pieces all in flight together.
 
 Across a network link one large allreduce loses to the same bytes cut into pieces that are all started at once
-(measured at 2.5 Gbit/s, 26 MB: 95.6 ms whole against 88.5 ms in 1 MiB pieces). MPI runs a large allreduce in
+(docs/measurements.md, "Collectives: large allreduces in pieces", has the figures and the command). MPI runs a large allreduce in
 phases (with 2 ranks, MPICH's reduce-scatter then allgather): each rank sends half its buffer, reduces what it
 received, then sends the reduced half back, so the link idles while the ranks reduce, and each direction of the
 link idles during one phase. Pieces in flight together overlap one piece's reduction with the next one's
@@ -20,13 +20,12 @@ drains with one piece on the wire, ``p / bandwidth``: the sum is least at ``p = 
 bandwidth)``, rounded to a power of two within :data:`PIECE_BYTES`. An allreduce of less than two pieces stays
 whole.
 
-Across nodes a large allreduce always goes in pieces: measured on the virtual cluster (26 MB, 2 hosts) on the
-shared 2-core development machine, whole took 1.4-1.8 times as long as pieces at 1 and 2.5 Gbit/s (1.08 times on
-a quiet machine, above), while at 10 Gbit/s, where the machine's cores rather than the link bound it, whole was as
-fast or faster (up to 1.3 times); no probe of a few MiB could tell those cases apart (at 8 MiB whole and pieces
-still ran at the same rate: a whole allreduce slows down as it grows), so the link's rate cannot be what decides. A tiny allreduce's latency, what the bucket cap's model charges per bucket, is no measure of a
-piece's cost either: pieces in flight do not wait for each other's round trips (it read 0.01 ms at 2.5 Gbit/s
-and 1.5 ms at 1 Gbit/s, while a piece cost about 0.4 ms and nothing).
+Across nodes a large allreduce always goes in pieces: on the virtual cluster, whole was slower than pieces at 1
+and 2.5 Gbit/s, while at 10 Gbit/s, where the machine's cores rather than the link bound it, whole was as fast or
+faster; no probe of a few MiB could tell those cases apart (a whole allreduce slows down as it grows), so the
+link's rate cannot be what decides. A tiny allreduce's latency, what the bucket cap's model charges per bucket, is
+no measure of a piece's cost either: pieces in flight do not wait for each other's round trips (the figures are in
+docs/measurements.md, "Collectives: large allreduces in pieces").
 
 ``DISTLAB_ALLREDUCE_PIECES`` = ``auto`` (default), ``off`` (never split), or a piece size in MiB (no probe). Each
 piece is its own nonblocking allreduce of a slice of the array, reduced element by element exactly as the whole
@@ -151,8 +150,8 @@ def in_turn(requests, finish, result):
 
     One piece at a time, as a loop over each piece's own ``wait`` does: every wait starts with a spin of
     busy polls (:func:`~distlab.comm.work.spin`), which keep feeding the sockets; one wait on all the pieces
-    together backs off to sleeps after its first 10 ms, and a 26 MB allreduce at 2.5 Gbit/s took 126 ms that
-    way against 114 ms piece by piece. Any test drives all of MPI's traffic, so the later pieces move meanwhile.
+    together backs off to sleeps after its first spin, and a large allreduce across a link was slower that way
+    than piece by piece (docs/measurements.md, "Collectives: large allreduces in pieces"). Any test drives all of MPI's traffic, so the later pieces move meanwhile.
     """
     for request in requests:
         yield request

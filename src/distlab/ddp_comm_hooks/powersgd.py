@@ -239,7 +239,7 @@ class _Flight:
             out = _strided(xp, self.target, offset, stride, count, (rows, cols))
             if r == 1:  # an outer product: one multiply per element (numpy's matmul takes 10x longer for it)
                 xp.multiply(p, q.transpose(0, 2, 1), out=out)
-            else:  # Q^T contiguous: numpy's matmul then calls BLAS (measured 1.5 ms for the benchmark model)
+            else:  # Q^T contiguous: numpy's matmul then calls BLAS (docs/measurements.md, "PowerSGD")
                 xp.matmul(p, xp.ascontiguousarray(q.transpose(0, 2, 1)), out=out)
         if self.error is not None:
             xp.subtract(self.error, self.target, out=self.error)  # what compression lost, added next step
