@@ -23,13 +23,13 @@ if DEVICE == "cupy":
 else:
     from distlab import fakegpu as xp
 
-import distlab.rpc as rpc
-from distlab import distributed_autograd as dist_autograd
-from distlab.autograd import Tensor
-from distlab.errors import RemoteError, RpcDeviceError
-from distlab.rpc import RpcBackendOptions
+import distlab.rpc as rpc  # noqa: E402 - after DISTLAB_IMPL is chosen
+from distlab import distributed_autograd as dist_autograd  # noqa: E402 - after DISTLAB_IMPL is chosen
+from distlab.autograd import Tensor  # noqa: E402 - after DISTLAB_IMPL is chosen
+from distlab.errors import RemoteError, RpcDeviceError  # noqa: E402 - after DISTLAB_IMPL is chosen
+from distlab.rpc import RpcBackendOptions  # noqa: E402 - after DISTLAB_IMPL is chosen
 
-from scenario_checks import expect
+from scenario_checks import expect  # noqa: E402 - after DISTLAB_IMPL is chosen
 
 assert int(os.environ["WORLD_SIZE"]) == 2, "rpc_devices runs on 2 workers"
 me, peer = f"w{rank}", f"w{1 - rank}"

@@ -26,14 +26,6 @@ __all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_r
 
 _state_lock = threading.Lock()
 _atexit_registered = False
-#: The RRef layer (attach, graceful_delete, detach, remote), installed by distlab.rpc.rref when it is imported:
-#: rref builds on this module, so this module never imports it.
-_rref_layer = None
-
-
-def _install_rref_layer(layer) -> None:
-    global _rref_layer
-    _rref_layer = layer
 
 
 def _handle_call(src, payload, meta):
