@@ -288,6 +288,8 @@ cdef Py_ssize_t _walk_pickle(const uint8_t* v, Py_ssize_t n, tuple ctx) except -
     cdef Py_ssize_t opcodes = 0, buffers = 0
     cdef uint8_t opcode, op
     cdef uint64_t count, index
+    if n >= 2 and not (v[0] == 0x80 and 2 <= v[1] <= 5):
+        raise _shared.bad_opening(PyBytes_FromStringAndSize(<const char*>v, 2), *ctx)
     while pos < n:
         at = pos
         opcode = v[pos]

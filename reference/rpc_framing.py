@@ -179,7 +179,7 @@ def split_batch(data) -> list:
 def check_pickle(data) -> int:
     """Walk a pickle's opcodes without running them; return how many out-of-band buffers it takes.
 
-    Refused (RpcMessageError): a byte that is no pickle opcode, an argument cut off by the end, a byte count
+    Refused (RpcMessageError): a pickle that does not open with PROTO 2 to 5, a byte that is no pickle opcode, an argument cut off by the end, a byte count
     (or frame length) larger than the bytes that remain, a PUT / LONG_BINPUT memo index no pickler could have
     written (one at least as large as the number of opcodes read so far), a pickle without STOP, and bytes after
     its STOP. So what the unpickler allocates while it reads stays within a small multiple of ``len(data)``. The
@@ -196,6 +196,8 @@ def _walk(data, part, kind, flags, mid) -> int:
     opcodes = 0
     buffers = 0
     ctx = (part, kind, flags, mid)
+    if n >= 2 and (refused := shared.bad_opening(raw, *ctx)) is not None:
+        raise refused
     while pos < n:
         at, opcode = pos, raw[pos]
         op = OP_CLASSES[opcode]

@@ -604,17 +604,22 @@ def a_non_zero_reserved_byte(m):
 
 @case("rpc_framing", RpcMessageError)
 def a_stop_message_with_a_body(m):
-    m.unpack_header(_header(kind=7) + b"N.", LIMIT)
+    m.unpack_header(_header(kind=7) + b"\x80\x05N.", LIMIT)
 
 
 @case("rpc_framing", RpcMessageError)
 def a_body_taking_fewer_buffers_than_announced(m):
-    m.unpack_header(_header(nbuf=1) + struct.pack("<q", 4) + b"N.", LIMIT)
+    m.unpack_header(_header(nbuf=1) + struct.pack("<q", 4) + b"\x80\x05N.", LIMIT)
+
+
+@case("rpc_framing", RpcMessageError)
+def a_pickle_of_protocol_0(m):
+    m.unpack_header(_header() + b"N.", LIMIT)
 
 
 @case("rpc_framing", RpcMessageError)
 def metadata_with_bytes_after_its_stop(m):
-    m.unpack_header(_header(nmeta=3) + b"N.x" + b"N.", LIMIT)
+    m.unpack_header(_header(nmeta=5) + b"\x80\x05N.x" + b"\x80\x05N.", LIMIT)
 
 
 @case("rpc_framing", RpcMessageError)

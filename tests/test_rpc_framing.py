@@ -104,8 +104,8 @@ def test_twins_write_the_same_bytes_and_read_them_alike():
     (header() + out_of_band(5), "payload takes 1 out-of-band buffers but its header announces 0"),
     (header(nmeta=len(out_of_band(3))) + out_of_band(3) + pickle.dumps(None), "metadata takes 1 out-of-band"),
     (header() + pickle.dumps(None) + b"xyz", "3 bytes follow the STOP opcode"),
-    (header(nmeta=3) + b"N.x" + pickle.dumps(None), "malformed RPC metadata: .* 1 bytes follow the STOP"),
-    (header(nmeta=2) + b"\x8e." + pickle.dumps(None), "malformed RPC metadata: .* its byte count is cut off"),
+    (header(nmeta=5) + b"\x80\x05N.x" + pickle.dumps(None), "malformed RPC metadata: .* 1 bytes follow the STOP"),
+    (header(nmeta=4) + b"\x80\x05\x8e." + pickle.dumps(None), "malformed RPC metadata: .* its byte count is cut off"),
     (header(), "malformed RPC payload: pickle the end at byte 0: no STOP opcode"),
     (header(kind=RPC_KIND_CODES["stop"]) + b"N.", "a stop message with 0 out-of-band buffers, 0 RRef fork records, "
                                                    "0 metadata bytes and a 2-byte body"),
@@ -161,8 +161,10 @@ def test_a_refused_message_runs_none_of_its_pickles(rpc_framing, tmp_path, monke
     (b"\x80\x05B\xff\xff\xff\x7f.", "claims 2147483647 bytes"),
     (b"\x80\x05\x95" + (1 << 40).to_bytes(8, "little") + b"N.", "claims 1099511627776 bytes"),
     (b"\x80\x05]r\xff\xff\xff\x7f.", "memo index 2147483647 but only 3 opcodes"),
-    (b"(lp99999999999\n.", "memo index 99999999999"),
-    (b"(lp+5\n.", "a PUT index is 1 to 18 decimal digits"),
+    (b"\x80\x02(lp99999999999\n.", "memo index 99999999999"),
+    (b"\x80\x02(lp+5\n.", "a PUT index is 1 to 18 decimal digits"),
+    (b"(lp0\n.", "a pickle opens with PROTO 2 to 5"),                       # protocol 0
+    (b"\x80\x06N.", "a pickle opens with PROTO 2 to 5"),
     (b"\x80\x05K\x01", "no STOP opcode"),
     (b"\x80\x05N.N.", "2 bytes follow the STOP opcode"),
     (b"\x80\x05\xff.", "not a pickle opcode"),
@@ -181,7 +183,7 @@ def test_pickle_check_accepts_real_pickles(rpc_framing):
 
     for obj in [None, 1, 2 ** 100, -3.5, "x" * 300, b"y" * 70000, bytearray(b"z" * 300), (1, [2, {3: "4"}]),
                 {"a": np.arange(10)}, np.ones((3, 3)), {1, 2}, frozenset({3}), 1j]:
-        for protocol in range(6):
+        for protocol in range(2, 6):   # protocols 0 and 1 open without PROTO, and are refused (see above)
             data = pickle.dumps(obj, protocol=protocol)
             assert rpc_framing.check_pickle(data) == 0, (obj, protocol)   # no out-of-band buffer
     data = framing.dumps((framing.by_value(square), (3,), None))[0]   # cloudpickled by value
@@ -194,7 +196,7 @@ def test_loads_refuses_a_terabyte_pickle_and_wraps_unpickling_errors():
     with pytest.raises(RpcMessageError, match="claims 1099511627776 bytes"):
         framing.loads(TERA_PICKLE)
     with pytest.raises(RpcMessageError, match="could not unpickle the RPC payload: .*no_such_module"):
-        framing.loads(b"cno_such_module\nf\n.")
+        framing.loads(b"\x80\x05cno_such_module\nf\n.")
 
 
 def test_a_function_sent_by_value_is_checked_before_it_is_loaded():

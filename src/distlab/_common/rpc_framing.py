@@ -33,7 +33,8 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "NUM_KINDS", "USER_KIND_BASE", "K_RESPONSE", "K_STOP",
     "K_WAKE", "K_BATCH", "RESPONSE_FLAGS", "REQUEST_FLAGS", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
     "OP_FIXED1", "OP_FIXED2", "OP_FIXED4", "OP_FIXED8", "OP_COUNT1", "OP_COUNT4", "OP_COUNT8", "OP_LINE",
-    "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "OP_NEXT_BUFFER", "MAX_PUT_DIGITS", "short_message",
+    "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "OP_NEXT_BUFFER", "MAX_PUT_DIGITS", "OPENINGS",
+    "bad_opening", "short_message",
     "bad_magic", "bad_version", "bad_reserved", "unknown_kind", "bad_flags", "bad_counts", "too_short",
     "bad_buffer_size", "bad_control", "bad_batch", "bad_pickle", "buffer_count", "with_sizes",
 ]
@@ -91,6 +92,10 @@ OP_FRAME = 14     # FRAME: an 8-byte frame length
 OP_NEXT_BUFFER = 15  # NEXT_BUFFER: takes the next out-of-band buffer (counted: the header must announce as many)
 #: A PUT index has at most this many decimal digits (and nothing but digits): both twins parse it alike.
 MAX_PUT_DIGITS = 18
+#: The first two bytes a pickle may open with: PROTO and a protocol from 2 to 5, as every pickle distlab and
+#: cloudpickle write does. The walk reads opcodes, not the unpickler's stack, so without this a count that shifts
+#: a part onto the tail of another pickle (its strings are mostly opcodes too) could pass it.
+OPENINGS = frozenset(bytes([0x80, protocol]) for protocol in range(2, 6))
 
 _BY_ARGUMENT = {
     "uint1": OP_FIXED1, "uint2": OP_FIXED2, "int4": OP_FIXED4, "uint4": OP_FIXED4, "float8": OP_FIXED8,
@@ -216,6 +221,13 @@ def bad_pickle(offset, opcode, reason, part="payload", kind=None, flags=None, mi
     name = f"opcode {opcode:#04x}" if opcode >= 0 else "the end"
     return RpcMessageError(f"malformed RPC {part}: pickle {name} at byte {offset}: {reason}", kind=kind,
                            flags=flags, mid=mid)
+
+
+def bad_opening(data, part="payload", kind=None, flags=None, mid=None):
+    """None when ``data`` (bytes, two at least) opens as :data:`OPENINGS` says, else the refusal to raise."""
+    if data[:2] in OPENINGS:
+        return None
+    return bad_pickle(0, data[0], "a pickle opens with PROTO 2 to 5 (protocol 2 or later)", part, kind, flags, mid)
 
 
 def buffer_count(part, taken, nbuf, kind, flags, mid) -> RpcMessageError:
