@@ -145,7 +145,7 @@ from distlab.timeline import get_timeline  # noqa: E402
 timeline = get_timeline()
 if timeline.enabled:
     seen = {e["name"] for e in timeline.events()}
-    assert "negotiate (slow path)" in seen and "fuse" in seen, sorted(seen)[:20]
+    assert "negotiate (slow path)" in seen and "fuse" in seen, sorted(e for e in seen if not e.startswith("allreduce"))
     assert capacity == 0 or "negotiate (fast path)" in seen
     assert any(e.startswith("allreduce grad.") and "+" in e for e in seen)       # a fused collective
     assert any(e.startswith("allgather gather") for e in seen)
