@@ -23,6 +23,7 @@ from ..errors import DistlabError, DuplicateNameError, NotInitializedError, Stal
 from ..futures import Future
 from ..timeline import get_timeline, now_us
 from ._execute import check_reduction, execute
+from ._placement import placeable
 from ._settings import settings
 
 __all__ = ["Handle", "OP_CODES", "KINDS", "get"]
@@ -54,11 +55,12 @@ class Handle:
 class _Entry:
     """One submitted tensor: its copy, how to run it, and the future its handle waits on."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after")
+    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after", "offset")
 
-    def __init__(self, name, kind, array, op, root, pre, post, future, splits=None, after=None):
+    def __init__(self, name, kind, array, op, root, pre, post, future, splits=None, after=None, offset=None):
         self.name, self.kind, self.array, self.op, self.root = name, kind, array, op, root
         self.pre, self.post, self.future, self.splits, self.after = pre, post, future, splits, after
+        self.offset = offset  # where the copy lies in this rank's slot of the set's arena (None: private memory)
 
 
 class _MPITransport:
@@ -92,6 +94,8 @@ class _SetState:
         self.lock = threading.Lock()
         self.counters = {kind: itertools.count() for kind in KINDS}
         self.fusion_buffer = np.empty(0, dtype=np.uint8)
+        self.placement = None          # the set's shared-memory arena on one host (_placement), once made
+        self.placement_tried = False
         self.timeline = engine.timeline
         self.controller = None
         if group is not None:
@@ -112,9 +116,17 @@ class _SetState:
         with self.lock:
             return [self.table.pop(n, None) for n in names]
 
+    def release(self, entries) -> None:
+        """Give the arena regions of ``entries`` back (their results were copied out, or they failed)."""
+        for entry in entries:
+            if entry is not None and entry.offset is not None:
+                self.placement.release(entry.offset, entry.array.nbytes)
+                entry.offset = None
+
     def fail_all(self, exc) -> None:
         with self.lock:
             entries, self.table = list(self.table.values()), {}
+        self.release(entries)
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc)
@@ -207,16 +219,26 @@ class Engine:
         if name is None:
             name = JOIN_TENSOR_NAME if kind == "join" else f"{kind}.noname.{next(state.counters[kind])}"
         name = str(name)
+        offset = None
         if array is not None:
-            # the caller may reuse its array at once: a copy, on the array's device
-            array = array_module(array).array(array, copy=True, order="C")
-            tensor_type, shape = dtype_code(array.dtype), array.shape
+            xp = array_module(array)
+            array = xp.asarray(array)
             if kind in ("allreduce", "reducescatter"):
                 check_reduction(array.dtype, op, kind, name)
+            placement = state.placement
+            if (kind == "allreduce" and placement is not None and xp is np
+                    and placeable(array.nbytes, array.dtype, "sum" if op is ReduceOp.AVG else op.value)):
+                placed, offset = placement.place(array)   # the copy goes straight into the set's arena
+                if placed is not None:
+                    array = placed
+            if offset is None:
+                # the caller may reuse its array at once: a copy, on the array's device
+                array = xp.array(array, copy=True, order="C")
+            tensor_type, shape = dtype_code(array.dtype), array.shape
         else:
             tensor_type, shape = 0, ()
         future = Future(description=f"{kind} of {name!r}")
-        entry = _Entry(name, kind, array, op, root, float(pre), float(post), future, splits, after)
+        entry = _Entry(name, kind, array, op, root, float(pre), float(post), future, splits, after, offset)
         request = self.module.Request(name, KINDS[kind], tensor_type, shape, request_rank=state.rank,
                                       root_rank=root, device=CPU_DEVICE_ID,
                                       reduce_op=OP_CODES[op] if op is not None else 0, prescale_factor=pre,
@@ -227,6 +249,7 @@ class Engine:
         with state.lock:
             for entry in entries:
                 if entry.name in state.table:
+                    state.release(entries)
                     raise DuplicateNameError(
                         f"a collective named {entry.name!r} is already in flight on rank {self.rank}; wait for it "
                         "(synchronize) before submitting the name again, or use a different name")
