@@ -55,12 +55,23 @@ class Handle:
 class _Entry:
     """One submitted tensor: its copy, how to run it, and the future its handle waits on."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after", "offset")
+    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after", "offset",
+                 "source", "copied")
 
     def __init__(self, name, kind, array, op, root, pre, post, future, splits=None, after=None, offset=None):
         self.name, self.kind, self.array, self.op, self.root = name, kind, array, op, root
         self.pre, self.post, self.future, self.splits, self.after = pre, post, future, splits, after
         self.offset = offset  # where the copy lies in this rank's slot of the set's arena (None: private memory)
+        self.source = None    # the caller's array, copied into the arena once the request is queued
+        self.copied = None    # set when that copy is done (the cycle waits for it before reducing)
+
+    def fill(self) -> None:
+        """Copy the caller's array into the arena region (after queueing: the copy overlaps the negotiation)."""
+        try:
+            np.copyto(self.array, self.source, casting="no")
+        finally:
+            self.source = None
+            self.copied.set()
 
 
 class _MPITransport:
@@ -120,6 +131,8 @@ class _SetState:
         """Give the arena regions of ``entries`` back (their results were copied out, or they failed)."""
         for entry in entries:
             if entry is not None and entry.offset is not None:
+                if entry.copied is not None:   # not while the submitting thread still copies into it
+                    entry.copied.wait(self.group.timeout)
                 self.placement.release(entry.offset, entry.array.nbytes)
                 entry.offset = None
 
@@ -190,6 +203,8 @@ class Engine:
         state = self.process_set_state(process_set)
         self._register(state, [entry])
         state.controller.enqueue(request)
+        if entry.source is not None:
+            entry.fill()
         return handle
 
     def submit_group(self, arrays, name, process_set, op, pre, post) -> list:
@@ -208,6 +223,9 @@ class Engine:
                     for i, a in enumerate(arrays)]
         self._register(state, [entry for _h, entry, _r in prepared])
         state.controller.enqueue_group([request for _h, _e, request in prepared])
+        for _h, entry, _r in prepared:
+            if entry.source is not None:
+                entry.fill()
         return [handle for handle, _e, _r in prepared]
 
     def _prepare(self, kind, array, name, process_set, op, root, pre, post, splits, after, group=(-1, 0)):
@@ -219,7 +237,7 @@ class Engine:
         if name is None:
             name = JOIN_TENSOR_NAME if kind == "join" else f"{kind}.noname.{next(state.counters[kind])}"
         name = str(name)
-        offset = None
+        offset = source = None
         if array is not None:
             xp = array_module(array)
             array = xp.asarray(array)
@@ -228,9 +246,9 @@ class Engine:
             placement = state.placement
             if (kind == "allreduce" and placement is not None and xp is np
                     and placeable(array.nbytes, array.dtype, "sum" if op is ReduceOp.AVG else op.value)):
-                placed, offset = placement.place(array)   # the copy goes straight into the set's arena
-                if placed is not None:
-                    array = placed
+                region, offset = placement.region(array.size, array.dtype)   # the copy goes into the set's arena
+                if region is not None:
+                    array, source = region.reshape(array.shape), array
             if offset is None:
                 # the caller may reuse its array at once: a copy, on the array's device
                 array = xp.array(array, copy=True, order="C")
@@ -239,6 +257,8 @@ class Engine:
             tensor_type, shape = 0, ()
         future = Future(description=f"{kind} of {name!r}")
         entry = _Entry(name, kind, array, op, root, float(pre), float(post), future, splits, after, offset)
+        if source is not None:
+            entry.source, entry.copied = source, threading.Event()
         request = self.module.Request(name, KINDS[kind], tensor_type, shape, request_rank=state.rank,
                                       root_rank=root, device=CPU_DEVICE_ID,
                                       reduce_op=OP_CODES[op] if op is not None else 0, prescale_factor=pre,

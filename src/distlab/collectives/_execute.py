@@ -146,6 +146,9 @@ def _allreduce(state, response, entries):
             if not fused:
                 buf = part
         else:
+            if entry.copied is not None and not entry.copied.wait(state.group.timeout):
+                raise DistlabError(f"rank {state.rank}: the copy of {entry.name!r} into the shared-memory arena "
+                                   f"did not finish within {state.group.timeout:g} s")
             flat = entry.array.reshape(-1)
             scale_in_place(flat, response.prescale_factor)
             if fused:

@@ -46,14 +46,6 @@ class Placement:
         arena = shared.create_arena(group, max(ARENA_MIN_BYTES, 2 * int(nbytes)))
         return None if arena is None else cls(arena)
 
-    def place(self, array):
-        """A copy of numpy ``array`` in a region of this rank's slot, and its offset; ``(None, None)`` when full."""
-        view, offset = self.region(array.size, array.dtype)
-        if view is not None:
-            view = view.reshape(array.shape)
-            np.copyto(view, array, casting="no")
-        return view, offset
-
     def region(self, count: int, dtype):
         """An uninitialised region of ``count`` elements (a fusion buffer) and its offset; ``(None, None)``."""
         dtype = np.dtype(dtype)
