@@ -127,11 +127,11 @@ class _SetState:
         with self.lock:
             return [self.table.pop(n, None) for n in names]
 
-    def release(self, entries) -> None:
+    def release(self, entries, queued: bool = True) -> None:
         """Give the arena regions of ``entries`` back (their results were copied out, or they failed)."""
         for entry in entries:
             if entry is not None and entry.offset is not None:
-                if entry.copied is not None:   # not while the submitting thread still copies into it
+                if queued and entry.copied is not None:   # not while the submitting thread still copies into it
                     entry.copied.wait(self.group.timeout)
                 self.placement.release(entry.offset, entry.array.nbytes)
                 entry.offset = None
@@ -269,7 +269,7 @@ class Engine:
         with state.lock:
             for entry in entries:
                 if entry.name in state.table:
-                    state.release(entries)
+                    state.release(entries, queued=False)   # never queued: nothing copies into them
                     raise DuplicateNameError(
                         f"a collective named {entry.name!r} is already in flight on rank {self.rank}; wait for it "
                         "(synchronize) before submitting the name again, or use a different name")
