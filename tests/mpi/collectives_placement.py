@@ -2,9 +2,10 @@
 
 Checks on N ranks: results equal the sum in rank order (computed here from every rank's input), for Sum, Average,
 integers and scale factors, single and fused and grouped; the arena is made at the first large allreduce and used
-from then on (its reductions counted); the caller may change its input at once; a rank without room sends every
-rank through MPI with the same bits; a duplicate name gives its region back; device arrays (the strict stand-in)
-never go to the host arena; every region is free again at the end.
+from then on (its reductions counted); the caller may change its input at once; a result kept alive is never
+overwritten; a rank without room sends every rank through MPI with the same bits; a duplicate name gives its
+region back; device arrays (the strict stand-in) never go to the host arena; every region is free again once
+the results are dropped.
 """
 import numpy as np
 
@@ -42,6 +43,8 @@ for step in range(3):   # the first makes the arena (through MPI), the others ar
         reduce_block = arena.reduce_block
         arena.reduce_block = lambda *a, **k: (reductions.append(a[1]), reduce_block(*a, **k))[1]
 assert reductions == [COUNT, COUNT], reductions
+kept = got.copy()   # the result is its arena region, leased: later allreduces never write into it
+assert state.placement.in_use() >= got.nbytes
 
 # Average, integers, scale factors, a 2-D shape
 x = inputs(10, np.float64).reshape(-1, 1)
@@ -68,12 +71,14 @@ assert len(reductions) >= 7, f"only {len(reductions)} reductions in the arena"
 
 # a rank without room: every rank goes through MPI, with the same bits
 before = len(reductions)
-hold = state.placement.region(arena.slot_bytes // 4 - COUNT // 2, np.float32) if r == n - 1 else (None, None)
+holds = []   # the last rank takes every free region of its slot
+for length in sorted((length for _start, length in state.placement.free), reverse=True) if r == n - 1 else ():
+    holds.append(state.placement.region(length, np.uint8))
 x = inputs(40, np.float32)
 assert hvd.allreduce(x, name="full", op=hvd.Sum).tobytes() == expected_sum(x).tobytes()
 assert len(reductions) == before, "reduced in the arena though a rank had no room"
-if hold[0] is not None:
-    state.placement.release(hold[1], hold[0].nbytes)
+for view, at in holds:
+    state.placement.release(at, view.nbytes)
 
 # a duplicate name gives its region back (rank 0 submits after the others checked, so the first is pending)
 if r != 0:
@@ -96,7 +101,9 @@ assert isinstance(out, fakegpu.ndarray) and fakegpu.asnumpy(out).tobytes() == ex
     fakegpu.asnumpy(d)).tobytes()
 assert len(reductions) == before
 
-assert state.placement.free == [(0, arena.slot_bytes)], f"regions not given back: {state.placement.free}"
+assert got.tobytes() == kept.tobytes(), "a result kept alive was overwritten"
+del got, avg, scaled, outs, out, h, handles   # (a handle keeps its result)
+assert state.placement.in_use() == 0, f"regions not given back: {state.placement.free}"
 hvd.shutdown()
 pg.destroy()
 print(f"placement OK reductions={len(reductions)}", flush=True)

@@ -15,7 +15,7 @@ from .._wire import DTYPE_NAMES, JOIN_TENSOR_NAME, REDUCE_OPS, RESPONSE_TYPE_NAM
 from ..autograd._array import array_module
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
-from ._placement import Placement, placeable
+from ._placement import Placement, lease, placeable
 
 __all__ = ["execute", "check_reduction", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
 
@@ -173,8 +173,11 @@ def _allreduce(state, response, entries):
             results.append(None)
         elif fused:
             results.append(buf[offset:offset + count].reshape(entry.array.shape).copy())
-        else:   # out of the arena, whose region is given back: the caller's own array
-            results.append(entry.array.copy() if entry.offset is not None else entry.array)
+        elif entry.offset is not None:   # the arena region itself, leased to the caller until its views are gone
+            results.append(lease(state.placement, entry.array, entry.offset))
+            entry.offset = None
+        else:
+            results.append(entry.array)
         offset += count
     if fused and placed_at is not None:
         placement.release(fusion_at, total * dtype.itemsize)
