@@ -4,13 +4,14 @@ Checks on N ranks: results equal the sum in rank order (computed here from every
 integers and scale factors, single and fused and grouped; the arena is made at the first large allreduce and used
 from then on (its reductions counted); the caller may change its input at once; a result kept alive is never
 overwritten; a rank without room sends every rank through MPI with the same bits; a duplicate name gives its
-region back; device arrays (the strict stand-in) never go to the host arena; every region is free again once
-the results are dropped.
+region back; device arrays (the strict stand-in) never go to the host arena; ProcessGroup.allreduce_placed
+refuses different element counts on every rank; every region is free again once the results are dropped.
 """
 import numpy as np
 
 from distlab import collectives as hvd, comm, fakegpu
 from distlab.collectives import _engine
+from distlab.errors import CollectiveMismatchError
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -100,6 +101,15 @@ out = hvd.allreduce(d, name="device", op=hvd.Sum)
 assert isinstance(out, fakegpu.ndarray) and fakegpu.asnumpy(out).tobytes() == expected_sum(
     fakegpu.asnumpy(d)).tobytes()
 assert len(reductions) == before
+
+# ProcessGroup.allreduce_placed with different element counts: the same clear error on every rank
+try:
+    pg.allreduce_placed(np.ones(10 + r, dtype=np.float32), name="mismatch")
+    raise AssertionError("no CollectiveMismatchError")
+except CollectiveMismatchError as exc:
+    assert "passed different regions" in str(exc), exc
+x = inputs(70, np.float32)
+assert pg.allreduce_placed(x.copy(), name="unplaced").tobytes() == expected_sum(x).tobytes()
 
 assert got.tobytes() == kept.tobytes(), "a result kept alive was overwritten"
 del got, avg, scaled, outs, out, h, handles   # (a handle keeps its result)
