@@ -304,7 +304,8 @@ class Engine:
 
     def _cycle(self, state, shut_down):
         t0 = now_us() if self.timeline.enabled else 0.0
-        before = state.controller.counters if self.timeline.enabled else None
+        # a copy: the reference twin's counters are its live dict
+        before = dict(state.controller.counters) if self.timeline.enabled else None
         response_list = state.controller.compute_response_list(state.transport, shut_down, self.stop_reason)
         if self.timeline.enabled:
             self._trace_cycle(state, t0, before, response_list)
