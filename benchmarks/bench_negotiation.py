@@ -10,7 +10,12 @@ and 1000 tensors submitted per cycle:
 - **floor**: a raw mpi4py ``Allreduce`` of the same bit vector on a plain communicator (what the hit path cannot
   beat), and the same allreduce through :class:`distlab.comm.ProcessGroup` (what the controller actually calls);
 - **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication;
-- **grouped**: the same counts as one group (``grouped_allreduce``) on the hit path, to compare with singles.
+- **grouped**: the same counts as one group (``grouped_allreduce``) on the hit path, to compare with singles;
+- **data path** (2 ranks, one host): ``collectives.allreduce`` of 26 MB of float32 (op Sum, the same name every
+  step, so the cache hits) against ``ProcessGroup.allreduce`` of the same bytes in a plain array (MPI), and, for
+  reference, of an array of a shared-memory arena (DDP's buckets) and the negotiated allreduce with its arena
+  turned off (its copies in private memory and MPI: the data path before the arena), interleaved round by round.
+  ``--data-path`` runs only this part.
 
 Each cycle starts after a barrier; a figure is the median over iterations of the slowest rank (for the hit path
 and the floors, the lowest of three such medians, measured in interleaved blocks). Prints a table and
@@ -117,7 +122,7 @@ def worker(out_path):
     def slowest_median(times):
         return max(raw.allgather(statistics.median(times) * 1e6))
 
-    for count in COUNTS:
+    for count in () if "--data-path" in sys.argv else COUNTS:
         words = np.zeros((count + 3 + 63) // 64, dtype=np.uint64)
         cases = {
             "floor-mpi4py": (lambda: raw.Allreduce(MPI.IN_PLACE, words, op=MPI.BAND), None),
@@ -180,32 +185,97 @@ def worker(out_path):
                 times[name].append(once(fn, prepare))
         for name in miss_cases:
             results[f"{name}/{count}"] = slowest_median(times[name])
+    if size == 2:
+        results.update(data_path(raw, group))
     if rank == 0:
         Path(out_path).write_text(json.dumps({"size": size, "results": results}))
     group.destroy()
+
+
+DATA_BYTES = 26_000_000
+DATA_ROUNDS = 40
+
+
+def data_path(raw, group, rounds=DATA_ROUNDS):
+    """The negotiated allreduce of 26 MB against the process group's, interleaved (ms, slowest rank's median)."""
+    import numpy as np
+
+    from distlab import collectives as hvd
+    from distlab.collectives import _engine
+
+    hvd.init()
+    count = DATA_BYTES // 4
+    plain = np.ones(count, dtype=np.float32)
+    given = np.ones(count, dtype=np.float32)
+    arena, (placed,) = group.shared_arrays([(count, np.float32)]) or (None, (None,))
+    world = _engine.get().world
+    hvd.allreduce(given, name="data", op=hvd.Sum)        # makes the collectives' arena (every rank, one host)
+    placement = world.placement
+
+    def negotiated(with_arena):
+        world.placement = placement if with_arena else None
+        hvd.allreduce(given, name="data" if with_arena else "data (arena off)", op=hvd.Sum)
+
+    cases = {"process-group": lambda: group.allreduce(plain),
+             "collectives": lambda: negotiated(True),
+             "collectives-arena-off": lambda: negotiated(False)}
+    if placed is not None:
+        cases["process-group-arena"] = lambda: group.allreduce(placed)
+    times = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()
+    gc.collect()
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            raw.Barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    world.placement = placement
+    hvd.shutdown()
+    out = {f"data-{name}": max(raw.allgather(statistics.median(t) * 1e3)) for name, t in times.items()}
+    out["data-loadavg"] = os.getloadavg()[0]
+    del arena
+    return out
 
 
 def main():
     from distlab.launch import launch_script
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {"bookkeeping_us": bookkeeping(), "mpi": {}}
-    for np_ in (2, 4):
+    only_data = "--data-path" in sys.argv[1:]
+    report = {"command": " ".join(sys.argv), "host_cores": os.cpu_count(),
+              "bookkeeping_us": {} if only_data else bookkeeping(), "mpi": {}}
+    for np_ in (2,) if only_data else (2, 4):
         out = RESULTS / f".bench_negotiation_np{np_}.json"
         # One BLAS thread per rank: idle OpenBLAS threads spin and steal the cores the ranks need.
-        result = launch_script(__file__, np=np_, args=["--worker", str(out)], timeout=600, capture=True,
-                               env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        result = launch_script(__file__, np=np_, args=["--worker", str(out)] + (["--data-path"] if only_data else []),
+                               timeout=600, capture=True, env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
             sys.exit(f"benchmark on {np_} ranks failed:\n{result.stdout}\n{result.stderr}")
         report["mpi"][np_] = json.loads(out.read_text())["results"]
         out.unlink()
-    (RESULTS / "bench_negotiation.json").write_text(json.dumps(report, indent=2))
+    name = "bench_negotiation_data_path.json" if only_data else "bench_negotiation.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=2))
     print(render(report))
 
 
 def render(report):
     lines = []
     book = report["bookkeeping_us"]
+    data = report["mpi"].get(2, report["mpi"].get("2", {}))
+    if "data-collectives" in data:
+        pg = data["data-process-group"]
+        lines.append("collectives allreduce vs process group, 26 MB, one host, 2 ranks (ms, median of the "
+                     f"slowest rank, {DATA_ROUNDS} interleaved rounds, load average {data['data-loadavg']:.1f}):")
+        lines.append(f"{'process group':>14} {'collectives':>12} {'ratio':>6} {'arena off':>10} {'ratio':>6} "
+                     f"{'group arena':>12}")
+        lines.append(f"{pg:>14.2f} {data['data-collectives']:>12.2f} {data['data-collectives'] / pg:>5.2f}x "
+                     f"{data['data-collectives-arena-off']:>10.2f} {data['data-collectives-arena-off'] / pg:>5.2f}x "
+                     f"{data.get('data-process-group-arena', float('nan')):>12.2f}")
+        lines.append("")
+    if not book:
+        return "\n".join(lines)
     lines.append("Cache bookkeeping, one-rank hit cycle, no communication (us per cycle):")
     lines.append(f"{'tensors':>8} {'reference':>11} {'core':>9} {'ratio':>7} {'ref grouped':>12} "
                  f"{'core grouped':>13} {'grouped/single core':>20}")

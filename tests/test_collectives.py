@@ -146,3 +146,10 @@ def test_scaling_rounds_once_from_horovods_precision(dtype):
         scaled = values.copy()
         scale_in_place(scaled, 1 / 3)
         assert not np.array_equal(scaled, half_factor_first)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_", [2, 3])
+def test_large_allreduce_in_the_shared_arena_has_the_bits_of_mpi(mpirun, np_):
+    result = mpirun("collectives_placement.py", np=np_, timeout=120)
+    assert result.stdout.count("placement OK") == np_

@@ -23,6 +23,7 @@ from ..errors import DistlabError, DuplicateNameError, NotInitializedError, Stal
 from ..futures import Future
 from ..timeline import get_timeline, now_us
 from ._execute import check_reduction, execute
+from ._placement import placeable
 from ._settings import settings
 
 __all__ = ["Handle", "OP_CODES", "KINDS", "get"]
@@ -54,11 +55,23 @@ class Handle:
 class _Entry:
     """One submitted tensor: its copy, how to run it, and the future its handle waits on."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after")
+    __slots__ = ("name", "kind", "array", "op", "root", "pre", "post", "splits", "future", "after", "offset",
+                 "source", "copied")
 
-    def __init__(self, name, kind, array, op, root, pre, post, future, splits=None, after=None):
+    def __init__(self, name, kind, array, op, root, pre, post, future, splits=None, after=None, offset=None):
         self.name, self.kind, self.array, self.op, self.root = name, kind, array, op, root
         self.pre, self.post, self.future, self.splits, self.after = pre, post, future, splits, after
+        self.offset = offset  # where the copy lies in this rank's slot of the set's arena (None: private memory)
+        self.source = None    # the caller's array, copied into the arena once the request is queued
+        self.copied = None    # set when that copy is done (the cycle waits for it before reducing)
+
+    def fill(self) -> None:
+        """Copy the caller's array into the arena region (after queueing: the copy overlaps the negotiation)."""
+        try:
+            np.copyto(self.array, self.source, casting="no")
+        finally:
+            self.source = None
+            self.copied.set()
 
 
 class _MPITransport:
@@ -92,6 +105,8 @@ class _SetState:
         self.lock = threading.Lock()
         self.counters = {kind: itertools.count() for kind in KINDS}
         self.fusion_buffer = np.empty(0, dtype=np.uint8)
+        self.placement = None          # the set's shared-memory arena on one host (_placement), once made
+        self.placement_tried = False
         self.timeline = engine.timeline
         self.controller = None
         if group is not None:
@@ -112,9 +127,19 @@ class _SetState:
         with self.lock:
             return [self.table.pop(n, None) for n in names]
 
+    def release(self, entries, queued: bool = True) -> None:
+        """Give the arena regions of ``entries`` back (their results were copied out, or they failed)."""
+        for entry in entries:
+            if entry is not None and entry.offset is not None:
+                if queued and entry.copied is not None:   # not while the submitting thread still copies into it
+                    entry.copied.wait(self.group.timeout)
+                self.placement.release(entry.offset, entry.array.nbytes)
+                entry.offset = None
+
     def fail_all(self, exc) -> None:
         with self.lock:
             entries, self.table = list(self.table.values()), {}
+        self.release(entries)
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc)
@@ -178,6 +203,8 @@ class Engine:
         state = self.process_set_state(process_set)
         self._register(state, [entry])
         state.controller.enqueue(request)
+        if entry.source is not None:
+            entry.fill()
         return handle
 
     def submit_group(self, arrays, name, process_set, op, pre, post) -> list:
@@ -196,6 +223,9 @@ class Engine:
                     for i, a in enumerate(arrays)]
         self._register(state, [entry for _h, entry, _r in prepared])
         state.controller.enqueue_group([request for _h, _e, request in prepared])
+        for _h, entry, _r in prepared:
+            if entry.source is not None:
+                entry.fill()
         return [handle for handle, _e, _r in prepared]
 
     def _prepare(self, kind, array, name, process_set, op, root, pre, post, splits, after, group=(-1, 0)):
@@ -207,16 +237,28 @@ class Engine:
         if name is None:
             name = JOIN_TENSOR_NAME if kind == "join" else f"{kind}.noname.{next(state.counters[kind])}"
         name = str(name)
+        offset = source = None
         if array is not None:
-            # the caller may reuse its array at once: a copy, on the array's device
-            array = array_module(array).array(array, copy=True, order="C")
-            tensor_type, shape = dtype_code(array.dtype), array.shape
+            xp = array_module(array)
+            array = xp.asarray(array)
             if kind in ("allreduce", "reducescatter"):
                 check_reduction(array.dtype, op, kind, name)
+            placement = state.placement
+            if (kind == "allreduce" and placement is not None and xp is np
+                    and placeable(array.nbytes, array.dtype, "sum" if op is ReduceOp.AVG else op.value)):
+                region, offset = placement.region(array.size, array.dtype)   # the copy goes into the set's arena
+                if region is not None:
+                    array, source = region.reshape(array.shape), array
+            if offset is None:
+                # the caller may reuse its array at once: a copy, on the array's device
+                array = xp.array(array, copy=True, order="C")
+            tensor_type, shape = dtype_code(array.dtype), array.shape
         else:
             tensor_type, shape = 0, ()
         future = Future(description=f"{kind} of {name!r}")
-        entry = _Entry(name, kind, array, op, root, float(pre), float(post), future, splits, after)
+        entry = _Entry(name, kind, array, op, root, float(pre), float(post), future, splits, after, offset)
+        if source is not None:
+            entry.source, entry.copied = source, threading.Event()
         request = self.module.Request(name, KINDS[kind], tensor_type, shape, request_rank=state.rank,
                                       root_rank=root, device=CPU_DEVICE_ID,
                                       reduce_op=OP_CODES[op] if op is not None else 0, prescale_factor=pre,
@@ -227,6 +269,7 @@ class Engine:
         with state.lock:
             for entry in entries:
                 if entry.name in state.table:
+                    state.release(entries, queued=False)   # never queued: nothing copies into them
                     raise DuplicateNameError(
                         f"a collective named {entry.name!r} is already in flight on rank {self.rank}; wait for it "
                         "(synchronize) before submitting the name again, or use a different name")
@@ -261,7 +304,8 @@ class Engine:
 
     def _cycle(self, state, shut_down):
         t0 = now_us() if self.timeline.enabled else 0.0
-        before = dict(state.controller.counters) if self.timeline.enabled else None   # a copy: the reference's is live
+        # a copy: the reference twin's counters are its live dict
+        before = dict(state.controller.counters) if self.timeline.enabled else None
         response_list = state.controller.compute_response_list(state.transport, shut_down, self.stop_reason)
         if self.timeline.enabled:
             self._trace_cycle(state, t0, before, response_list)

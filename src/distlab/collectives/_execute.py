@@ -15,6 +15,7 @@ from .._wire import DTYPE_NAMES, JOIN_TENSOR_NAME, REDUCE_OPS, RESPONSE_TYPE_NAM
 from ..autograd._array import array_module
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
+from ._placement import Placement, lease, placeable
 
 __all__ = ["execute", "check_reduction", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
 
@@ -25,7 +26,9 @@ def execute(engine, state, response):
     t0 = now_us() if state.timeline.enabled else 0.0
     if kind == ResponseType.ERROR:
         error = CollectiveError(f"{response.error_message} (raised on every rank)", names=response.tensor_names)
-        for entry in state.take(response.tensor_names):
+        entries = state.take(response.tensor_names)
+        state.release(entries)
+        for entry in entries:
             if entry is not None:
                 entry.future.set_exception(error)
         return
@@ -60,6 +63,8 @@ def execute(engine, state, response):
             if entry is not None and not entry.future.done():
                 entry.future.set_exception(exc)
         raise
+    finally:
+        state.release(entries)   # the results are copied out of the set's arena by now
     if state.timeline.enabled:
         label = response.tensor_names[0] + (f" +{len(response.tensor_names) - 1}"
                                             if len(response.tensor_names) > 1 else "")
@@ -123,7 +128,12 @@ def _allreduce(state, response, entries):
     t0 = now_us() if state.timeline.enabled else 0.0
     # the tensors' device (a joined rank, with none of them, contributes from host memory: MPI moves the same bytes)
     xp = next((array_module(e.array) for e in entries if e is not None), np)
-    if fused:  # the fusion buffer lives on the tensors' device, reallocated there when they move
+    placement = _placement(state, total * dtype.itemsize, dtype, mpi_op)
+    buf, placed_at = None, None    # placed_at: where the reduced buffer lies in this rank's slot of the arena
+    if fused and placement is not None and xp is np:  # a fusion buffer in the arena: reduced in shared memory
+        buf, placed_at = placement.region(total, dtype)
+        fusion_at = placed_at
+    if fused and buf is None:  # the fusion buffer lives on the tensors' device, reallocated there when they move
         nbytes = total * dtype.itemsize
         if state.fusion_buffer.nbytes < nbytes or array_module(state.fusion_buffer) is not xp:
             state.fusion_buffer = xp.empty(nbytes, dtype=np.uint8)
@@ -136,17 +146,24 @@ def _allreduce(state, response, entries):
             if not fused:
                 buf = part
         else:
+            if entry.copied is not None and not entry.copied.wait(state.group.timeout):
+                raise DistlabError(f"rank {state.rank}: the copy of {entry.name!r} into the shared-memory arena "
+                                   f"did not finish within {state.group.timeout:g} s")
             flat = entry.array.reshape(-1)
             scale_in_place(flat, response.prescale_factor)
             if fused:
                 buf[offset:offset + count] = flat
             else:
-                buf = flat
+                buf, placed_at = flat, entry.offset
         offset += count
     if fused and state.timeline.enabled:
         state.timeline.complete("fuse", t0, lane="collectives", cat="collectives",
                                 args={"tensors": len(entries), "bytes": total * dtype.itemsize})
-    state.group.allreduce(buf, op=mpi_op, name=response.tensor_names[0] if not fused else f"fused x{len(entries)}")
+    name = response.tensor_names[0] if not fused else f"fused x{len(entries)}"
+    if placement is not None:   # every rank: the arrival step finds out whether all of them placed theirs
+        state.group.allreduce_placed(buf, placement.arena, placed_at, op=mpi_op, name=name)
+    else:
+        state.group.allreduce(buf, op=mpi_op, name=name)
     # Average divides in the postscale factor (Horovod: postscale_factor /= size), in float64
     scale_in_place(buf, response.postscale_factor / (state.size if op is ReduceOp.AVG else 1))
     results = []
@@ -156,10 +173,25 @@ def _allreduce(state, response, entries):
             results.append(None)
         elif fused:
             results.append(buf[offset:offset + count].reshape(entry.array.shape).copy())
+        elif entry.offset is not None:   # the arena region itself, leased to the caller until its views are gone
+            results.append(lease(state.placement, entry.array, entry.offset))
+            entry.offset = None
         else:
             results.append(entry.array)
         offset += count
+    if fused and placed_at is not None:
+        placement.release(fusion_at, total * dtype.itemsize)
     return results
+
+
+def _placement(state, nbytes, dtype, mpi_op):
+    """The set's arena when this allreduce is reduced in shared memory if placed there (made at the first)."""
+    if not placeable(nbytes, dtype, mpi_op):
+        return None
+    if not state.placement_tried:   # every member runs this response here: the creation is collective
+        state.placement_tried = True
+        state.placement = Placement.create(state.group, nbytes)
+    return state.placement
 
 
 def _allgather(state, response, entry):

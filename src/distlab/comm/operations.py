@@ -80,6 +80,32 @@ class GroupOperations(GroupSteps):
 
         return self._staged("allreduce", seq, name, array.nbytes, stages(), async_op)
 
+    def allreduce_placed(self, array, arena=None, offset=None, op="sum", name=None):
+        """Reduce ``array`` in place, reduced in shared memory when every rank's lies in ``arena`` (blocking).
+
+        For arrays placed by their owner rather than handed out alike (distlab.collectives): rank ``r``'s
+        ``array`` starts at byte ``offset`` of its own slot of ``arena`` (a :func:`~distlab.comm.shared.
+        create_arena` arena of this group, not registered with it), the offsets may differ from rank to rank, and
+        a rank whose array lies elsewhere passes ``offset=None``; then every rank goes through MPI. Every rank
+        calls it with the same element count and dtype, and ``op`` one of sum or avg (see ``shared.reducible``).
+        """
+        reduce_op = parse_op(op)
+        mpi_reduction(array.dtype, reduce_op, "allreduce", name)
+        header = shared.placement_header(arena, offset, array)
+        table = self.allgather(header, name=f"{name} placement" if name else "allreduce placement")
+        offsets = shared.placed_offsets(table, header, self.rank, self._seq, name)
+        if offsets is None:
+            return self.allreduce(array, op=reduce_op.value, name=name)
+        seq = self._enter("shared_allreduce", name, array, reduce_op=reduce_op)
+        done = arena.expect_done(seq)
+
+        def stages():
+            arena.reduce_block(offset, array.size, array.dtype, reduce_op is ReduceOp.AVG, offsets)
+            yield done.send()
+            return array
+
+        return self._staged("allreduce", seq, name, array.nbytes, stages(), False)
+
     def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
         """Overwrite ``array`` on every rank with rank ``src``'s copy."""
         self._check_rank(src, "broadcast src")

@@ -48,7 +48,7 @@ from ..errors import CollectiveMismatchError
 from .board import map_node_file
 from .setup import dup_within, release_comm
 
-__all__ = ["SharedArena", "create_arena", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
+__all__ = ["SharedArena", "create_arena", "placement_header", "placed_offsets", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
            "SHARED_MIN_BYTES", "SHARED_MIN_BYTES_VAR"]
 
 #: ``0`` turns shared-memory arenas off (DDP's buckets then live in private memory and go through MPI).
@@ -132,11 +132,11 @@ class SharedArena:
         """What this rank posts when it arrives: which region it reduces, with what."""
         return np.array([self.ident, offset, array.size, _dtype_code(array.dtype)], dtype=np.int64)
 
-    def _plan(self, offset: int, count: int, dtype) -> tuple:
-        """Every slot's view of the region, this rank's block of it, the piece length and the scratch."""
+    def _plan(self, offsets: tuple, count: int, dtype) -> tuple:
+        """Every slot's view of its region, this rank's block of it, the piece length and the scratch."""
         size = len(self.slots)
         step = max(PIECE_BYTES // dtype.itemsize, 1)
-        views = [slot[offset:offset + count * dtype.itemsize].view(dtype) for slot in self.slots]
+        views = [slot[at:at + count * dtype.itemsize].view(dtype) for slot, at in zip(self.slots, offsets)]
         return (views, count * self.rank // size, count * (self.rank + 1) // size, step,
                 self._scratch[:step * dtype.itemsize].view(dtype))
 
@@ -144,14 +144,18 @@ class SharedArena:
         """Post the receives of collective ``seq``'s done messages (call when the collective is entered)."""
         return DoneMessages(self, seq % self._tag_limit)
 
-    def reduce_block(self, offset: int, count: int, dtype, average: bool) -> None:
-        """Sum this rank's block of the region over every slot (rank order) and write it into every slot."""
-        key = (offset, count, dtype)
+    def reduce_block(self, offset: int, count: int, dtype, average: bool, offsets: tuple | None = None) -> None:
+        """Sum this rank's block of the region over every slot (rank order) and write it into every slot.
+
+        ``offsets`` (one per rank) when the ranks' regions lie at different offsets of their slots.
+        """
+        offsets = (offset,) * len(self.slots) if offsets is None else tuple(offsets)
+        key = (offsets, count, dtype)
         plan = self._plans.get(key)
         if plan is None:  # a region is reduced again and again (DDP's buckets): its views are made once
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = self._plan(offset, count, np.dtype(dtype))
+            plan = self._plans[key] = self._plan(offsets, count, np.dtype(dtype))
         views, first, stop, step, scratch = plan
         size = len(views)
         with np.errstate(over="ignore", invalid="ignore"):  # as MPI: a sum that overflows is inf, silently
@@ -238,6 +242,26 @@ def check_headers(table: np.ndarray, header: np.ndarray, rank: int, op: str, seq
         f"rank {rank}{where}: {op} #{seq} in shared memory: the ranks passed different regions: {described}. "
         "Every rank must pass its own view of the same region of the same arena.", seq=seq,
         groups={f"region {row[1]}+{row[2]}": ranks for row, ranks in groups.items()})
+
+
+def placement_header(arena: SharedArena | None, offset: int | None, array) -> np.ndarray:
+    """A placed allreduce's arrival header: the arena, the offset in this rank's slot (-1: not there), the array."""
+    return np.array([arena.ident if arena is not None else 0, -1 if offset is None else offset, array.size,
+                     _dtype_code(array.dtype)], dtype=np.int64)
+
+
+def placed_offsets(table: np.ndarray, header: np.ndarray, rank: int, seq: int, name) -> tuple | None:
+    """Each rank's offset from the arrival ``table`` of a placed allreduce, or None when a rank has no region.
+
+    The ranks' regions may lie at different offsets of their slots, but must hold the same element count and
+    dtype (else :class:`~distlab.errors.CollectiveMismatchError` on every rank); an offset of -1 says that rank's
+    array is not in the arena, and then every rank goes through MPI.
+    """
+    if (table[:, 2:] != header[2:]).any():
+        check_headers(table, header, rank, "allreduce", seq, name)  # raises, naming what differs
+    if (table[:, 1] < 0).any() or (table[:, 0] != table[0, 0]).any():
+        return None
+    return tuple(int(at) for at in table[:, 1])
 
 
 def aligned(nbytes: int) -> int:
