@@ -11,6 +11,8 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ==========  ===================================================================================================
 ``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
             every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
+            Only when asked for: ``auto`` does not take it yet (the device-component scenarios, where a joined
+            rank may shadow a device collective with host arrays, hung under it).
 ``mpi``     every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
 ``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
@@ -97,11 +99,9 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         return "ipc", f"{DEVICE_COMM_VAR}=ipc"
     if len(placements) < 2:
         return "staged", "one rank"
-    if ipc:
-        return "ipc", "every rank on one node, its devices mapped by every rank"
     if all(p.cuda_aware for p in placements):
         return "mpi", "every rank's MPI is CUDA-aware"
-    return "staged", why_not
+    return "staged", "the fallback (ipc is taken only when asked for)"
 
 
 def _ipc_possible(placements: list[Placement]) -> tuple[bool, str]:
