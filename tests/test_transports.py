@@ -18,7 +18,7 @@ def ranks(*specs, setting="auto"):
     (ranks((0, GPU_A, 0, 0, True, True), (0, GPU_B, 1, 0, True, True)), "mpi"),            # ... CUDA-aware MPI
     (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False)), "staged"),       # two nodes
     (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_B, 0, 0, False, True)), "mpi"),
-    (ranks((0, 0, 0, 0, False, False), (0, 0, 0, 0, False, False)), "staged"),             # no device at all
+    (ranks((0, 0, 0, 0, False, False), (0, 0, 0, 0, False, False)), "none"),               # no device at all
     (ranks((0, GPU_A, 0, 0, False, False), (0, 0, 0, 0, False, False)), "staged"),         # one rank without
     (ranks((0, GPU_A, 0, 0, False, False)), "staged"),                                      # one rank
     (ranks((0, GPU_A, 0, 0, False, False), (0, GPU_A, 0, 0, False, False), setting="ipc"), "ipc"),

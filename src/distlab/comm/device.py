@@ -140,9 +140,10 @@ def mpi_buffer(array, what: str):
     return host, (lambda: backend.from_host(array, host))
 
 
-def device_array(array, what: str, name=None) -> bool:
-    """True when ``array`` is a device array a transport can take (checked: C-contiguous, a movable dtype)."""
-    if type(array) is np.ndarray or device_module(array) is None:
+def device_array(array, what: str, name=None, host_too: bool = False) -> bool:
+    """True when ``array`` is a device array (or with ``host_too`` a numpy array) a transport can take; checked:
+    C-contiguous, a movable dtype."""
+    if not (host_too and type(array) is np.ndarray) and device_module(array) is None:
         return False
     if not _is_contiguous(array):
         raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "

@@ -218,14 +218,20 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             if now > spin_until:
                 side.waiting_seq = seq
                 listen_all()
+                if len(_busy) > (group in _busy):
+                    progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
     finally:
         side.waiting_seq = 0
 
 
-def progress() -> int:
-    """Drive the outstanding async operations of every group; returns how many may still be pending.
+def progress(skip=None) -> int:
+    """Drive the outstanding async operations of every group (but ``skip``); returns how many may still be pending.
+
+    A wait past its spin phase calls it for the other groups: an operation of several steps (a device
+    transport's arrive, reduce, done) moves only when polled, and a peer may be waiting on it to reach the
+    operation this rank waits for, as MPI's own nonblocking collectives progress inside any MPI call.
 
     Each group's operations are tested in the order they were issued, up to the first one still running (any
     test moves all of MPI's traffic; the later ones are looked at once the earlier ones are done, or by their
@@ -233,6 +239,8 @@ def progress() -> int:
     """
     pending = 0
     for group in list(_busy):
+        if group is skip:
+            continue
         works = list(group._pending)
         for index, work in enumerate(works):
             if not work._poll():

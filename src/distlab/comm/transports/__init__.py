@@ -11,8 +11,8 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ==========  ===================================================================================================
 ``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
             every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
-            Only when asked for: ``auto`` does not take it yet (the device-component scenarios, where a joined
-            rank may shadow a device collective with host arrays, hung under it).
+            Only when asked for: ``auto`` does not take it yet (every component on the stand-in passes under it
+            on 2 ranks, not yet on 4).
 ``mpi``     every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
 ``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
@@ -97,6 +97,8 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         if not ipc:
             raise ValueError(f"{DEVICE_COMM_VAR}=ipc: {why_not}; use auto or staged")
         return "ipc", f"{DEVICE_COMM_VAR}=ipc"
+    if not any(p.device for p in placements):
+        return "none", "no rank had a device when the group was made"
     if len(placements) < 2:
         return "staged", "one rank"
     if all(p.cuda_aware for p in placements):
@@ -173,7 +175,7 @@ def select(group, wait):
     if name == "ipc":
         from .ipc import IpcTransport
 
-        return IpcTransport(group, reducer_mode(placements)), name, why
+        return IpcTransport(group, reducer_mode(placements), _device_module()), name, why
     if name == "staged":
         from .staged import StagedTransport
 

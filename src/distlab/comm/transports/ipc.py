@@ -24,6 +24,7 @@ earlier), so async collectives waited on in any order are safe.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 import zlib
 
@@ -34,7 +35,8 @@ from ..._types import ReduceOp
 from ...autograd._array import device_module
 from ...errors import CollectiveMismatchError
 from ..board import map_node_file
-from ..setup import bounded_dup, release_comm
+from ..device import device_array
+from ..setup import bounded_dup, bounded_wait, release_comm
 from ._streams import Streams
 
 __all__ = ["IpcTransport", "HostSlots", "CudaSlots", "SLOT_BYTES_VAR"]
@@ -59,10 +61,7 @@ class HostSlots:
     """The stand-in's slots: one shared-memory file mapped by every rank, wrapped as stand-in device arrays."""
 
     def __init__(self, group, xp, nbytes: int):
-        def all_gather(mine, what):
-            return group.allgather(mine, name=f"ipc slots ({what})")
-
-        memory, mapped = map_node_file(all_gather, group.rank == 0, 0, nbytes * group.size, "ipc", reserve=True)
+        memory, mapped = map_node_file(lambda mine, what: _gather(group, mine, what), group.rank == 0, 0, nbytes * group.size, "ipc", reserve=True)
         if not mapped.all():
             raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {np.flatnonzero(~mapped).tolist()} "
                                f"could not map {nbytes * group.size} bytes of shared memory")
@@ -84,7 +83,7 @@ class CudaSlots:
         self._xp = xp
         self._mine = xp.cuda.Memory(nbytes)
         handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self._mine.ptr)), dtype=np.uint8)
-        table = group.allgather(handle, name="ipc slots (handles)")
+        table = _gather(group, handle, "handles")
         self._opened = []
         self._memories = []
         for k in range(group.size):
@@ -100,6 +99,14 @@ class CudaSlots:
     def view(self, rank: int, count: int, dtype):
         pointer = self._xp.cuda.MemoryPointer(self._memories[rank], 0)
         return self._xp.ndarray((count,), dtype=dtype, memptr=pointer)
+
+
+def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
+    """Set-up allgather straight on the group's communicator (not through the transport being set up)."""
+    table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
+    bounded_wait(group.comm.Iallgather(mine, table), f"ipc transport of group {group.name!r} set-up ({what})",
+                 group.comm, group.timeout, time.monotonic() + group.timeout)
+    return table
 
 
 def _close_handles(runtime, pointers) -> None:
@@ -135,17 +142,27 @@ class _Messages:
 
 
 class IpcTransport:
-    """Device collectives of one single-node group through mapped slots (see the module docstring)."""
+    """Device collectives of one single-node group through mapped slots (see the module docstring).
+
+    It takes host arrays too: a rank may meet the others' device collective with host arrays (a joined rank's
+    shadow of zeros), and every rank must run the same protocol; a host array is copied in and out of the slot.
+    """
 
     name = "ipc"
 
-    def __init__(self, group, mode: str):
+    @staticmethod
+    def takes(array, what: str, name) -> bool:
+        """Every array of the four collectives (checked: contiguous, a movable dtype)."""
+        return device_array(array, what, name, host_too=True)
+
+    def __init__(self, group, mode: str, module):
         self.group = group
         self.mode = mode  # "leader" or "split"
         self._slots = None
         self._comm = None
         self._streams = None
         self._last = None  # the Work of the collective that used the slots last
+        self._module = module  # the device module the slots belong to
         self._peers = [k for k in range(group.size) if k != group.rank]
 
     def _ready(self, xp) -> None:
@@ -199,7 +216,7 @@ class IpcTransport:
         """In-place allreduce of a device array through the slots."""
         group, flat = self.group, array.reshape(-1)
         step, chunks = self._chunking(array, flat.size, 1)
-        combine = getattr(device_module(array), _COMBINE[reduce_op])
+        combine = getattr(self._module, _COMBINE[reduce_op])
         average = reduce_op is ReduceOp.AVG
 
         def per_chunk(k):
@@ -208,7 +225,7 @@ class IpcTransport:
             first, stop = _block(b - a, group.rank, group.size, self.mode)
 
             def copy_in():
-                views[group.rank][...] = flat[a:b]
+                _put(views[group.rank], flat[a:b])
 
             def work():
                 if first == stop:
@@ -222,7 +239,7 @@ class IpcTransport:
                     view[first:stop] = total
 
             def copy_out():
-                flat[a:b] = views[group.rank]
+                _put(flat[a:b], views[group.rank])
 
             return copy_in, work, copy_out
 
@@ -240,11 +257,11 @@ class IpcTransport:
 
             def copy_in():
                 if group.rank == src:
-                    source[...] = flat[a:b]
+                    _put(source, flat[a:b])
 
             def work():
                 if group.rank != src:
-                    flat[a:b] = source
+                    _put(flat[a:b], source)
 
             return copy_in, work, _nothing
 
@@ -262,11 +279,11 @@ class IpcTransport:
             views = [self._slots.view(r, b - a, array.dtype) for r in range(group.size)]
 
             def copy_in():
-                views[group.rank][...] = flat[a:b]
+                _put(views[group.rank], flat[a:b])
 
             def work():
                 for r, view in enumerate(views):
-                    rows[r, a:b] = view
+                    _put(rows[r, a:b], view)
 
             return copy_in, work, _nothing
 
@@ -278,7 +295,7 @@ class IpcTransport:
         group, size = self.group, self.group.size
         blocks, out = input.reshape(size, -1), output.reshape(-1)
         step, chunks = self._chunking(input, out.size, size)
-        combine = getattr(device_module(input), _COMBINE[reduce_op])
+        combine = getattr(self._module, _COMBINE[reduce_op])
 
         def per_chunk(k):
             a, b = k * step, min((k + 1) * step, out.size)
@@ -286,15 +303,17 @@ class IpcTransport:
             views = [self._slots.view(r, size * n, input.dtype).reshape(size, n) for r in range(size)]
 
             def copy_in():
-                views[group.rank][...] = blocks[:, a:b]
+                for q in range(size):
+                    _put(views[group.rank][q], blocks[q, a:b])
 
-            def work():
-                total = out[a:b]
+            def work():  # the sum goes into this rank's own block of its slot (no other rank reads it)
+                total = views[group.rank][group.rank]
                 combine(views[0][group.rank], views[1][group.rank], out=total)
                 for view in views[2:]:
                     combine(total, view[group.rank], out=total)
                 if reduce_op is ReduceOp.AVG:
                     total /= size
+                _put(out[a:b], total)
 
             return copy_in, work, _nothing
 
@@ -303,9 +322,17 @@ class IpcTransport:
 
     def _chunking(self, array, count: int, copies: int) -> tuple[int, int]:
         """Map the slots if need be; elements per chunk (``copies`` of them fit one slot), number of chunks."""
-        self._ready(device_module(array))
+        self._ready(self._module)
         step = max(self._slots.nbytes // (array.dtype.itemsize * copies), 1)
         return step, max(-(-count // step), 1)
+
+
+def _put(target, source) -> None:
+    """Copy ``source`` into ``target``: device or host on either side (a host side is the one copy it costs)."""
+    if type(target) is np.ndarray and type(source) is not np.ndarray:
+        source.get(out=target)
+    else:
+        target[...] = source
 
 
 def _nothing() -> None:

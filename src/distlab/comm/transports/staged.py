@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from ..._types import ReduceOp
 from ...autograd._array import device_module
+from ..device import device_array
 from ..reduce_ops import is_bfloat16
 from ._streams import Streams
 
@@ -58,6 +59,13 @@ class StagedTransport:
     """Device collectives of one group staged through its pinned arenas (see the module docstring)."""
 
     name = "staged"
+
+    @staticmethod
+    def takes(array, what: str, name) -> bool:
+        """Device arrays; and host arrays an allreduce or broadcast cuts into chunks, so that a rank meeting the
+        others' device collective with a host array (a joined rank's shadow of zeros) issues the same MPI calls."""
+        return device_array(array, what, name, host_too=what in ("allreduce", "broadcast")
+                            and getattr(array, "nbytes", 0) > CHUNK_BYTES)
 
     def __init__(self, group):
         self.group = group
@@ -103,11 +111,18 @@ class StagedTransport:
         return group._staged("broadcast", seq, name, array.nbytes, stages, async_op)
 
     def _pipeline(self, array, call, down: bool, up: bool, average: int):
-        xp = device_module(array)
-        streams = self._streams_for(xp)
         flat = array.reshape(-1)
         step = max(CHUNK_BYTES // array.dtype.itemsize, 1)
         bounds = [(a, min(a + step, flat.size)) for a in range(0, flat.size, step)]
+        xp = device_module(array)
+        if xp is None:  # a host array: the same MPI calls on its own memory
+            requests = [call(flat[a:b]) for a, b in bounds]
+            for k, (a, b) in enumerate(bounds):
+                yield requests[k]
+                if average:
+                    flat[a:b] /= average
+            return array
+        streams = self._streams_for(xp)
         arena = self._take(xp, array.nbytes)
         host = arena.host[:array.nbytes].view(array.dtype)
         caller = streams.after_caller()
