@@ -1,6 +1,7 @@
 """Conformance of one device transport (``DISTLAB_DEVICE_COMM``, run by test_comm_mpi per transport) on the
 stand-in: every collective it serves, every dtype and op, odd sizes across chunk boundaries, async work waited on
-in reverse, 1,000 reuses of one buffer, the same bits on every rank, and a timeout naming the missing rank."""
+in reverse, 1,000 reuses of one buffer, the same bits on every rank, a joined rank's host zeros shadowing the
+others' device collectives, and a timeout naming the missing rank."""
 import os
 import time
 
@@ -78,6 +79,15 @@ for step in range(1000):
     pg.allreduce(buffer, name="reused")
     assert float(buffer[0]) == n * step + sum(range(n)), step
 same_everywhere(buffer)
+
+# a joined rank's shadow: its host zeros meet the others' device arrays (several chunks long), async too
+for size in (5, 3001):
+    shadow = r == n - 1
+    array = np.zeros(size, np.float32) if shadow else xp.full(size, 1.0, dtype=np.float32)
+    pg.allreduce(array, name="shadowed")
+    pg.broadcast(array, src=0, async_op=True).wait()
+    result = array if shadow else array.get()
+    assert np.all(result == n - 1), (size, result[:3])
 
 # a rank that never arrives is named
 pg.barrier()
