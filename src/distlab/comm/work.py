@@ -108,6 +108,21 @@ class Work:
                 self._request_done()
         return self._done
 
+    def _try_poll(self) -> bool:
+        """:meth:`_poll` unless another thread holds the group's lock (then False): what a wait calls for other
+        groups, which must never block on their locks (two threads waiting, each on a group the other drives)."""
+        if self._done:
+            return True
+        lock = self.group._lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            while not self._done and self._request.Test():
+                self._request_done()
+        finally:
+            lock.release()
+        return self._done
+
     def is_completed(self) -> bool:
         """True once the operation finished (this call also drives it forward)."""
         return self._poll()
@@ -218,7 +233,7 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             if now > spin_until:
                 side.waiting_seq = seq
                 listen_all()
-                if len(_busy) > (group in _busy):
+                if _busy:
                     progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
@@ -243,7 +258,7 @@ def progress(skip=None) -> int:
             continue
         works = list(group._pending)
         for index, work in enumerate(works):
-            if not work._poll():
+            if not (work._poll() if skip is None else work._try_poll()):
                 # Operations of one group finish in the order they were issued, as a rule: the first one still
                 # running says the rest are too (testing them all was measurably slower per DDP gradient hook).
                 pending += len(works) - index
