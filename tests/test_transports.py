@@ -12,8 +12,8 @@ def ranks(*specs, setting="auto"):
 
 
 @pytest.mark.parametrize("placements, expected", [
-    (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_A, 0, 0, True, False)), "staged"),  # 2 ranks, one GPU: ipc
-    (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False)), "staged"),  # only when asked
+    (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_A, 0, 0, True, False)), "ipc"),          # 2 ranks, one GPU
+    (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False)), "ipc"),    # peers on one node
     (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_B, 1, 0, True, False)), "staged"),       # no peer access
     (ranks((0, GPU_A, 0, 0, True, True), (0, GPU_B, 1, 0, True, True)), "mpi"),            # ... CUDA-aware MPI
     (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False)), "staged"),       # two nodes

@@ -11,9 +11,8 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ==========  ===================================================================================================
 ``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
             every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
-            Only when asked for: ``auto`` does not take it yet (every component on the stand-in passes under it
-            on 2 ranks, not yet on 4).
-``mpi``     every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI directly.
+``mpi``     otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI
+            directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
 ``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
 ==========  ===================================================================================================
@@ -101,9 +100,11 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         return "none", "no rank had a device when the group was made"
     if len(placements) < 2:
         return "staged", "one rank"
+    if ipc:
+        return "ipc", "every rank on one node, its devices mapped by every rank"
     if all(p.cuda_aware for p in placements):
         return "mpi", "every rank's MPI is CUDA-aware"
-    return "staged", "the fallback (ipc is taken only when asked for)"
+    return "staged", why_not
 
 
 def _ipc_possible(placements: list[Placement]) -> tuple[bool, str]:

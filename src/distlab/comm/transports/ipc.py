@@ -306,9 +306,8 @@ class IpcTransport:
                 for q in range(size):
                     _put(views[group.rank][q], blocks[q, a:b])
 
-            def work():  # the sum goes into this rank's own block of its slot (no other rank reads it)
-                total = views[group.rank][group.rank]
-                combine(views[0][group.rank], views[1][group.rank], out=total)
+            def work():  # a fresh array for the sum: this rank's block of every slot is an input, its own too
+                total = combine(views[0][group.rank], views[1][group.rank])
                 for view in views[2:]:
                     combine(total, view[group.rank], out=total)
                 if reduce_op is ReduceOp.AVG:
