@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from distlab import comm
 from distlab import fakegpu as xp
-from distlab.comm.ops import mpi_reduction, parse_op
+from distlab.comm.reduce_ops import mpi_reduction, parse_op
 from distlab.errors import DistTimeoutError
 
 pg = comm.world()
