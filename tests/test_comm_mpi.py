@@ -12,10 +12,18 @@ def test_collectives(mpirun, np_):
     assert result.stdout.count("comm collectives on cuda OK") == np_  # and on the strict device stand-in
 
 
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_device_arrays_staged_or_direct(mpirun, aware):
-    result = mpirun("comm_device.py", np=2, env={"DISTLAB_CUDA_AWARE": aware})
-    assert result.stdout.count("device path") == 2
+@pytest.mark.parametrize("transport, aware", [("staged", "0"), ("mpi", "1"), ("ipc", "0")])
+def test_device_arrays_per_transport(mpirun, transport, aware):
+    result = mpirun("comm_device.py", np=2, env={"DISTLAB_CUDA_AWARE": aware, "DISTLAB_DEVICE_COMM": transport})
+    assert result.stdout.count(f"device path ({transport})") == 2
+
+
+@pytest.mark.parametrize("transport, np_", [("staged", 2), ("ipc", 2), ("ipc", 4)])
+def test_device_transport_conformance(mpirun, transport, np_):
+    # small chunks and slots, so odd sizes cross chunk boundaries
+    result = mpirun("comm_transports.py", np=np_, timeout=240, env={
+        "DISTLAB_DEVICE_COMM": transport, "DISTLAB_IPC_SLOT_BYTES": "4096", "DISTLAB_STAGED_CHUNK_BYTES": "1000"})
+    assert result.stdout.count(f"transport {transport} conformance OK") == np_
 
 
 @pytest.mark.parametrize("np_", [2, 4])

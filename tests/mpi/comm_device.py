@@ -1,5 +1,6 @@
-"""Device arrays through the comm layer on the strict stand-in (distlab.fakegpu): staged (not CUDA-aware) or
-direct, the stream synchronised before MPI touches the memory, and the staging counted where it happens."""
+"""Device arrays through the comm layer on the strict stand-in (distlab.fakegpu), per transport: direct to a
+"CUDA-aware" MPI (the stream synchronised before MPI touches the memory), staged through a host arena (a copy
+down and up per allreduce, down on a broadcast's root and up elsewhere, counted where it happens), or through the ipc slots (no host copy at all)."""
 import os
 
 import numpy as np
@@ -7,8 +8,9 @@ import numpy as np
 from distlab import comm
 from distlab import fakegpu as xp
 
-aware = os.environ["DISTLAB_CUDA_AWARE"] == "1"
 pg = comm.world()
+transport = os.environ["DISTLAB_DEVICE_COMM"]
+assert pg.device_comm == transport and f"device {transport}" in repr(pg), repr(pg)
 r, n = pg.rank, pg.size
 xp.reset()
 
@@ -18,15 +20,16 @@ assert isinstance(a, xp.ndarray) and np.all(a.get() == (n + 1) / 2), a
 b = xp.full(3, r, dtype=np.int64)
 pg.broadcast(b, src=n - 1)
 assert np.all(b.get() == n - 1)
-g = pg.allgather(np.array([r], dtype=np.int32))
-assert g[:, 0].tolist() == list(range(n))
-
 counts = {kind: xp.total(kind, "distlab.comm") for kind in ("synchronize", "to_host", "from_host")}
-assert counts["synchronize"] >= 2, xp.transfers()  # the stream is synchronised before MPI touches device memory
-if aware:
-    assert counts["to_host"] == 0 and counts["from_host"] == 0, xp.transfers()
+g = pg.allgather(np.array([r], dtype=np.int32))  # host arrays too (through the ipc slots on an ipc group)
+assert g[:, 0].tolist() == list(range(n))
+if transport == "mpi":
+    assert counts["synchronize"] >= 2, xp.transfers()  # the stream is synchronised before MPI touches the memory
+if transport == "staged":
+    # allreduce: down and up; broadcast: down on its root, up on the others only
+    assert counts["to_host"] + counts["from_host"] == 3, xp.transfers()
 else:
-    assert counts["to_host"] == 2 and counts["from_host"] == 2, xp.transfers()
+    assert counts["to_host"] == 0 and counts["from_host"] == 0, xp.transfers()
 # The rooted calls and all_to_all_single take device arrays the same way (lists on the root through host memory).
 red = xp.asarray(np.full(3, r + 1.0))
 pg.reduce(red, dst=n - 1)
@@ -41,4 +44,4 @@ assert into.get().tolist() == [5.0 * r] * 2
 out = xp.asarray(np.zeros((n, 2), np.float32))
 pg.all_to_all_single(out, xp.asarray(np.arange(2 * n, dtype=np.float32).reshape(n, 2) + 100 * r))
 assert out.get()[:, 0].tolist() == [100 * k + 2 * r for k in range(n)], out.get()
-print(f"rank {r}: device path ({'direct' if aware else 'staged'}) OK {counts}", flush=True)
+print(f"rank {r}: device path ({transport}) OK {counts}", flush=True)

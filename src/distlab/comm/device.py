@@ -23,8 +23,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..autograd._array import device_module
+from .reduce_ops import check_movable
 
-__all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "empty_like"]
+__all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "empty_like",
+           "device_array"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,18 @@ def mpi_buffer(array, what: str):
         return array, None
     host = backend.to_host(array)
     return host, (lambda: backend.from_host(array, host))
+
+
+def device_array(array, what: str, name=None, host_too: bool = False) -> bool:
+    """True when ``array`` is a device array (or with ``host_too`` a numpy array) a transport can take; checked:
+    C-contiguous, a movable dtype."""
+    if not (host_too and type(array) is np.ndarray) and device_module(array) is None:
+        return False
+    if not _is_contiguous(array):
+        raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                         "pass np.ascontiguousarray(a) and copy the result back")
+    check_movable(array.dtype, what, name)
+    return True
 
 
 def empty_like(array, shape):

@@ -27,6 +27,7 @@ from .operations import GroupOperations
 from .rooted import RootedOperations
 from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
 from .shared import aligned, create_arena
+from .transports import select as select_transport
 from .work import Work, _busy
 
 __all__ = ["ProcessGroup", "world", "new_group", "debug_level"]
@@ -66,6 +67,9 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         This process's rank in the group, and the group's size.
     comm : mpi4py.MPI.Intracomm
         The group's own communicator.
+    device_comm : str
+        How the group moves device arrays (``ipc``, ``staged`` or ``mpi``), chosen when it was made from every
+        rank's placement and ``DISTLAB_DEVICE_COMM`` (:mod:`distlab.comm.transports`).
     """
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
@@ -115,6 +119,16 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         if self._info:
             _log_to_stderr(comm.Get_rank())
         self._fingerprint = _backend.load("fingerprint")
+        try:
+            self._transport, self.device_comm, why = select_transport(
+                self, lambda request, step: bounded_wait(request, f"ProcessGroup {self.name!r} setup ({step})",
+                                                         comm, timeout, time.monotonic() + timeout))
+        except BaseException:
+            comm.Free()
+            raise
+        if self._timeline_on:
+            self._timeline.instant(f"device transport {self.device_comm}", cat="comm", lane=f"comm {self.name}",
+                                   args={"transport": self.device_comm, "why": why})
         # Released when the group is collected or destroyed; must not hold the group itself.
         self._release = weakref.finalize(self, _release, comm, self._side)
 
@@ -208,7 +222,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         self.destroy()
 
     def __repr__(self) -> str:
-        return f"<ProcessGroup {self.name!r} rank {self.rank}/{self.size}>"
+        return f"<ProcessGroup {self.name!r} rank {self.rank}/{self.size} device {self.device_comm}>"
 
 
 _abandoned: list = []  # work in flight when its group was destroyed

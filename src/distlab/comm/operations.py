@@ -35,6 +35,8 @@ class GroupOperations(GroupSteps):
         """Reduce ``array`` across ranks in place (``op``: sum, avg, min, max, product, band, bor)."""
         reduce_op = parse_op(op)
         mpi_op = mpi_reduction(array.dtype, reduce_op, "allreduce", name) if hasattr(array, "dtype") else None
+        if self._transport is not None and self._transport.takes(array, "allreduce", name):
+            return self._transport.allreduce(array, reduce_op, mpi_op, async_op, name)
         if (self._arenas and getattr(array, "nbytes", 0) >= shared.SHARED_MIN_BYTES
                 and shared.reducible(array.dtype, reduce_op)):
             for arena_ref in self._arenas:
@@ -109,6 +111,8 @@ class GroupOperations(GroupSteps):
     def broadcast(self, array, src: int = 0, async_op: bool = False, name=None):
         """Overwrite ``array`` on every rank with rank ``src``'s copy."""
         self._check_rank(src, "broadcast src")
+        if self._transport is not None and self._transport.takes(array, "broadcast", name):
+            return self._transport.broadcast(array, src, async_op, name)
         buf, copy_back = self._movable(array, "broadcast", name)
         seq = self._enter("broadcast", name, array, root=src)
         start = self._start()
@@ -123,6 +127,9 @@ class GroupOperations(GroupSteps):
         if tuple(out.shape) != (self.size,) + tuple(array.shape) or out.dtype != array.dtype:
             raise ValueError(f"allgather: out must have shape {(self.size,) + tuple(array.shape)} and dtype "
                              f"{array.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if self._transport is not None and self._transport.takes(array, "allgather", name) \
+                and self._transport.takes(out, "allgather", name):
+            return self._transport.allgather(array, out, async_op, name)
         recv, copy_back = self._movable(out, "allgather", name)
         seq = self._enter("allgather", name, array)
         start = self._start()
@@ -138,6 +145,9 @@ class GroupOperations(GroupSteps):
         if input.size != output.size * self.size or input.dtype != output.dtype:
             raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
                              f"elements of {output.dtype}, got {input.size} of {input.dtype}")
+        if self._transport is not None and self._transport.takes(input, "reduce_scatter", name) \
+                and self._transport.takes(output, "reduce_scatter", name):
+            return self._transport.reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
         if is_bfloat16(input.dtype):
             send, recv = [send.view(np.uint16), MPI.UINT16_T], [recv.view(np.uint16), MPI.UINT16_T]
         seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)

@@ -108,6 +108,21 @@ class Work:
                 self._request_done()
         return self._done
 
+    def _try_poll(self) -> bool:
+        """:meth:`_poll` unless another thread holds the group's lock (then False): what a wait calls for other
+        groups, which must never block on their locks (two threads waiting, each on a group the other drives)."""
+        if self._done:
+            return True
+        lock = self.group._lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            while not self._done and self._request.Test():
+                self._request_done()
+        finally:
+            lock.release()
+        return self._done
+
     def is_completed(self) -> bool:
         """True once the operation finished (this call also drives it forward)."""
         return self._poll()
@@ -218,14 +233,20 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             if now > spin_until:
                 side.waiting_seq = seq
                 listen_all()
+                if _busy:
+                    progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
     finally:
         side.waiting_seq = 0
 
 
-def progress() -> int:
-    """Drive the outstanding async operations of every group; returns how many may still be pending.
+def progress(skip=None) -> int:
+    """Drive the outstanding async operations of every group (but ``skip``); returns how many may still be pending.
+
+    A wait past its spin phase calls it for the other groups: an operation of several steps (a device
+    transport's arrive, reduce, done) moves only when polled, and a peer may be waiting on it to reach the
+    operation this rank waits for, as MPI's own nonblocking collectives progress inside any MPI call.
 
     Each group's operations are tested in the order they were issued, up to the first one still running (any
     test moves all of MPI's traffic; the later ones are looked at once the earlier ones are done, or by their
@@ -233,9 +254,11 @@ def progress() -> int:
     """
     pending = 0
     for group in list(_busy):
+        if group is skip:
+            continue
         works = list(group._pending)
         for index, work in enumerate(works):
-            if not work._poll():
+            if not (work._poll() if skip is None else work._try_poll()):
                 # Operations of one group finish in the order they were issued, as a rule: the first one still
                 # running says the rest are too (testing them all was measurably slower per DDP gradient hook).
                 pending += len(works) - index

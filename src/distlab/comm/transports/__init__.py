@@ -1,0 +1,184 @@
+"""Device transports: how a process group moves device arrays, chosen once per group when it is made.
+
+MPI stays the control plane (sequence numbers, arrival, fingerprints, timeouts naming ranks, Join); a transport
+moves the bytes of the four collectives device arrays meet most (allreduce, broadcast, allgather,
+reduce_scatter). The other calls (alltoall, send/recv, objects) stay on :func:`~distlab.comm.device.mpi_buffer`.
+
+Each rank posts its placement (:func:`local_placement`: node, device identity, which peer devices it can reach,
+whether NCCL and a CUDA-aware MPI are at hand, and its ``DISTLAB_DEVICE_COMM``), the group gathers them, and the
+pure function :func:`choose` maps the table to one transport, the same on every rank:
+
+==========  ===================================================================================================
+``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
+            every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
+``mpi``     otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI
+            directly.
+``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
+``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
+==========  ===================================================================================================
+
+``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi`` overrides ``auto``; every rank must set the same word, and a
+transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..._env import choice
+from ...autograd._array import device_array_types
+from ..device import cuda_aware
+
+__all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS"]
+
+DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
+SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi")
+PLACEMENT_WORDS = 8
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank's device is, and what it can use (one row of the table :func:`choose` reads).
+
+    ``node`` is the group's node key; ``device`` identifies the physical device (a hash of the GPU's UUID; 0
+    when the rank has no device); ``device_id`` its index on the node; ``peers`` a bit mask of the device
+    indices it can reach by peer access; ``setting`` the rank's ``DISTLAB_DEVICE_COMM``.
+    """
+
+    node: int
+    device: int = 0
+    device_id: int = 0
+    peers: int = 0
+    nccl: bool = False
+    cuda_aware: bool = False
+    setting: str = "auto"
+
+    def row(self) -> np.ndarray:
+        """The placement as ``PLACEMENT_WORDS`` int64 words (what the group gathers)."""
+        return np.array([self.node, self.device, self.device_id, self.peers, self.nccl, self.cuda_aware,
+                         SETTINGS.index(self.setting), 0], dtype=np.int64)
+
+    @classmethod
+    def from_row(cls, row) -> "Placement":
+        words = [int(w) for w in row]
+        return cls(words[0], words[1], words[2], words[3], bool(words[4]), bool(words[5]), SETTINGS[words[6]])
+
+
+def choose(placements: list[Placement]) -> tuple[str, str]:
+    """``(transport, why)`` for a group whose ranks are placed as ``placements`` (pure: same table, same answer).
+
+    Raises ValueError when the ranks asked for different transports, or for one their placement cannot serve.
+    """
+    settings = {p.setting for p in placements}
+    if len(settings) > 1:
+        by = {s: [k for k, p in enumerate(placements) if p.setting == s] for s in sorted(settings)}
+        raise ValueError(f"{DEVICE_COMM_VAR} differs between ranks ({'; '.join(f'ranks {r}: {s}' for s, r in by.items())}); "
+                         "every rank must set the same transport")
+    setting = settings.pop()
+    if setting == "nccl":
+        raise ValueError(f"{DEVICE_COMM_VAR}=nccl: the NCCL transport is not available in this version of distlab; "
+                         "use auto, ipc, staged or mpi")
+    if setting == "staged":
+        return "staged", f"{DEVICE_COMM_VAR}=staged"
+    if setting == "mpi":
+        unaware = [k for k, p in enumerate(placements) if not p.cuda_aware]
+        if unaware:
+            raise ValueError(f"{DEVICE_COMM_VAR}=mpi: the MPI library of ranks {unaware} is not CUDA-aware "
+                             "(MPIX_Query_cuda_support says no, or DISTLAB_CUDA_AWARE=0); handing it device pointers "
+                             "would crash: use auto, ipc or staged")
+        return "mpi", f"{DEVICE_COMM_VAR}=mpi"
+    ipc, why_not = _ipc_possible(placements)
+    if setting == "ipc":
+        if not ipc:
+            raise ValueError(f"{DEVICE_COMM_VAR}=ipc: {why_not}; use auto or staged")
+        return "ipc", f"{DEVICE_COMM_VAR}=ipc"
+    if not any(p.device for p in placements):
+        return "none", "no rank had a device when the group was made"
+    if len(placements) < 2:
+        return "staged", "one rank"
+    if ipc:
+        return "ipc", "every rank on one node, its devices mapped by every rank"
+    if all(p.cuda_aware for p in placements):
+        return "mpi", "every rank's MPI is CUDA-aware"
+    return "staged", why_not
+
+
+def _ipc_possible(placements: list[Placement]) -> tuple[bool, str]:
+    """Whether every rank can map every other rank's device buffers, and if not, why not (naming ranks)."""
+    bare = [k for k, p in enumerate(placements) if not p.device]
+    if bare:
+        return False, f"ranks {bare} have no device"
+    nodes = sorted({p.node for p in placements})
+    if len(nodes) > 1:
+        return False, f"the ranks span {len(nodes)} nodes"
+    for a, pa in enumerate(placements):
+        for b, pb in enumerate(placements):
+            if pa.device != pb.device and not pa.peers >> pb.device_id & 1:
+                return False, f"rank {a}'s device cannot reach rank {b}'s (no peer access)"
+    return True, ""
+
+
+def reducer_mode(placements: list[Placement]) -> str:
+    """``"leader"`` when every rank shares one device (one rank reduces: ranks taking turns on one GPU must
+    never spin on each other), else ``"split"`` (each rank reduces its block of the buffer)."""
+    return "leader" if len({p.device for p in placements}) == 1 else "split"
+
+
+def _device_module():
+    """The device array module this process uses: a registered stand-in, else cupy when installed; or None."""
+    modules = list(dict.fromkeys(device_array_types().values()))
+    if modules:
+        return modules[0]
+    if "cupy" in sys.modules or importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return cupy
+        except Exception:  # noqa: BLE001 - a cupy without a driver or device: no device here
+            return None
+    return None
+
+
+def local_placement(node: int, setting: str | None = None) -> Placement:
+    """This rank's placement on ``node`` (``setting``: default ``DISTLAB_DEVICE_COMM``)."""
+    setting = choice(DEVICE_COMM_VAR, "auto", SETTINGS) if setting is None else setting
+    aware = cuda_aware()
+    xp = _device_module()
+    if xp is None:
+        return Placement(node, cuda_aware=aware, setting=setting)
+    runtime = xp.cuda.runtime
+    device_id = runtime.getDevice()
+    count = runtime.getDeviceCount()
+    properties = getattr(runtime, "getDeviceProperties", None)
+    uuid = bytes((properties(device_id) if properties else {}).get("uuid", b"") or b"")
+    ident = uuid or f"{xp.__name__}:{node}:{device_id}".encode()
+    device = int.from_bytes(hashlib.blake2b(ident, digest_size=7).digest(), "little") | 1
+    can = getattr(runtime, "deviceCanAccessPeer", None)
+    peers = sum(1 << k for k in range(min(count, 62)) if k != device_id and can and can(device_id, k))
+    nccl = xp.__name__ == "cupy" and importlib.util.find_spec("cupy.cuda.nccl") is not None
+    return Placement(node, device, device_id, peers, nccl, aware, setting)
+
+
+def select(group, wait):
+    """Collective: gather the placements of ``group``'s ranks and return its transport (None: ``mpi``, the
+    plain path) and the name shown in its repr; ``wait(request, what)`` completes a request under the set-up
+    deadline."""
+    mine = local_placement(int(group._node_keys[group.rank])).row()
+    table = np.empty((group.size, PLACEMENT_WORDS), dtype=np.int64)
+    wait(group.comm.Iallgather(mine, table), "device placements")
+    placements = [Placement.from_row(row) for row in table]
+    name, why = choose(placements)
+    if name == "ipc":
+        from .ipc import IpcTransport
+
+        return IpcTransport(group, reducer_mode(placements), _device_module()), name, why
+    if name == "staged":
+        from .staged import StagedTransport
+
+        return StagedTransport(group), name, why
+    return None, name, why

@@ -1,0 +1,364 @@
+"""The IPC transport: device collectives through buffers every rank of the node maps.
+
+Each rank owns one slot of :data:`SLOT_BYTES`, a dedicated allocation (never a memory-pool sub-allocation, whose
+IPC handle would name the pool's larger block), which every other rank maps once, when the group's first device
+collective runs (:class:`CudaSlots`: ``cudaIpcGetMemHandle``/``cudaIpcOpenMemHandle``, handles exchanged over MPI
+and cached for the group's life; :class:`HostSlots` on the stand-in: POSIX shared memory with the same layout).
+A collective then runs, one slot-sized chunk at a time:
+
+1. **copy in** on the transport's stream, after an event on the caller's stream; the host waits for that copy;
+2. **arrive**: a message to every peer carrying ``[seq, chunk, count, dtype, op, root]``, tagged by the
+   sequence number on the transport's own communicator; every rank checks every header (a mismatch is a
+   :class:`~distlab.errors.CollectiveMismatchError` on every rank); it also says the sender's slot is written;
+3. **work**: allreduce: the reducing ranks sum their block over every slot in rank order and write it into
+   every slot (``split``: each rank its block; ``leader``: rank 0 alone, when every rank shares one device, so no
+   rank ever spins on a device shared with the others); broadcast/allgather: copies out of the peers' slots;
+   reduce_scatter: rank ``r`` sums block ``r`` straight into its output; the host waits for the work;
+4. **done**: a second message to every peer; once all arrived, every slot holds its result and may be reused;
+5. **copy out** (allreduce) into the caller's array; the caller's stream waits on the transport's last event.
+
+Every element is reduced by exactly one rank, in rank order, so every rank gets the same bits. Messages match by
+tag, not issue order, and one collective uses the slots at a time (a later one waits its turn, driving the
+earlier), so async collectives waited on in any order are safe.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from ..._types import ReduceOp
+from ...autograd._array import device_module
+from ...errors import CollectiveMismatchError
+from ..board import map_node_file
+from ..device import device_array
+from ..setup import bounded_dup, bounded_wait, release_comm
+from ._streams import Streams
+
+__all__ = ["IpcTransport", "HostSlots", "CudaSlots", "SLOT_BYTES_VAR"]
+
+SLOT_BYTES_VAR = "DISTLAB_IPC_SLOT_BYTES"
+_ARRIVE, _DONE = 0, 1
+_COMBINE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
+            ReduceOp.PRODUCT: "multiply", ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or"}
+_OPS = {None: 0, **{op: k + 1 for k, op in enumerate(_COMBINE)}}
+
+
+def slot_bytes(on_gpu: bool) -> int:
+    """``DISTLAB_IPC_SLOT_BYTES``, else 64 MiB on a GPU (GPU.md's 64 MiB case in one chunk), 1 MiB on the
+    stand-in (whose slots are shared memory in ``/dev/shm``)."""
+    value = os.environ.get(SLOT_BYTES_VAR, "").strip()
+    if value and (not value.isdigit() or int(value) < 64):
+        raise ValueError(f"{SLOT_BYTES_VAR}={value!r}: expected a number of bytes, 64 or more")
+    return int(value) // 64 * 64 if value else (64 << 20 if on_gpu else 1 << 20)
+
+
+class HostSlots:
+    """The stand-in's slots: one shared-memory file mapped by every rank, wrapped as stand-in device arrays."""
+
+    def __init__(self, group, xp, nbytes: int):
+        memory, mapped = map_node_file(lambda mine, what: _gather(group, mine, what), group.rank == 0, 0, nbytes * group.size, "ipc", reserve=True)
+        if not mapped.all():
+            raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {np.flatnonzero(~mapped).tolist()} "
+                               f"could not map {nbytes * group.size} bytes of shared memory")
+        self._memory = memory
+        self._wrap = type(xp.empty(0))
+        self.nbytes = nbytes
+
+    def view(self, rank: int, count: int, dtype):
+        """``count`` elements of ``dtype`` at the start of ``rank``'s slot, as a device array."""
+        host = np.frombuffer(self._memory, np.uint8, count * dtype.itemsize, rank * self.nbytes)
+        return self._wrap(host.view(dtype))
+
+
+class CudaSlots:
+    """Slots in GPU memory: a dedicated ``cupy.cuda.Memory`` per rank, the peers' opened by IPC handle once."""
+
+    def __init__(self, group, xp, nbytes: int):
+        runtime = xp.cuda.runtime
+        self._xp = xp
+        self._mine = xp.cuda.Memory(nbytes)
+        handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self._mine.ptr)), dtype=np.uint8)
+        table = _gather(group, handle, "handles")
+        self._opened = []
+        self._memories = []
+        for k in range(group.size):
+            if k == group.rank:
+                self._memories.append(self._mine)
+                continue
+            ptr = runtime.ipcOpenMemHandle(table[k].tobytes())  # with cudaIpcMemLazyEnablePeerAccess
+            self._opened.append(ptr)
+            self._memories.append(xp.cuda.UnownedMemory(ptr, nbytes, self))
+        weakref.finalize(self, _close_handles, runtime, list(self._opened))
+        self.nbytes = nbytes
+
+    def view(self, rank: int, count: int, dtype):
+        pointer = self._xp.cuda.MemoryPointer(self._memories[rank], 0)
+        return self._xp.ndarray((count,), dtype=dtype, memptr=pointer)
+
+
+def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
+    """Set-up allgather straight on the group's communicator (not through the transport being set up)."""
+    table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
+    bounded_wait(group.comm.Iallgather(mine, table), f"ipc transport of group {group.name!r} set-up ({what})",
+                 group.comm, group.timeout, time.monotonic() + group.timeout)
+    return table
+
+
+def _close_handles(runtime, pointers) -> None:
+    for ptr in pointers:
+        runtime.ipcCloseMemHandle(ptr)
+
+
+class _Turn:
+    """Polled like a request: True once the transport's previous collective finished (driving it meanwhile)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def Test(self) -> bool:  # noqa: N802 - polled like an mpi4py request
+        return self.work is None or self.work._poll()
+
+
+class _Messages:
+    """One step's messages: a header to every peer, one from every peer, on the transport's communicator."""
+
+    __slots__ = ("requests", "inbox")
+
+    def __init__(self, comm, rank: int, peers, header: np.ndarray, tag: int):
+        self.inbox = np.empty((comm.Get_size(), header.size), dtype=np.int64)
+        self.inbox[rank] = header
+        self.requests = [comm.Irecv(self.inbox[k], source=k, tag=tag) for k in peers]
+        self.requests += [comm.Isend(header, dest=k, tag=tag) for k in peers]
+
+    def Test(self) -> bool:  # noqa: N802
+        return MPI.Request.Testall(self.requests)
+
+
+class IpcTransport:
+    """Device collectives of one single-node group through mapped slots (see the module docstring).
+
+    It takes host arrays too: a rank may meet the others' device collective with host arrays (a joined rank's
+    shadow of zeros), and every rank must run the same protocol; a host array is copied in and out of the slot.
+    """
+
+    name = "ipc"
+
+    @staticmethod
+    def takes(array, what: str, name) -> bool:
+        """Every array of the four collectives (checked: contiguous, a movable dtype)."""
+        return device_array(array, what, name, host_too=True)
+
+    def __init__(self, group, mode: str, module):
+        self.group = group
+        self.mode = mode  # "leader" or "split"
+        self._slots = None
+        self._comm = None
+        self._streams = None
+        self._last = None  # the Work of the collective that used the slots last
+        self._module = module  # the device module the slots belong to
+        self._peers = [k for k in range(group.size) if k != group.rank]
+
+    def _ready(self, xp) -> None:
+        """The group's first device collective: map the slots (collective; every rank gets here in step)."""
+        if self._slots is not None:
+            return
+        group = self.group
+        on_gpu = xp.__name__ == "cupy"
+        self._slots = (CudaSlots if on_gpu else HostSlots)(group, xp, slot_bytes(on_gpu))
+        self._comm = bounded_dup(group.comm, f"ipc transport of group {group.name!r}", group.timeout)
+        self._tag_limit = (int(self._comm.Get_attr(MPI.TAG_UB)) + 1) // 2
+        weakref.finalize(self, release_comm, self._comm)
+        self._streams = Streams(xp)
+
+    def _run(self, op, name, array, per_chunk, chunks, header, async_op, result, reduce_op=None, root=-1):
+        """Enter collective ``op`` and run ``per_chunk(k)``'s steps for each of ``chunks``; return ``result``."""
+        group = self.group
+        seq = group._enter(op, name, array, root=root, reduce_op=reduce_op or "")
+        tag = seq % self._tag_limit * 2
+        turn = _Turn(self._last)
+        streams = self._streams
+
+        def stages():
+            yield turn
+            caller = streams.after_caller()
+            for k in range(chunks):
+                copy_in, work, copy_out = per_chunk(k)
+                with streams.down:
+                    copy_in()
+                streams.record(streams.down).synchronize()
+                mine = np.array([seq, k, *header, _OPS[reduce_op], root], dtype=np.int64)
+                arrived = _Messages(self._comm, group.rank, self._peers, mine, tag + _ARRIVE)
+                yield arrived
+                _check(arrived.inbox, mine, group.rank, op, seq, name)
+                with streams.down:
+                    work()
+                streams.record(streams.down).synchronize()
+                yield _Messages(self._comm, group.rank, self._peers, mine[:2], tag + _DONE)
+                with streams.down:
+                    copy_out()
+            streams.release_to(caller)
+            return result
+
+        self._last = work = group._staged(op, seq, name, array.nbytes, stages(), True)
+        if async_op:
+            return work
+        work.wait()
+        return work._result
+
+    def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
+        """In-place allreduce of a device array through the slots."""
+        group, flat = self.group, array.reshape(-1)
+        step, chunks = self._chunking(array, flat.size, 1)
+        combine = getattr(self._module, _COMBINE[reduce_op])
+        average = reduce_op is ReduceOp.AVG
+
+        def per_chunk(k):
+            a, b = k * step, min((k + 1) * step, flat.size)
+            views = [self._slots.view(r, b - a, array.dtype) for r in range(group.size)]
+            first, stop = _block(b - a, group.rank, group.size, self.mode)
+
+            def copy_in():
+                _put(views[group.rank], flat[a:b])
+
+            def work():
+                if first == stop:
+                    return
+                total = views[0][first:stop]
+                for view in views[1:]:
+                    combine(total, view[first:stop], out=total)
+                if average:
+                    total /= group.size
+                for view in views[1:]:
+                    view[first:stop] = total
+
+            def copy_out():
+                _put(flat[a:b], views[group.rank])
+
+            return copy_in, work, copy_out
+
+        return self._run("allreduce", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
+                         async_op, array, reduce_op)
+
+    def broadcast(self, array, src: int, async_op: bool, name):
+        """Broadcast of a device array from rank ``src`` through its slot."""
+        group, flat = self.group, array.reshape(-1)
+        step, chunks = self._chunking(array, flat.size, 1)
+
+        def per_chunk(k):
+            a, b = k * step, min((k + 1) * step, flat.size)
+            source = self._slots.view(src, b - a, array.dtype)
+
+            def copy_in():
+                if group.rank == src:
+                    _put(source, flat[a:b])
+
+            def work():
+                if group.rank != src:
+                    _put(flat[a:b], source)
+
+            return copy_in, work, _nothing
+
+        return self._run("broadcast", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
+                         async_op, array, root=src)
+
+    def allgather(self, array, out, async_op: bool, name):
+        """Gather every rank's device ``array`` into ``out`` (shape ``(size,) + array.shape``) through the slots."""
+        group, flat = self.group, array.reshape(-1)
+        rows = out.reshape(group.size, -1)
+        step, chunks = self._chunking(array, flat.size, 1)
+
+        def per_chunk(k):
+            a, b = k * step, min((k + 1) * step, flat.size)
+            views = [self._slots.view(r, b - a, array.dtype) for r in range(group.size)]
+
+            def copy_in():
+                _put(views[group.rank], flat[a:b])
+
+            def work():
+                for r, view in enumerate(views):
+                    _put(rows[r, a:b], view)
+
+            return copy_in, work, _nothing
+
+        return self._run("allgather", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
+                         async_op, out)
+
+    def reduce_scatter(self, output, input, reduce_op, mpi_op, async_op: bool, name):  # noqa: A002
+        """Reduce ``input`` across ranks; rank ``r`` sums block ``r`` of every slot into ``output``."""
+        group, size = self.group, self.group.size
+        blocks, out = input.reshape(size, -1), output.reshape(-1)
+        step, chunks = self._chunking(input, out.size, size)
+        combine = getattr(self._module, _COMBINE[reduce_op])
+
+        def per_chunk(k):
+            a, b = k * step, min((k + 1) * step, out.size)
+            n = b - a
+            views = [self._slots.view(r, size * n, input.dtype).reshape(size, n) for r in range(size)]
+
+            def copy_in():
+                for q in range(size):
+                    _put(views[group.rank][q], blocks[q, a:b])
+
+            def work():  # a fresh array for the sum: this rank's block of every slot is an input, its own too
+                total = combine(views[0][group.rank], views[1][group.rank])
+                for view in views[2:]:
+                    combine(total, view[group.rank], out=total)
+                if reduce_op is ReduceOp.AVG:
+                    total /= size
+                _put(out[a:b], total)
+
+            return copy_in, work, _nothing
+
+        return self._run("reduce_scatter", name, input, per_chunk, chunks, (out.size, _dtype_code(input.dtype)),
+                         async_op, output, reduce_op)
+
+    def _chunking(self, array, count: int, copies: int) -> tuple[int, int]:
+        """Map the slots if need be; elements per chunk (``copies`` of them fit one slot), number of chunks."""
+        self._ready(self._module)
+        step = max(self._slots.nbytes // (array.dtype.itemsize * copies), 1)
+        return step, max(-(-count // step), 1)
+
+
+def _put(target, source) -> None:
+    """Copy ``source`` into ``target``: device or host on either side (a host side is the one copy it costs)."""
+    if type(target) is np.ndarray and type(source) is not np.ndarray:
+        source.get(out=target)
+    else:
+        target[...] = source
+
+
+def _nothing() -> None:
+    return None
+
+
+def _block(count: int, rank: int, size: int, mode: str) -> tuple[int, int]:
+    """The elements ``rank`` reduces: all of them for the leader (rank 0), its ``1/size`` share when split."""
+    if mode == "leader":
+        return (0, count) if rank == 0 else (0, 0)
+    return count * rank // size, count * (rank + 1) // size
+
+
+def _dtype_code(dtype) -> int:
+    return zlib.crc32(np.dtype(dtype).str.encode() + np.dtype(dtype).name.encode())
+
+
+def _check(table: np.ndarray, mine: np.ndarray, rank: int, op: str, seq: int, name) -> None:
+    """Every rank read the same headers: raise the same error on each when they differ."""
+    if table.tobytes() == mine.tobytes() * len(table):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for k, row in enumerate(table):
+        groups.setdefault(tuple(int(w) for w in row[2:]), []).append(k)
+    described = "; ".join(f"ranks {ranks}: {words[0]} elements (dtype code {words[1]}, op code {words[2]}, "
+                          f"root {words[3]})" for words, ranks in groups.items())
+    where = f" ({name!r})" if name else ""
+    raise CollectiveMismatchError(f"rank {rank}{where}: {op} #{seq} through the ipc transport: the ranks passed "
+                                  f"different arrays: {described}", seq=seq,
+                                  groups={str(words): ranks for words, ranks in groups.items()})

@@ -1,0 +1,54 @@
+"""The device transport a group chooses from its ranks' placements (a pure function: a table of cases)."""
+import pytest
+
+from distlab.comm.transports import Placement, choose, reducer_mode
+
+GPU_A, GPU_B = 0xA1, 0xB1
+
+
+def ranks(*specs, setting="auto"):
+    """One Placement per (node, device, device_id, peers, nccl, cuda_aware) spec."""
+    return [Placement(*spec, setting=setting) for spec in specs]
+
+
+@pytest.mark.parametrize("placements, expected", [
+    (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_A, 0, 0, True, False)), "ipc"),          # 2 ranks, one GPU
+    (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False)), "ipc"),    # peers on one node
+    (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_B, 1, 0, True, False)), "staged"),       # no peer access
+    (ranks((0, GPU_A, 0, 0, True, True), (0, GPU_B, 1, 0, True, True)), "mpi"),            # ... CUDA-aware MPI
+    (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False)), "staged"),       # two nodes
+    (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_B, 0, 0, False, True)), "mpi"),
+    (ranks((0, 0, 0, 0, False, False), (0, 0, 0, 0, False, False)), "none"),               # no device at all
+    (ranks((0, GPU_A, 0, 0, False, False), (0, 0, 0, 0, False, False)), "staged"),         # one rank without
+    (ranks((0, GPU_A, 0, 0, False, False)), "staged"),                                      # one rank
+    (ranks((0, GPU_A, 0, 0, False, False), (0, GPU_A, 0, 0, False, False), setting="ipc"), "ipc"),
+    (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False), setting="ipc"), "ipc"),
+    (ranks((0, GPU_A, 0, 0, False, True), (0, GPU_A, 0, 0, False, True), setting="staged"), "staged"),
+    (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_A, 0, 0, False, True), setting="mpi"), "mpi"),
+])
+def test_placements_map_to_a_transport(placements, expected):
+    assert choose(placements)[0] == expected
+
+
+@pytest.mark.parametrize("placements, words", [
+    (ranks((0, GPU_A, 0, 0, False, False), (2, GPU_B, 0, 0, False, False), setting="ipc"), "span 2 nodes"),
+    (ranks((0, GPU_A, 0, 0, False, False), (0, GPU_B, 1, 0, False, False), setting="ipc"),
+     "rank 0's device cannot reach rank 1's"),
+    (ranks((0, GPU_A, 0, 0, False, False), (0, 0, 0, 0, False, False), setting="ipc"), "ranks [1] have no device"),
+    (ranks((0, GPU_A, 0, 0, False, True), (0, GPU_A, 0, 0, False, False), setting="mpi"),
+     "ranks [1] is not CUDA-aware"),
+    (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False), setting="nccl"), "not available"),
+    (ranks((0, GPU_A, 0, 0, False, False)) + ranks((0, GPU_A, 0, 0, False, False), setting="ipc"),
+     "ranks [0]: auto; ranks [1]: ipc"),
+])
+def test_a_transport_the_placement_cannot_serve_is_refused_naming_ranks(placements, words):
+    with pytest.raises(ValueError, match="DISTLAB_DEVICE_COMM") as caught:
+        choose(placements)
+    assert words in str(caught.value)
+
+
+def test_placements_travel_as_rows_and_one_device_means_one_reducer():
+    placement = Placement(4, GPU_A, 1, 0b101, True, False, "staged")
+    assert Placement.from_row(placement.row()) == placement
+    assert reducer_mode(ranks((0, GPU_A, 0, 0, 0, 0), (0, GPU_A, 0, 0, 0, 0))) == "leader"
+    assert reducer_mode(ranks((0, GPU_A, 0, 2, 0, 0), (0, GPU_B, 1, 1, 0, 0))) == "split"
