@@ -25,6 +25,11 @@ def ranks(*specs, setting="auto"):
     (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False), setting="ipc"), "ipc"),
     (ranks((0, GPU_A, 0, 0, False, True), (0, GPU_A, 0, 0, False, True), setting="staged"), "staged"),
     (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_A, 0, 0, False, True), setting="mpi"), "mpi"),
+    # a device the transports have not run on yet (a real GPU today): auto keeps today's path, a setting takes them
+    ([Placement(0, GPU_A, proven=False), Placement(0, GPU_A, proven=False)], "none"),
+    ([Placement(0, GPU_A, setting="ipc", proven=False), Placement(0, GPU_A, setting="ipc", proven=False)], "ipc"),
+    ([Placement(0, GPU_A, 0, 0, False, True, proven=False), Placement(2, GPU_B, 0, 0, False, True, proven=False)],
+     "none"),
 ])
 def test_placements_map_to_a_transport(placements, expected):
     assert choose(placements)[0] == expected
@@ -48,7 +53,7 @@ def test_a_transport_the_placement_cannot_serve_is_refused_naming_ranks(placemen
 
 
 def test_placements_travel_as_rows_and_one_device_means_one_reducer():
-    placement = Placement(4, GPU_A, 1, 0b101, True, False, "staged")
-    assert Placement.from_row(placement.row()) == placement
+    for placement in (Placement(4, GPU_A, 1, 0b101, True, False, "staged"), Placement(0, GPU_A, proven=False)):
+        assert Placement.from_row(placement.row()) == placement
     assert reducer_mode(ranks((0, GPU_A, 0, 0, 0, 0), (0, GPU_A, 0, 0, 0, 0))) == "leader"
     assert reducer_mode(ranks((0, GPU_A, 0, 2, 0, 0), (0, GPU_B, 1, 1, 0, 0))) == "split"

@@ -17,6 +17,12 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
 ==========  ===================================================================================================
 
+``auto`` chooses among them only for a device whose transport code has run on that kind of device: today the
+stand-in (``distlab.fakegpu``), on which CI runs every transport. On a real GPU the IPC slots, the pinned arena
+and the stream ordering have not run yet, so ``auto`` keeps cupy arrays on the path a GPU run has shown to work
+(``none``: staged through host memory by :func:`~distlab.comm.device.mpi_buffer`) until the device check proves
+them; ``DISTLAB_DEVICE_COMM=ipc`` or ``staged`` takes them on a GPU now.
+
 ``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi`` overrides ``auto``; every rank must set the same word, and a
 transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
 """
@@ -46,7 +52,8 @@ class Placement:
 
     ``node`` is the group's node key; ``device`` identifies the physical device (a hash of the GPU's UUID; 0
     when the rank has no device); ``device_id`` its index on the node; ``peers`` a bit mask of the device
-    indices it can reach by peer access; ``setting`` the rank's ``DISTLAB_DEVICE_COMM``.
+    indices it can reach by peer access; ``setting`` the rank's ``DISTLAB_DEVICE_COMM``; ``proven`` whether the
+    transports have run on this kind of device (the stand-in: yes; a real GPU: not yet), which ``auto`` needs.
     """
 
     node: int
@@ -56,16 +63,18 @@ class Placement:
     nccl: bool = False
     cuda_aware: bool = False
     setting: str = "auto"
+    proven: bool = True
 
     def row(self) -> np.ndarray:
         """The placement as ``PLACEMENT_WORDS`` int64 words (what the group gathers)."""
         return np.array([self.node, self.device, self.device_id, self.peers, self.nccl, self.cuda_aware,
-                         SETTINGS.index(self.setting), 0], dtype=np.int64)
+                         SETTINGS.index(self.setting), self.proven], dtype=np.int64)
 
     @classmethod
     def from_row(cls, row) -> "Placement":
         words = [int(w) for w in row]
-        return cls(words[0], words[1], words[2], words[3], bool(words[4]), bool(words[5]), SETTINGS[words[6]])
+        return cls(words[0], words[1], words[2], words[3], bool(words[4]), bool(words[5]), SETTINGS[words[6]],
+                   bool(words[7]))
 
 
 def choose(placements: list[Placement]) -> tuple[str, str]:
@@ -98,6 +107,10 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         return "ipc", f"{DEVICE_COMM_VAR}=ipc"
     if not any(p.device for p in placements):
         return "none", "no rank had a device when the group was made"
+    unproven = [k for k, p in enumerate(placements) if p.device and not p.proven]
+    if unproven:
+        return "none", (f"auto: the device transports have not run on the devices of ranks {unproven} yet; "
+                        f"{DEVICE_COMM_VAR}=ipc or staged takes them")
     if len(placements) < 2:
         return "staged", "one rank"
     if ipc:
@@ -161,7 +174,7 @@ def local_placement(node: int, setting: str | None = None) -> Placement:
     can = getattr(runtime, "deviceCanAccessPeer", None)
     peers = sum(1 << k for k in range(min(count, 62)) if k != device_id and can and can(device_id, k))
     nccl = xp.__name__ == "cupy" and importlib.util.find_spec("cupy.cuda.nccl") is not None
-    return Placement(node, device, device_id, peers, nccl, aware, setting)
+    return Placement(node, device, device_id, peers, nccl, aware, setting, proven=xp.__name__ != "cupy")
 
 
 def select(group, wait):

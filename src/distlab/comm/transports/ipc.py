@@ -32,7 +32,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..._types import ReduceOp
-from ...autograd._array import device_module
 from ...errors import CollectiveMismatchError
 from ..board import map_node_file
 from ..device import device_array
