@@ -9,6 +9,7 @@ the job as well, so a scenario cannot pass with a rank missing.
 """
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 
@@ -43,3 +44,21 @@ def run_scenario(script, np: int = 2, timeout: float = 120, args=(), env=None, e
     elif result.returncode != 0:
         pytest.fail(f"{path.name} on {np} ranks failed (exit status {result.returncode})\n{shown}")
     return result
+
+
+def load_ranks(prefix: str, np: int) -> list:
+    """What each rank of a scenario pickled to ``<prefix>.rank<r>.pkl``, in rank order."""
+    return [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np)]
+
+
+def run_worlds(script, out, worlds, done_line: str, env_for=None, timeout: float = 300) -> dict:
+    """Run ``script`` once per ``(np, impl)`` of ``worlds`` (its arguments: the impl and a result prefix under
+    ``out``); every rank must print ``done_line``. Returns ``{(np, impl): what each rank pickled}``."""
+    results = {}
+    for np_, impl in worlds:
+        prefix = str(Path(out) / f"{impl}{np_}")
+        env = env_for(np_, impl) if env_for else None
+        job = run_scenario(script, np=np_, args=[impl, prefix], timeout=timeout, env=env)
+        assert job.stdout.count(done_line) == np_, job.stdout
+        results[np_, impl] = load_ranks(prefix, np_)
+    return results

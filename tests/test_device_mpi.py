@@ -3,7 +3,6 @@ mixed world: tests/mpi/device_components.py runs each component on numpy and on 
 checks there that the device results equal numpy's bit for bit, with the same collectives, and that no module
 outside the comm layer moved data through the host (beyond the scalar reads listed in scenario_checks). Here the
 twins' results and traces are compared across launches."""
-import pickle
 
 import numpy as np
 import pytest
@@ -14,17 +13,11 @@ IMPLS = ("reference", "core", "mixed")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from _mpi import run_scenario
+    from _mpi import run_worlds
 
-    out = tmp_path_factory.mktemp("device")
-    results = {}
-    for np_ in (2, 4):
-        for impl in IMPLS:
-            prefix = str(out / f"{impl}{np_}")
-            job = run_scenario("device_components.py", np=np_, args=[impl, prefix], timeout=300)
-            assert job.stdout.count("component checks equal on numpy and the device stand-in") == np_
-            results[np_, impl] = [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
-    return results
+    return run_worlds("device_components.py", tmp_path_factory.mktemp("device"),
+                      [(np_, impl) for np_ in (2, 4) for impl in IMPLS],
+                      "component checks equal on numpy and the device stand-in")
 
 
 @pytest.mark.parametrize("np_", [2, 4])

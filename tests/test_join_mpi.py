@@ -9,17 +9,10 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from _mpi import run_scenario
+    from _mpi import run_worlds
 
-    out = tmp_path_factory.mktemp("join")
-    results = {}
-    for np_ in (2, 4):
-        for impl in ("reference", "core", "mixed"):
-            prefix = str(out / f"{impl}{np_}")
-            job = run_scenario("join_uneven.py", np=np_, args=[impl, prefix], timeout=300)
-            assert job.stdout.count("join scenarios OK") == np_
-            results[np_, impl] = [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
-    return results
+    return run_worlds("join_uneven.py", tmp_path_factory.mktemp("join"),
+                      [(np_, impl) for np_ in (2, 4) for impl in ("reference", "core", "mixed")], "join scenarios OK")
 
 
 @pytest.mark.parametrize("np_", [2, 4])
@@ -123,17 +116,10 @@ JOINABLE_RUNS = [(2, "reference"), (2, "core"), (4, "mixed")]
 
 def _run_all(script, tmp_path_factory, done_line, detail_for=None):
     """Every run of JOINABLE_RUNS; the one named by ``detail_for`` under DISTLAB_DEBUG=DETAIL."""
-    from _mpi import run_scenario
+    from _mpi import run_worlds
 
-    out = tmp_path_factory.mktemp(script.split(".")[0])
-    results = {}
-    for np_, impl in JOINABLE_RUNS:
-        prefix = str(out / f"{impl}{np_}")
-        env = {"DISTLAB_DEBUG": "DETAIL"} if (np_, impl) == detail_for else None
-        job = run_scenario(script, np=np_, args=[impl, prefix], timeout=300, env=env)
-        assert job.stdout.count(done_line) == np_, job.stdout
-        results[np_, impl] = [pickle.load(open(f"{prefix}.rank{r}.pkl", "rb")) for r in range(np_)]
-    return results
+    return run_worlds(script, tmp_path_factory.mktemp(script.split(".")[0]), JOINABLE_RUNS, done_line,
+                      env_for=lambda np_, impl: {"DISTLAB_DEBUG": "DETAIL"} if (np_, impl) == detail_for else None)
 
 
 @pytest.fixture(scope="module")

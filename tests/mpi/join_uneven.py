@@ -13,7 +13,8 @@ from distlab import _backend, comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.metrics import DistributedMean
 from distlab.testing import RecordingGroup
-from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
+from scenario_checks import (DEVICES, assert_parameters_equal, host, on, replay_uneven_inputs, staged_outside_comm,
+                             start_counting, to_device)
 
 impl_arg, prefix = sys.argv[1], sys.argv[2]
 world = comm.world()
@@ -141,22 +142,9 @@ for device, divide_initial, view in ((d, i, v) for d in DEVICES  # numpy, then t
     # The local simulation: at step i the ranks with more than i batches contribute.
     local = to_device(net(), device)
     local_opt = optim.SGD(local.parameters(), lr=0.1)
-    for i in range(most):
-        active = [r for r in range(size) if 3 + r > i]
-        divisor = size if divide_initial else len(active)
-        grads = None
-        for r in active:
-            local.zero_grad()
-            x, y = shard(r, i)
-            loss_fn(local(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
-            g = [p.grad.data / divisor for p in local.parameters()]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        for p, g in zip(local.parameters(), grads):
-            p.grad = distlab.tensor(g)
-        local_opt.step()
-    for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
-        a, b = host(a.data), host(b.data)
-        assert np.allclose(a, b, atol=1e-5), (divide_initial, view, name, np.abs(a - b).max())
+    replay_uneven_inputs(local, local_opt, loss_fn, shard, [3 + r for r in range(size)], device,
+                         divisor=size if divide_initial else None)
+    assert_parameters_equal(model, local, divide_initial, view)
     assert metric.count == sum(3 + r for r in range(size)), metric.count
     assert not staged_outside_comm(device), staged_outside_comm(device)
     out[f"ddp divide_initial={divide_initial} view={view} on {device}"] = {

@@ -19,7 +19,8 @@ from distlab import _backend, comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.optim import ZeroRedundancyOptimizer
 from distlab.testing import RecordingGroup
-from scenario_checks import DEVICES, host, on, staged_outside_comm, start_counting, to_device
+from scenario_checks import (DEVICES, assert_parameters_equal, host, on, replay_uneven_inputs, staged_outside_comm,
+                             start_counting, to_device)
 
 impl_arg, prefix = sys.argv[1], sys.argv[2]
 world = comm.world()
@@ -148,7 +149,7 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
     print(f"rank {rank} ({device}): add_param_group OK", flush=True)
 
     # -- 4. Join with uneven inputs ------------------------------------------------------------------------------------
-    mine, most = 3 + rank, 3 + size - 1
+    mine = 3 + rank
     for bucket_view in (False, True):
         group = RecordingGroup(world)
         model = DDP(net(), process_group=group, bucket_cap_mb=200 / 2**20, impl=impl)
@@ -159,21 +160,8 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
                 train_step(model, zero, rank, i)
         local = net()
         local_opt = optim.Adam(local.parameters(), lr=0.01)
-        for i in range(most):
-            active = [r for r in range(size) if 3 + r > i]
-            grads = None
-            for r in active:
-                local.zero_grad()
-                x, y = batch(r, i)
-                loss_fn(local(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
-                g = [p.grad.data / len(active) for p in local.parameters()]
-                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-            for p, g in zip(local.parameters(), grads):
-                p.grad = distlab.tensor(g)
-            local_opt.step()
-        for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
-            a, b = host(a.data), host(b.data)
-            assert np.allclose(a, b, atol=1e-5), (bucket_view, name, np.abs(a - b).max())
+        replay_uneven_inputs(local, local_opt, loss_fn, batch, [3 + r for r in range(size)], device)
+        assert_parameters_equal(model, local, bucket_view)
         everyone = world.allgather_object([(op, shape, dtype) for op, _name, shape, dtype, _ in group.trace])
         assert all(trace == everyone[0] for trace in everyone), "every rank issues the same collectives"
         out[f"join bucket_view={bucket_view} on {device}"] = {

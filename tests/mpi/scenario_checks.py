@@ -76,6 +76,34 @@ def host(array):
     return to_numpy(array).copy()
 
 
+def replay_uneven_inputs(local, local_opt, loss_fn, batch, counts, device, divisor=None) -> None:
+    """Train ``local`` as DDP under Join trains on uneven inputs: at step i the ranks r with ``counts[r] > i``
+    contribute ``batch(r, i)``, their gradients summed and divided by ``divisor`` (None: the ranks contributing)."""
+    import distlab
+
+    for i in range(max(counts)):
+        active = [r for r, count in enumerate(counts) if count > i]
+        grads = None
+        for r in active:
+            local.zero_grad()
+            x, y = batch(r, i)
+            loss_fn(local(distlab.tensor(on(device, x))), distlab.tensor(on(device, y))).backward()
+            g = [p.grad.data / (divisor or len(active)) for p in local.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(local.parameters(), grads):
+            p.grad = distlab.tensor(g)
+        local_opt.step()
+
+
+def assert_parameters_equal(model, local, *context) -> None:
+    """The DDP ``model``'s parameters equal ``local``'s within 1e-5 (``context`` goes into the failure)."""
+    import numpy as np
+
+    for (name, a), b in zip(model.module.named_parameters(), local.parameters()):
+        a, b = host(a.data), host(b.data)
+        assert np.allclose(a, b, atol=1e-5), (*context, name, np.abs(a - b).max())
+
+
 def start_counting(device: str) -> None:
     """Forget the stand-in's transfer counts (a device run starts)."""
     if device == "cuda":
