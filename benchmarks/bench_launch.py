@@ -1,13 +1,16 @@
 """What the launcher costs: start-up of a trivial job, and the output it forwards, against plain ``mpiexec``.
 
-Run: ``python -P benchmarks/bench_launch.py`` (or ``make bench``). Three ways to run the same script on 2 ranks,
+Run: ``python -P benchmarks/bench_launch.py`` (or ``make bench``). Five ways to run the same script on 2 ranks,
 interleaved round by round so that the machine's state drifts equally for all:
 
 - ``mpiexec``: ``mpiexec -n 2 python script.py``, its output piped to this process and thrown away;
 - ``bootstrap``: ``mpiexec -n 2 python -m distlab._bootstrap script.py`` (what the launcher starts per rank, without
   its supervision: no job directory, so no watcher process and no records);
+- ``manager``: ``python -m distlab._process_manager -n 2 python script.py``: distlab's process manager for one
+  host in place of ``mpiexec`` (PMI over socketpairs, nothing listens);
 - ``launcher``: :func:`distlab.launch.launch_script`, capturing (the watcher per rank, the records, the tagged
-  output split into whole lines).
+  output split into whole lines), with distlab's process manager (its default on one host);
+- ``launcher/hydra``: the same with ``DISTLAB_PROCESS_MANAGER=mpiexec`` (Hydra starts the ranks).
 
 Two scripts: ``empty`` (MPI start-up and shut-down only) and ``chatty`` (each rank prints 20 000 lines of 60 bytes,
 half of them in two writes). Prints the median wall time of each and writes ``benchmarks/results/bench_launch.json``.
@@ -63,7 +66,11 @@ def measure(rounds: int, np_: int) -> list[dict]:
                 "mpiexec": lambda: _plain([mpiexec, "-n", str(np_), sys.executable, str(script)], env),
                 "bootstrap": lambda: _plain([mpiexec, "-n", str(np_), sys.executable, "-m", "distlab._bootstrap",
                                              str(script)], env),
+                "manager": lambda: _plain([sys.executable, "-m", "distlab._process_manager", "-n", str(np_),
+                                           sys.executable, str(script)], env),
                 "launcher": lambda: _timed_launch(launch_script, script, np_),
+                "launcher/hydra": lambda: _timed_launch(launch_script, script, np_,
+                                                        {"DISTLAB_PROCESS_MANAGER": "mpiexec"}),
             }
             times = {way: [] for way in ways}
             for _ in range(rounds):
@@ -77,9 +84,9 @@ def measure(rounds: int, np_: int) -> list[dict]:
     return rows
 
 
-def _timed_launch(launch_script, script: Path, np_: int) -> float:
+def _timed_launch(launch_script, script: Path, np_: int, env: dict | None = None) -> float:
     start = time.perf_counter()
-    result = launch_script(str(script), np=np_, capture=True, timeout=600)
+    result = launch_script(str(script), np=np_, capture=True, timeout=600, env=env)
     elapsed = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"launch_script failed:\n{result.stderr}")
@@ -89,9 +96,9 @@ def _timed_launch(launch_script, script: Path, np_: int) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'script':<8} {'way':<10} {'median s':>9} {'min s':>8} {'vs mpiexec':>11}"]
+    lines = [f"{'script':<8} {'way':<14} {'median s':>9} {'min s':>8} {'vs mpiexec':>11}"]
     for row in rows:
-        lines.append(f"{row['script']:<8} {row['way']:<10} {row['median_s']:>9.3f} {row['min_s']:>8.3f} "
+        lines.append(f"{row['script']:<8} {row['way']:<14} {row['median_s']:>9.3f} {row['min_s']:>8.3f} "
                      f"{row['vs_mpiexec_ms']:>+9.0f}ms")
     return "\n".join(lines)
 

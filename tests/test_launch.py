@@ -520,7 +520,7 @@ def test_when_no_rank_started_mpiexec_s_own_errors_are_shown(tmp_path):
     script = write(tmp_path / "never.py", "print('never printed')\n")
     done = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-                          env={**os.environ, "HYDRA_LAUNCHER": "no-such-launcher"})
+                          env={**os.environ, "HYDRA_LAUNCHER": "no-such-launcher", "DISTLAB_PROCESS_MANAGER": "mpiexec"})
     assert done.returncode == 1
     assert "unrecognized launcher: no-such-launcher" in done.stderr  # hydra's words, the only explanation
     assert done.stderr.splitlines()[-2:] == ["distlab: rank 0 never started (it wrote no start record) (also rank 1)",
@@ -724,11 +724,16 @@ def test_leftover_mpi_shared_memory_is_removed_only_when_no_process_holds_it(tmp
 
 @mpi
 def test_a_one_host_job_listens_on_loopback_only(mpirun):
-    # Before: hydra's control port (bound to every interface) was inherited by every rank and its watcher, and
-    # UCX opened a TCP listener per rank on the host's external address and another on loopback. Now the ranks
-    # listen on nothing beyond loopback; hydra's own processes keep only its control port.
+    # Before: hydra's control port (bound to every interface) was held by mpiexec and its proxy and inherited by
+    # every rank and its watcher, and UCX opened a TCP listener per rank on the host's external address and
+    # another on loopback (10 listening sockets for 2 ranks, 6 on every interface). Now, under distlab's process
+    # manager, no process of the job listens at all (the ranks reach it over socketpairs).
     result = mpirun("job_listeners.py", np=2, args=["local"])
     assert result.stdout.count("listeners OK") == 2 and result.stdout.count("UCX_TLS=sm,self") == 2, result.stdout
+    assert result.stdout.count("process manager distlab, 0 listening sockets") == 2, result.stdout
+    # Under hydra (asked for), the ranks listen on nothing beyond loopback; hydra keeps only its control port.
+    result = mpirun("job_listeners.py", np=2, args=["local"], env={"DISTLAB_PROCESS_MANAGER": "mpiexec"})
+    assert result.stdout.count("listeners OK") == 2 and result.stdout.count("process manager hydra") == 2, result.stdout
     # a UCX setting of the user's is left alone (and UCX's devices restricted to loopback keep to it)
     result = mpirun("job_listeners.py", np=2, args=["local"], env={"UCX_NET_DEVICES": "lo"})
     assert result.stdout.count("listeners OK") == 2 and result.stdout.count("UCX_TLS=None") == 2, result.stdout

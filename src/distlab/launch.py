@@ -1,7 +1,9 @@
 """Launching jobs on several ranks: ``python -m distlab run`` and :func:`distlab.run`.
 
-``python -m distlab run -n 4 script.py args...`` (or ``-m package.module args...``) runs the program on 4 ranks
-with the ``mpiexec`` of the environment distlab is installed in (the mpich wheel's, in a venv). Each rank gets
+``python -m distlab run -n 4 script.py args...`` (or ``-m package.module args...``) runs the program on 4 ranks.
+On one host distlab's own process manager starts them (:mod:`distlab._process_manager`: MPICH's PMI over
+socketpairs, so the job listens on no port); across the hosts of a virtual cluster, or with another MPI, the
+``mpiexec`` of the environment distlab is installed in (the mpich wheel's Hydra, in a venv). Each rank gets
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; each line a rank prints comes out whole,
 prefixed with the rank (``[1] ...``, ``--no-prefix`` to drop it). An uncaught exception on any rank ends the
 whole job at once (no rank is left waiting in a collective), and the launcher ends with a short summary: which
@@ -38,7 +40,7 @@ from pathlib import Path
 from . import _jobdir, _leftovers, _supervise
 from .errors import DistlabError, RankFailedError
 
-__all__ = ["find_mpiexec", "mpiexec_command", "job_environment", "launch_script", "run", "JobResult"]
+__all__ = ["find_mpiexec", "mpiexec_command", "process_manager", "job_environment", "launch_script", "run", "JobResult"]
 
 
 def find_mpiexec() -> str:
@@ -66,18 +68,41 @@ def _is_hydra(mpiexec: str) -> bool:
 
 
 def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = None,
-                    cluster_job=None) -> list[str]:
+                    cluster_job=None, env: dict | None = None) -> list[str]:
     """``mpiexec -n np python -m <module_args>`` with this interpreter.
 
     ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards. ``cluster_job`` (a
-    :class:`distlab.cluster.ClusterJob`) runs mpiexec in the virtual cluster's first host with its hosts.
+    :class:`distlab.cluster.ClusterJob`) runs mpiexec in the virtual cluster's first host with its hosts. On one
+    host, distlab's process manager takes the place of an MPICH ``mpiexec`` (:func:`process_manager`; ``env``: the
+    job's environment, default this process's).
     """
     if int(np) < 1:
         raise ValueError(f"np must be at least 1, got {np}")
     mpiexec = find_mpiexec()
     options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
-    command = [mpiexec, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
+    if cluster_job is None and process_manager(mpiexec, env) == "distlab":
+        # One host: distlab's own process manager, whose ranks reach it over socketpairs (nothing listens).
+        mpiexec_part = [sys.executable, "-m", "distlab._process_manager"]
+    else:
+        mpiexec_part = [mpiexec]
+    command = [*mpiexec_part, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
     return cluster_job.wrap(command) if cluster_job is not None else command
+
+
+PROCESS_MANAGER_VAR = "DISTLAB_PROCESS_MANAGER"
+
+
+def process_manager(mpiexec: str, env: dict | None = None) -> str:
+    """Who starts the ranks of a job on this host: ``"distlab"`` (:mod:`distlab._process_manager`) or ``"mpiexec"``.
+
+    distlab's own serves MPICH's PMI, so it takes the place of an MPICH ``mpiexec`` (Hydra, the mpich wheel's)
+    unless ``DISTLAB_PROCESS_MANAGER=mpiexec`` (in ``env``, default this process's environment); any other MPI's
+    ``mpiexec`` starts its own ranks.
+    """
+    value = (os.environ if env is None else env).get(PROCESS_MANAGER_VAR, "").strip().lower() or "distlab"
+    if value not in ("distlab", "mpiexec"):
+        raise ValueError(f"{PROCESS_MANAGER_VAR}={value!r} is not one of distlab, mpiexec")
+    return "distlab" if value == "distlab" and _is_hydra(mpiexec) else "mpiexec"
 
 
 #: The variables the launcher sets for every rank, for ``--help`` and the docs (the bootstrap adds the rest).
@@ -103,6 +128,9 @@ LAUNCHER_VARIABLES = [
     ("PATH", "to find mpiexec when there is none beside this Python"),
     ("DISTLAB_TIMEOUT", "distlab.run's default time limit: this plus 60 s (default 300 s)"),
     ("DISTLAB_CLUSTER_NAME", "with --cluster HOSTS: the virtual cluster to use (default dl)"),
+    ("DISTLAB_PROCESS_MANAGER", "who starts the ranks on one host: distlab (default; its ranks reach it over "
+                                "socketpairs, so the job listens on no port) or mpiexec (Hydra, whose control "
+                                "port listens on every interface)"),
 ]
 
 
@@ -211,11 +239,12 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     started = time.time() - 1.0  # file times lag the clock by up to a tick
     try:
         pattern, marker = _supervise.new_marker()
-        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job)
+        environment = job_environment(extra, np, job_dir, cluster_job)
+        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job, env=environment)
         uses_tags = "-prepend-pattern" in command
         output = _Output(prefix, capture, echo, job_dir)
-        outcome = _supervise.supervise(command, job_environment(extra, np, job_dir, cluster_job), cwd, job_dir,
-                                       np, output, marker if uses_tags else None, timeout)
+        outcome = _supervise.supervise(command, environment, cwd, job_dir, np, output,
+                                       marker if uses_tags else None, timeout)
         records = _jobdir.read_records(job_dir, np)
     finally:
         if cluster_job is not None:

@@ -1,14 +1,15 @@
 """What the processes of a job listen on (run by the launcher; Linux).
 
-Each rank lists the listening TCP sockets (IPv4 and IPv6) of its own process, its watcher, and hydra's processes
-above them on its host (``hydra_pmi_proxy``, ``mpiexec``), by matching the socket inodes of their open files to
+Each rank lists the listening TCP sockets (IPv4 and IPv6) of its own process, its watcher, and the process manager
+above them on its host (distlab's, or hydra's ``hydra_pmi_proxy`` and ``mpiexec``), by matching the socket inodes of their open files to
 ``/proc/self/net/tcp{,6}`` (its network namespace's sockets), after MPI is up and has moved bytes.
 
 Modes (first argument):
 - ``local`` (every rank on this host): the ranks and their watchers listen on loopback at most (before: hydra's
   control port on every interface, inherited by every rank, and UCX's TCP listeners on the host's external
-  address and on loopback); hydra's own processes hold one listening socket, hydra's control port (hydra binds it
-  to every interface and has no option to do otherwise).
+  address and on loopback). Under distlab's process manager (the default) it listens on nothing: the ranks reach
+  it over socketpairs. Under hydra (``DISTLAB_PROCESS_MANAGER=mpiexec``) hydra's own processes hold one listening
+  socket, hydra's control port (hydra binds it to every interface and has no option to do otherwise).
 - ``cluster`` (a virtual cluster): every process listens only on loopback, this host's cluster address, or the
   wildcard address of a namespace whose only interfaces are loopback and this host's cluster link.
 """
@@ -66,7 +67,7 @@ def name_of(pid: int) -> str:
 
 
 def chain() -> list:
-    """(role, pid): this rank, its watcher, then hydra's processes above it on this host."""
+    """(role, pid): this rank, its watcher, then the process manager's processes above it on this host."""
     out = [("rank", os.getpid())]
     pid = os.getppid()
     while pid > 1:
@@ -75,6 +76,8 @@ def chain() -> list:
             out.append(("watcher", pid))
         elif "hydra_pmi_proxy" in name or "mpiexec" in name:
             out.append(("hydra", pid))
+        elif "distlab._process_manager" in name:
+            out.append(("manager", pid))
         else:
             break
         with open(f"/proc/{pid}/stat") as f:
@@ -85,12 +88,16 @@ def chain() -> list:
 table = listening()
 held = {(role, pid): sorted(table[i] for i in sockets_of(pid) if i in table) for role, pid in chain()}
 print(f"rank {pg.rank} UCX_TLS={os.environ.get('UCX_TLS')} listeners {held}", flush=True)
-ours = [addr for (role, _), addrs in held.items() if role != "hydra" for addr in addrs]
+ours = [addr for (role, _), addrs in held.items() if role in ("rank", "watcher") for addr in addrs]
 hydra = {addr for (role, _), addrs in held.items() if role == "hydra" for addr in addrs}
-assert any(role == "hydra" for role, _ in held), held     # the chain reached hydra's processes
+manager = [addr for (role, _), addrs in held.items() if role == "manager" for addr in addrs]
+assert any(role in ("hydra", "manager") for role, _ in held), held     # the chain reached the process manager
+print(f"rank {pg.rank} process manager {'distlab' if any(r == 'manager' for r, _ in held) else 'hydra'}, "
+      f"{sum(map(len, held.values()))} listening sockets", flush=True)
 
 if mode == "local":
     assert all(ipaddress.ip_address(host).is_loopback for host, _ in ours), held
+    assert manager == [], held     # distlab's process manager listens on nothing
     assert len(hydra) <= 1, held   # hydra's control port, nothing else
 elif mode == "cluster":
     from distlab.cluster import current_host
