@@ -57,7 +57,8 @@ def confine_listeners() -> None:
     - A listening socket inherited from the process manager is closed: hydra's control port, which it binds to
       every interface (``HYDU_sock_listen``, no option binds it elsewhere), leaks into every rank without
       close-on-exec, and a rank never accepts on it (mpiexec and its proxy keep theirs).
-    - When the process manager put every rank on this host (hydra's ``MPI_LOCALNRANKS`` equals ``PMI_SIZE``;
+    - When the process manager put every rank on this host (``MPI_LOCALNRANKS`` equals ``PMI_SIZE``, as hydra and
+      distlab's own process manager set them;
       Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` its ``OMPI_COMM_WORLD_SIZE``) and neither ``UCX_TLS`` nor
       ``UCX_NET_DEVICES`` is set, ``UCX_TLS=sm,self``: by default UCX opens a TCP listener on every network
       device (the host's external address included), though between ranks of one host MPICH moves the bytes

@@ -1,4 +1,6 @@
-"""Supervising a running ``mpiexec`` job: forward each rank's output line by line, stop the job cleanly.
+"""Supervising a running job (its process manager: distlab's on one host, else ``mpiexec``): forward each rank's
+output line by line, stop the job cleanly. distlab's process manager (:mod:`distlab._process_manager`) tags
+output and forwards signals as Hydra does, so what follows holds for both.
 
 Output. Hydra (the mpich wheel's ``mpiexec``) can prepend a pattern holding the rank to what it forwards
 (``-prepend-pattern``), but it does so per chunk it reads: a rank writing half a line gets tagged, and the next
