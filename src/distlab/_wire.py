@@ -15,7 +15,7 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "SHOULD_SHUT_DOWN", "UNCACHED_IN_QUEUE", "INVALID_IN_QUEUE", "NUM_STATUS_BITS", "JOIN_TENSOR_NAME",
            "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
            "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS", "COMM_OBJECT_TAG", "COMM_MONITOR_TAG",
-           "COMM_MONITOR_VERDICTS",
+           "COMM_MONITOR_VERDICTS", "NCCL_BOOTSTRAP_TAG", "NCCL_BOOTSTRAP_REPLY_TAG",
            "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
@@ -195,6 +195,12 @@ COMM_OBJECT_TAG = 32765
 #: 0's verdict back (COMM_MONITOR_VERDICTS code, the missing ranks, every rank's fingerprint).
 COMM_MONITOR_TAG = 32764
 COMM_MONITOR_VERDICTS = ("passed", "timed_out", "mismatch")  # codes: index
+#: The stand-in NCCL's bootstrap (distlab.fakegpu.nccl), on COMM_WORLD: each member's request to the unique id's
+#: owner, int64 words [token, rank, world rank, ndev]; and the owner's reply, [token, status, count, world rank
+#: per member] (status 0) or [token, status, count, the missing or clashing ranks] (status 1: timed out; 2: bad
+#: arguments).
+NCCL_BOOTSTRAP_TAG = 32763
+NCCL_BOOTSTRAP_REPLY_TAG = 32762
 COMM_NOTE_VERSION = 1
 COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
 COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index

@@ -129,8 +129,9 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         if self._timeline_on:
             self._timeline.instant(f"device transport {self.device_comm}", cat="comm", lane=f"comm {self.name}",
                                    args={"transport": self.device_comm, "why": why})
-        # Released when the group is collected or destroyed; must not hold the group itself.
-        self._release = weakref.finalize(self, _release, comm, self._side)
+        # Released when the group is collected or destroyed; must not hold the group itself (a transport's own
+        # release, such as its NCCL communicator's, holds only what it frees).
+        self._release = weakref.finalize(self, _release, comm, self._side, getattr(self._transport, "release", None))
 
     @property
     def node_keys(self):
@@ -228,8 +229,8 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
 _abandoned: list = []  # work in flight when its group was destroyed
 
 
-def _release(comm, side) -> None:
-    """Free a group's communicator (the finalizer of a dropped or destroyed group).
+def _release(comm, side, transport_release=None) -> None:
+    """Free a group's communicator, and its transport's resources (the finalizer of a dropped or destroyed group).
 
     Freeing a communicator is local in practice (MPICH and Open MPI release it without talking to peers), so a
     dropped group never waits for anyone; the board is a mapped file, unmapped with its last view. A finalizer may
@@ -237,6 +238,8 @@ def _release(comm, side) -> None:
     (only the main thread may call MPI), or while the communicator is in use, the free waits for the next group
     the main thread creates.
     """
+    if transport_release is not None:
+        transport_release()
     release_comm(comm, now=side.close())
 
 

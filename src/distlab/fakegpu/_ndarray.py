@@ -10,18 +10,22 @@ What it keeps from cupy, because that is what device code gets wrong:
   through the array shows in it, as in cupy); ``float()``, ``int()``, ``bool()``,
   ``.item()``, ``.tolist()`` and ``.get()`` are the explicit ways out, and each is counted (:mod:`._transfers`);
 - ``.set(host)`` takes only a numpy array of the same shape and dtype;
-- ``__cuda_array_interface__`` points at the memory, so a "CUDA-aware" MPI can be handed the array directly.
+- ``__cuda_array_interface__`` points at the memory, so a "CUDA-aware" MPI can be handed the array directly;
+  ``data.ptr`` and the interface register the memory they expose, so code that passes raw pointers (the stand-in
+  NCCL's collectives) gets them resolved back to that memory, and a pointer to nothing known is refused.
 
 The maths runs in numpy on the wrapped host array, so a seeded run on the stand-in is bit-equal to the same run on
 numpy: the stand-in proves where the data goes, not how a GPU rounds.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import _transfers
 
-__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap"]
+__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap", "resolve_pointer"]
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
              "Please use `.get()` to construct a NumPy array explicitly.")
@@ -37,6 +41,43 @@ class MemoryPointer:
 
     def __int__(self):
         return self.ptr
+
+
+#: Device memory whose address was handed out (``data.ptr``, ``__cuda_array_interface__``): start address ->
+#: (byte length, weak reference to the host array behind it); an entry goes when its array is collected.
+_exposed: dict[int, tuple[int, weakref.ref]] = {}
+
+
+def _expose(host: np.ndarray) -> int:
+    """Register ``host``'s memory (C-contiguous arrays only: a raw pointer names a flat range) and return its
+    address."""
+    ptr = host.__array_interface__["data"][0]
+    if host.flags.c_contiguous and host.nbytes:
+        known = _exposed.get(ptr)
+        if known is None or known[0] < host.nbytes or known[1]() is None:
+            _exposed[ptr] = (host.nbytes, weakref.ref(host, lambda ref, ptr=ptr: _forget(ptr, ref)))
+    return ptr
+
+
+def _forget(ptr: int, ref) -> None:
+    known = _exposed.get(ptr)
+    if known is not None and known[1] is ref:
+        del _exposed[ptr]
+
+
+def resolve_pointer(ptr: int, nbytes: int, what: str = "pointer") -> np.ndarray:
+    """The ``nbytes`` bytes at device address ``ptr``, as a writable uint8 view of the memory behind it.
+
+    ``ptr`` must lie, with its ``nbytes``, inside memory some stand-in array exposed (``data.ptr``) and still
+    holds; anything else is refused with a ValueError (on a GPU it would be an illegal address).
+    """
+    ptr, nbytes = int(ptr), int(nbytes)
+    for start, (length, ref) in list(_exposed.items()):
+        host = ref()
+        if host is not None and start <= ptr and ptr + nbytes <= start + length:
+            return host.reshape(-1).view(np.uint8)[ptr - start:ptr - start + nbytes]
+    raise ValueError(f"{what} {ptr:#x} ({nbytes} bytes) is not inside any live device array whose address was "
+                     "taken (data.ptr): an illegal address")
 
 
 def wrap(value):
@@ -130,7 +171,7 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         a = self._a
         return {"shape": a.shape, "typestr": a.dtype.str, "descr": a.dtype.descr,
                 "strides": None if a.flags.c_contiguous else a.strides,
-                "data": (a.__array_interface__["data"][0], False), "version": 3}
+                "data": (_expose(a), False), "version": 3}
 
     # -- explicit transfers (counted) ------------------------------------------------------------------------
     def get(self, stream=None, order="C", out=None, blocking=True):
@@ -201,7 +242,7 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
-    data = property(lambda self: MemoryPointer(self._a.__array_interface__["data"][0]))
+    data = property(lambda self: MemoryPointer(_expose(self._a)))
     T = property(lambda self: ndarray(self._a.T))
     real = property(lambda self: ndarray(self._a.real))
     imag = property(lambda self: ndarray(self._a.imag))

@@ -1,20 +1,60 @@
-"""``cupy.cuda`` for the stand-in: streams, events and the device, as no-ops that keep cupy's calling shape.
+"""``cupy.cuda`` for the stand-in: streams, events and the device, keeping cupy's calling shape.
 
-The stand-in's kernels run synchronously on the host, so every wait is already satisfied; what matters is that
-device code calls these the way it would call cupy's (a stream as a context manager, ``Event.record(stream)``,
-``stream.wait_event(event)``), and that each synchronisation is counted like a transfer (kind ``"synchronize"``).
+The stand-in's kernels run synchronously on the host, so a kernel's wait is already satisfied; what matters is
+that device code calls these the way it would call cupy's (a stream as a context manager,
+``Event.record(stream)``, ``stream.wait_event(event)``), and that each synchronisation is counted like a transfer
+(kind ``"synchronize"``). The one device work that does not finish at once is a collective of the stand-in NCCL
+(:mod:`distlab.fakegpu.nccl`, here as ``cuda.nccl``), which runs until every member has issued it: it is queued on
+the stream it was issued on, an event recorded after it is ``done`` only once it completed (as
+``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize waits for it, bounded by
+``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
 """
 from __future__ import annotations
 
 import itertools
+import time
 
 from . import _transfers
 
 __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", "get_elapsed_time",
-           "is_available", "runtime"]
+           "is_available", "runtime", "nccl"]
 
 _ptrs = itertools.count(0x1000)
 _current: list = []
+_queued: dict[int, list] = {}  # stream pointer -> collectives still running on it (anything with ``Test()``)
+
+
+def enqueue(stream_ptr: int, work) -> None:
+    """Queue ``work`` (polled with ``work.Test()``, True once complete) on the stream ``stream_ptr``."""
+    _queued.setdefault(int(stream_ptr), []).append(work)
+
+
+def _running(works: list) -> list:
+    """The works of ``works`` still running (testing them moves them forward)."""
+    return [work for work in works if not work.Test()]
+
+
+def _queued_on(ptr: int) -> list:
+    works = _running(_queued.pop(ptr, []))
+    if works:
+        _queued[ptr] = works
+    return works
+
+
+def _wait_for(works: list, what: str) -> None:
+    """Block until ``works`` complete, at most ``DISTLAB_TIMEOUT`` seconds."""
+    if not works:
+        return
+    from distlab.futures import resolve_timeout
+
+    timeout = resolve_timeout(None, f"{what}: timeout")
+    deadline = time.monotonic() + timeout
+    while works:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {len(works)} NCCL collectives queued on it did not complete within "
+                               f"{timeout:g} s (DISTLAB_TIMEOUT): a member never issued them")
+        time.sleep(1e-4)
+        works = _running(works)
 
 
 class Stream:
@@ -39,10 +79,11 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        return True
+        return not _queued_on(self.ptr)
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
+        _wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
 
     def record(self, event=None):
         event = Event() if event is None else event
@@ -52,6 +93,8 @@ class Stream:
     def wait_event(self, event) -> None:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event takes an Event, got {type(event).__name__}")
+        for work in _running(event.after):
+            enqueue(self.ptr, work)
 
     def __eq__(self, other):
         return isinstance(other, Stream) and other.ptr == self.ptr
@@ -83,16 +126,21 @@ class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
         self.ptr = next(_ptrs)
         self.recorded_on = None
+        self.after: list = []  # the collectives queued on the stream when it was recorded
 
     def record(self, stream=None) -> None:
         self.recorded_on = get_current_stream() if stream is None else stream
+        self.after = _queued_on(self.recorded_on.ptr)
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
+        _wait_for(self.after, "Event.synchronize")
+        self.after = []
 
     @property
     def done(self) -> bool:
-        return True
+        self.after = _running(self.after)
+        return not self.after
 
 
 def get_elapsed_time(start: Event, end: Event) -> float:
@@ -151,3 +199,6 @@ class runtime:  # noqa: N801 - cupy.cuda.runtime is a module
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
         _transfers.count("synchronize")
+
+
+from . import nccl  # noqa: E402 - cupy.cuda.nccl; it queues its collectives on the streams above

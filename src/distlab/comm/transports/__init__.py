@@ -11,17 +11,21 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ==========  ===================================================================================================
 ``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
             every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
+``nccl``    otherwise, when every rank has NCCL (``cupy.cuda.nccl``, or the stand-in's) and no two ranks share a
+            device (NCCL before 2.30 refuses that: "Duplicate GPU detected"): one NCCL communicator per group,
+            bootstrapped over MPI; :mod:`.nccl`.
 ``mpi``     otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI
             directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
-``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
 ==========  ===================================================================================================
 
 ``auto`` chooses among them only for a device whose transport code has run on that kind of device: today the
-stand-in (``distlab.fakegpu``), on which CI runs every transport. On a real GPU the IPC slots, the pinned arena
-and the stream ordering have not run yet, so ``auto`` keeps cupy arrays on the path a GPU run has shown to work
-(``none``: staged through host memory by :func:`~distlab.comm.device.mpi_buffer`) until the device check proves
-them; ``DISTLAB_DEVICE_COMM=ipc`` or ``staged`` takes them on a GPU now.
+stand-in (``distlab.fakegpu``, with its NCCL stand-in that reduces with MPI), on which CI runs every transport.
+On a real GPU the IPC slots, the NCCL communicators, the pinned arena and the stream ordering have not run yet,
+so ``auto`` keeps cupy arrays on the path a GPU run has shown to work (``none``: staged through host memory by
+:func:`~distlab.comm.device.mpi_buffer`) until the device check proves them; ``DISTLAB_DEVICE_COMM=ipc``,
+``nccl`` or ``staged`` takes them on a GPU now. Ranks spanning nodes go through NCCL as a whole (NCCL's own
+network transport); the hierarchical form (NCCL inside each node, host MPI across nodes) is not built.
 
 ``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi`` overrides ``auto``; every rank must set the same word, and a
 transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
@@ -44,6 +48,8 @@ __all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR"
 DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
 SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi")
 PLACEMENT_WORDS = 8
+#: NCCL from this version lets several ranks share one GPU; before it, ``ncclCommInitRank`` refuses them.
+NCCL_SHARED_DEVICE_VERSION = 23000
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,17 @@ class Placement:
 
     ``node`` is the group's node key; ``device`` identifies the physical device (a hash of the GPU's UUID; 0
     when the rank has no device); ``device_id`` its index on the node; ``peers`` a bit mask of the device
-    indices it can reach by peer access; ``setting`` the rank's ``DISTLAB_DEVICE_COMM``; ``proven`` whether the
-    transports have run on this kind of device (the stand-in: yes; a real GPU: not yet), which ``auto`` needs.
+    indices it can reach by peer access; ``nccl`` the NCCL version code at hand (``get_version()``: 22809 for
+    2.28.9; 0: no NCCL, a true value of unknown version counts as an old one); ``setting`` the rank's
+    ``DISTLAB_DEVICE_COMM``; ``proven`` whether the transports have run on this kind of device (the stand-in: yes;
+    a real GPU: not yet), which ``auto`` needs.
     """
 
     node: int
     device: int = 0
     device_id: int = 0
     peers: int = 0
-    nccl: bool = False
+    nccl: int = 0
     cuda_aware: bool = False
     setting: str = "auto"
     proven: bool = True
@@ -73,7 +81,7 @@ class Placement:
     @classmethod
     def from_row(cls, row) -> "Placement":
         words = [int(w) for w in row]
-        return cls(words[0], words[1], words[2], words[3], bool(words[4]), bool(words[5]), SETTINGS[words[6]],
+        return cls(words[0], words[1], words[2], words[3], words[4], bool(words[5]), SETTINGS[words[6]],
                    bool(words[7]))
 
 
@@ -89,8 +97,10 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
                          "every rank must set the same transport")
     setting = settings.pop()
     if setting == "nccl":
-        raise ValueError(f"{DEVICE_COMM_VAR}=nccl: the NCCL transport is not available in this version of distlab; "
-                         "use auto, ipc, staged or mpi")
+        why_not = _nccl_impossible(placements)
+        if why_not:
+            raise ValueError(f"{DEVICE_COMM_VAR}=nccl: {why_not}")
+        return "nccl", f"{DEVICE_COMM_VAR}=nccl"
     if setting == "staged":
         return "staged", f"{DEVICE_COMM_VAR}=staged"
     if setting == "mpi":
@@ -110,11 +120,13 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
     unproven = [k for k, p in enumerate(placements) if p.device and not p.proven]
     if unproven:
         return "none", (f"auto: the device transports have not run on the devices of ranks {unproven} yet; "
-                        f"{DEVICE_COMM_VAR}=ipc or staged takes them")
+                        f"{DEVICE_COMM_VAR}=ipc, nccl or staged takes them")
     if len(placements) < 2:
         return "staged", "one rank"
     if ipc:
         return "ipc", "every rank on one node, its devices mapped by every rank"
+    if not _nccl_impossible(placements, shared_ok=False):
+        return "nccl", f"every rank has NCCL and a device of its own ({why_not})"
     if all(p.cuda_aware for p in placements):
         return "mpi", "every rank's MPI is CUDA-aware"
     return "staged", why_not
@@ -133,6 +145,27 @@ def _ipc_possible(placements: list[Placement]) -> tuple[bool, str]:
             if pa.device != pb.device and not pa.peers >> pb.device_id & 1:
                 return False, f"rank {a}'s device cannot reach rank {b}'s (no peer access)"
     return True, ""
+
+
+def _nccl_impossible(placements: list[Placement], shared_ok: bool = True) -> str:
+    """Why NCCL cannot serve the group (naming ranks), or "" when it can; ``shared_ok``: whether ranks may share a
+    device when every rank's NCCL allows it (asked for explicitly; ``auto`` leaves such ranks to ipc)."""
+    bare = [k for k, p in enumerate(placements) if not p.device]
+    if bare:
+        return f"ranks {bare} have no device; use auto or staged"
+    lacking = [k for k, p in enumerate(placements) if not p.nccl]
+    if lacking:
+        return (f"ranks {lacking} have no NCCL (cupy.cuda.nccl did not load libnccl: install the nvidia-nccl wheel "
+                "of your CUDA, see the cuda extra); use auto, ipc or staged")
+    by_device: dict[int, list[int]] = {}
+    for k, p in enumerate(placements):
+        by_device.setdefault(p.device, []).append(k)
+    shared = [ranks for ranks in by_device.values() if len(ranks) > 1]
+    old = [k for ranks in shared for k in ranks if placements[k].nccl < NCCL_SHARED_DEVICE_VERSION]
+    if old or shared and not shared_ok:
+        return (f"ranks {', '.join(str(r) for r in shared)} share one device, which NCCL before 2.30 refuses "
+                "(\"Duplicate GPU detected\"); use auto or ipc, which serves ranks sharing a device")
+    return ""
 
 
 def reducer_mode(placements: list[Placement]) -> str:
@@ -173,8 +206,21 @@ def local_placement(node: int, setting: str | None = None) -> Placement:
     device = int.from_bytes(hashlib.blake2b(ident, digest_size=7).digest(), "little") | 1
     can = getattr(runtime, "deviceCanAccessPeer", None)
     peers = sum(1 << k for k in range(min(count, 62)) if k != device_id and can and can(device_id, k))
-    nccl = xp.__name__ == "cupy" and importlib.util.find_spec("cupy.cuda.nccl") is not None
+    nccl = _nccl_version(xp)
     return Placement(node, device, device_id, peers, nccl, aware, setting, proven=xp.__name__ != "cupy")
+
+
+def _nccl_version(xp) -> int:
+    """The NCCL version code this rank's device module has (0: none, or a library that does not load)."""
+    from .nccl import nccl_module
+
+    module = nccl_module(xp)
+    if module is None:
+        return 0
+    try:
+        return max(int(module.get_version()), 1)
+    except Exception:  # noqa: BLE001 - a cupy whose libnccl fails to answer: no NCCL here
+        return 0
 
 
 def select(group, wait):
@@ -194,4 +240,8 @@ def select(group, wait):
         from .staged import StagedTransport
 
         return StagedTransport(group), name, why
+    if name == "nccl":
+        from .nccl import NcclTransport
+
+        return NcclTransport(group, _device_module(), wait), name, why
     return None, name, why

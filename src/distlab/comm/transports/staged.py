@@ -181,19 +181,27 @@ class StagedTransport:
         group = self.group
         seq = group._enter("reduce_scatter", name, input, reduce_op=reduce_op)
         xp = device_module(input)
-        streams = self._streams_for(xp)
+
+        def call(send, recv):
+            if is_bfloat16(input.dtype):
+                return group.comm.Ireduce_scatter_block([send.view(np.uint16), MPI.UINT16_T],
+                                                        [recv.view(np.uint16), MPI.UINT16_T], mpi_op)
+            return group.comm.Ireduce_scatter_block(send, recv, mpi_op)
+
+        def host_stages():  # host arrays (a rank meeting the others' device call with host memory): the same call
+            yield call(input.reshape(-1), output.reshape(-1))
+            if reduce_op is ReduceOp.AVG:
+                output[...] /= group.size
+            return output
 
         def stages():
+            streams = self._streams_for(xp)
             arena = self._take(xp, input.nbytes + output.nbytes)
             try:
                 send = arena.host[:input.nbytes].view(input.dtype)
                 recv = arena.host[input.nbytes:input.nbytes + output.nbytes].view(output.dtype)
                 caller = self._down(streams, arena, input.reshape(-1), send)
-                if is_bfloat16(input.dtype):
-                    yield group.comm.Ireduce_scatter_block([send.view(np.uint16), MPI.UINT16_T],
-                                                           [recv.view(np.uint16), MPI.UINT16_T], mpi_op)
-                else:
-                    yield group.comm.Ireduce_scatter_block(send, recv, mpi_op)
+                yield call(send, recv)
                 if reduce_op is ReduceOp.AVG:
                     recv /= group.size
                 output.reshape(-1).set(recv, stream=streams.up)
@@ -202,7 +210,8 @@ class StagedTransport:
                 self._free.append(arena)
             return output
 
-        return group._staged("reduce_scatter", seq, name, input.nbytes, stages(), async_op)
+        return group._staged("reduce_scatter", seq, name, input.nbytes, host_stages() if xp is None else stages(),
+                             async_op)
 
     @staticmethod
     def _down(streams: Streams, arena: _Arena, array, host):
