@@ -1,17 +1,20 @@
 """Conformance of one device transport (``DISTLAB_DEVICE_COMM``, run by test_comm_mpi per transport) on the
 stand-in: every collective it serves, every dtype and op, odd sizes across chunk boundaries, async work waited on
 in reverse, 1,000 reuses of one buffer, the same bits on every rank, a joined rank's host zeros shadowing the
-others' device collectives, and a timeout naming the missing rank."""
+others' device collectives, and a timeout naming the missing rank. For nccl also: the reductions NCCL lacks go
+through the staged path, auto picks nccl across nodes, the stand-in's rendezvous (two communicators at once, a
+missing member named, a rank claimed twice), and the communicator destroyed (or aborted) with its group."""
 import os
 import time
 
+import ml_dtypes
 import numpy as np
 
 from mpi4py import MPI
 
 from distlab import comm
 from distlab import fakegpu as xp
-from distlab.comm.reduce_ops import mpi_reduction, parse_op
+from distlab.comm.reduce_ops import is_bfloat16, mpi_reduction, parse_op
 from distlab.errors import DistTimeoutError
 
 pg = comm.world()
@@ -19,15 +22,20 @@ r, n = pg.rank, pg.size
 transport = os.environ["DISTLAB_DEVICE_COMM"]
 assert pg.device_comm == transport, pg
 rng = np.random.default_rng(100 + r)
-exact = n == 2 or transport == "staged"  # ipc sums in rank order, MPI's tree may group 4 ranks differently
+# ipc sums in rank order, MPI's tree may group 4 ranks differently; the stand-in NCCL reduces with MPI
+exact = n == 2 or transport in ("staged", "nccl")
 
 
 plain = MPI.COMM_WORLD.Dup()  # the expected results come from plain MPI, never through the group's transport
 
 
+def typed(host):
+    return [host.view(np.uint16), MPI.UINT16_T] if is_bfloat16(host.dtype) else host
+
+
 def mpi_allreduce(host, op):
     out = host.copy()
-    plain.Allreduce(MPI.IN_PLACE, out, op=mpi_reduction(host.dtype, parse_op(op), "expected"))
+    plain.Allreduce(MPI.IN_PLACE, typed(out), op=mpi_reduction(host.dtype, parse_op(op), "expected"))
     if op == "avg":
         out /= n
     return out
@@ -44,7 +52,7 @@ def same_everywhere(device):
 def agree(device, host, what, everywhere=True):
     got = device.get()
     if exact or host.dtype.kind in "biu":
-        assert np.array_equal(got, host), (what, got, host)
+        assert got.tobytes() == host.tobytes(), (what, got, host)
     else:
         tolerance = 0.1 if host.dtype.itemsize == 2 else 1e-5  # float16: sums of ~50 in rank order
         np.testing.assert_allclose(got, host, rtol=tolerance, atol=tolerance, err_msg=str(what))
@@ -54,11 +62,11 @@ def agree(device, host, what, everywhere=True):
 
 DTYPES = {"float32": "sum avg min max product", "float64": "sum avg min max", "float16": "sum max",
           "int32": "sum min max product band bor", "int64": "sum", "uint8": "band bor max", "bool": "sum min max",
-          "complex64": "sum avg"}
+          "complex64": "sum avg", "int16": "sum", "bfloat16": "sum max"}
 for dtype, ops in DTYPES.items():
     for size in (1, 7, 1023, 5001):
         values = rng.integers(0, 3, size) if dtype in ("bool", "uint8") else rng.standard_normal(size) * 4
-        host = values.astype(dtype)
+        host = values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
         for op in ops.split():
             expected = mpi_allreduce(host, op)
             device = xp.asarray(host)
@@ -66,19 +74,20 @@ for dtype, ops in DTYPES.items():
             agree(device, expected, (dtype, op, size))
         device, expected = xp.asarray(host), host.copy()
         pg.broadcast(device, src=n - 1)
-        plain.Bcast(expected, root=n - 1)
+        plain.Bcast(typed(expected), root=n - 1)
         agree(device, expected, ("broadcast", dtype, size))
         gathered = pg.allgather(xp.asarray(host.reshape(1, -1)))
         assert gathered.shape == (n, 1, size)
-        expected = np.empty((n, 1, size), dtype=dtype)
-        plain.Allgather(host.reshape(1, -1), expected)
+        expected = np.empty((n, 1, size), dtype=host.dtype)
+        plain.Allgather(typed(host.reshape(1, -1)), typed(expected))
         agree(gathered, expected, ("allgather", dtype, size))
         if dtype != "bool":
             block = host[:size].repeat(n)[:size * n] * (r + 1) if dtype != "uint8" else host.repeat(n)
-            out = xp.empty(size, dtype=dtype)
+            out = xp.empty(size, dtype=host.dtype)
             pg.reduce_scatter(out, xp.asarray(block), op="sum")
-            reference = np.empty(size, dtype=dtype)
-            plain.Reduce_scatter_block(block, reference, op=mpi_reduction(block.dtype, parse_op("sum"), "expected"))
+            reference = np.empty(size, dtype=host.dtype)
+            plain.Reduce_scatter_block(typed(block), typed(reference),
+                                       op=mpi_reduction(block.dtype, parse_op("sum"), "expected"))
             agree(out, reference, ("reduce_scatter", dtype, size), everywhere=False)
 
 # async work waited on in reverse order; each keeps its arrays
@@ -105,6 +114,58 @@ for size in (5, 3001):
     result = array if shadow else array.get()
     assert np.all(result == n - 1), (size, result[:3])
 
+if transport == "nccl":
+    nccl = xp.cuda.nccl
+    # what NCCL has no reduction for went through the staged path (per size: band and bor of int32 and uint8, the
+    # int16 allreduce and reduce_scatter); the rest (bfloat16 and complex sums too) through NCCL
+    assert pg._transport.fallbacks == 24, pg._transport.fallbacks
+    # auto picks nccl for ranks on several nodes (here each rank its own) that all have NCCL: its own communicator
+    os.environ["DISTLAB_DEVICE_COMM"] = "auto"
+    with pg.new_group(list(range(n))) as sub:
+        assert sub.device_comm == "nccl", sub
+        communicator = sub._transport.communicator
+        assert communicator is not pg._transport.communicator and communicator.size() == n
+        ints = xp.full(5, r + 1, dtype=np.int64)
+        sub.allreduce(ints)
+        assert np.all(ints.get() == n * (n + 1) // 2)
+    assert communicator.comm == 0  # destroyed with its group
+    os.environ["DISTLAB_DEVICE_COMM"] = transport
+
+    # the stand-in's rendezvous: two ids made by world rank 0 at once; on 4 ranks the second's members ask while
+    # rank 0 still serves the first (rank 1 comes late), so their requests wait in its mailbox
+    stream = xp.cuda.Stream(non_blocking=True)
+    ids = plain.bcast((nccl.get_unique_id(), nccl.get_unique_id()) if r == 0 else None, root=0)
+    first, second = [0, 1], ([0] + list(range(2, n)) if n > 2 else [1, 0])
+    if r == 1:
+        time.sleep(0.3)
+    made = [(nccl.NcclCommunicator(len(m), uid, m.index(r)), m) for m, uid in ((first, ids[0]), (second, ids[1]))
+            if r in m]
+    for communicator, members in made:
+        values = xp.full(3, float(r + 1))
+        communicator.allReduce(values.data.ptr, values.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, stream.ptr)
+        stream.synchronize()
+        assert np.all(values.get() == sum(m + 1 for m in members)), (members, values)
+        assert communicator.rank_id() == members.index(r)
+        communicator.destroy()
+        assert communicator.comm == 0
+    # a member that never comes is named by the creator and by the members that came; a rank claimed twice
+    os.environ["DISTLAB_TIMEOUT"] = "1"
+    uid = plain.bcast(nccl.get_unique_id() if r == 0 else None, root=0)
+    if r != n - 1:
+        try:
+            nccl.NcclCommunicator(n, uid, r)
+            raise AssertionError("must time out")
+        except DistTimeoutError as exc:
+            assert exc.missing_ranks == [n - 1] and f"ranks [{n - 1}] never joined" in str(exc), exc
+    uid = plain.bcast(nccl.get_unique_id() if r == 0 else None, root=0)
+    try:
+        nccl.NcclCommunicator(n, uid, max(r - 1, 0) if r < 2 else r)  # ranks 0 and 1 both claim rank 0
+        raise AssertionError("must be refused")
+    except nccl.NcclError as exc:
+        assert "NCCL_ERROR_INVALID_USAGE" in str(exc) and "ranks [0]" in str(exc), exc
+    del os.environ["DISTLAB_TIMEOUT"]
+    plain.Barrier()
+
 # a rank that never arrives is named
 pg.barrier()
 late = n - 1
@@ -116,4 +177,13 @@ else:
         raise AssertionError("must time out")
     except DistTimeoutError as exc:
         assert exc.missing_ranks == [late] and exc.name == "dev.bucket", exc
+if transport == "nccl":  # the group's end destroys its communicator, or aborts it where a collective never ended
+    communicator = pg._transport.communicator
+    pg.destroy()
+    assert communicator.comm == 0
+    try:
+        communicator.check_async_error()
+        assert r == late, "a timed-out collective's communicator is aborted"
+    except xp.cuda.nccl.NcclError:
+        assert r != late
 print(f"rank {r}: transport {transport} conformance OK", flush=True)
