@@ -4,6 +4,7 @@ import pytest
 from distlab.comm.transports import Placement, choose, reducer_mode
 
 GPU_A, GPU_B = 0xA1, 0xB1
+NCCL = 22809  # the NCCL version code a rank has (2.28.9); 0: none
 
 
 def ranks(*specs, setting="auto"):
@@ -14,9 +15,9 @@ def ranks(*specs, setting="auto"):
 @pytest.mark.parametrize("placements, expected", [
     (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_A, 0, 0, True, False)), "ipc"),          # 2 ranks, one GPU
     (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False)), "ipc"),    # peers on one node
-    (ranks((0, GPU_A, 0, 0, True, False), (0, GPU_B, 1, 0, True, False)), "staged"),       # no peer access
-    (ranks((0, GPU_A, 0, 0, True, True), (0, GPU_B, 1, 0, True, True)), "mpi"),            # ... CUDA-aware MPI
-    (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False)), "staged"),       # two nodes
+    (ranks((0, GPU_A, 0, 0, 0, False), (0, GPU_B, 1, 0, 0, False)), "staged"),             # no peer access, no NCCL
+    (ranks((0, GPU_A, 0, 0, 0, True), (0, GPU_B, 1, 0, 0, True)), "mpi"),                  # ... CUDA-aware MPI
+    (ranks((0, GPU_A, 0, 0, 0, False), (2, GPU_B, 0, 0, 0, False)), "staged"),             # two nodes
     (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_B, 0, 0, False, True)), "mpi"),
     (ranks((0, 0, 0, 0, False, False), (0, 0, 0, 0, False, False)), "none"),               # no device at all
     (ranks((0, GPU_A, 0, 0, False, False), (0, 0, 0, 0, False, False)), "staged"),         # one rank without
@@ -30,6 +31,25 @@ def ranks(*specs, setting="auto"):
     ([Placement(0, GPU_A, setting="ipc", proven=False), Placement(0, GPU_A, setting="ipc", proven=False)], "ipc"),
     ([Placement(0, GPU_A, 0, 0, False, True, proven=False), Placement(2, GPU_B, 0, 0, False, True, proven=False)],
      "none"),
+    # NCCL: auto takes it where ipc cannot serve and every rank has it, before a CUDA-aware MPI and staging
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False)), "nccl"),            # two nodes
+    (ranks((0, GPU_A, 0, 0, NCCL, True), (2, GPU_B, 0, 0, NCCL, True)), "nccl"),              # ... CUDA-aware too
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_B, 1, 0, NCCL, False)), "nccl"),            # no peer access
+    (ranks((0, GPU_A, 0, 0b10, NCCL, False), (0, GPU_B, 1, 0b01, NCCL, False)), "ipc"),       # peers: ipc first
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_A, 0, 0, NCCL, False)), "ipc"),             # one GPU: ipc leader
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, 0, 0, 0, NCCL, False)), "staged"),              # a rank without one
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, 0, False)), "staged"),             # a rank lacks NCCL
+    (ranks((0, GPU_A, 0, 0, NCCL, True), (2, GPU_B, 0, 0, 0, True)), "mpi"),
+    # two ranks share GPU_A on node 0, a third is on node 2: never nccl by auto, even where NCCL allows sharing
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False)), "staged"),
+    (ranks((0, GPU_A, 0, 0, 23000, False), (0, GPU_A, 0, 0, 23000, False), (2, GPU_B, 0, 0, 23000, False)),
+     "staged"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False), setting="nccl"), "nccl"),
+    (ranks((0, GPU_A, 0, 0b10, NCCL, False), (0, GPU_B, 1, 0b01, NCCL, False), setting="nccl"), "nccl"),
+    (ranks((0, GPU_A, 0, 0, 23000, False), (0, GPU_A, 0, 0, 23104, False), setting="nccl"), "nccl"),  # 2.30
+    ([Placement(0, GPU_A, nccl=NCCL, proven=False), Placement(2, GPU_B, nccl=NCCL, proven=False)], "none"),
+    ([Placement(0, GPU_A, nccl=NCCL, setting="nccl", proven=False),
+      Placement(2, GPU_B, nccl=NCCL, setting="nccl", proven=False)], "nccl"),
 ])
 def test_placements_map_to_a_transport(placements, expected):
     assert choose(placements)[0] == expected
@@ -42,7 +62,13 @@ def test_placements_map_to_a_transport(placements, expected):
     (ranks((0, GPU_A, 0, 0, False, False), (0, 0, 0, 0, False, False), setting="ipc"), "ranks [1] have no device"),
     (ranks((0, GPU_A, 0, 0, False, True), (0, GPU_A, 0, 0, False, False), setting="mpi"),
      "ranks [1] is not CUDA-aware"),
-    (ranks((0, GPU_A, 0, 0, True, False), (2, GPU_B, 0, 0, True, False), setting="nccl"), "not available"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, 0, False), setting="nccl"), "ranks [1] have no NCCL"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, 0, 0, 0, NCCL, False), setting="nccl"), "ranks [1] have no device"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_A, 0, 0, NCCL, False), setting="nccl"),
+     "ranks [0, 1] share one device, which NCCL before 2.30 refuses (\"Duplicate GPU detected\"); use auto or ipc"),
+    (ranks((0, GPU_A, 0, 0, 23000, False), (0, GPU_A, 0, 0, NCCL, False), setting="nccl"), "share one device"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False),
+           setting="nccl"), "ranks [1, 2] share one device"),
     (ranks((0, GPU_A, 0, 0, False, False)) + ranks((0, GPU_A, 0, 0, False, False), setting="ipc"),
      "ranks [0]: auto; ranks [1]: ipc"),
 ])
@@ -53,7 +79,8 @@ def test_a_transport_the_placement_cannot_serve_is_refused_naming_ranks(placemen
 
 
 def test_placements_travel_as_rows_and_one_device_means_one_reducer():
-    for placement in (Placement(4, GPU_A, 1, 0b101, True, False, "staged"), Placement(0, GPU_A, proven=False)):
+    for placement in (Placement(4, GPU_A, 1, 0b101, True, False, "staged"), Placement(0, GPU_A, proven=False),
+                      Placement(2, GPU_B, 0, 0, NCCL, False, "nccl")):
         assert Placement.from_row(placement.row()) == placement
     assert reducer_mode(ranks((0, GPU_A, 0, 0, 0, 0), (0, GPU_A, 0, 0, 0, 0))) == "leader"
     assert reducer_mode(ranks((0, GPU_A, 0, 2, 0, 0), (0, GPU_B, 1, 1, 0, 0))) == "split"
