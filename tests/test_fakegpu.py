@@ -155,3 +155,60 @@ def test_as_strided_gives_a_view_of_the_device_memory():
     assert float(flat[7]) == -1
     with pytest.raises(TypeError, match="device array"):
         xp.lib.stride_tricks.as_strided(np.zeros(4), (2,), (8,))
+
+
+def test_raw_pointers_resolve_to_the_memory_of_live_arrays_only(dev):
+    from distlab.fakegpu._ndarray import resolve_pointer
+
+    view = resolve_pointer(dev.data.ptr + 4, 8)
+    view.view(np.float32)[:] = [7, 8]
+    assert dev.get().reshape(-1)[:4].tolist() == [0, 7, 8, 3]
+    with pytest.raises(ValueError, match="illegal address"):
+        resolve_pointer(dev.data.ptr + 20, 8)  # runs past the end of the array
+    gone = xp.zeros(16, np.float32)
+    ptr = gone.data.ptr
+    del gone
+    with pytest.raises(ValueError, match="not inside any live device array"):
+        resolve_pointer(ptr, 4)
+
+
+def test_the_stand_in_nccl_mirrors_cupy_on_a_one_rank_communicator():
+    """cupy.cuda.nccl's names and argument order; collectives queued on the stream they were given (an event
+    after them is done once they completed); every NCCL datatype; refusals as NcclError with NCCL's words."""
+    import ml_dtypes
+
+    nccl = xp.cuda.nccl
+    uid = nccl.get_unique_id()
+    assert len(uid) == nccl.NCCL_UNIQUE_ID_BYTES and all(-128 <= b < 128 for b in uid) and uid != nccl.get_unique_id()
+    assert nccl.available and nccl.get_version() == 22809 and not hasattr(nccl, "NCCL_AVG")
+    comm = nccl.NcclCommunicator(1, uid, 0)
+    assert (comm.size(), comm.rank_id(), comm.device_id()) == (1, 0, 0) and comm.comm
+    stream = xp.cuda.Stream(non_blocking=True)
+    for datatype, dtype in ((nccl.NCCL_INT8, np.int8), (nccl.NCCL_UINT64, np.uint64), (nccl.NCCL_HALF, np.float16),
+                            (nccl.NCCL_FLOAT64, np.float64), (nccl.NCCL_BFLOAT16, ml_dtypes.bfloat16)):
+        for op in (nccl.NCCL_SUM, nccl.NCCL_PROD, nccl.NCCL_MAX, nccl.NCCL_MIN):
+            send, recv = xp.asarray(np.arange(5).astype(dtype)), xp.zeros(5, dtype)
+            comm.allReduce(send.data.ptr, recv.data.ptr, 5, datatype, op, stream.ptr)
+            event = xp.cuda.Event()
+            event.record(stream)
+            assert event.done and recv.get().tobytes() == send.get().tobytes()
+    gathered, block = xp.zeros(4, np.int32), xp.asarray(np.array([3, 4], np.int32))
+    comm.allGather(block.data.ptr, gathered.data.ptr, 2, nccl.NCCL_INT32, stream.ptr)
+    comm.reduceScatter(block.data.ptr, gathered.data.ptr + 8, 2, nccl.NCCL_INT32, nccl.NCCL_SUM, stream.ptr)
+    comm.broadcast(block.data.ptr, gathered.data.ptr, 1, nccl.NCCL_INT32, 0, stream.ptr)
+    comm.bcast(block.data.ptr, 2, nccl.NCCL_INT32, 0, 0)
+    stream.synchronize()
+    assert gathered.get().tolist() == [3, 4, 3, 4] and stream.done
+    for call, words in ((lambda: comm.allReduce(1, 1, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0), "INVALID_ARGUMENT"),
+                        (lambda: comm.allReduce(block.data.ptr, block.data.ptr, 2, 42, 0, 0), "datatype 42"),
+                        (lambda: comm.allReduce(block.data.ptr, block.data.ptr, 2, nccl.NCCL_INT32, 4, 0), "op 4"),
+                        (lambda: comm.bcast(block.data.ptr, 2, nccl.NCCL_INT32, 1, 0), "root 1"),
+                        (lambda: nccl.NcclCommunicator(1, (0,) * 128, 0), "not a unique id"),
+                        (lambda: nccl.NcclCommunicator(2, uid, 2), r"rank 2 is not in \[0, 2\)")):
+        with pytest.raises(nccl.NcclError, match=words):
+            call()
+    comm.destroy()
+    assert comm.comm == 0
+    with pytest.raises(nccl.NcclError, match="destroyed"):
+        comm.allReduce(block.data.ptr, block.data.ptr, 2, nccl.NCCL_INT32, nccl.NCCL_SUM, 0)
+    comm.destroy()  # twice: nothing more

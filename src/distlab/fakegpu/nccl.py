@@ -35,7 +35,6 @@ import time
 import weakref
 
 import numpy as np
-from mpi4py import MPI
 
 from .._wire import NCCL_BOOTSTRAP_REPLY_TAG, NCCL_BOOTSTRAP_TAG
 from . import cuda as _cuda
@@ -68,10 +67,22 @@ _ERRORS = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR", 3
 _DTYPES = {NCCL_INT8: "int8", NCCL_UINT8: "uint8", NCCL_INT32: "int32", NCCL_UINT32: "uint32",
            NCCL_INT64: "int64", NCCL_UINT64: "uint64", NCCL_FLOAT16: "float16", NCCL_FLOAT32: "float32",
            NCCL_FLOAT64: "float64", NCCL_BFLOAT16: "bfloat16"}
-_OPS = {NCCL_SUM: MPI.SUM, NCCL_PROD: MPI.PROD, NCCL_MAX: MPI.MAX, NCCL_MIN: MPI.MIN}
+_OPS = {NCCL_SUM: "SUM", NCCL_PROD: "PROD", NCCL_MAX: "MAX", NCCL_MIN: "MIN"}  # MPI's ops, by name
 _OK, _TIMED_OUT, _CLASH = 0, 1, 2
 _mailbox: dict[int, list] = {}  # token -> bootstrap messages that came while another id was being served
 _orphans: list = []  # collectives of aborted communicators (MPI may still use their buffers)
+
+
+class _LazyMPI:
+    """``mpi4py.MPI``, imported on first use: importing the stand-in does not initialise MPI."""
+
+    def __getattr__(self, name):
+        from mpi4py import MPI as module
+
+        return getattr(module, name)
+
+
+MPI = _LazyMPI()
 
 
 class NcclError(RuntimeError):
@@ -258,7 +269,7 @@ def _mpi_op(op: int, dtype: np.dtype):
         raise NcclError(_INVALID_ARGUMENT, f"op {op} is not an NCCL reduction the stand-in has (sum, prod, max, "
                                            "min)")
     if dtype.kind != "V":
-        return _OPS[op]
+        return getattr(MPI, _OPS[op])
     made = _BF16_OPS.get(op)
     if made is None:
         combine = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}[op]
