@@ -68,8 +68,8 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
     comm : mpi4py.MPI.Intracomm
         The group's own communicator.
     device_comm : str
-        How the group moves device arrays (``ipc``, ``staged`` or ``mpi``), chosen when it was made from every
-        rank's placement and ``DISTLAB_DEVICE_COMM`` (:mod:`distlab.comm.transports`).
+        How the group moves device arrays (``ipc``, ``nccl``, ``staged`` or ``mpi``), chosen when it was made from
+        every rank's placement and ``DISTLAB_DEVICE_COMM`` (:mod:`distlab.comm.transports`).
     """
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
