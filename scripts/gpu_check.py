@@ -5,7 +5,9 @@ pytest, and no network (see docs/gpu.md). It makes a virtual environment that se
 the carried ``mpich`` wheel in it (the machine has no MPI), builds the core in parallel, runs the GPU tests
 (marker ``gpu`` in ``tests/test_*gpu*.py``, 2 ranks sharing the GPU) and the GPU benchmark's quick mode, and writes under the results
 directory: ``gpu-check.log`` (every command and its output), ``gpu-check.json`` (each step: command, exit status,
-seconds), ``gpu-tests.xml`` (pytest's JUnit report) and ``bench_gpu.json``.
+seconds), ``gpu-tests.xml`` (pytest's JUnit report), ``bench_gpu.json`` and ``nccl.json`` (the NCCL version, and
+whether a one-rank NCCL communicator reduced on the GPU, raw and through distlab's nccl transport; ``"absent"``
+when cupy has no NCCL, which does not fail the check).
 
 Run from the repository root: ``python3 scripts/gpu_check.py`` (``--dry-run`` prints the plan and runs nothing).
 """
@@ -63,7 +65,51 @@ def parse_args(argv=None):
     parser.add_argument("--rehearse", action="store_true",
                         help="on a machine without a GPU: every step with the stand-in (distlab.fakegpu) instead of "
                              "cupy (the gpu tests then skip, the benchmark runs --device fake)")
+    parser.add_argument("--nccl-check", metavar="JSON", help=argparse.SUPPRESS)  # the nccl step, run in the venv
     return parser.parse_args(argv)
+
+
+def nccl_check(out: Path, rehearse: bool) -> int:
+    """The nccl step: NCCL's version, then a one-rank communicator's allreduce on the device (any NCCL makes one,
+    even where two ranks could not share the GPU), raw and through distlab's nccl transport; ``nccl.json`` says
+    ``"absent"`` (exit status 0) when the device module has no NCCL."""
+    if rehearse:
+        from distlab import fakegpu as xp
+    else:
+        import cupy as xp
+    from distlab.comm.transports.nccl import nccl_module
+
+    nccl = nccl_module(xp)
+    if nccl is None:
+        record = {"nccl": "absent", "why": "cupy.cuda.nccl did not load libnccl (install nvidia-nccl-cu12 or -cu13)"}
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print("NCCL: absent;", record["why"])
+        return 0
+    code = int(nccl.get_version())
+    record = {"nccl": code, "version": f"{code // 10000}.{code // 100 % 100}.{code % 100}", "module": xp.__name__}
+    print(f"NCCL {record['version']} ({code}) through {xp.__name__}")
+    try:
+        communicator = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+        values = xp.arange(1 << 20, dtype=xp.float32)
+        stream = xp.cuda.Stream(non_blocking=True)
+        communicator.allReduce(values.data.ptr, values.data.ptr, values.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                               stream.ptr)
+        stream.synchronize()
+        communicator.destroy()
+        record["raw_allreduce"] = "ok" if float(values[12345]) == 12345.0 else "wrong result"
+        os.environ["DISTLAB_DEVICE_COMM"] = "nccl"
+        from distlab import comm
+
+        with comm.ProcessGroup(name="nccl-check", timeout=60) as group:
+            averaged = xp.full(1000, 3.0, dtype=xp.float32)
+            group.allreduce(averaged, op="avg")
+            ok = group.device_comm == "nccl" and bool((averaged == 3.0).all())
+        record["transport_allreduce"] = "ok" if ok else f"wrong result on {group.device_comm}"
+    except Exception as exc:  # noqa: BLE001 - recorded, and the step fails
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record))
+    return 0 if record.get("raw_allreduce") == record.get("transport_allreduce") == "ok" else 1
 
 
 def machine_site_packages(python: str) -> list:
@@ -99,6 +145,8 @@ def plan(args) -> list:
     steps.append(("preflight", [str(vpy), "-P", "-c", PREFLIGHT, *(["rehearse"] if args.rehearse else [])], None))
     steps.append(("build the core", [str(vpy), "setup.py", "-q", "build_ext", "--inplace", "-j", str(args.jobs)],
                   None))
+    steps.append(("nccl", [str(vpy), "-P", str(REPO / "scripts" / "gpu_check.py"), "--nccl-check",
+                           str(results / "nccl.json"), *(["--rehearse"] if args.rehearse else [])], 120.0))
     env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*gpu*.py"))
     steps.append(("gpu tests", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                 f"--junitxml={results / 'gpu-tests.xml'}", *env_tests], args.timeout))
@@ -157,6 +205,8 @@ def describe(step) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.nccl_check:
+        return nccl_check(Path(args.nccl_check), args.rehearse)
     steps = plan(args)
     if args.dry_run:
         print("gpu-check plan (dry run):")

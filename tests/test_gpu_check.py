@@ -26,8 +26,9 @@ def test_the_plan_builds_in_parallel_and_runs_the_gpu_tests_and_the_quick_benchm
     assert "-m pytest -q -m gpu" in plan and "tests/test_gpu.py" in plan and "tests/test_gpu_scenarios.py" in plan
     assert "benchmarks/bench_gpu.py --quick --json" in plan and "gpu-check/bench_gpu.json" in plan
     steps = [line.split("]")[0].strip(" [") for line in plan.splitlines()[1:] if line.startswith("  [")]
-    assert steps == ["venv", "see the machine's packages", "mpich", "preflight", "build the core", "gpu tests",
-                     "bench_gpu --quick"]
+    assert steps == ["venv", "see the machine's packages", "mpich", "preflight", "build the core", "nccl",
+                     "gpu tests", "bench_gpu --quick"]
+    assert "gpu_check.py --nccl-check" in plan and "gpu-check/nccl.json" in plan
 
 
 def test_the_rehearsal_plan_needs_no_gpu(tmp_path, capsys):
@@ -81,3 +82,20 @@ def test_bench_gpu_code_paths_on_the_stand_in(tmp_path):
     assert [r["bytes"] for r in report["allreduce"]] == bench_gpu.QUICK_SIZES
     assert report["ddp_step"]["ddp_ms"] > 0 and report["local_step"]["distlab_ms"] > 0
     assert "1. one process" in done.stdout and "3. DDP step on 2 ranks" in done.stdout
+
+
+def test_the_nccl_step_records_the_version_and_a_one_rank_allreduce_or_absent(tmp_path, monkeypatch):
+    """On the stand-in (its NCCL reduces with MPI): the version and both allreduces; without NCCL: "absent" and
+    exit status 0, so a machine without NCCL does not fail the check."""
+    out = tmp_path / "nccl.json"
+    done = subprocess.run([sys.executable, "-P", str(REPO / "scripts" / "gpu_check.py"), "--nccl-check", str(out),
+                           "--rehearse"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    assert record["nccl"] == 22809 and record["version"] == "2.28.9"
+    assert record["raw_allreduce"] == record["transport_allreduce"] == "ok"
+    from distlab import fakegpu
+
+    monkeypatch.setattr(fakegpu.cuda.nccl, "available", False)
+    assert gpu_check.nccl_check(out, rehearse=True) == 0
+    assert json.loads(out.read_text())["nccl"] == "absent"
