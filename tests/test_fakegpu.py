@@ -212,3 +212,25 @@ def test_the_stand_in_nccl_mirrors_cupy_on_a_one_rank_communicator():
     with pytest.raises(nccl.NcclError, match="destroyed"):
         comm.allReduce(block.data.ptr, block.data.ptr, 2, nccl.NCCL_INT32, nccl.NCCL_SUM, 0)
     comm.destroy()  # twice: nothing more
+
+
+def test_a_stream_waits_for_the_collectives_queued_on_it_and_a_synchronize_is_bounded(monkeypatch):
+    """A stand-in NCCL collective runs until every member issued it: events and streams after it are not done,
+    a stream waiting on such an event inherits it, and a synchronize gives up after DISTLAB_TIMEOUT."""
+    class Running:
+        finished = False
+
+        def Test(self):  # noqa: N802 - polled like an MPI request
+            return self.finished
+
+    work, stream, other = Running(), xp.cuda.Stream(non_blocking=True), xp.cuda.Stream(non_blocking=True)
+    xp.cuda.enqueue(stream.ptr, work)
+    event = stream.record()
+    other.wait_event(event)
+    assert not event.done and not stream.done and not other.done
+    monkeypatch.setenv("DISTLAB_TIMEOUT", "0.05")
+    with pytest.raises(TimeoutError, match="did not complete within 0.05 s"):
+        other.synchronize()
+    work.finished = True
+    assert event.done and stream.done and other.done
+    event.synchronize()

@@ -84,3 +84,13 @@ def test_placements_travel_as_rows_and_one_device_means_one_reducer():
         assert Placement.from_row(placement.row()) == placement
     assert reducer_mode(ranks((0, GPU_A, 0, 0, 0, 0), (0, GPU_A, 0, 0, 0, 0))) == "leader"
     assert reducer_mode(ranks((0, GPU_A, 0, 2, 0, 0), (0, GPU_B, 1, 1, 0, 0))) == "split"
+
+
+def test_the_stand_ins_placement_carries_its_nccl_version():
+    from distlab import fakegpu
+    from distlab.comm.transports import local_placement
+    from distlab.comm.transports.nccl import nccl_module
+
+    placement = local_placement(0, "auto")
+    assert placement.device and placement.proven and placement.nccl == fakegpu.cuda.nccl.get_version() == 22809
+    assert nccl_module(fakegpu) is fakegpu.cuda.nccl and nccl_module(None) is None

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import numpy as _np
 
-from . import cuda, lib, random
+from . import cuda, lib, nccl, random
 from ._ndarray import MemoryPointer, ndarray, unwrap as _unwrap, unwrap_index as _unwrap_index, wrap as _wrap
 from ._transfers import reset, total, transfers
 from ._transfers import count as _count
+
+cuda.nccl = nccl  # cupy.cuda.nccl
 
 __all__ = ["ndarray", "MemoryPointer", "cuda", "lib", "random", "asarray", "array", "ascontiguousarray", "asnumpy",
            "get_array_module", "scatter_add", "use_as_cuda", "transfers", "total", "reset"]

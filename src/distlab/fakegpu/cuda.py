@@ -4,10 +4,10 @@ The stand-in's kernels run synchronously on the host, so a kernel's wait is alre
 that device code calls these the way it would call cupy's (a stream as a context manager,
 ``Event.record(stream)``, ``stream.wait_event(event)``), and that each synchronisation is counted like a transfer
 (kind ``"synchronize"``). The one device work that does not finish at once is a collective of the stand-in NCCL
-(:mod:`distlab.fakegpu.nccl`, here as ``cuda.nccl``), which runs until every member has issued it: it is queued on
-the stream it was issued on, an event recorded after it is ``done`` only once it completed (as
-``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize waits for it, bounded by
-``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
+(:mod:`distlab.fakegpu.nccl`, which the package sets here as ``cuda.nccl``), which runs until every member has
+issued it: it is queued (:func:`enqueue`) on the stream it was issued on, an event recorded after it is ``done``
+only once it completed (as ``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize
+waits for it, bounded by ``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 from . import _transfers
 
 __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", "get_elapsed_time",
-           "is_available", "runtime", "nccl"]
+           "is_available", "runtime", "enqueue", "wait_for"]
 
 _ptrs = itertools.count(0x1000)
 _current: list = []
@@ -41,7 +41,7 @@ def _queued_on(ptr: int) -> list:
     return works
 
 
-def _wait_for(works: list, what: str) -> None:
+def wait_for(works: list, what: str) -> None:
     """Block until ``works`` complete, at most ``DISTLAB_TIMEOUT`` seconds."""
     if not works:
         return
@@ -83,7 +83,7 @@ class Stream:
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        _wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
+        wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
 
     def record(self, event=None):
         event = Event() if event is None else event
@@ -134,7 +134,7 @@ class Event:
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        _wait_for(self.after, "Event.synchronize")
+        wait_for(self.after, "Event.synchronize")
         self.after = []
 
     @property
@@ -200,5 +200,3 @@ class runtime:  # noqa: N801 - cupy.cuda.runtime is a module
     def deviceSynchronize() -> None:  # noqa: N802
         _transfers.count("synchronize")
 
-
-from . import nccl  # noqa: E402 - cupy.cuda.nccl; it queues its collectives on the streams above

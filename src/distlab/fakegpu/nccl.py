@@ -163,7 +163,7 @@ class NcclCommunicator:
     def destroy(self) -> None:
         """Free the communicator once its collectives completed (``ncclCommDestroy`` finalizes first)."""
         if self._finalizer.alive:
-            _cuda._wait_for(self._still_running(), "NcclCommunicator.destroy")
+            _cuda.wait_for(self._still_running(), "NcclCommunicator.destroy")
             self._finalizer()
 
     def abort(self) -> None:

@@ -48,9 +48,11 @@ _BY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "
             "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
             "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16", "complex64": "NCCL_FLOAT32",
             "complex128": "NCCL_FLOAT64", "bool": "NCCL_UINT8"}
+_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy hands it over as a tuple of 128 signed bytes)
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
         ReduceOp.PRODUCT: "NCCL_PROD"}
-_BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
+_BOOL_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy hands it over as a tuple of 128 signed bytes)
+_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
              ReduceOp.MIN: "NCCL_MIN", ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN"}
 
 
@@ -119,7 +121,7 @@ class NcclTransport:
         self._xp = module
         nccl = self._lib = nccl_module(module)
         what = f"nccl transport of group {group.name!r} set-up"
-        uid = np.zeros(nccl.NCCL_UNIQUE_ID_BYTES if hasattr(nccl, "NCCL_UNIQUE_ID_BYTES") else 128, np.int8)
+        uid = np.zeros(_UNIQUE_ID_BYTES, np.int8)
         if group.rank == 0:
             uid[:] = nccl.get_unique_id()
         wait(group.comm.Ibcast(uid, root=0), "nccl unique id")
