@@ -150,7 +150,7 @@ if transport == "nccl":
         communicator.destroy()
         assert communicator.comm == 0
     # a member that never comes is named by the creator and by the members that came; a rank claimed twice
-    os.environ["DISTLAB_TIMEOUT"] = "1"
+    os.environ["DISTLAB_TIMEOUT"] = "0.3"
     uid = plain.bcast(nccl.get_unique_id() if r == 0 else None, root=0)
     if r != n - 1:
         try:

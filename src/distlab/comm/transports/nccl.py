@@ -51,8 +51,7 @@ _BY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "
 _UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy hands it over as a tuple of 128 signed bytes)
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
         ReduceOp.PRODUCT: "NCCL_PROD"}
-_BOOL_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy hands it over as a tuple of 128 signed bytes)
-_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
+_BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
              ReduceOp.MIN: "NCCL_MIN", ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN"}
 
 
