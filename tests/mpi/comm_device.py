@@ -1,6 +1,6 @@
 """Device arrays through the comm layer on the strict stand-in (distlab.fakegpu), per transport: direct to a
 "CUDA-aware" MPI (the stream synchronised before MPI touches the memory), staged through a host arena (a copy
-down and up per allreduce, down on a broadcast's root and up elsewhere, counted where it happens), or through the ipc slots (no host copy at all)."""
+down and up per allreduce, down on a broadcast's root and up elsewhere, counted where it happens), or through the ipc slots or NCCL (no host copy at all)."""
 import os
 
 import numpy as np
