@@ -15,6 +15,8 @@ pure function :func:`choose` maps the table to one transport, the same on every 
             directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
 ``nccl``    not built yet: refused when asked for, never chosen by ``auto``.
+``none``    no transport: the plain path (:func:`~distlab.comm.device.mpi_buffer`; a CUDA-aware MPI takes the
+            device pointer, else the array is staged through pageable host memory).
 ==========  ===================================================================================================
 
 ``auto`` chooses among them only for a device whose transport code has run on that kind of device: today the
@@ -23,7 +25,8 @@ and the stream ordering have not run yet, so ``auto`` keeps cupy arrays on the p
 (``none``: staged through host memory by :func:`~distlab.comm.device.mpi_buffer`) until the device check proves
 them; ``DISTLAB_DEVICE_COMM=ipc`` or ``staged`` takes them on a GPU now.
 
-``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi`` overrides ``auto``; every rank must set the same word, and a
+``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi|none`` overrides ``auto`` (``none`` keeps the plain path anywhere:
+the baseline ``benchmarks/bench_gpu.py`` compares the transports with); every rank must set the same word, and a
 transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ..device import cuda_aware
 __all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS"]
 
 DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
-SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi")
+SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi", "none")
 PLACEMENT_WORDS = 8
 
 
@@ -93,6 +96,8 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
                          "use auto, ipc, staged or mpi")
     if setting == "staged":
         return "staged", f"{DEVICE_COMM_VAR}=staged"
+    if setting == "none":
+        return "none", f"{DEVICE_COMM_VAR}=none"
     if setting == "mpi":
         unaware = [k for k, p in enumerate(placements) if not p.cuda_aware]
         if unaware:
