@@ -234,10 +234,7 @@ def _allreduce_figure(r, group, nbytes: int, steps: int, warmup: int) -> dict:
     def prepare():
         a[...] = mine
 
-    figure = r.checked_ms(lambda: group.allreduce(a), prepare, lambda: xp.array_equal(a, expected), steps, warmup)
-    del a, mine, expected
-    r.free()
-    return figure
+    return r.checked_ms(lambda: group.allreduce(a), prepare, lambda: xp.array_equal(a, expected), steps, warmup)
 
 
 def _data(r, width: int, batch: int):
@@ -294,8 +291,6 @@ def _ddp_figure(r, group, model_spec, steps: int, warmup: int) -> dict:
     opt.step()
     ms = _median_ms(step, steps, warmup, r.sync)
     ok = _same_bits_everywhere(r, _flat(r.xp, model.parameters())) and ok
-    del model, opt, x, y
-    r.free()
     return {"ms": ms, "ok": r.everywhere(ok)}
 
 
@@ -334,9 +329,11 @@ def transport_rank(device, transport, sizes, models, steps, warmup):
     with group:
         for nbytes in sizes:
             out["allreduce"].append(_allreduce_figure(r, group, nbytes, steps, warmup))
+            r.free()
             bar.update()
         for spec in models.values():
             out["ddp"].append(_ddp_figure(r, group, spec, steps, warmup))
+            r.free()
             bar.update()
     bar.close()
     return out
@@ -399,31 +396,35 @@ def _limits(r, nbytes: int, slots, block, steps: int, warmup: int) -> dict:
             views[r.rank][...] = mine
 
         out["ipc floor"] = r.checked_ms(floor, fill, lambda: xp.array_equal(views[r.rank], expected), steps, warmup)
-    pinned_memory = getattr(xp.cuda, "alloc_pinned_memory", None)  # the stand-in has none: plain memory
     for kind in ("pageable", "pinned"):
-        memory = pinned_memory(nbytes) if kind == "pinned" and pinned_memory is not None else None
-        host = np.empty(count, np.float32) if memory is None else np.frombuffer(memory, np.float32, count)
-        a = xp.empty_like(mine)
-
-        def device_filled():
-            a[...] = mine
-            host.fill(0)
-
-        def host_filled():
-            np.copyto(host, mine_host)
-            a.fill(0)
-
-        out[f"D2H {kind}"] = r.checked_ms(lambda: a.get(out=host), device_filled,
-                                          lambda: np.array_equal(host, mine_host), steps, warmup)
-        out[f"H2D {kind}"] = r.checked_ms(lambda: a.set(host), host_filled, lambda: xp.array_equal(a, mine),
-                                          steps, warmup)
-        del a, host, memory
+        out.update(_copies(r, kind, mine, mine_host, steps, warmup))
     host = np.empty(count, np.float32)
     out["host MPI"] = r.checked_ms(lambda: r.comm.Allreduce(r.mpi.IN_PLACE, host), lambda: np.copyto(host, mine_host),
                                    lambda: np.array_equal(host, expected_host), steps, warmup)
-    del mine, expected
-    r.free()
     return out
+
+
+def _copies(r, kind: str, mine, mine_host, steps: int, warmup: int) -> dict:
+    """Device to host and host to device of ``mine``, through ``kind`` (pageable or pinned) host memory."""
+    import numpy as np
+
+    pinned = getattr(r.xp.cuda, "alloc_pinned_memory", None)  # the stand-in has none: plain memory
+    memory = pinned(mine.nbytes) if kind == "pinned" and pinned is not None else None
+    host = np.empty(mine.size, np.float32) if memory is None else np.frombuffer(memory, np.float32, mine.size)
+    a = r.xp.empty_like(mine)
+
+    def device_filled():
+        a[...] = mine
+        host.fill(0)
+
+    def host_filled():
+        np.copyto(host, mine_host)
+        a.fill(0)
+
+    return {f"D2H {kind}": r.checked_ms(lambda: a.get(out=host), device_filled,
+                                        lambda: np.array_equal(host, mine_host), steps, warmup),
+            f"H2D {kind}": r.checked_ms(lambda: a.set(host), host_filled, lambda: r.xp.array_equal(a, mine), steps,
+                                        warmup)}
 
 
 def limits_rank(device, sizes, models, steps, warmup):
@@ -436,40 +437,45 @@ def limits_rank(device, sizes, models, steps, warmup):
            hasattr(r.xp.cuda, "alloc_pinned_memory"), "allreduce": [], "floor": []}
     for nbytes in sizes:
         out["allreduce"].append(_limits(r, nbytes, slots, block, steps, warmup))
+        r.free()
         bar.update()
     del slots
-    from distlab import nn, optim
-
-    for layers, width, batch in models.values():
-        x, y = _data(r, width, batch)
-        model = _mlp(layers, width).to("cuda")
-        opt = optim.SGD(model.parameters(), lr=1e-3)
-        loss_fn = nn.MSELoss()
-
-        def step():
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-        r.comm.Barrier()  # the ranks train at the same time, as DDP's would
-        out["floor"].append({"ms": _median_ms(step, steps, warmup, r.sync)})
-        bar.update()
-        del model, opt, x, y
+    for spec in models.values():
+        out["floor"].append(_floor_figure(r, spec, steps, warmup))
         r.free()
+        bar.update()
     bar.close()
     return out
+
+
+def _floor_figure(r, model_spec, steps: int, warmup: int) -> dict:
+    """The step of a rank training its own copy, every rank at the same time (no communication)."""
+    from distlab import nn, optim
+
+    layers, width, batch = model_spec
+    x, y = _data(r, width, batch)
+    model = _mlp(layers, width).to("cuda")
+    opt = optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+
+    def step():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    r.comm.Barrier()  # the ranks train at the same time, as DDP's would
+    return {"ms": _median_ms(step, steps, warmup, r.sync)}
 
 
 def torch_rank(models, steps, warmup, backends):
     """On each rank: torch's DDP step (default arguments, CUDA tensors) per backend and model; checked: the
     parameters are the same bits on every rank after the last step."""
     import os
+    import shutil
     import tempfile
 
-    import numpy as np
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     r = _Rank("cuda")
     device = torch.device("cuda", r.rank % torch.cuda.device_count())
@@ -478,27 +484,37 @@ def torch_rank(models, steps, warmup, backends):
     for backend in backends:
         store = r.comm.bcast(os.path.join(tempfile.mkdtemp(prefix="bench-gpu-"), "store") if r.rank == 0 else None)
         dist.init_process_group(backend, init_method=f"file://{store}", rank=r.rank, world_size=r.size)
-        out[backend] = []
-        for layers, width, batch in models.values():
-            torch.manual_seed(0)
-            model = DistributedDataParallel(torch.nn.Sequential(*[m for _ in range(layers) for m in (
-                torch.nn.Linear(width, width), torch.nn.ReLU())]).to(device), device_ids=[device.index])
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            generator = torch.Generator().manual_seed(1 + r.rank)
-            x, y = (torch.randn(batch, width, generator=generator).to(device) for _ in range(2))
-
-            def step():
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-
-            ms = _median_ms(step, steps, warmup, torch.cuda.synchronize)
-            host = np.concatenate([p.detach().cpu().numpy().ravel() for p in model.parameters()])
-            out[backend].append({"ms": ms, "ok": r.everywhere(_same_bits_everywhere(r, host))})
-            del model, opt, x, y
-            torch.cuda.empty_cache()
+        out[backend] = [_torch_figure(r, spec, steps, warmup) for spec in models.values()]
         dist.destroy_process_group()
+        torch.cuda.empty_cache()
+        r.comm.Barrier()
+        if r.rank == 0:
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     return out
+
+
+def _torch_figure(r, model_spec, steps: int, warmup: int) -> dict:
+    import numpy as np
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    layers, width, batch = model_spec
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(*[m for _ in range(layers) for m in (
+        torch.nn.Linear(width, width), torch.nn.ReLU())]).to(device), device_ids=[device.index])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1 + r.rank)
+    x, y = (torch.randn(batch, width, generator=generator).to(device) for _ in range(2))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    ms = _median_ms(step, steps, warmup, torch.cuda.synchronize)
+    host = np.concatenate([p.detach().cpu().numpy().ravel() for p in model.parameters()])
+    return {"ms": ms, "ok": r.everywhere(_same_bits_everywhere(r, host))}
 
 
 def timeline_rank(device, names, spec, steps):
