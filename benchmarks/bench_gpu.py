@@ -558,10 +558,15 @@ def _launch(fn, args, np_, timeout, env=None):
         return f"{type(exc).__name__}: {exc}"
 
 
-def measure(args, report: dict) -> list:
-    """Tables 2 and 3 into ``report`` (and the timeline when asked); returns the problems (failed launches or
-    checks), empty when every figure was measured and checked."""
+def measure(args, report: dict, argv=None) -> list:
+    """Tables 2 and 3 into ``report`` with the machine, the command line and the date (and the timeline when
+    asked); returns the problems (failed launches or checks), empty when every figure was measured and checked."""
     import importlib.util
+    import shlex
+
+    report.update(machine=machine(gpu_or_reason(args.device)[0], args.device),
+                  command=shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     sizes = (TINY_SIZES[:2] if args.quick else TINY_SIZES) if args.tiny else (QUICK_SIZES if args.quick else SIZES)
     models = dict(list((TINY_MODELS if args.tiny else MODELS).items())[:1 if args.quick else None])
@@ -626,7 +631,8 @@ def measure(args, report: dict) -> list:
     problems += [f"{table} {row.get('model', row.get('bytes'))} {column}: the result check failed"
                  for table, rows in (("allreduce", allreduce), ("ddp", ddp)) for row in rows
                  for column, figure in row.items() if isinstance(figure, dict) and figure.get("ok") is False]
-    if args.timeline and ran:
+    report["checks_passed"] = not problems
+    if args.timeline and ran:  # after the figures, so the trace's cost is in none of them
         path = Path(args.timeline).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(path.name + ".rank*"):
@@ -639,6 +645,7 @@ def measure(args, report: dict) -> list:
         report["timeline"] = str(path) if merged else None
         if isinstance(done, str) or not merged:
             problems.append(f"timeline: {done if isinstance(done, str) else 'no trace was written'}")
+    report["problems"] = problems
     return problems
 
 
@@ -687,6 +694,7 @@ def _cell(figure, floor=False) -> str:
 
 def print_tables(report: dict) -> None:
     """Tables 2 and 3 as the docs show them (markdown), and what was skipped and why."""
+    print(f"\n{report['command']}  ({report['date']})")
     table = report["allreduce"]
     print(f"\n2. allreduce of float32 device arrays on {report['np']} ranks, ms (the slowest rank's median; every "
           "step's result checked)\n")
@@ -711,23 +719,20 @@ def main(argv=None) -> int:
     if cupy is None:
         print(f"bench_gpu: needs cupy and a CUDA device: {reason}; nothing measured", file=sys.stderr)
         return 2
-    import shlex
-
     import distlab
 
-    info = machine(cupy, args.device)
-    device = info["gpu"]
+    if args.device == "fake":
+        device = "distlab.fakegpu (the CI stand-in: figures mean nothing)"
+    else:
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     layers, width, batch = (20, 256, 32) if args.quick else (100, 256, 32)
     report = {"device": device, "devices": cupy.cuda.runtime.getDeviceCount(), "impl": distlab.IMPL,
-              "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "np": args.np, "machine": info,
-              "command": shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "np": args.np}
     report["local_step"] = local_step(cupy, layers, width, batch, args.steps, args.warmup)
-    problems = measure(args, report)
-    report["checks_passed"] = not problems
-    report["problems"] = problems
+    problems = measure(args, report, argv)
     print(f"bench_gpu on {device} ({report['devices']} device(s)), impl {distlab.IMPL}, medians of {args.steps} "
-          f"steps after {args.warmup} warm-up; {report['command']}")
+          f"steps after {args.warmup} warm-up")
     row = report["local_step"]
     torch_ms = "n/a" if row["torch_ms"] is None else f"{row['torch_ms']:.2f} ms"
     print(f"\n1. one process, {row['what']}: distlab {row['distlab_ms']:.2f} ms, torch {torch_ms}")
