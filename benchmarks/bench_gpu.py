@@ -259,34 +259,42 @@ def _same_bits_everywhere(r, host) -> bool:
     return len(set(digests)) == 1
 
 
+def _trainer(model, x, y):
+    """``(step, optimizer)``: one training step of ``model`` on ``(x, y)`` (MSE loss, SGD; ``step(update=False)``
+    stops after backward)."""
+    from distlab import nn, optim
+
+    opt = optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+
+    def step(update=True):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        if update:
+            opt.step()
+
+    return step, opt
+
+
 def _ddp_figure(r, group, model_spec, steps: int, warmup: int) -> dict:
     """A DDP step (default arguments) on ``group``. Checked: the first step's gradients are the mean of every rank's
     local ones (within float32 rounding), and after the last step every rank's parameters are the same bits."""
     import numpy as np
 
-    from distlab import nn, optim
     from distlab.ddp import DistributedDataParallel
 
     layers, width, batch = model_spec
     x, y = _data(r, width, batch)
-    loss_fn = nn.MSELoss()
     alone = _mlp(layers, width).to("cuda")
-    loss_fn(alone(x), y).backward()
+    _trainer(alone, x, y)[0](update=False)
     local = _flat(r.xp, [p.grad for p in alone.parameters()])
     del alone
     mean = np.empty_like(local)
     r.comm.Allreduce(local, mean)
     mean /= r.size
     model = DistributedDataParallel(_mlp(layers, width).to("cuda"), process_group=group)
-    opt = optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    opt.zero_grad()
-    loss_fn(model(x), y).backward()
+    step, opt = _trainer(model, x, y)
+    step(update=False)
     ok = bool(np.allclose(_flat(r.xp, [p.grad for p in model.parameters()]), mean, rtol=1e-4, atol=1e-6))
     opt.step()
     ms = _median_ms(step, steps, warmup, r.sync)
@@ -450,19 +458,9 @@ def limits_rank(device, sizes, models, steps, warmup):
 
 def _floor_figure(r, model_spec, steps: int, warmup: int) -> dict:
     """The step of a rank training its own copy, every rank at the same time (no communication)."""
-    from distlab import nn, optim
-
     layers, width, batch = model_spec
     x, y = _data(r, width, batch)
-    model = _mlp(layers, width).to("cuda")
-    opt = optim.SGD(model.parameters(), lr=1e-3)
-    loss_fn = nn.MSELoss()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
+    step, _ = _trainer(_mlp(layers, width).to("cuda"), x, y)
     r.comm.Barrier()  # the ranks train at the same time, as DDP's would
     return {"ms": _median_ms(step, steps, warmup, r.sync)}
 
@@ -520,24 +518,19 @@ def _torch_figure(r, model_spec, steps: int, warmup: int) -> dict:
 def timeline_rank(device, names, spec, steps):
     """On each rank: ``steps`` DDP steps of the model ``spec`` per transport in ``names``, recorded on the timeline
     (``DISTLAB_TIMELINE``), each step a span ``DDP step (<transport>)`` on the lane ``bench``."""
-    from distlab import nn, optim
     from distlab.ddp import DistributedDataParallel
     from distlab.timeline import get_timeline
 
     r = _Rank(device)
     layers, width, batch = spec
     x, y = _data(r, width, batch)
-    loss_fn = nn.MSELoss()
     for name in names:
         group, _ = _group(name)
         with group:
-            model = DistributedDataParallel(_mlp(layers, width).to("cuda"), process_group=group)
-            opt = optim.SGD(model.parameters(), lr=1e-3)
+            step, _ = _trainer(DistributedDataParallel(_mlp(layers, width).to("cuda"), process_group=group), x, y)
             for _ in range(steps):
                 with get_timeline().span(f"DDP step ({name})", cat="bench", lane="bench"):
-                    opt.zero_grad()
-                    loss_fn(model(x), y).backward()
-                    opt.step()
+                    step()
                     r.sync()
 
 
