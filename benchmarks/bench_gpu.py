@@ -24,7 +24,8 @@ so a CPU run takes seconds); ``--timeline trace.json`` also records a Chrome tra
 transport (the reducer's buckets against backward).
 
 Each figure is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, each step ended by a device
-synchronize. Prints the tables and writes JSON (``benchmarks/results/bench_gpu.json`` or ``--json``).
+synchronize. Each launch is bounded by ``--timeout``: one that fails or hangs is reported (exit status 1) and the
+others still run. Prints the tables and writes JSON (``benchmarks/results/bench_gpu.json`` or ``--json``).
 """
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def parse_args(argv=None):
                              "(its figures mean nothing)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes and models (the stand-in on a CPU: seconds)")
     parser.add_argument("--timeline", help="also write a Chrome trace of a few DDP steps per transport here")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each launch of --np ranks")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds for each launch of --np ranks (default 600, quick 60); a launch past it is "
+                             "stopped and reported, the others still run")
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (10 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    args.timeout = args.timeout if args.timeout is not None else (60.0 if args.quick else 600.0)
     if args.steps < 1 or args.warmup < 0 or args.np < 1:
         parser.error("--steps must be >= 1, --warmup >= 0 and --np >= 1")
     return args
@@ -371,8 +375,13 @@ def _ipc_floor_slots(r, nbytes: int):
     else:
         bounds = np.linspace(0, count, r.size + 1).astype(int)
         block = (bounds[r.rank], bounds[r.rank + 1])
-    slots = (HostSlots if r.xp.__name__ != "cupy" else CudaSlots)(group, r.xp, nbytes)
+    try:
+        slots, failure = (HostSlots if r.xp.__name__ != "cupy" else CudaSlots)(group, r.xp, nbytes), None
+    except Exception as exc:  # noqa: BLE001 - the floor is dropped on every rank; the other limits still run
+        slots, failure = None, f"{type(exc).__name__}: {exc}"
     group.destroy()
+    if not r.everywhere(failure is None):
+        return None, None, f"failed: {failure or 'on another rank'}"
     return slots, block, None
 
 
@@ -492,6 +501,7 @@ def torch_rank(models, steps, warmup, backends):
 
 
 def _torch_figure(r, model_spec, steps: int, warmup: int) -> dict:
+    """torch's DDP step of one model, the parameters checked to be the same bits on every rank afterwards."""
     import numpy as np
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -541,34 +551,24 @@ def _combine(per_rank: list) -> list:
 
 
 def _launch(fn, args, np_, timeout, env=None):
-    """Every rank's result, or the failure (a string) when a rank raised or the launch timed out."""
+    """Every rank's result, or the failure (a string) when a rank raised or the launch timed out. Each blocking
+    wait of the ranks is bounded by half the launch's time (unless ``DISTLAB_TIMEOUT`` is set), so a collective
+    that never completes is named by distlab's own error before the launch is stopped."""
+    import os
+
     import distlab
     from distlab.errors import RankFailedError
 
+    env = {"DISTLAB_TIMEOUT": os.environ.get("DISTLAB_TIMEOUT") or f"{timeout / 2:g}", **(env or {})}
     try:
         return distlab.run(fn, np=np_, args=args, timeout=timeout, env=env, prefix=False)
     except RankFailedError as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
-def measure(args, report: dict, argv=None) -> list:
-    """Tables 2 and 3 into ``report`` with the machine, the command line and the date (and the timeline when
-    asked); returns the problems (failed launches or checks), empty when every figure was measured and checked."""
-    import importlib.util
-    import shlex
-
-    report.update(machine=machine(gpu_or_reason(args.device)[0], args.device),
-                  command=shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
-                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-
-    sizes = (TINY_SIZES[:2] if args.quick else TINY_SIZES) if args.tiny else (QUICK_SIZES if args.quick else SIZES)
-    models = dict(list((TINY_MODELS if args.tiny else MODELS).items())[:1 if args.quick else None])
-    common = (sizes, models, args.steps, args.warmup)
-    problems = []
-    allreduce = [{"bytes": n} for n in sizes]
-    ddp = [{"model": name, "what": f"{layers} x Linear({width}, {width}) + ReLU, batch {batch} per rank, "
-            f"{layers * (width + 1) * width * 4 / 1e6:.3g} MB of gradients"} for name, (layers, width, batch) in models.items()]
-    skipped, ran = {}, []
+def _transport_columns(args, common, allreduce: list, ddp: list, skipped: dict, problems: list) -> list:
+    """One launch per transport: its figures into the rows; returns the transports that ran."""
+    ran = []
     for name in transports():
         per_rank = _launch(transport_rank, (args.device, name) + common, args.np, args.timeout)
         if isinstance(per_rank, str):
@@ -582,37 +582,88 @@ def measure(args, report: dict, argv=None) -> list:
                 row[name] = {**figure, "GB/s": row["bytes"] / figure["ms"] / 1e6}
             for row, figure in zip(ddp, _combine([p["ddp"] for p in per_rank])):
                 row[name] = figure
+    return ran
+
+
+def _limit_columns(args, common, report: dict, allreduce: list, ddp: list, skipped: dict, problems: list) -> None:
+    """One launch: the allreduce's limits and each model's floor into the rows."""
     per_rank = _launch(limits_rank, (args.device,) + common, args.np, args.timeout)
     if isinstance(per_rank, str):
         problems.append(f"limits and floors: {per_rank}")
-    else:
-        report["machine"]["mpi"] = per_rank[0]["mpi"]
-        report["machine"]["pinned host memory"] = per_rank[0]["pinned"]
-        if per_rank[0]["ipc floor refused"]:
-            skipped["ipc floor"] = per_rank[0]["ipc floor refused"]
-        for k, row in enumerate(allreduce):
-            for column in LIMITS:
-                if column in per_rank[0]["allreduce"][k]:
-                    figure = _combine([[p["allreduce"][k][column]] for p in per_rank])[0]
-                    row[column] = {**figure, "GB/s": row["bytes"] / figure["ms"] / 1e6}
-        for row, figure in zip(ddp, _combine([p["floor"] for p in per_rank])):
-            row["floor"] = figure
-    torch_columns = []
+        return
+    report["machine"]["mpi"] = per_rank[0]["mpi"]
+    report["machine"]["pinned host memory"] = per_rank[0]["pinned"]
+    why = next((p["ipc floor refused"] for p in per_rank if p["ipc floor refused"]), None)
+    if why:
+        skipped["ipc floor"] = why
+        if why.startswith("failed"):
+            problems.append(f"ipc floor: {why}")
+    for k, row in enumerate(allreduce):
+        for column in LIMITS:
+            if column in per_rank[0]["allreduce"][k]:
+                figure = _combine([[p["allreduce"][k][column]] for p in per_rank])[0]
+                row[column] = {**figure, "GB/s": row["bytes"] / figure["ms"] / 1e6}
+    for row, figure in zip(ddp, _combine([p["floor"] for p in per_rank])):
+        row["floor"] = figure
+
+
+def _torch_columns(args, models, devices: int, ddp: list, skipped: dict, problems: list) -> list:
+    """One launch: torch's DDP step per backend into the rows (when torch can run); returns the columns."""
+    import importlib.util
+
     if args.device == "fake":
         skipped["torch"] = "the stand-in: torch runs on a GPU only here"
-    elif importlib.util.find_spec("torch") is None:
+        return []
+    if importlib.util.find_spec("torch") is None:
         skipped["torch"] = "torch is not importable"
-    else:
-        backends = ["gloo"] + (["nccl"] if report["devices"] >= args.np else [])
-        per_rank = _launch(torch_rank, (models, args.steps, args.warmup, backends), args.np, args.timeout)
-        if isinstance(per_rank, str):
-            skipped["torch"] = f"failed: {per_rank}"
-            problems.append(f"torch: {per_rank}")
-        else:
-            for backend in backends:
-                torch_columns.append(f"torch {backend}")
-                for row, figure in zip(ddp, _combine([p[backend] for p in per_rank])):
-                    row[f"torch {backend}"] = figure
+        return []
+    backends = ["gloo"] + (["nccl"] if devices >= args.np else [])
+    per_rank = _launch(torch_rank, (models, args.steps, args.warmup, backends), args.np, args.timeout)
+    if isinstance(per_rank, str):
+        skipped["torch"] = f"failed: {per_rank}"
+        problems.append(f"torch: {per_rank}")
+        return []
+    for backend in backends:
+        for row, figure in zip(ddp, _combine([p[backend] for p in per_rank])):
+            row[f"torch {backend}"] = figure
+    return [f"torch {backend}" for backend in backends]
+
+
+def _trace(args, names: list, spec, report: dict, problems: list) -> None:
+    """One launch with the timeline on: three DDP steps per transport, merged into ``args.timeline``."""
+    from distlab.timeline import merge
+
+    path = Path(args.timeline).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(path.name + ".rank*"):
+        stale.unlink()
+    done = _launch(timeline_rank, (args.device, names, spec, 3), args.np, args.timeout,
+                   env={"DISTLAB_TIMELINE": str(path)})
+    merged = merge(str(path), expected_parts=args.np, wait=5.0)
+    report["timeline"] = str(path) if merged else None
+    if isinstance(done, str) or not merged:
+        problems.append(f"timeline: {done if isinstance(done, str) else 'no trace was written'}")
+
+
+def measure(args, report: dict, argv=None) -> list:
+    """Tables 2 and 3 into ``report`` with the machine, the command line and the date (and the timeline when
+    asked); returns the problems (failed launches or checks), empty when every figure was measured and checked."""
+    import shlex
+
+    report.update(machine=machine(gpu_or_reason(args.device)[0], args.device),
+                  command=shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    sizes = (TINY_SIZES[:2] if args.quick else TINY_SIZES) if args.tiny else (QUICK_SIZES if args.quick else SIZES)
+    models = dict(list((TINY_MODELS if args.tiny else MODELS).items())[:1 if args.quick else None])
+    common = (sizes, models, args.steps, args.warmup)
+    allreduce = [{"bytes": n} for n in sizes]
+    ddp = [{"model": name, "what": f"{layers} x Linear({width}, {width}) + ReLU, batch {batch} per rank, "
+            f"{layers * (width + 1) * width * 4 / 1e6:.3g} MB of gradients"}
+           for name, (layers, width, batch) in models.items()]
+    skipped, problems = {}, []
+    ran = _transport_columns(args, common, allreduce, ddp, skipped, problems)
+    _limit_columns(args, common, report, allreduce, ddp, skipped, problems)
+    torch_columns = _torch_columns(args, models, report["devices"], ddp, skipped, problems)
     for row in ddp:
         floor = row.get("floor", {}).get("ms")
         for column in ran + torch_columns:
@@ -626,18 +677,7 @@ def measure(args, report: dict, argv=None) -> list:
                  for column, figure in row.items() if isinstance(figure, dict) and figure.get("ok") is False]
     report["checks_passed"] = not problems
     if args.timeline and ran:  # after the figures, so the trace's cost is in none of them
-        path = Path(args.timeline).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(path.name + ".rank*"):
-            stale.unlink()
-        done = _launch(timeline_rank, (args.device, ran, next(iter(models.values())), 3), args.np, args.timeout,
-                       env={"DISTLAB_TIMELINE": str(path)})
-        from distlab.timeline import merge
-
-        merged = merge(str(path), expected_parts=args.np, wait=5.0)
-        report["timeline"] = str(path) if merged else None
-        if isinstance(done, str) or not merged:
-            problems.append(f"timeline: {done if isinstance(done, str) else 'no trace was written'}")
+        _trace(args, ran, next(iter(models.values())), report, problems)
     report["problems"] = problems
     return problems
 

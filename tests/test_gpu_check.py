@@ -112,3 +112,25 @@ def test_bench_gpu_measures_every_transport_the_stand_in_allows_and_checks_every
     events = json.loads(trace.read_text())["traceEvents"]
     spans = {e["name"] for e in events if e.get("ph") == "X"}
     assert {f"DDP step ({name})" for name in allowed} <= spans and "bucket 0 allreduce" in spans
+
+
+def test_bench_gpu_keeps_the_other_columns_when_a_transport_fails_or_is_refused(monkeypatch):
+    def launch(fn, args, np_, timeout, env=None):
+        name = args[1]
+        if name == "ipc":
+            return "RankFailedError: rank 1 of 2 raised: boom"
+        if name == "nccl":
+            return [{"refused": "DISTLAB_DEVICE_COMM=nccl: no"}] * 2
+        figure = [{"ms": 2.0, "ok": True}, {"ms": 3.0, "ok": name != "staged"}]  # rank 1 is the slowest
+        return [{"allreduce": [figure[k]], "ddp": [figure[k]]} for k in range(2)]
+
+    monkeypatch.setattr(bench_gpu, "_launch", launch)
+    monkeypatch.setattr(bench_gpu, "transports", lambda: ["none", "ipc", "nccl", "staged"])
+    args = bench_gpu.parse_args(["--device", "fake", "--quick"])
+    allreduce, ddp, skipped, problems = [{"bytes": 3000}], [{"model": "small"}], {}, []
+    ran = bench_gpu._transport_columns(args, (), allreduce, ddp, skipped, problems)
+    assert ran == ["none", "staged"] and problems == ["ipc: RankFailedError: rank 1 of 2 raised: boom"]
+    assert skipped == {"ipc": "failed: RankFailedError: rank 1 of 2 raised: boom",
+                       "nccl": "DISTLAB_DEVICE_COMM=nccl: no"}
+    assert allreduce[0]["none"] == {"ms": 3.0, "ok": True, "GB/s": 0.001} and ddp[0]["staged"] == {"ms": 3.0,
+                                                                                                   "ok": False}
