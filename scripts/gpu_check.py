@@ -5,9 +5,10 @@ pytest, and no network (see docs/gpu.md). It makes a virtual environment that se
 the carried ``mpich`` wheel in it (the machine has no MPI), builds the core in parallel, runs the GPU tests
 (marker ``gpu`` in ``tests/test_*gpu*.py``, 2 ranks sharing the GPU) and the GPU benchmark's quick mode, and writes under the results
 directory: ``gpu-check.log`` (every command and its output), ``gpu-check.json`` (each step: command, exit status,
-seconds), ``gpu-tests.xml`` (pytest's JUnit report), ``bench_gpu.json`` and ``nccl.json`` (the NCCL version, and
+seconds), ``gpu-tests.xml`` (pytest's JUnit report), ``bench_gpu.json``, ``nccl.json`` (the NCCL version, and
 whether a one-rank NCCL communicator reduced on the GPU, raw and through distlab's nccl transport; ``"absent"``
-when cupy has no NCCL, which does not fail the check).
+when cupy has no NCCL, which does not fail the check) and ``ddp_timeline.json`` (a Chrome trace of a few DDP
+steps per device transport: the reducer's buckets against backward).
 
 Run from the repository root: ``python3 scripts/gpu_check.py`` (``--dry-run`` prints the plan and runs nothing).
 """
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 PIP_DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
                 "--platform manylinux_2_28_x86_64 -d wheels mpich==5.0.2")
 #: Imported in the venv before anything runs: what the machine must provide (the venv sees its site-packages).
-NEEDED = ("numpy", "Cython", "setuptools", "mpi4py", "pytest", "cloudpickle", "cupy")
+NEEDED = ("numpy", "Cython", "setuptools", "mpi4py", "pytest", "cloudpickle", "tqdm", "cupy")
 
 FINDER = '''"""Written by scripts/gpu_check.py: distlab from the repository, as an editable install maps it."""
 import importlib.abc
@@ -151,7 +152,8 @@ def plan(args) -> list:
     steps.append(("gpu tests", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                 f"--junitxml={results / 'gpu-tests.xml'}", *env_tests], args.timeout))
     steps.append(("bench_gpu --quick", [str(vpy), "-P", "benchmarks/bench_gpu.py", "--quick", "--json",
-                                        str(results / "bench_gpu.json"),
+                                        str(results / "bench_gpu.json"), "--timeline",
+                                        str(results / "ddp_timeline.json"),
                                         *(["--device", "fake"] if args.rehearse else [])], args.timeout))
     return steps
 

@@ -25,6 +25,7 @@ def test_the_plan_builds_in_parallel_and_runs_the_gpu_tests_and_the_quick_benchm
     assert "setup.py -q build_ext --inplace -j 16" in plan
     assert "-m pytest -q -m gpu" in plan and "tests/test_gpu.py" in plan and "tests/test_gpu_scenarios.py" in plan
     assert "benchmarks/bench_gpu.py --quick --json" in plan and "gpu-check/bench_gpu.json" in plan
+    assert "--timeline" in plan and "gpu-check/ddp_timeline.json" in plan
     steps = [line.split("]")[0].strip(" [") for line in plan.splitlines()[1:] if line.startswith("  [")]
     assert steps == ["venv", "see the machine's packages", "mpich", "preflight", "build the core", "nccl",
                      "gpu tests", "bench_gpu --quick"]
@@ -72,16 +73,68 @@ def test_bench_gpu_refuses_clearly_without_a_gpu_and_checks_its_arguments(capsys
 
 
 @pytest.mark.mpi
-def test_bench_gpu_code_paths_on_the_stand_in(tmp_path):
-    out = tmp_path / "bench_gpu.json"
-    done = subprocess.run([sys.executable, "-P", str(REPO / "benchmarks" / "bench_gpu.py"), "--quick", "--device",
-                           "fake", "--steps", "1", "--warmup", "0", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+def test_bench_gpu_measures_every_transport_the_stand_in_allows_and_checks_every_result(tmp_path, monkeypatch):
+    from distlab import fakegpu  # noqa: F401 - the stand-in is this process's device too, for its placement
+    from distlab.comm.transports import choose, local_placement
+
+    monkeypatch.setenv("DISTLAB_CUDA_AWARE", "0")  # as the benchmark's ranks get it: mpi is refused
+    allowed = []
+    for name in bench_gpu.transports():
+        try:
+            choose([local_placement(0, name)] * 2)  # 2 ranks on one node sharing the one stand-in device
+            allowed.append(name)
+        except ValueError:
+            pass
+    assert {"none", "ipc", "staged"} <= set(allowed) and "mpi" not in allowed
+    out, trace = tmp_path / "bench_gpu.json", tmp_path / "ddp_timeline.json"
+    done = subprocess.run([sys.executable, "-P", str(REPO / "benchmarks" / "bench_gpu.py"), "--quick", "--tiny",
+                           "--device", "fake", "--steps", "2", "--warmup", "1", "--json", str(out), "--timeline",
+                           str(trace)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
-    assert [r["bytes"] for r in report["allreduce"]] == bench_gpu.QUICK_SIZES
-    assert report["ddp_step"]["ddp_ms"] > 0 and report["local_step"]["distlab_ms"] > 0
-    assert "1. one process" in done.stdout and "3. DDP step on 2 ranks" in done.stdout
+    assert report["transports"]["ran"] == allowed and report["checks_passed"] and report["problems"] == []
+    refused = {name: why for name, why in report["transports"]["skipped"].items() if name in bench_gpu.transports()}
+    assert set(refused) == set(bench_gpu.transports()) - set(allowed)
+    assert all("DISTLAB_DEVICE_COMM=" in why for why in refused.values()), refused  # refused, not failed
+    table = report["allreduce"]
+    assert table["columns"] == allowed + list(bench_gpu.LIMITS)
+    assert [row["bytes"] for row in table["rows"]] == bench_gpu.TINY_SIZES[:2]
+    for row in table["rows"]:
+        assert all(row[column]["ok"] and row[column]["ms"] > 0 for column in table["columns"]), row
+    table = report["ddp_step"]
+    assert table["columns"] == ["floor"] + allowed and [row["model"] for row in table["rows"]] == ["small"]
+    for row in table["rows"]:
+        assert row["floor"]["ms"] > 0 and all(row[column]["ok"] and row[column]["x floor"] > 0 for column in allowed)
+    assert report["machine"]["cpus"] >= 1 and "--tiny" in report["command"] and report["date"].endswith("Z")
+    assert report["local_step"]["distlab_ms"] > 0
+    for header in ("1. one process", "2. allreduce of float32 device arrays on 2 ranks", "| size | none | ipc |",
+                   "3. DDP step on 2 ranks", "skipped mpi: DISTLAB_DEVICE_COMM=mpi"):
+        assert header in done.stdout, done.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {f"DDP step ({name})" for name in allowed} <= spans and "bucket 0 allreduce" in spans
+
+
+def test_bench_gpu_keeps_the_other_columns_when_a_transport_fails_or_is_refused(monkeypatch):
+    def launch(fn, args, np_, timeout, env=None):
+        name = args[1]
+        if name == "ipc":
+            return "RankFailedError: rank 1 of 2 raised: boom"
+        if name == "nccl":
+            return [{"refused": "DISTLAB_DEVICE_COMM=nccl: no"}] * 2
+        figure = [{"ms": 2.0, "ok": True}, {"ms": 3.0, "ok": name != "staged"}]  # rank 1 is the slowest
+        return [{"allreduce": [figure[k]], "ddp": [figure[k]]} for k in range(2)]
+
+    monkeypatch.setattr(bench_gpu, "_launch", launch)
+    monkeypatch.setattr(bench_gpu, "transports", lambda: ["none", "ipc", "nccl", "staged"])
+    args = bench_gpu.parse_args(["--device", "fake", "--quick"])
+    allreduce, ddp, skipped, problems = [{"bytes": 3000}], [{"model": "small"}], {}, []
+    ran = bench_gpu._transport_columns(args, (), allreduce, ddp, skipped, problems)
+    assert ran == ["none", "staged"] and problems == ["ipc: RankFailedError: rank 1 of 2 raised: boom"]
+    assert skipped == {"ipc": "failed: RankFailedError: rank 1 of 2 raised: boom",
+                       "nccl": "DISTLAB_DEVICE_COMM=nccl: no"}
+    assert allreduce[0]["none"] == {"ms": 3.0, "ok": True, "GB/s": 0.001} and ddp[0]["staged"] == {"ms": 3.0,
+                                                                                                   "ok": False}
 
 
 def test_the_nccl_step_records_the_version_and_a_one_rank_allreduce_or_absent(tmp_path, monkeypatch):

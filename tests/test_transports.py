@@ -26,6 +26,7 @@ def ranks(*specs, setting="auto"):
     (ranks((0, GPU_A, 0, 0b10, True, False), (0, GPU_B, 1, 0b01, True, False), setting="ipc"), "ipc"),
     (ranks((0, GPU_A, 0, 0, False, True), (0, GPU_A, 0, 0, False, True), setting="staged"), "staged"),
     (ranks((0, GPU_A, 0, 0, False, True), (2, GPU_A, 0, 0, False, True), setting="mpi"), "mpi"),
+    (ranks((0, GPU_A, 0, 0, True, True), (0, GPU_A, 0, 0, True, True), setting="none"), "none"),   # the baseline
     # a device the transports have not run on yet (a real GPU today): auto keeps today's path, a setting takes them
     ([Placement(0, GPU_A, proven=False), Placement(0, GPU_A, proven=False)], "none"),
     ([Placement(0, GPU_A, setting="ipc", proven=False), Placement(0, GPU_A, setting="ipc", proven=False)], "ipc"),

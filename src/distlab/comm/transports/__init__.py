@@ -17,6 +17,8 @@ pure function :func:`choose` maps the table to one transport, the same on every 
 ``mpi``     otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI
             directly.
 ``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
+``none``    no transport: the plain path (:func:`~distlab.comm.device.mpi_buffer`; a CUDA-aware MPI takes the
+            device pointer, else the array is staged through pageable host memory).
 ==========  ===================================================================================================
 
 ``auto`` chooses among them only for a device whose transport code has run on that kind of device: today the
@@ -27,7 +29,8 @@ so ``auto`` keeps cupy arrays on the path a GPU run has shown to work (``none``:
 ``nccl`` or ``staged`` takes them on a GPU now. Ranks spanning nodes go through NCCL as a whole (NCCL's own
 network transport); the hierarchical form (NCCL inside each node, host MPI across nodes) is not built.
 
-``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi`` overrides ``auto``; every rank must set the same word, and a
+``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi|none`` overrides ``auto`` (``none`` keeps the plain path anywhere:
+the baseline ``benchmarks/bench_gpu.py`` compares the transports with); every rank must set the same word, and a
 transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
 """
 from __future__ import annotations
@@ -46,7 +49,7 @@ from ..device import cuda_aware
 __all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS"]
 
 DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
-SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi")
+SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi", "none")
 PLACEMENT_WORDS = 8
 #: NCCL from this version lets several ranks share one GPU; before it, ``ncclCommInitRank`` refuses them.
 NCCL_SHARED_DEVICE_VERSION = 23000
@@ -103,6 +106,8 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         return "nccl", f"{DEVICE_COMM_VAR}=nccl"
     if setting == "staged":
         return "staged", f"{DEVICE_COMM_VAR}=staged"
+    if setting == "none":
+        return "none", f"{DEVICE_COMM_VAR}=none"
     if setting == "mpi":
         unaware = [k for k, p in enumerate(placements) if not p.cuda_aware]
         if unaware:
