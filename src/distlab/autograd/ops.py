@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import grad_mode
-from ._array import array_module, unbroadcast
+from ._array import array_module, is_cupy, unbroadcast
+from ._kernels import elementwise_kernel
 from .node import Node
 from .tensor import Tensor
 
@@ -189,10 +190,16 @@ class SqrtBackward(Node):
 
 
 class ReluBackward(Node):
+    """``g * (out > 0)``: on a device, one fused kernel instead of a comparison and a product (same bits)."""
+
     __slots__ = ()
 
     def apply(self, g):
-        return (g * (self.saved > 0),)
+        out = self.saved
+        if type(g) is type(out) and g.dtype == out.dtype and g.shape == out.shape and is_cupy(g):
+            return (elementwise_kernel(array_module(g), "T g, T out", "T gx", "gx = g * (out > 0)",
+                                       "distlab_relu_backward")(g, out),)
+        return (g * (out > 0),)
 
 
 class TanhBackward(Node):

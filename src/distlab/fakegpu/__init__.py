@@ -20,22 +20,29 @@ from __future__ import annotations
 import numpy as _np
 
 from . import cuda, lib, nccl, random
-from ._ndarray import MemoryPointer, ndarray, unwrap as _unwrap, unwrap_index as _unwrap_index, wrap as _wrap
-from ._transfers import reset, total, transfers
-from ._transfers import count as _count
+from ._kernels import ElementwiseKernel
+from ._ndarray import MemoryPointer, ndarray, launched as _launched, unwrap as _unwrap, \
+    unwrap_index as _unwrap_index, wrap as _wrap
+from ._transfers import launch_total, launches, reset, round_trips, total, transfers
+from ._transfers import count as _count, count_launch as _count_launch
 
 cuda.nccl = nccl  # cupy.cuda.nccl
 
-__all__ = ["ndarray", "MemoryPointer", "cuda", "lib", "random", "asarray", "array", "ascontiguousarray", "asnumpy",
-           "get_array_module", "scatter_add", "use_as_cuda", "transfers", "total", "reset"]
+__all__ = ["ndarray", "MemoryPointer", "ElementwiseKernel", "cuda", "lib", "random", "asarray", "array",
+           "ascontiguousarray", "asnumpy", "get_array_module", "scatter_add", "use_as_cuda", "transfers", "total",
+           "round_trips", "launches", "launch_total", "reset"]
 
 
 def _from_host(value, dtype=None, copy=False):
     if isinstance(value, ndarray):
         a = value._a
         if dtype is not None and a.dtype != _np.dtype(dtype):
+            _count_launch("copy")
             return ndarray(a.astype(dtype))
-        return ndarray(a.copy()) if copy else value
+        if copy:
+            _count_launch("copy")
+            return ndarray(a.copy())
+        return value
     if isinstance(value, _np.ndarray):
         _count("from_host")
     elif isinstance(value, (list, tuple)) and any(isinstance(v, ndarray) for v in value):
@@ -56,7 +63,10 @@ def array(obj, dtype=None, copy=True, order="K", ndmin=0):
 
 def ascontiguousarray(a, dtype=None):
     out = _from_host(a, dtype)
-    return out if out._a.flags.c_contiguous else ndarray(_np.ascontiguousarray(out._a))
+    if out._a.flags.c_contiguous:
+        return out
+    _count_launch("copy")
+    return ndarray(_np.ascontiguousarray(out._a))
 
 
 def asnumpy(a, stream=None, order="C", out=None):
@@ -77,6 +87,7 @@ def scatter_add(a, slices, value) -> None:
     """``a[slices] += value`` accumulating repeated indices (``cupyx.scatter_add``)."""
     if not isinstance(a, ndarray):
         raise TypeError(f"scatter_add takes a device array, got {type(a).__name__}")
+    _count_launch("elementwise")
     _np.add.at(a._a, _unwrap_index(slices), value._a if isinstance(value, ndarray) else _unwrap(value))
 
 
@@ -90,8 +101,10 @@ def use_as_cuda(enabled: bool = True) -> None:
 
 def _device_function(name, host_function):
     def function(*args, **kwargs):
-        result = host_function(*_unwrap(args, name), **_unwrap(kwargs, name))
+        args = _unwrap(args, name)
+        result = host_function(*args, **_unwrap(kwargs, name))
         out = kwargs.get("out")
+        _launched(name, result, args, out)
         return out if out is not None else _wrap(result)  # with ``out=``, that very array, as cupy returns it
     function.__name__ = name
     function.__doc__ = f"``cupy.{name}`` on the stand-in: ``numpy.{name}`` with the result kept on the device."

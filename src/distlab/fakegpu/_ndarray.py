@@ -12,7 +12,9 @@ What it keeps from cupy, because that is what device code gets wrong:
 - ``.set(host)`` takes only a numpy array of the same shape and dtype;
 - ``__cuda_array_interface__`` points at the memory, so a "CUDA-aware" MPI can be handed the array directly;
   ``data.ptr`` and the interface register the memory they expose, so code that passes raw pointers (the stand-in
-  NCCL's collectives) gets them resolved back to that memory, and a pointer to nothing known is refused.
+  NCCL's collectives) gets them resolved back to that memory, and a pointer to nothing known is refused;
+- every operation that would start a kernel on a GPU (a ufunc, a reduction, a matmul, a copy, a fill, an
+  allocation) counts one launch, and a view none (:func:`launched`, :mod:`._transfers`).
 
 The maths runs in numpy on the wrapped host array, so a seeded run on the stand-in is bit-equal to the same run on
 numpy: the stand-in proves where the data goes, not how a GPU rounds.
@@ -25,7 +27,7 @@ import numpy as np
 
 from . import _transfers
 
-__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap", "resolve_pointer"]
+__all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap", "resolve_pointer", "launched", "launch_kind"]
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
              "Please use `.get()` to construct a NumPy array explicitly.")
@@ -116,6 +118,41 @@ def unwrap_index(key):
     return key
 
 
+#: what a launch of each (numpy) function or method is counted as; the rest are "elementwise"
+_KINDS = {**dict.fromkeys(("sum", "mean", "max", "min", "prod", "var", "std", "argmax", "argmin", "any", "all",
+                           "cumsum", "cumprod", "ptp", "amax", "amin", "nonzero", "count_nonzero", "average",
+                           "linalg.norm", "norm", "sort", "argsort", "partition", "argpartition"), "reduction"),
+          **dict.fromkeys(("matmul", "dot", "tensordot", "einsum", "inner", "outer", "vdot"), "matmul"),
+          **dict.fromkeys(("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
+                           "arange", "eye", "identity", "linspace"), "alloc"),
+          **dict.fromkeys(("copy", "astype", "concatenate", "stack", "take", "copyto", "repeat", "tile", "flatten",
+                           "ascontiguousarray", "compress", "choose", "put", "diagonal", "trace"), "copy"),
+          "fill": "fill"}
+
+
+def launch_kind(name: str) -> str:
+    """The kind a launch of numpy's ``name`` is counted as ("reduction", "matmul", "alloc", "copy", ...)."""
+    return _KINDS.get(name, "elementwise")
+
+
+def _host_arrays(values, scalars=False):
+    for v in values:
+        if isinstance(v, np.ndarray) or (scalars and isinstance(v, np.generic)):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            yield from _host_arrays(v, scalars)
+
+
+def launched(name: str, result, sources, out=None) -> None:
+    """Count the launch of ``name`` that made ``result`` from the host arrays among ``sources``, unless ``result``
+    is a view of one of them (reshape, transpose, broadcast, basic indexing: no kernel on cupy either)."""
+    if out is None and result is not None:
+        results = list(_host_arrays((result,), scalars=True))  # a numpy scalar is new memory
+        if not results or all(any(np.may_share_memory(r, s) for s in _host_arrays(sources)) for r in results):
+            return
+    _transfers.count_launch(launch_kind(name))
+
+
 def _binary(ufunc, reflected=False):
     def op(self, other):
         if getattr(other, "__array_priority__", 0) > self.__array_priority__ and not isinstance(other, ndarray):
@@ -155,6 +192,8 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         if out is not None:
             kwargs["out"] = unwrap(out, f"{ufunc.__name__} out")
         result = getattr(ufunc, method)(*args, **kwargs)
+        _transfers.count_launch("matmul" if ufunc is np.matmul else "elementwise" if method in ("__call__", "at")
+                                else "reduction")  # a ufunc always runs a kernel, in place or not
         if out is not None:
             return out[0] if len(out) == 1 else out
         return wrap(result)
@@ -163,7 +202,9 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         if not all(issubclass(t, (ndarray, np.ndarray)) for t in types):
             return NotImplemented
         out = kwargs.get("out")
-        result = func(*unwrap(args, func.__name__), **unwrap(kwargs, func.__name__))
+        args = unwrap(args, func.__name__)
+        result = func(*args, **unwrap(kwargs, func.__name__))
+        launched(func.__name__, result, args, out)
         return out if out is not None else wrap(result)
 
     @property
@@ -269,17 +310,22 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         result = self._a[key]
         if isinstance(result, np.generic):  # one element: cupy gives a 0-d view of it, not numpy's scalar copy
             result = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+        launched("take", result, (self._a,))  # advanced indexing gathers (a kernel); basic indexing is a view
         return wrap(result)
 
     def __setitem__(self, key, value):
         if isinstance(value, np.ndarray):
             _transfers.count("from_host")  # host to device in an assignment is allowed, as in cupy
+        else:
+            _transfers.count_launch("fill" if not isinstance(value, ndarray) else "copy")
         self._a[unwrap_index(key)] = value._a if isinstance(value, ndarray) else value
 
     def __copy__(self):
+        _transfers.count_launch("copy")
         return ndarray(self._a.copy())
 
     def __deepcopy__(self, memo):
+        _transfers.count_launch("copy")
         return ndarray(self._a.copy())
 
     def __matmul__(self, other):
@@ -321,6 +367,7 @@ def _method(name):
     def method(self, *args, **kwargs):
         out = kwargs.get("out")
         result = getattr(self._a, name)(*unwrap(args, name), **unwrap(kwargs, name))
+        launched(name, result, (self._a,), out)
         return out if out is not None else wrap(result)
     method.__name__ = name
     return method

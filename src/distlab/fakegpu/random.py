@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _transfers
 from ._ndarray import wrap
 
 __all__ = ["Generator", "RandomState", "default_rng", "seed", "rand", "randn", "random", "normal", "uniform",
@@ -20,7 +21,11 @@ class _Draws:
 
     def __getattr__(self, name):
         method = getattr(self._host, name)
-        return lambda *args, **kwargs: wrap(method(*args, **kwargs))
+
+        def draw(*args, **kwargs):
+            _transfers.count_launch("random")  # cupy draws with a kernel
+            return wrap(method(*args, **kwargs))
+        return draw
 
 
 class Generator(_Draws):

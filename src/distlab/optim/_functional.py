@@ -1,9 +1,28 @@
-"""Helpers the optimizers share: reading a parameter's gradient the way torch's ``_single_tensor_*`` do."""
+"""What the optimizers share: reading a parameter's gradient the way torch's ``_single_tensor_*`` do, and the
+fused updates (one element-wise kernel per parameter, as torch's ``fused=True``).
+
+An unfused update is a handful of array operations per parameter (SGD with momentum: six), each one kernel launch
+on a GPU; a fused update is one kernel (:func:`distlab.autograd._kernels.elementwise_kernel`) whose body performs
+the same operations in the same order, so numpy runs it to the same bits as the unfused code. Every scalar the
+body needs (``1 - beta1``, ``lr / (1 - beta1 ** t)``...) is computed on the host in Python's doubles, as the
+unfused code computes it, and handed to the kernel, which casts it to the parameter's type, as numpy does.
+"""
 from __future__ import annotations
 
+import math
+
+from ..autograd._array import array_module, is_cupy
+from ..autograd._kernels import elementwise_kernel
 from ..autograd.sparse import SparseGrad
 
-__all__ = ["dense_grad", "check_non_negative"]
+__all__ = ["dense_grad", "check_non_negative", "fusable", "fused_sgd", "fused_adam"]
+
+
+def _dense(optimizer, p):
+    if isinstance(p.grad, SparseGrad):
+        raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients (as in torch); use SGD "
+                           "or Adagrad for sparse embeddings")
+    return p.grad.data
 
 
 def dense_grad(optimizer, p, maximize: bool, weight_decay: float = 0.0):
@@ -12,10 +31,7 @@ def dense_grad(optimizer, p, maximize: bool, weight_decay: float = 0.0):
 
     Raises RuntimeError for a sparse gradient, as torch does for every optimizer but SGD, Adagrad and SparseAdam.
     """
-    if isinstance(p.grad, SparseGrad):
-        raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients (as in torch); use SGD "
-                           "or Adagrad for sparse embeddings")
-    grad = p.grad.data
+    grad = _dense(optimizer, p)
     grad = -grad if maximize else grad
     return grad + weight_decay * p.data if weight_decay != 0 else grad
 
@@ -25,3 +41,77 @@ def check_non_negative(**values) -> None:
     for name, value in values.items():
         if not 0.0 <= value:
             raise ValueError(f"Invalid {name} value: {value}")
+
+
+def fusable(fused, p) -> bool:
+    """Whether ``p``'s update runs fused: ``fused`` True or False as given; None (the default) on device arrays
+    only (numpy keeps the readable operation-by-operation code, which gives the same bits). A gradient of another
+    type, dtype or shape than the parameter (or a sparse one) takes the unfused code."""
+    data, grad = p.data, p.grad
+    if fused is False or isinstance(grad, SparseGrad) or (fused is None and not is_cupy(data)):
+        return False
+    grad = grad.data
+    return type(grad) is type(data) and grad.dtype == data.dtype and grad.shape == data.shape
+
+
+def _run(data, name: str, inputs: list, outputs: list, body: list):
+    """Run the kernel ``body`` over ``inputs`` ``[(param, value)]`` into ``outputs`` ``[(param, array)]``."""
+    kernel = elementwise_kernel(array_module(data), ", ".join(f"T {n}" for n, _ in inputs),
+                                ", ".join(f"T {n}" for n, _ in outputs), "; ".join(body), name)
+    kernel(*(v for _, v in inputs), *(a for _, a in outputs))
+
+
+def fused_sgd(p, buf, lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """SGD's update of ``p`` (its dense gradient) in one kernel; returns the momentum buffer (made on the first
+    step with momentum, as the unfused ``grad.copy()``), or None without momentum."""
+    data = p.data
+    inputs, outputs = [("g", p.grad.data), ("lr", lr)], [("p", data)]
+    body = ["T d = -g" if maximize else "T d = g"]
+    if weight_decay != 0:
+        inputs.append(("wd", weight_decay))
+        body.append("d = d + wd * p")
+    if momentum != 0:
+        if buf is None:
+            buf = array_module(data).empty_like(data)
+            body.append("buf = d")
+        else:
+            inputs.append(("momentum", momentum))
+            if dampening:
+                inputs.append(("damp", 1 - dampening))
+                body.append("buf = buf * momentum + damp * d")
+            else:
+                body.append("buf = buf * momentum + d")
+        outputs.append(("buf", buf))
+        if nesterov:
+            if ("momentum", momentum) not in inputs:
+                inputs.append(("momentum", momentum))
+            body.append("d = d + momentum * buf")
+        else:
+            body.append("d = buf")
+    body.append("p = p - lr * d")
+    _run(data, "distlab_sgd", inputs, outputs, body)
+    return buf
+
+
+def fused_adam(p, state, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step):
+    """Adam's (AdamW's with ``decoupled``) update of ``p`` and its moments in ``state`` at step ``step``, in one
+    kernel."""
+    data = p.data
+    inputs = [("g", p.grad.data), ("b1c", 1 - beta1), ("beta2", beta2), ("b2c", 1 - beta2),
+              ("step_size", lr / (1 - beta1 ** step)), ("bc2", math.sqrt(1 - beta2 ** step)), ("eps", eps)]
+    outputs = [("p", data), ("m", state["exp_avg"]), ("v", state["exp_avg_sq"])]
+    body = ["T d = -g" if maximize else "T d = g"]
+    if weight_decay != 0 and not decoupled:
+        inputs.append(("wd", weight_decay))
+        body.append("d = d + wd * p")
+    elif weight_decay != 0:
+        inputs.append(("decay", 1 - lr * weight_decay))
+        body.append("p = p * decay")
+    body += ["m = m + b1c * (d - m)", "v = v * beta2 + b2c * d * d"]
+    second = "v"
+    if amsgrad:
+        outputs.append(("vmax", state["max_exp_avg_sq"]))
+        body.append("vmax = max(vmax, v)")
+        second = "vmax"
+    body.append(f"p = p - step_size * (m / (sqrt({second}) / bc2 + eps))")
+    _run(data, "distlab_adam", inputs, outputs, body)

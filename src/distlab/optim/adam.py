@@ -8,13 +8,16 @@ Per parameter, at step ``t`` (1-based)::
     v = beta2 * v + (1 - beta2) * g * g
     vmax = max(vmax, v); use vmax for v           (amsgrad)
     p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+``fused`` (as torch's): all of it in one element-wise kernel per parameter, the same operations in the same order
+(bit-equal on numpy). None, the default, fuses on device arrays and keeps this readable code on numpy.
 """
 from __future__ import annotations
 
 import math
 
 from ..autograd._array import array_module
-from ._functional import dense_grad
+from ._functional import dense_grad, fusable, fused_adam
 from .optimizer import Optimizer
 
 __all__ = ["Adam", "AdamW"]
@@ -24,14 +27,14 @@ class Adam(Optimizer):
     """Adam; ``decoupled_weight_decay=True`` makes it AdamW."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, maximize: bool = False, decoupled_weight_decay: bool = False):
+                 amsgrad: bool = False, maximize: bool = False, decoupled_weight_decay: bool = False, fused=None):
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
             raise ValueError("lr, eps and weight_decay must be non-negative")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"Invalid beta parameters: {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize,
-                                      decoupled_weight_decay=decoupled_weight_decay))
+                                      decoupled_weight_decay=decoupled_weight_decay, fused=fused))
 
     def _init_state(self, p, group, xp) -> dict:
         state = {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_avg_sq": xp.zeros_like(p.data)}
@@ -44,6 +47,12 @@ class Adam(Optimizer):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"]
+        if fusable(group.get("fused"), p):
+            state = self._state(p, group)
+            state["step"] += 1
+            fused_adam(p, state, lr, beta1, beta2, eps, wd, decoupled, group["amsgrad"], group["maximize"],
+                       state["step"])
+            return
         grad = dense_grad(self, p, group["maximize"], 0.0 if decoupled else wd)
         state = self._state(p, group)
         state["step"] += 1
@@ -66,6 +75,6 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (default ``weight_decay=1e-2``), as torch.optim.AdamW."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 amsgrad: bool = False, maximize: bool = False):
+                 amsgrad: bool = False, maximize: bool = False, fused=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, decoupled_weight_decay=True)
+                         maximize=maximize, decoupled_weight_decay=True, fused=fused)

@@ -7,11 +7,16 @@ The update, per parameter ``p`` with gradient ``g`` (torch's ``_single_tensor_sg
     buf = momentum * buf + (1 - dampening) * g    (later steps)
     g = g + momentum * buf  if nesterov  else  buf
     p = p - lr * g
+
+``fused`` (as torch's): the whole update in one element-wise kernel per parameter, the same operations in the
+same order (bit-equal on numpy). None, the default, fuses on device arrays, where each separate operation is one
+kernel launch, and keeps this operation-by-operation code on numpy.
 """
 from __future__ import annotations
 
 from ..autograd._array import index_add
 from ..autograd.sparse import SparseGrad
+from ._functional import fusable, fused_sgd
 from .optimizer import Optimizer, required
 
 __all__ = ["SGD"]
@@ -21,7 +26,7 @@ class SGD(Optimizer):
     """SGD; a row-sparse gradient with no momentum and no weight decay updates only the touched rows."""
 
     def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, fused=None):
         if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0 or weight_decay < 0.0:
@@ -29,7 +34,7 @@ class SGD(Optimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize))
+                                      nesterov=nesterov, maximize=maximize, fused=fused))
 
     def step(self, closure=None):
         """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
@@ -44,12 +49,19 @@ class SGD(Optimizer):
     @staticmethod
     def _hyper(group) -> tuple:
         return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
-                group["maximize"])
+                group["maximize"], group.get("fused"))
 
     def _update_in(self, p, group) -> None:
         self._update(p, *self._hyper(group))
 
-    def _update(self, p, lr, momentum, dampening, wd, nesterov, maximize) -> None:
+    def _update(self, p, lr, momentum, dampening, wd, nesterov, maximize, fused=None) -> None:
+        if fusable(fused, p):
+            state = self.state.get(p) if momentum != 0 else None
+            buf = fused_sgd(p, None if state is None else state.get("momentum_buffer"), lr, momentum, dampening,
+                            wd, nesterov, maximize)
+            if buf is not None:
+                self.state.setdefault(p, {})["momentum_buffer"] = buf
+            return
         grad = p.grad
         if isinstance(grad, SparseGrad):
             if momentum == 0 and wd == 0:
