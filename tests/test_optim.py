@@ -409,3 +409,54 @@ def test_optimizers_under_distributed_optimizer(mpirun):
     job = mpirun("optim_distributed.py", np=2, timeout=180)
     assert job.stdout.count("under DistributedOptimizer OK") == 2
     assert "DistributedOptimizer(Rprop) OK" in job.stdout
+
+
+FUSED_CASES = [
+    (optim.SGD, dict(lr=0.1)), (optim.SGD, dict(lr=0.1, momentum=0.9)),
+    (optim.SGD, dict(lr=0.05, momentum=0.8, dampening=0.3)),
+    (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (optim.SGD, dict(lr=0.1, maximize=True, momentum=0.5, weight_decay=0.1)),
+    (optim.SGD, dict(lr=0.1, maximize=True, weight_decay=0.1)),
+    (optim.Adam, dict(lr=0.01)), (optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+    (optim.Adam, dict(lr=0.01, maximize=True, betas=(0.8, 0.9), eps=1e-3)),
+    (optim.AdamW, dict(lr=0.01)), (optim.AdamW, dict(lr=0.01, amsgrad=True, weight_decay=0.05, maximize=True)),
+]
+
+
+def fused_run(opt_cls, kw, module, fused, dtype, steps=4):
+    """``steps`` steps on three parameters (a matrix, a vector, a scalar) with seeded gradients (zeros among
+    them); the parameters and every state array on the host, and the launches of each step after the first."""
+    rng = np.random.default_rng(7)
+    params = [nn.Parameter(module.asarray(rng.standard_normal(s).astype(dtype))) for s in ((5, 7), (7,), ())]
+    opt = opt_cls(params, fused=fused, **kw)
+    launches = []
+    for _ in range(steps):
+        for p in params:
+            g = rng.standard_normal(p.shape).astype(dtype)
+            g[g > 1.2] = 0
+            p.grad = distlab.Tensor(module.asarray(g))
+        if module is not np:
+            module.reset()
+        opt.step()
+        if module is not np:
+            launches.append(module.launch_total())
+    state = [to_numpy(v) for p in params for v in opt.state.get(p, {}).values() if not isinstance(v, int)]
+    return [to_numpy(p.data) for p in params] + state, launches
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("opt_cls, kw", FUSED_CASES)
+def test_fused_updates_are_bit_equal_to_the_unfused_numpy_code(opt_cls, kw, dtype):
+    """One kernel per parameter (fused=True on numpy through the kernels' host twin, and the default on the
+    device stand-in, where it is counted as one launch per parameter) gives the unfused numpy code's bits."""
+    from distlab import fakegpu
+
+    unfused, _ = fused_run(opt_cls, kw, np, False, dtype)
+    host_fused, _ = fused_run(opt_cls, kw, np, True, dtype)
+    device, launches = fused_run(opt_cls, kw, fakegpu, None, dtype)
+    assert len(unfused) == len(device) > 3 - (opt_cls is optim.SGD and "momentum" not in kw) * 3
+    for want, *got in zip(unfused, host_fused, device):
+        assert all(g.dtype == want.dtype and g.tobytes() == want.tobytes() for g in got)
+    assert launches[1:] == [3] * 3  # after the first step (which makes the state): one kernel per parameter
+    _, per_op = fused_run(opt_cls, kw, fakegpu, False, dtype)
+    assert min(per_op[1:]) > 3  # fused=False keeps the operation-by-operation code on the device too

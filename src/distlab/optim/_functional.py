@@ -57,7 +57,7 @@ def fusable(fused, p) -> bool:
 def _run(data, name: str, inputs: list, outputs: list, body: list):
     """Run the kernel ``body`` over ``inputs`` ``[(param, value)]`` into ``outputs`` ``[(param, array)]``."""
     kernel = elementwise_kernel(array_module(data), ", ".join(f"T {n}" for n, _ in inputs),
-                                ", ".join(f"T {n}" for n, _ in outputs), "; ".join(body), name)
+                                ", ".join(f"T {n}" for n, _ in outputs), "; ".join(body) + ";", name)
     kernel(*(v for _, v in inputs), *(a for _, a in outputs))
 
 

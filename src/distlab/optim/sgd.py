@@ -14,7 +14,7 @@ kernel launch, and keeps this operation-by-operation code on numpy.
 """
 from __future__ import annotations
 
-from ..autograd._array import index_add
+from ..autograd._array import array_module, index_add
 from ..autograd.sparse import SparseGrad
 from ._functional import fusable, fused_sgd
 from .optimizer import Optimizer, required
@@ -81,7 +81,8 @@ class SGD(Optimizer):
                 state = self.state[p] = {}
             buf = state.get("momentum_buffer")
             if buf is None:
-                buf = state["momentum_buffer"] = grad.copy()
+                # an array even for a 0-d parameter, whose maths numpy gives as scalars (which `*=` cannot update)
+                buf = state["momentum_buffer"] = array_module(p.data).array(grad)
             else:
                 buf *= momentum
                 buf += (1 - dampening) * grad if dampening else grad
