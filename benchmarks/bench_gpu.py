@@ -5,6 +5,8 @@ cupy and a CUDA device, and says so and exits (status 2) without one. Three tabl
 
 1. one process: an MLP training step (forward, backward, SGD) on cupy through distlab's autograd, and the same
    model and batch in torch on the GPU when torch is importable (PyTorch's own step, the floor to compare with);
+   with ``--device fake``, the kernel launches of one step as the stand-in counts them (its times mean nothing,
+   its launch count is what a GPU step of this size is bound by);
 2. allreduce of float32 device arrays on ``--np`` ranks (sharing GPU 0 when there is one GPU), by size (4 KiB to
    256 MiB), one column per device transport: ``none`` (the plain path, staged through pageable memory) and every
    other ``DISTLAB_DEVICE_COMM`` word (``ipc``, ``nccl``, ``staged``, ``mpi``), each in a launch and a process
@@ -111,7 +113,10 @@ def _mlp(layers, width):
 
 
 def local_step(cupy, layers, width, batch, steps, warmup):
-    """One process: distlab on cupy, and torch on the GPU when importable."""
+    """One process: distlab on cupy, and torch on the GPU when importable; on the stand-in, the launches of a step.
+
+    The step is the library's own path: ``Module.to``, the autograd engine, ``SGD`` with its default ``fused=None``
+    (one fused kernel per parameter on a device), ``zero_grad`` setting gradients to None."""
     import numpy as np
 
     import distlab
@@ -131,9 +136,12 @@ def local_step(cupy, layers, width, batch, steps, warmup):
 
     sync = cupy.cuda.get_current_stream().synchronize
     row = {"what": f"{layers} x Linear({width}, {width}) + ReLU, batch {batch}",
-           "distlab_ms": _median_ms(step, steps, warmup, sync), "torch_ms": None}
-    if cupy.__name__ != "cupy":
-        return row  # the stand-in: no torch comparison
+           "distlab_ms": _median_ms(step, steps, warmup, sync), "torch_ms": None, "launches_per_step": None}
+    if cupy.__name__ != "cupy":  # the stand-in: no torch comparison, but the launches of one step (after warm-up)
+        cupy.reset()
+        step()
+        row["launches_per_step"] = cupy.launch_total()
+        return row
     try:
         import torch
     except ImportError:
@@ -768,7 +776,8 @@ def main(argv=None) -> int:
           f"steps after {args.warmup} warm-up")
     row = report["local_step"]
     torch_ms = "n/a" if row["torch_ms"] is None else f"{row['torch_ms']:.2f} ms"
-    print(f"\n1. one process, {row['what']}: distlab {row['distlab_ms']:.2f} ms, torch {torch_ms}")
+    launches = "" if row["launches_per_step"] is None else f", {row['launches_per_step']} launches per step"
+    print(f"\n1. one process, {row['what']}: distlab {row['distlab_ms']:.2f} ms, torch {torch_ms}{launches}")
     print_tables(report)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

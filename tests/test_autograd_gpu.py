@@ -41,3 +41,29 @@ def test_mlp_step_on_gpu_matches_cpu(cp):
 
     for cpu, gpu in zip(step("cpu"), step("cuda")):
         np.testing.assert_allclose(cpu, gpu, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_cls, kw", [
+    (optim.SGD, dict(lr=0.1)), (optim.SGD, dict(lr=0.05, momentum=0.8, dampening=0.3)),
+    (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True)),
+    (optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)), (optim.AdamW, dict(lr=0.01, maximize=True)),
+])
+def test_fused_kernels_compile_and_match_numpy(cp, opt_cls, kw):
+    """The fused kernels' bodies (ReLU's backward, each optimizer's update) compiled by cupy: a ReLU MLP trained
+    3 steps on the GPU (fused, the default there) against the unfused numpy code, to float32 rounding."""
+    def train(device):
+        distlab.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(device)
+        opt = opt_cls(model.parameters(), **kw)
+        rng = np.random.default_rng(0)
+        x, y = (rng.standard_normal((5, n)).astype(np.float32) for n in (6, 3))
+        if device == "cuda":
+            x, y = cp.asarray(x), cp.asarray(y)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
+            opt.step()
+        return [p.numpy() for p in model.parameters()]
+
+    for cpu, gpu in zip(train("cpu"), train("cuda")):
+        np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-5)

@@ -162,3 +162,20 @@ def test_a_training_step_launches_a_fixed_few_kernels_per_layer_and_never_waits_
     assert sum(counts.values()) == 9 * LAYERS + 7 < 12 * LAYERS  # before: 12 a layer with plain SGD, 24 and 34
     assert xp.launch_total(prefix="distlab.") == xp.launch_total()
     assert xp.round_trips(prefix="distlab.") == 0 and xp.transfers() == {}
+
+
+def test_the_gpu_benchmarks_local_step_reports_the_stand_ins_launches():
+    """``bench_gpu.py --device fake``'s local-step row carries the launches of one step of the library's path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("_bench_gpu_for_launches", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    module, _ = bench.gpu_or_reason("fake")
+    try:
+        row = bench.local_step(module, layers=3, width=8, batch=2, steps=1, warmup=1)
+    finally:
+        xp.use_as_cuda(False)
+    assert row["launches_per_step"] == 9 * 3 + 7 and row["torch_ms"] is None

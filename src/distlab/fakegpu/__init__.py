@@ -9,11 +9,14 @@ stages them through host memory (or hands them to a "CUDA-aware" MPI through ``_
 :func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy.
 
 Every transfer between host and "device", and every stream wait, is counted by the distlab module that asked for
-it (:func:`transfers`, :func:`total`, :func:`reset`), so a test can show which components stage through the host
-and that none converts implicitly. The maths is numpy's on the host memory: a seeded run is bit-equal to numpy.
+it (:func:`transfers`, :func:`total`, :func:`round_trips`), so a test can show which components stage through
+the host and that none converts implicitly. Every kernel a GPU would launch (a ufunc, a reduction, a matmul, an
+allocation, a copy, a fill, an :class:`ElementwiseKernel`) is counted the same way (:func:`launches`,
+:func:`launch_total`); :func:`reset` forgets both. The maths is numpy's on the host memory: a seeded run is
+bit-equal to numpy.
 
-What it cannot show: device rounding (cupy's reductions and matmuls differ from numpy's in the last bits), kernel
-launch and copy costs, and the real stream ordering; those need a GPU (``tests/test_gpu.py``).
+What it cannot show: device rounding (cupy's reductions and matmuls differ from numpy's in the last bits), what a
+launch and a copy cost, and the real stream ordering; those need a GPU (``tests/test_gpu.py``).
 """
 from __future__ import annotations
 

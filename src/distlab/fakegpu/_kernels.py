@@ -9,7 +9,7 @@ from __future__ import annotations
 from distlab.autograd._kernels import HostElementwiseKernel
 
 from . import _transfers
-from ._ndarray import ndarray, unwrap, wrap
+from ._ndarray import unwrap, wrap
 
 __all__ = ["ElementwiseKernel"]
 
