@@ -420,6 +420,12 @@ FUSED_CASES = [
     (optim.Adam, dict(lr=0.01)), (optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
     (optim.Adam, dict(lr=0.01, maximize=True, betas=(0.8, 0.9), eps=1e-3)),
     (optim.AdamW, dict(lr=0.01)), (optim.AdamW, dict(lr=0.01, amsgrad=True, weight_decay=0.05, maximize=True)),
+    (optim.Adagrad, dict(lr=0.1)), (optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, maximize=True,
+                                                        initial_accumulator_value=0.5)),
+    (optim.RMSprop, dict(lr=0.01)), (optim.RMSprop, dict(lr=0.01, centered=True, momentum=0.9)),
+    (optim.RMSprop, dict(lr=0.01, weight_decay=0.1, momentum=0.5, maximize=True)),
+    (optim.Adadelta, dict()), (optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True)),
+    (optim.Adamax, dict()), (optim.Adamax, dict(lr=0.01, betas=(0.8, 0.9), weight_decay=0.1, maximize=True)),
 ]
 
 
@@ -454,7 +460,7 @@ def test_fused_updates_are_bit_equal_to_the_unfused_numpy_code(opt_cls, kw, dtyp
     unfused, _ = fused_run(opt_cls, kw, np, False, dtype)
     host_fused, _ = fused_run(opt_cls, kw, np, True, dtype)
     device, launches = fused_run(opt_cls, kw, fakegpu, None, dtype)
-    assert len(unfused) == len(device) > 3 - (opt_cls is optim.SGD and "momentum" not in kw) * 3
+    assert len(unfused) == len(host_fused) == len(device) >= 3  # the parameters, then every state array
     for want, *got in zip(unfused, host_fused, device):
         assert all(g.dtype == want.dtype and g.tobytes() == want.tobytes() for g in got)
     assert launches[1:] == [3] * 3  # after the first step (which makes the state): one kernel per parameter

@@ -15,7 +15,8 @@ from ..autograd._array import array_module, is_cupy
 from ..autograd._kernels import elementwise_kernel
 from ..autograd.sparse import SparseGrad
 
-__all__ = ["dense_grad", "check_non_negative", "fusable", "fused_sgd", "fused_adam"]
+__all__ = ["dense_grad", "check_non_negative", "fusable", "fused_sgd", "fused_adam", "fused_adagrad", "fused_rmsprop",
+           "fused_adadelta", "fused_adamax"]
 
 
 def _dense(optimizer, p):
@@ -54,57 +55,53 @@ def fusable(fused, p) -> bool:
     return type(grad) is type(data) and grad.dtype == data.dtype and grad.shape == data.shape
 
 
-def _run(data, name: str, inputs: list, outputs: list, body: list):
+def _run(data, name: str, inputs: list, outputs: list, body: list) -> None:
     """Run the kernel ``body`` over ``inputs`` ``[(param, value)]`` into ``outputs`` ``[(param, array)]``."""
     kernel = elementwise_kernel(array_module(data), ", ".join(f"T {n}" for n, _ in inputs),
                                 ", ".join(f"T {n}" for n, _ in outputs), "; ".join(body) + ";", name)
     kernel(*(v for _, v in inputs), *(a for _, a in outputs))
 
 
-def fused_sgd(p, buf, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    """SGD's update of ``p`` (its dense gradient) in one kernel; returns the momentum buffer (made on the first
-    step with momentum, as the unfused ``grad.copy()``), or None without momentum."""
-    data = p.data
-    inputs, outputs = [("g", p.grad.data), ("lr", lr)], [("p", data)]
-    body = ["T d = -g" if maximize else "T d = g"]
+def _start(p, maximize: bool, weight_decay: float = 0.0):
+    """The kernel's first statements, :func:`dense_grad`'s operations: ``d``, the gradient (negated for
+    ``maximize``) plus ``weight_decay * p``; with its inputs and the parameter as the first output."""
+    inputs, body = [("g", p.grad.data)], ["T d = -g" if maximize else "T d = g"]
     if weight_decay != 0:
         inputs.append(("wd", weight_decay))
         body.append("d = d + wd * p")
+    return inputs, [("p", p.data)], body
+
+
+def fused_sgd(p, buf, lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """SGD's update of ``p`` (its dense gradient) in one kernel; returns the momentum buffer (made on the first
+    step with momentum, as the unfused ``grad.copy()``), or None without momentum."""
+    inputs, outputs, body = _start(p, maximize, weight_decay)
+    inputs.append(("lr", lr))
     if momentum != 0:
+        inputs.append(("momentum", momentum))
         if buf is None:
-            buf = array_module(data).empty_like(data)
+            buf = array_module(p.data).empty_like(p.data)
             body.append("buf = d")
+        elif dampening:
+            inputs.append(("damp", 1 - dampening))
+            body.append("buf = buf * momentum + damp * d")
         else:
-            inputs.append(("momentum", momentum))
-            if dampening:
-                inputs.append(("damp", 1 - dampening))
-                body.append("buf = buf * momentum + damp * d")
-            else:
-                body.append("buf = buf * momentum + d")
+            body.append("buf = buf * momentum + d")
         outputs.append(("buf", buf))
-        if nesterov:
-            if ("momentum", momentum) not in inputs:
-                inputs.append(("momentum", momentum))
-            body.append("d = d + momentum * buf")
-        else:
-            body.append("d = buf")
+        body.append("d = d + momentum * buf" if nesterov else "d = buf")
     body.append("p = p - lr * d")
-    _run(data, "distlab_sgd", inputs, outputs, body)
+    _run(p.data, "distlab_sgd", inputs, outputs, body)
     return buf
 
 
 def fused_adam(p, state, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step):
     """Adam's (AdamW's with ``decoupled``) update of ``p`` and its moments in ``state`` at step ``step``, in one
     kernel."""
-    data = p.data
-    inputs = [("g", p.grad.data), ("b1c", 1 - beta1), ("beta2", beta2), ("b2c", 1 - beta2),
-              ("step_size", lr / (1 - beta1 ** step)), ("bc2", math.sqrt(1 - beta2 ** step)), ("eps", eps)]
-    outputs = [("p", data), ("m", state["exp_avg"]), ("v", state["exp_avg_sq"])]
-    body = ["T d = -g" if maximize else "T d = g"]
-    if weight_decay != 0 and not decoupled:
-        inputs.append(("wd", weight_decay))
-        body.append("d = d + wd * p")
-    elif weight_decay != 0:
+    inputs, outputs, body = _start(p, maximize, 0.0 if decoupled else weight_decay)
+    inputs += [("b1c", 1 - beta1), ("beta2", beta2), ("b2c", 1 - beta2), ("step_size", lr / (1 - beta1 ** step)),
+               ("bc2", math.sqrt(1 - beta2 ** step)), ("eps", eps)]
+    outputs += [("m", state["exp_avg"]), ("v", state["exp_avg_sq"])]
+    if weight_decay != 0 and decoupled:
         inputs.append(("decay", 1 - lr * weight_decay))
         body.append("p = p * decay")
     body += ["m = m + b1c * (d - m)", "v = v * beta2 + b2c * d * d"]
@@ -114,4 +111,52 @@ def fused_adam(p, state, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad
         body.append("vmax = max(vmax, v)")
         second = "vmax"
     body.append(f"p = p - step_size * (m / (sqrt({second}) / bc2 + eps))")
-    _run(data, "distlab_adam", inputs, outputs, body)
+    _run(p.data, "distlab_adam", inputs, outputs, body)
+
+
+def fused_adagrad(p, state_sum, clr, eps, weight_decay, maximize):
+    """Adagrad's dense update of ``p`` and its sum of squares, with this step's learning rate ``clr``."""
+    inputs, outputs, body = _start(p, maximize, weight_decay)
+    inputs += [("clr", clr), ("eps", eps)]
+    outputs.append(("sum", state_sum))
+    body += ["sum = sum + d * d", "p = p - clr * (d / (sqrt(sum) + eps))"]
+    _run(p.data, "distlab_adagrad", inputs, outputs, body)
+
+
+def fused_rmsprop(p, state, lr, alpha, eps, weight_decay, momentum, centered, maximize):
+    """RMSprop's update of ``p`` and its averages (and momentum buffer) in ``state``."""
+    inputs, outputs, body = _start(p, maximize, weight_decay)
+    inputs += [("lr", lr), ("alpha", alpha), ("a1", 1 - alpha), ("eps", eps)]
+    outputs.append(("sq", state["square_avg"]))
+    body.append("sq = sq * alpha + a1 * d * d")
+    if centered:
+        outputs.append(("ga", state["grad_avg"]))
+        body += ["ga = ga + a1 * (d - ga)", "T avg = sqrt(sq - ga * ga) + eps"]
+    else:
+        body.append("T avg = sqrt(sq) + eps")
+    if momentum > 0:
+        inputs.append(("momentum", momentum))
+        outputs.append(("buf", state["momentum_buffer"]))
+        body += ["buf = buf * momentum + d / avg", "p = p - lr * buf"]
+    else:
+        body.append("p = p - lr * (d / avg)")
+    _run(p.data, "distlab_rmsprop", inputs, outputs, body)
+
+
+def fused_adadelta(p, state, lr, rho, eps, weight_decay, maximize):
+    """Adadelta's update of ``p`` and its two running averages in ``state``."""
+    inputs, outputs, body = _start(p, maximize, weight_decay)
+    inputs += [("lr", lr), ("rho", rho), ("r1", 1 - rho), ("eps", eps)]
+    outputs += [("sq", state["square_avg"]), ("acc", state["acc_delta"])]
+    body += ["sq = sq * rho + r1 * d * d", "T delta = sqrt(acc + eps) / sqrt(sq + eps) * d",
+             "acc = acc * rho + r1 * delta * delta", "p = p - lr * delta"]
+    _run(p.data, "distlab_adadelta", inputs, outputs, body)
+
+
+def fused_adamax(p, state, clr, beta1, beta2, eps, weight_decay, maximize):
+    """Adamax's update of ``p`` and its moments in ``state``, with this step's ``clr = lr / (1 - beta1^t)``."""
+    inputs, outputs, body = _start(p, maximize, weight_decay)
+    inputs += [("clr", clr), ("b1c", 1 - beta1), ("beta2", beta2), ("eps", eps)]
+    outputs += [("m", state["exp_avg"]), ("u", state["exp_inf"])]
+    body += ["m = m + b1c * (d - m)", "u = max(u * beta2, fabs(d) + eps)", "p = p - clr * (m / u)"]
+    _run(p.data, "distlab_adamax", inputs, outputs, body)

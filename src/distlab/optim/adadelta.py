@@ -7,11 +7,14 @@ Per parameter::
     delta = sqrt(u + eps) / sqrt(v + eps) * g
     u = rho * u + (1 - rho) * delta * delta
     p = p - lr * delta
+
+``fused``: the whole update in one element-wise kernel per parameter (see :class:`~distlab.optim.SGD`); None, the
+default, fuses on device arrays only.
 """
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad
+from ._functional import check_non_negative, dense_grad, fusable, fused_adadelta
 from .optimizer import Optimizer
 
 __all__ = ["Adadelta"]
@@ -24,16 +27,23 @@ class Adadelta(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0,
-                 maximize: bool = False):
+                 maximize: bool = False, fused=None):
         check_non_negative(learning_rate=lr, epsilon=eps, weight_decay=weight_decay)
         if not 0.0 <= rho <= 1.0:
             raise ValueError(f"Invalid rho value: {rho}")
-        super().__init__(params, dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize))
+        super().__init__(params, dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                                      fused=fused))
 
     def _init_state(self, p, group, xp) -> dict:
         return {"step": 0, "square_avg": xp.zeros_like(p.data), "acc_delta": xp.zeros_like(p.data)}
 
     def _update(self, p, group) -> None:
+        if fusable(group.get("fused"), p):
+            state = self._state(p, group)
+            state["step"] += 1
+            fused_adadelta(p, state, group["lr"], group["rho"], group["eps"], group["weight_decay"],
+                           group["maximize"])
+            return
         xp = array_module(p.data)
         grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state = self._state(p, group)

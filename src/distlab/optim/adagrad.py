@@ -9,12 +9,15 @@ Per parameter, at step ``t`` (1-based)::
 
 A row-sparse gradient (``nn.Embedding(sparse=True)``) updates only the rows it touches, after summing repeated
 rows (the update is not linear in g), as torch does; weight decay cannot be combined with it.
+
+``fused``: the whole update in one element-wise kernel per parameter (see :class:`~distlab.optim.SGD`); None, the
+default, fuses on device arrays only.
 """
 from __future__ import annotations
 
 from ..autograd._array import array_module
 from ..autograd.sparse import SparseGrad
-from ._functional import check_non_negative, dense_grad
+from ._functional import check_non_negative, dense_grad, fusable, fused_adagrad
 from .optimizer import Optimizer
 
 __all__ = ["Adagrad"]
@@ -27,12 +30,13 @@ class Adagrad(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False):
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False,
+                 fused=None):
         check_non_negative(learning_rate=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                            initial_accumulator_value=initial_accumulator_value, epsilon=eps)
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps,
-                                      maximize=maximize))
+                                      maximize=maximize, fused=fused))
 
     def _init_state(self, p, group, xp) -> dict:
         # torch creates this state in the constructor; here on first use (the same values)
@@ -44,6 +48,9 @@ class Adagrad(Optimizer):
         clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
         if isinstance(p.grad, SparseGrad):
             self._sparse_update(p, p.grad, state["sum"], clr, group)
+            return
+        if fusable(group.get("fused"), p):
+            fused_adagrad(p, state["sum"], clr, group["eps"], group["weight_decay"], group["maximize"])
             return
         grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state_sum = state["sum"]

@@ -6,11 +6,14 @@ Per parameter, at step ``t`` (1-based)::
     m = m + (1 - beta1) * (g - m)                 (torch's lerp_)
     u = max(beta2 * u, |g| + eps)
     p = p - (lr / (1 - beta1^t)) * m / u
+
+``fused``: the whole update in one element-wise kernel per parameter (see :class:`~distlab.optim.SGD`); None, the
+default, fuses on device arrays only.
 """
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad
+from ._functional import check_non_negative, dense_grad, fusable, fused_adamax
 from .optimizer import Optimizer
 
 __all__ = ["Adamax"]
@@ -20,18 +23,25 @@ class Adamax(Optimizer):
     """Adamax. Defaults as torch: ``lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0``."""
 
     def __init__(self, params, lr: float = 2e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 maximize: bool = False):
+                 maximize: bool = False, fused=None):
         check_non_negative(learning_rate=lr, epsilon=eps, weight_decay=weight_decay)
         for index, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      maximize=maximize))
+                                      maximize=maximize, fused=fused))
 
     def _init_state(self, p, group, xp) -> dict:
         return {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_inf": xp.zeros_like(p.data)}
 
     def _update(self, p, group) -> None:
+        if fusable(group.get("fused"), p):
+            state = self._state(p, group)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            fused_adamax(p, state, group["lr"] / (1 - beta1 ** state["step"]), beta1, beta2, group["eps"],
+                         group["weight_decay"], group["maximize"])
+            return
         xp = array_module(p.data)
         grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state = self._state(p, group)

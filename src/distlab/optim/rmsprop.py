@@ -8,11 +8,14 @@ Per parameter::
     else:      avg = sqrt(v) + eps
     momentum > 0:  buf = momentum * buf + g / avg;  p = p - lr * buf
     else:          p = p - lr * g / avg
+
+``fused``: the whole update in one element-wise kernel per parameter (see :class:`~distlab.optim.SGD`); None, the
+default, fuses on device arrays only.
 """
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad
+from ._functional import check_non_negative, dense_grad, fusable, fused_rmsprop
 from .optimizer import Optimizer
 
 __all__ = ["RMSprop"]
@@ -25,11 +28,11 @@ class RMSprop(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, centered: bool = False, maximize: bool = False):
+                 momentum: float = 0.0, centered: bool = False, maximize: bool = False, fused=None):
         check_non_negative(learning_rate=lr, epsilon=eps, momentum=momentum, weight_decay=weight_decay,
                            alpha=alpha)
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      centered=centered, maximize=maximize))
+                                      centered=centered, maximize=maximize, fused=fused))
 
     def _init_state(self, p, group, xp) -> dict:
         state = {"step": 0, "square_avg": xp.zeros_like(p.data)}
@@ -40,6 +43,12 @@ class RMSprop(Optimizer):
         return state
 
     def _update(self, p, group) -> None:
+        if fusable(group.get("fused"), p):
+            state = self._state(p, group)
+            state["step"] += 1
+            fused_rmsprop(p, state, group["lr"], group["alpha"], group["eps"], group["weight_decay"],
+                          group["momentum"], group["centered"], group["maximize"])
+            return
         xp = array_module(p.data)
         grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
         state = self._state(p, group)
