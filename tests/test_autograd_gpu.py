@@ -49,8 +49,10 @@ def test_mlp_step_on_gpu_matches_cpu(cp):
     (optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)), (optim.AdamW, dict(lr=0.01, maximize=True)),
 ])
 def test_fused_kernels_compile_and_match_numpy(cp, opt_cls, kw):
-    """The fused kernels' bodies (ReLU's backward, each optimizer's update) compiled by cupy: a ReLU MLP trained
-    3 steps on the GPU (fused, the default there) against the unfused numpy code, to float32 rounding."""
+    """The fused kernels compiled by cupy (ReLU's backward; each optimizer's update as multi-tensor raw kernels in
+    ``step`` and as an ElementwiseKernel per parameter in ``step_param``): a ReLU MLP trained 3 steps on the GPU
+    (fused, the default there), then each parameter stepped once more alone, against the unfused numpy code, to
+    float32 rounding."""
     def train(device):
         distlab.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(device)
@@ -63,6 +65,8 @@ def test_fused_kernels_compile_and_match_numpy(cp, opt_cls, kw):
             opt.zero_grad()
             nn.MSELoss()(model(distlab.tensor(x)), distlab.tensor(y)).backward()
             opt.step()
+        for p in model.parameters():
+            opt.step_param(p, p.grad)
         return [p.numpy() for p in model.parameters()]
 
     for cpu, gpu in zip(train("cpu"), train("cuda")):

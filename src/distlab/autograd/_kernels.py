@@ -28,7 +28,8 @@ import re
 
 import numpy as np
 
-__all__ = ["HostElementwiseKernel", "elementwise_kernel"]
+__all__ = ["HostElementwiseKernel", "elementwise_kernel", "MultiTensorKernel", "CupyMultiTensorKernel",
+           "multi_tensor_kernel"]
 
 #: the C types a body or a parameter may name, as numpy dtypes
 _C_TYPES = {"float": "float32", "double": "float64", "int": "int32", "bool": "bool", "float16": "float16",
@@ -155,4 +156,114 @@ def elementwise_kernel(xp, in_params: str, out_params: str, operation: str, name
     if kernel is None:
         make = getattr(xp, "ElementwiseKernel", None) if xp is not np else None
         kernel = _CACHE[key] = (make or HostElementwiseKernel)(in_params, out_params, operation, name)
+    return kernel
+
+
+class MultiTensorKernel:
+    """A kernel's multi-tensor form: one launch runs its body over up to :attr:`CHUNK` tensors (torch's
+    ``multi_tensor_apply``), so an optimizer step is a few launches instead of one per parameter.
+
+    Called with one argument per parameter: a list (one array per tensor, every list as long) or a scalar that
+    all tensors share. Only ``T`` parameters; every array C-contiguous. This class runs each chunk on the host,
+    tensor by tensor, with :class:`HostElementwiseKernel`; a device module's form launches each chunk once.
+    """
+
+    CHUNK = 32
+
+    def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel"):
+        self.elementwise = HostElementwiseKernel(in_params, out_params, operation, name)
+        self.name, self.operation = name, operation
+        if any(ctype != "T" for _, ctype in self.elementwise.in_params + self.elementwise.out_params):
+            raise ValueError(f"{name}: a multi-tensor kernel takes T parameters only")
+
+    def __call__(self, *args) -> None:
+        lists = [a for a in args if isinstance(a, list)]
+        count = len(lists[0]) if lists else 0
+        if any(len(a) != count for a in lists) or len(args) != self.elementwise.nin + self.elementwise.nout:
+            raise TypeError(f"{self.name}: give every parameter, each a list of one array per tensor (all as long) "
+                            f"or a scalar")
+        if any(not a.flags.c_contiguous for arrays in lists for a in arrays):
+            raise ValueError(f"{self.name}: a multi-tensor kernel indexes its arrays flat: each must be C-contiguous")
+        for start in range(0, count, self.CHUNK):
+            self._launch([a[start:start + self.CHUNK] if isinstance(a, list) else a for a in args])
+
+    def _launch(self, args: list) -> None:
+        """Run one chunk (each list argument holds its arrays)."""
+        for i in range(len(next(a for a in args if isinstance(a, list)))):
+            self.elementwise(*(a[i] if isinstance(a, list) else a for a in args))
+
+    def cuda_source(self, ctype: str, shape: tuple) -> tuple:
+        """The CUDA source and kernel name of one launch: ``shape`` says, per parameter, how many tensors its list
+        holds, or None for a scalar; ``ctype`` is ``T``'s C type."""
+        k = next(n for n in shape if n is not None)
+        params = self.elementwise.in_params + self.elementwise.out_params
+        nin = self.elementwise.nin
+        kernel = f"{self.name}_x{k}_" + "".join("a" if n else "s" for n in shape)
+        args, tables, elements = [], [], []
+        for index, ((pname, _), n) in enumerate(zip(params, shape)):
+            const = "const " if index < nin else ""
+            if n is None:
+                continue
+            args += [f"{const}T* {pname}_{t}" for t in range(k)]
+            tables.append(f"    {const}T* const {pname}_all[{k}] = {{{', '.join(f'{pname}_{t}' for t in range(k))}}};")
+            elements.append(f"        {const}T{'' if const else '&'} {pname} = {pname}_all[t][i];")
+        args += [f"long long n_{t}" for t in range(k)]
+        args += [f"T {pname}" for (pname, _), n in zip(params, shape) if n is None]
+        body = "\n".join(f"        {s.strip()};" for s in self.operation.split(";") if s.strip())
+        source = "\n".join([
+            f"typedef {ctype} T;",
+            f"extern \"C\" __global__ void {kernel}({', '.join(args)}) {{",
+            "    const int t = blockIdx.y;",
+            *tables,
+            f"    const long long sizes[{k}] = {{{', '.join(f'n_{t}' for t in range(k))}}};",
+            "    const long long n = sizes[t];",
+            "    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;",
+            "         i += (long long)gridDim.x * blockDim.x) {",
+            *elements, body, "    }", "}", ""])
+        return source, kernel
+
+    def kernel_args(self, args: list, dtype) -> list:
+        """One launch's arguments, in :meth:`cuda_source`'s order: the arrays, the sizes, the scalars (as ``T``)."""
+        arrays = [a for arg in args if isinstance(arg, list) for a in arg]
+        sizes = [np.int64(a.size) for a in next(arg for arg in args if isinstance(arg, list))]
+        return arrays + sizes + [dtype.type(a) for a in args if not isinstance(a, list)]
+
+
+_C_NAMES = {np.dtype("float32"): "float", np.dtype("float64"): "double"}
+
+
+class CupyMultiTensorKernel(MultiTensorKernel):
+    """The multi-tensor kernel on cupy: each chunk is one ``cupy.RawKernel`` launch (compiled once per dtype and
+    argument shape); the grid's rows are the chunk's tensors, its columns stride over their elements."""
+
+    BLOCK = 256
+
+    def __init__(self, cupy, in_params: str, out_params: str, operation: str, name: str = "kernel"):
+        super().__init__(in_params, out_params, operation, name)
+        self.cupy, self._compiled = cupy, {}
+
+    def _launch(self, args: list) -> None:
+        first = next(a for a in args if isinstance(a, list))
+        dtype = first[0].dtype
+        shape = tuple(len(a) if isinstance(a, list) else None for a in args)
+        kernel = self._compiled.get((dtype, shape))
+        if kernel is None:
+            source, name = self.cuda_source(_C_NAMES[dtype], shape)
+            kernel = self._compiled[(dtype, shape)] = self.cupy.RawKernel(source, name)
+        largest = max(a.size for a in first)
+        blocks = max(1, min(-(-largest // self.BLOCK), 1024))
+        kernel((blocks, len(first)), (self.BLOCK,), tuple(self.kernel_args(args, dtype)))
+
+
+def multi_tensor_kernel(xp, in_params: str, out_params: str, operation: str, name: str):
+    """The multi-tensor form of a kernel for array module ``xp``: cupy's (raw kernels), the device stand-in's
+    (``xp.MultiTensorKernel``: one counted launch a chunk), else numpy's (:class:`MultiTensorKernel`)."""
+    key = ("multi", xp.__name__, in_params, out_params, operation, name)
+    kernel = _CACHE.get(key)
+    if kernel is None:
+        if xp.__name__ == "cupy":
+            kernel = CupyMultiTensorKernel(xp, in_params, out_params, operation, name)
+        else:
+            kernel = getattr(xp, "MultiTensorKernel", MultiTensorKernel)(in_params, out_params, operation, name)
+        _CACHE[key] = kernel
     return kernel

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as _np
 
 from . import cuda, lib, nccl, random
-from ._kernels import ElementwiseKernel
+from ._kernels import ElementwiseKernel, MultiTensorKernel
 from ._ndarray import MemoryPointer, ndarray, launched as _launched, unwrap as _unwrap, \
     unwrap_index as _unwrap_index, wrap as _wrap
 from ._transfers import launch_total, launches, reset, round_trips, total, transfers
@@ -31,9 +31,9 @@ from ._transfers import count as _count, count_launch as _count_launch
 
 cuda.nccl = nccl  # cupy.cuda.nccl
 
-__all__ = ["ndarray", "MemoryPointer", "ElementwiseKernel", "cuda", "lib", "random", "asarray", "array",
-           "ascontiguousarray", "asnumpy", "get_array_module", "scatter_add", "use_as_cuda", "transfers", "total",
-           "round_trips", "launches", "launch_total", "reset"]
+__all__ = ["ndarray", "MemoryPointer", "ElementwiseKernel", "MultiTensorKernel", "cuda", "lib", "random", "asarray",
+           "array", "ascontiguousarray", "asnumpy", "get_array_module", "scatter_add", "use_as_cuda", "transfers",
+           "total", "round_trips", "launches", "launch_total", "reset"]
 
 
 def _from_host(value, dtype=None, copy=False):

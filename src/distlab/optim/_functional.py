@@ -9,13 +9,17 @@ unfused code computes it, and handed to the kernel, which casts it to the parame
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+
+import numpy as np
 
 from ..autograd._array import array_module, is_cupy
-from ..autograd._kernels import elementwise_kernel
+from ..autograd._kernels import elementwise_kernel, multi_tensor_kernel
 from ..autograd.sparse import SparseGrad
 
-__all__ = ["dense_grad", "check_non_negative", "fusable", "fused_sgd", "fused_adam", "fused_adagrad", "fused_rmsprop",
+__all__ = ["dense_grad", "check_non_negative", "fusable", "batched", "fused_sgd", "fused_adam", "fused_adagrad", "fused_rmsprop",
            "fused_adadelta", "fused_adamax"]
 
 
@@ -55,11 +59,50 @@ def fusable(fused, p) -> bool:
     return type(grad) is type(data) and grad.dtype == data.dtype and grad.shape == data.shape
 
 
+class _Batch(threading.local):
+    calls = None  # the fused updates collected by the innermost batched() of this thread, or None
+
+
+_batch = _Batch()
+
+
+@contextlib.contextmanager
+def batched():
+    """Collect the fused updates of device parameters made inside, then run them as multi-tensor launches: each
+    set of updates with the same body, dtype and scalars is one launch per 32 parameters (torch's
+    ``multi_tensor_apply``) instead of one per parameter. What ``step`` runs its updates in. The updates are
+    independent of each other, so running them together changes no result."""
+    if _batch.calls is not None:
+        yield
+        return
+    _batch.calls = calls = []
+    try:
+        yield
+    finally:
+        _batch.calls = None
+        groups = {}
+        for xp, signature, inputs, outputs in calls:
+            scalars = tuple(v for _, v in inputs if not hasattr(v, "shape"))
+            key = (xp.__name__, signature, outputs[0][1].dtype, scalars)
+            groups.setdefault(key, (xp, signature, []))[2].append((inputs, outputs))
+        for xp, signature, members in groups.values():
+            first_inputs, first_outputs = members[0]
+            args = [[m[0][i][1] for m in members] if hasattr(v, "shape") else v for i, (_, v) in enumerate(first_inputs)]
+            args += [[m[1][i][1] for m in members] for i in range(len(first_outputs))]
+            multi_tensor_kernel(xp, *signature)(*args)
+
+
 def _run(data, name: str, inputs: list, outputs: list, body: list) -> None:
-    """Run the kernel ``body`` over ``inputs`` ``[(param, value)]`` into ``outputs`` ``[(param, array)]``."""
-    kernel = elementwise_kernel(array_module(data), ", ".join(f"T {n}" for n, _ in inputs),
-                                ", ".join(f"T {n}" for n, _ in outputs), "; ".join(body) + ";", name)
-    kernel(*(v for _, v in inputs), *(a for _, a in outputs))
+    """Run the kernel ``body`` over ``inputs`` ``[(param, value)]`` into ``outputs`` ``[(param, array)]``, now, or
+    with the rest of a :func:`batched` step."""
+    xp = array_module(data)
+    signature = (", ".join(f"T {n}" for n, _ in inputs), ", ".join(f"T {n}" for n, _ in outputs),
+                 "; ".join(body) + ";", name)
+    if _batch.calls is not None and xp is not np and all(
+            a.flags.c_contiguous for _, a in inputs + outputs if hasattr(a, "shape")):
+        _batch.calls.append((xp, signature, inputs, outputs))
+        return
+    elementwise_kernel(xp, *signature)(*(v for _, v in inputs), *(a for _, a in outputs))
 
 
 def _start(p, maximize: bool, weight_decay: float = 0.0):

@@ -5,6 +5,7 @@ import copy
 
 from ..autograd._array import array_module
 from ..autograd.tensor import Tensor, zero_grads
+from ._functional import batched
 
 __all__ = ["Optimizer", "required"]
 
@@ -62,10 +63,11 @@ class Optimizer:
     def step(self, closure=None):
         """Update every parameter that has a gradient (``_update(p, group)``); returns ``closure()`` if given."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+        with batched():  # fused updates of device parameters: a few multi-tensor launches for all of them
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, group)
         return loss
 
     def step_param(self, param, grad) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..autograd._array import array_module, index_add
 from ..autograd.sparse import SparseGrad
-from ._functional import fusable, fused_sgd
+from ._functional import batched, fusable, fused_sgd
 from .optimizer import Optimizer, required
 
 __all__ = ["SGD"]
@@ -39,11 +39,12 @@ class SGD(Optimizer):
     def step(self, closure=None):
         """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            hyper = self._hyper(group)
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, *hyper)
+        with batched():  # fused updates of device parameters: a few multi-tensor launches for all of them
+            for group in self.param_groups:
+                hyper = self._hyper(group)
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, *hyper)
         return loss
 
     @staticmethod
