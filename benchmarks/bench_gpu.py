@@ -116,7 +116,8 @@ def local_step(cupy, layers, width, batch, steps, warmup):
     """One process: distlab on cupy, and torch on the GPU when importable; on the stand-in, the launches of a step.
 
     The step is the library's own path: ``Module.to``, the autograd engine, ``SGD`` with its default ``fused=None``
-    (one fused kernel per parameter on a device), ``zero_grad`` setting gradients to None."""
+    (on a device, each parameter's update one fused body, run for 32 parameters a launch), ``zero_grad`` setting
+    gradients to None."""
     import numpy as np
 
     import distlab
