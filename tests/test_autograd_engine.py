@@ -72,6 +72,23 @@ def test_fresh_gradient_is_stored_without_a_copy_as_torch_steals_it():
     assert lin.weight.grad.dtype == np.float32
 
 
+def test_a_second_gradient_is_added_in_place_into_an_array_only_the_engine_holds(xp, monkeypatch):
+    """``a`` receives two fresh gradients: the second is added into the first (no new array, as torch's
+    InputBuffer steals it); one shared with another edge (``x + x`` passes the same array twice) is not."""
+    from distlab.autograd import engine
+
+    adds = []
+    monkeypatch.setattr(engine, "add_grads", lambda p, g: adds.append(1) or p + g)
+    data = np.array([[0.5, -1.25], [2.0, 0.75]], np.float32)
+    x = distlab.tensor(xp.asarray(data), requires_grad=True)
+    a = x * 3.0
+    ((a * 2.0 + a * 5.0) * 1.0).sum().backward()
+    assert adds == [] and ag.to_numpy(x.grad.data).tolist() == [[21.0, 21.0], [21.0, 21.0]]  # (2 + 5) * 3
+    y = distlab.tensor(xp.asarray(data), requires_grad=True)
+    (y + y).sum().backward()
+    assert adds == [1] and ag.to_numpy(y.grad.data).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
 def test_post_accumulate_hooks_fire_once_per_leaf_in_ready_order():
     model = mlp(depth=3)
     order = []

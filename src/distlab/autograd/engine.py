@@ -24,6 +24,7 @@ from collections import deque
 import numpy as np
 
 from . import grad_mode
+from ._array import is_cupy
 from .accumulate_grad import AccumulateGrad, run_tensor_hooks
 from .node import FREED_GRAPH_MESSAGE, Node
 from .sparse import add_grads
@@ -249,6 +250,9 @@ def propagate(node, outputs, buffers, deps, ready, order: int) -> int:
 
     Mirrors the tail of engine.cpp ``evaluate_function``; shared with the distributed engine. A next node missing
     from ``deps`` counts as having one dependency (the distributed engine adds send functions' targets late).
+    A gradient added to one already waiting is added in place when the waiting array is the engine's alone (no
+    other reference, not a view, same shape and dtype; torch's ``InputBuffer::accumulate`` steals it alike), else
+    into a new array.
     Returns the tie-breaking counter for the next node queued.
     """
     for i, nxt in enumerate(node.next_nodes):
@@ -257,7 +261,15 @@ def propagate(node, outputs, buffers, deps, ready, order: int) -> int:
         g = outputs[i] if outputs else None
         if g is not None:
             prev = buffers.get(nxt)
-            buffers[nxt] = g if prev is None else add_grads(prev, g)
+            if prev is None:
+                buffers[nxt] = g
+            elif (type(prev) is type(g) and (type(prev) is np.ndarray or is_cupy(prev)) and prev is not g
+                  and prev.base is None and prev.shape == g.shape
+                  and prev.dtype == g.dtype and getattr(prev.flags, "writeable", True)
+                  and sys.getrefcount(prev) <= _OWNED_REFS + 1):
+                prev += g  # only this buffer refers to it (+1: the dict): add in place, allocate nothing
+            else:
+                buffers[nxt] = add_grads(prev, g)
         remaining = deps.get(nxt, 1) - 1
         deps[nxt] = remaining
         if remaining == 0:
