@@ -56,6 +56,8 @@ def test_a_multi_tensor_kernel_refuses_what_it_cannot_index(call, error, words):
         call(xp.MultiTensorKernel(*SGD_BODY), _tensors(xp, [(2, 3), (2, 3)], 0))
     with pytest.raises(ValueError, match="T parameters only"):
         MultiTensorKernel("float32 g", "T p", "p = g;", "k")
+    with pytest.raises(ValueError, match=r"\['n'\] are names"):
+        MultiTensorKernel("T g", "T p", "T n = g; p = n;", "k")
 
 
 _OPTIMIZERS = {

@@ -466,3 +466,14 @@ def test_fused_updates_are_bit_equal_to_the_unfused_numpy_code(opt_cls, kw, dtyp
     assert launches[1:] == [1] * 3  # after the first step (which makes the state): one launch for the three
     _, per_op = fused_run(opt_cls, kw, fakegpu, False, dtype)
     assert min(per_op[1:]) > 3  # fused=False keeps the operation-by-operation code on the device too
+
+
+def test_float16_parameters_take_one_fused_kernel_each_with_the_unfused_bits():
+    """The multi-tensor kernels take float32 and float64; float16 parameters get one fused kernel each."""
+    from distlab import fakegpu
+
+    for opt_cls, kw in ((optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)), (optim.Adam, dict(lr=0.01, eps=1e-3))):
+        unfused, _ = fused_run(opt_cls, kw, np, False, np.float16)
+        device, launches = fused_run(opt_cls, kw, fakegpu, None, np.float16)
+        assert all(d.dtype == u.dtype == np.float16 and d.tobytes() == u.tobytes() for d, u in zip(device, unfused))
+        assert launches[1:] == [3] * 3

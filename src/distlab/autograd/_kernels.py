@@ -34,7 +34,7 @@ import re
 import numpy as np
 
 __all__ = ["HostElementwiseKernel", "elementwise_kernel", "MultiTensorKernel", "CupyMultiTensorKernel",
-           "multi_tensor_kernel"]
+           "multi_tensor_kernel", "MULTI_TENSOR_DTYPES"]
 
 #: the C types a body or a parameter may name, as numpy dtypes
 _C_TYPES = {"float": "float32", "double": "float64", "int": "int32", "bool": "bool", "float16": "float16",
@@ -180,6 +180,10 @@ class MultiTensorKernel:
         self.name, self.operation = name, operation
         if any(ctype != "T" for _, ctype in self.elementwise.in_params + self.elementwise.out_params):
             raise ValueError(f"{name}: a multi-tensor kernel takes T parameters only")
+        taken = {"t", "n", "i", "sizes"} & ({p for p, _ in self.elementwise.in_params + self.elementwise.out_params}
+                                           | set(self.elementwise._local_types))
+        if taken:
+            raise ValueError(f"{name}: {sorted(taken)} are names the multi-tensor kernel's own code uses")
 
     def __call__(self, *args) -> None:
         lists = [a for a in args if isinstance(a, list)]
@@ -235,6 +239,8 @@ class MultiTensorKernel:
 
 
 _C_NAMES = {np.dtype("float32"): "float", np.dtype("float64"): "double"}
+#: the dtypes a multi-tensor kernel takes (``T``'s C type without extra headers); others take one kernel an array
+MULTI_TENSOR_DTYPES = frozenset(_C_NAMES)
 
 
 class CupyMultiTensorKernel(MultiTensorKernel):

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from ..autograd._array import array_module, is_cupy
-from ..autograd._kernels import elementwise_kernel, multi_tensor_kernel
+from ..autograd._kernels import MULTI_TENSOR_DTYPES, elementwise_kernel, multi_tensor_kernel
 from ..autograd.sparse import SparseGrad
 
 __all__ = ["dense_grad", "check_non_negative", "fusable", "batched", "fused_sgd", "fused_adam", "fused_adagrad", "fused_rmsprop",
@@ -98,7 +98,7 @@ def _run(data, name: str, inputs: list, outputs: list, body: list) -> None:
     xp = array_module(data)
     signature = (", ".join(f"T {n}" for n, _ in inputs), ", ".join(f"T {n}" for n, _ in outputs),
                  "; ".join(body) + ";", name)
-    if _batch.calls is not None and xp is not np and all(
+    if _batch.calls is not None and xp is not np and data.dtype in MULTI_TENSOR_DTYPES and all(
             a.flags.c_contiguous for _, a in inputs + outputs if hasattr(a, "shape")):
         _batch.calls.append((xp, signature, inputs, outputs))
         return
