@@ -5,7 +5,7 @@ pytest, and no network (see docs/gpu.md). It makes a virtual environment that se
 the carried ``mpich`` wheel in it (the machine has no MPI), builds the core in parallel, runs the GPU tests
 (marker ``gpu`` in ``tests/test_*gpu*.py``, 2 ranks sharing the GPU) and the GPU benchmark's quick mode, and writes under the results
 directory: ``gpu-check.log`` (every command and its output), ``gpu-check.json`` (each step: command, exit status,
-seconds), ``gpu-tests.xml`` (pytest's JUnit report), ``bench_gpu.json``, ``nccl.json`` (the NCCL version, and
+seconds), ``gpu-tests.xml`` and ``gpu-examples.xml`` (pytest's JUnit reports), ``bench_gpu.json``, ``nccl.json`` (the NCCL version, and
 whether a one-rank NCCL communicator reduced on the GPU, raw and through distlab's nccl transport; ``"absent"``
 when cupy has no NCCL, which does not fail the check) and ``ddp_timeline.json`` (a Chrome trace of a few DDP
 steps per device transport: the reducer's buckets against backward).
@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: How to fetch the wheel on a machine with a network (the device machine has none): it is carried in --wheels.
 PIP_DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
                 "--platform manylinux_2_28_x86_64 -d wheels mpich==5.0.2")
+#: The five examples with --device cuda against the CPU: a step of their own, bounded apart from the GPU tests.
+EXAMPLE_TESTS = "test_gpu_examples.py"
 #: Imported in the venv before anything runs: what the machine must provide (the venv sees its site-packages).
 NEEDED = ("numpy", "Cython", "setuptools", "mpi4py", "pytest", "cloudpickle", "tqdm", "cupy")
 
@@ -148,9 +150,13 @@ def plan(args) -> list:
                   None))
     steps.append(("nccl", [str(vpy), "-P", str(REPO / "scripts" / "gpu_check.py"), "--nccl-check",
                            str(results / "nccl.json"), *(["--rehearse"] if args.rehearse else [])], 120.0))
-    env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*gpu*.py"))
+    env_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*gpu*.py")
+                       if p.name != EXAMPLE_TESTS)
     steps.append(("gpu tests", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                 f"--junitxml={results / 'gpu-tests.xml'}", *env_tests], args.timeout))
+    steps.append(("gpu examples", [str(vpy), "-P", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                   f"--junitxml={results / 'gpu-examples.xml'}", f"tests/{EXAMPLE_TESTS}"],
+                  args.timeout))
     steps.append(("bench_gpu --quick", [str(vpy), "-P", "benchmarks/bench_gpu.py", "--quick", "--json",
                                         str(results / "bench_gpu.json"), "--timeline",
                                         str(results / "ddp_timeline.json"),

@@ -28,7 +28,11 @@ def test_the_plan_builds_in_parallel_and_runs_the_gpu_tests_and_the_quick_benchm
     assert "--timeline" in plan and "gpu-check/ddp_timeline.json" in plan
     steps = [line.split("]")[0].strip(" [") for line in plan.splitlines()[1:] if line.startswith("  [")]
     assert steps == ["venv", "see the machine's packages", "mpich", "preflight", "build the core", "nccl",
-                     "gpu tests", "bench_gpu --quick"]
+                     "gpu tests", "gpu examples", "bench_gpu --quick"]
+    tests_line = next(line for line in plan.splitlines() if line.startswith("  [gpu tests]"))
+    examples_line = next(line for line in plan.splitlines() if line.startswith("  [gpu examples]"))
+    assert "test_gpu_examples.py" not in tests_line and "tests/test_gpu_examples.py" in examples_line
+    assert "gpu-check/gpu-examples.xml" in examples_line
     assert "gpu_check.py --nccl-check" in plan and "gpu-check/nccl.json" in plan
 
 
