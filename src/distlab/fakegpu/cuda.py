@@ -8,6 +8,12 @@ that device code calls these the way it would call cupy's (a stream as a context
 issued it: it is queued (:func:`enqueue`) on the stream it was issued on, an event recorded after it is ``done``
 only once it completed (as ``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize
 waits for it, bounded by ``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
+
+Devices: one (id 0) unless ``DISTLAB_FAKEGPU_DEVICES=N`` presents ``N``; a process picks its own as on a GPU
+(``Device(local_rank).use()``), ``runtime.getDeviceProperties(i)["uuid"]`` tells apart every (node, device), and
+distinct devices of one process reach each other (``deviceCanAccessPeer``). Memory is the host's whatever the
+device: what several devices let a test show is which transport the placement picks and that each rank's NCCL
+communicator is on a device of its own.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import time
 from . import _transfers
 
 __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", "get_elapsed_time",
-           "is_available", "runtime", "enqueue", "wait_for"]
+           "is_available", "runtime", "enqueue", "wait_for", "DEVICES_VAR"]
 
 _ptrs = itertools.count(0x1000)
 _current: list = []
@@ -151,12 +157,11 @@ def get_elapsed_time(start: Event, end: Event) -> float:
 
 
 class Device:
-    """The one "GPU" (id 0)."""
+    """A "GPU" of the stand-in: ids ``0 .. getDeviceCount() - 1`` (one unless ``DISTLAB_FAKEGPU_DEVICES`` says
+    more); ``use()`` makes it this process's current device, ``with Device(i):`` for a block, as cupy's."""
 
     def __init__(self, device=None):
-        self.id = 0 if device is None else int(device)
-        if self.id != 0:
-            raise ValueError(f"the stand-in has one device (0), not {self.id}")
+        self.id = _state["device"] if device is None else _checked(device)
 
     compute_capability = "90"
 
@@ -164,13 +169,16 @@ class Device:
         _transfers.count("synchronize")
 
     def use(self):
+        _state["device"] = self.id
         return self
 
     def __enter__(self):
+        _state.setdefault("before", []).append(_state["device"])
+        _state["device"] = self.id
         return self
 
     def __exit__(self, *exc):
-        return None
+        _state["device"] = _state["before"].pop()
 
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
@@ -179,6 +187,43 @@ class Device:
 
     def __repr__(self):
         return f"<CUDA Device {self.id}>"
+
+
+_state: dict = {"device": 0}
+DEVICES_VAR = "DISTLAB_FAKEGPU_DEVICES"
+
+
+def _device_count() -> int:
+    import os
+
+    value = os.environ.get(DEVICES_VAR, "").strip()
+    if value and (not value.isdigit() or int(value) < 1):
+        raise ValueError(f"{DEVICES_VAR}={value!r}: expected a positive number of stand-in devices")
+    return int(value) if value else 1
+
+
+def _checked(device) -> int:
+    index, count = int(device), _device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"the stand-in has {count} device{'s' if count > 1 else ''} (0 .. {count - 1}; "
+                         f"{DEVICES_VAR} sets how many), not {index}")
+    return index
+
+
+def _node() -> str:
+    """This process's node as the stand-in's UUIDs see it: the host, and the simulated node where
+    ``DISTLAB_RANKS_PER_NODE`` makes several of one host (ranks on one simulated node share its devices)."""
+    import os
+    import socket
+
+    per_node = os.environ.get("DISTLAB_RANKS_PER_NODE", "").strip()
+    node = socket.gethostname()
+    if per_node.isdigit() and int(per_node) > 0:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized():
+            node += f":{MPI.COMM_WORLD.Get_rank() // int(per_node)}"
+    return node
 
 
 def is_available() -> bool:
@@ -190,13 +235,30 @@ class runtime:  # noqa: N801 - cupy.cuda.runtime is a module
 
     @staticmethod
     def getDeviceCount() -> int:  # noqa: N802 - cupy's name
-        return 1
+        return _device_count()
 
     @staticmethod
     def getDevice() -> int:  # noqa: N802
-        return 0
+        return _state["device"]
+
+    @staticmethod
+    def setDevice(device: int) -> None:  # noqa: N802
+        _state["device"] = _checked(device)
+
+    @staticmethod
+    def getDeviceProperties(device: int) -> dict:  # noqa: N802
+        """cupy's dict of ``cudaDeviceProp``: the name and a 16-byte ``uuid`` distinct per (node, device)."""
+        import hashlib
+
+        index = _checked(device)
+        uuid = hashlib.blake2b(f"distlab.fakegpu:{_node()}:{index}".encode(), digest_size=16).digest()
+        return {"name": b"distlab.fakegpu", "uuid": uuid, "major": 9, "minor": 0}
+
+    @staticmethod
+    def deviceCanAccessPeer(device: int, peer: int) -> int:  # noqa: N802
+        """1 for two distinct devices of this process (all stand-in memory is the host's), as NVLink peers."""
+        return int(_checked(device) != _checked(peer))
 
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
         _transfers.count("synchronize")
-

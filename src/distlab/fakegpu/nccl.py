@@ -2,7 +2,7 @@
 
 The names and argument orders are cupy's (``cupy_backends/cuda/libs/nccl.pyx``): :func:`get_unique_id`,
 ``NcclCommunicator(ndev, commId, rank)``, ``allReduce(sendbuf, recvbuf, count, datatype, op, stream)`` with raw
-device pointers and a raw stream pointer, ``bcast``, ``broadcast``, ``allGather``, ``reduceScatter``,
+device pointers and a raw stream pointer, ``bcast``, ``broadcast``, ``allGather``, ``reduceScatter``, ``reduce``,
 ``destroy``, ``abort``, ``check_async_error``, the ``NCCL_*`` constants and :class:`NcclError`. Pointers are
 resolved through the addresses stand-in arrays handed out (``a.data.ptr``); one that names no live array is an
 ``NCCL_ERROR_INVALID_ARGUMENT``, as NCCL refuses an invalid device pointer.
@@ -140,6 +140,7 @@ class NcclCommunicator:
             world.Free()
         self._running: list = []
         self._aborted = False
+        self._device = _cuda.runtime.getDevice()
         self._finalizer = weakref.finalize(self, _free, self._mpi)
 
     # -- what cupy's communicator answers ------------------------------------------------------------------
@@ -157,8 +158,9 @@ class NcclCommunicator:
         return self._ndev
 
     def device_id(self) -> int:
+        """The device current when the communicator was made."""
         self._live()
-        return 0
+        return self._device
 
     def destroy(self) -> None:
         """Free the communicator once its collectives completed (``ncclCommDestroy`` finalizes first)."""
@@ -190,6 +192,21 @@ class NcclCommunicator:
         if recv is not None:
             self._queue(stream, self._mpi.Ireduce_scatter_block(send, recv, _mpi_op(op, dtype)))
 
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int):
+        """Reduce into rank ``root``'s ``recvbuf`` (read only there, as NCCL's)."""
+        if not 0 <= root < self._ndev:
+            raise NcclError(_INVALID_ARGUMENT, f"root {root} is not in [0, {self._ndev})")
+        mine = self._rank == root
+        send, recv, dtype = self._buffers(sendbuf, count, recvbuf, count if mine else 0, datatype)
+        if not count:
+            return
+        if not mine:
+            send = _typed(_memory(sendbuf, count, dtype, "sendbuff"))
+            self._queue(stream, self._mpi.Ireduce(send, None, _mpi_op(op, dtype), root=root))
+            return
+        source = MPI.IN_PLACE if sendbuf == recvbuf else send
+        self._queue(stream, self._mpi.Ireduce(source, recv, _mpi_op(op, dtype), root=root))
+
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int):  # noqa: N802
         send, recv, _ = self._buffers(sendbuf, count, recvbuf, count * self._ndev, datatype)
         if recv is not None:
@@ -218,7 +235,8 @@ class NcclCommunicator:
 
     def _buffers(self, sendptr: int, sendcount: int, recvptr: int, recvcount: int, datatype: int):
         """The typed views of the memory behind both pointers (a copy of the send side when they overlap
-        without being the same: MPI refuses aliased buffers); ``recv`` is None for an empty collective."""
+        without being the same buffer, as in NCCL's in-place reduce-scatter and all-gather: MPI refuses aliased
+        buffers); ``recv`` is None for an empty collective."""
         self._live()
         if datatype not in _DTYPES:
             raise NcclError(_INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL datatype")
@@ -230,7 +248,7 @@ class NcclCommunicator:
         if sendcount:
             send = _memory(sendptr, sendcount, dtype, "sendbuff")
             end, recv_end = sendptr + send.nbytes, recvptr + recv.nbytes
-            if sendptr != recvptr and sendptr < recv_end and recvptr < end:
+            if (sendptr != recvptr or send.nbytes != recv.nbytes) and sendptr < recv_end and recvptr < end:
                 send = send.copy()
         return _typed(send), _typed(recv), dtype
 

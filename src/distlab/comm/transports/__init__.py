@@ -46,11 +46,16 @@ from ..._env import choice
 from ...autograd._array import device_array_types
 from ..device import cuda_aware
 
-__all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS"]
+__all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS",
+           "NCCL_NET_VAR", "HIERARCHICAL_VAR"]
 
 DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
-SETTINGS = ("auto", "ipc", "nccl", "staged", "mpi", "none")
-PLACEMENT_WORDS = 8
+SETTINGS = ("auto", "ipc", "nccl", "hierarchical", "staged", "mpi", "none")
+#: ``0``: NCCL has no network between nodes (no InfiniBand, sockets refused): it can serve only ranks of one node.
+NCCL_NET_VAR = "DISTLAB_NCCL_NET"
+#: ``1``: ``auto`` takes the hierarchical allreduce across nodes (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``).
+HIERARCHICAL_VAR = "DISTLAB_HIERARCHICAL_ALLREDUCE"
+PLACEMENT_WORDS = 10
 #: NCCL from this version lets several ranks share one GPU; before it, ``ncclCommInitRank`` refuses them.
 NCCL_SHARED_DEVICE_VERSION = 23000
 
@@ -64,7 +69,9 @@ class Placement:
     indices it can reach by peer access; ``nccl`` the NCCL version code at hand (``get_version()``: 22809 for
     2.28.9; 0: no NCCL, a true value of unknown version counts as an old one); ``setting`` the rank's
     ``DISTLAB_DEVICE_COMM``; ``proven`` whether the transports have run on this kind of device (the stand-in: yes;
-    a real GPU: not yet), which ``auto`` needs.
+    a real GPU: not yet), which ``auto`` needs; ``nccl_net`` whether NCCL reaches other nodes (``DISTLAB_NCCL_NET``,
+    default yes); ``hierarchical`` whether the rank opts in to the hierarchical allreduce across nodes
+    (``DISTLAB_HIERARCHICAL_ALLREDUCE=1``).
     """
 
     node: int
@@ -75,17 +82,19 @@ class Placement:
     cuda_aware: bool = False
     setting: str = "auto"
     proven: bool = True
+    nccl_net: bool = True
+    hierarchical: bool = False
 
     def row(self) -> np.ndarray:
         """The placement as ``PLACEMENT_WORDS`` int64 words (what the group gathers)."""
         return np.array([self.node, self.device, self.device_id, self.peers, self.nccl, self.cuda_aware,
-                         SETTINGS.index(self.setting), self.proven], dtype=np.int64)
+                         SETTINGS.index(self.setting), self.proven, self.nccl_net, self.hierarchical], dtype=np.int64)
 
     @classmethod
     def from_row(cls, row) -> "Placement":
         words = [int(w) for w in row]
         return cls(words[0], words[1], words[2], words[3], words[4], bool(words[5]), SETTINGS[words[6]],
-                   bool(words[7]))
+                   bool(words[7]), bool(words[8]), bool(words[9]))
 
 
 def choose(placements: list[Placement]) -> tuple[str, str]:
@@ -104,6 +113,11 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         if why_not:
             raise ValueError(f"{DEVICE_COMM_VAR}=nccl: {why_not}")
         return "nccl", f"{DEVICE_COMM_VAR}=nccl"
+    if setting == "hierarchical":
+        why_not = _hierarchical_impossible(placements)
+        if why_not:
+            raise ValueError(f"{DEVICE_COMM_VAR}=hierarchical: {why_not}")
+        return "hierarchical", f"{DEVICE_COMM_VAR}=hierarchical"
     if setting == "staged":
         return "staged", f"{DEVICE_COMM_VAR}=staged"
     if setting == "none":
@@ -130,6 +144,15 @@ def choose(placements: list[Placement]) -> tuple[str, str]:
         return "staged", "one rank"
     if ipc:
         return "ipc", "every rank on one node, its devices mapped by every rank"
+    opted = [k for k, p in enumerate(placements) if p.hierarchical]
+    if opted and len(opted) < len(placements):
+        raise ValueError(f"{HIERARCHICAL_VAR} differs between ranks (ranks {opted} set it, the others not); every "
+                         "rank must set the same")
+    no_net = [k for k, p in enumerate(placements) if not p.nccl_net]
+    if len({p.node for p in placements}) > 1 and (opted or no_net) \
+            and not _hierarchical_impossible(placements, shared_ok=False):
+        return "hierarchical", (f"the ranks span nodes, each with its own device and NCCL, and "
+                                f"{f'{HIERARCHICAL_VAR}=1' if opted else f'ranks {no_net} have no NCCL network'}")
     if not _nccl_impossible(placements, shared_ok=False):
         return "nccl", f"every rank has NCCL and a device of its own ({why_not})"
     if all(p.cuda_aware for p in placements):
@@ -152,9 +175,10 @@ def _ipc_possible(placements: list[Placement]) -> tuple[bool, str]:
     return True, ""
 
 
-def _nccl_impossible(placements: list[Placement], shared_ok: bool = True) -> str:
+def _nccl_impossible(placements: list[Placement], shared_ok: bool = True, across: bool = True) -> str:
     """Why NCCL cannot serve the group (naming ranks), or "" when it can; ``shared_ok``: whether ranks may share a
-    device when every rank's NCCL allows it (asked for explicitly; ``auto`` leaves such ranks to ipc)."""
+    device when every rank's NCCL allows it (asked for explicitly; ``auto`` leaves such ranks to ipc); ``across``:
+    whether one NCCL communicator must span the nodes (the hierarchical allreduce keeps NCCL inside each)."""
     bare = [k for k, p in enumerate(placements) if not p.device]
     if bare:
         return f"ranks {bare} have no device; use auto or staged"
@@ -170,6 +194,27 @@ def _nccl_impossible(placements: list[Placement], shared_ok: bool = True) -> str
     if old or shared and not shared_ok:
         return (f"ranks {', '.join(str(r) for r in shared)} share one device, which NCCL before 2.30 refuses "
                 "(\"Duplicate GPU detected\"); use auto or ipc, which serves ranks sharing a device")
+    no_net = [k for k, p in enumerate(placements) if not p.nccl_net]
+    nodes = len({p.node for p in placements})
+    if across and nodes > 1 and no_net:
+        return (f"the ranks span {nodes} nodes and NCCL has no network between them on ranks {no_net} "
+                f"({NCCL_NET_VAR}=0); use hierarchical (NCCL inside each node, host MPI across) or staged")
+    return ""
+
+
+def _hierarchical_impossible(placements: list[Placement], shared_ok: bool = True) -> str:
+    """Why the hierarchical allreduce cannot serve the group (naming ranks and nodes), or "" when it can: NCCL
+    inside every node, and every node holding as many ranks (Horovod's homogeneity)."""
+    why_not = _nccl_impossible(placements, shared_ok, across=False)
+    if why_not:
+        return why_not
+    by_node: dict[int, list[int]] = {}
+    for k, p in enumerate(placements):
+        by_node.setdefault(p.node, []).append(k)
+    if len({len(ranks) for ranks in by_node.values()}) > 1:
+        return ("every node must hold as many ranks, and they differ: "
+                + "; ".join(f"node {node}: ranks {ranks}" for node, ranks in sorted(by_node.items()))
+                + "; use nccl or staged")
     return ""
 
 
@@ -212,7 +257,8 @@ def local_placement(node: int, setting: str | None = None) -> Placement:
     can = getattr(runtime, "deviceCanAccessPeer", None)
     peers = sum(1 << k for k in range(min(count, 62)) if k != device_id and can and can(device_id, k))
     nccl = _nccl_version(xp)
-    return Placement(node, device, device_id, peers, nccl, aware, setting, proven=xp.__name__ != "cupy")
+    return Placement(node, device, device_id, peers, nccl, aware, setting, xp.__name__ != "cupy",
+                     choice(NCCL_NET_VAR, "1", ("0", "1")) == "1", choice(HIERARCHICAL_VAR, "0", ("0", "1")) == "1")
 
 
 def _nccl_version(xp) -> int:
@@ -249,4 +295,8 @@ def select(group, wait):
         from .nccl import NcclTransport
 
         return NcclTransport(group, _device_module(), wait), name, why
+    if name == "hierarchical":
+        from .hierarchical import HierarchicalTransport
+
+        return HierarchicalTransport(group, _device_module(), wait), name, why
     return None, name, why

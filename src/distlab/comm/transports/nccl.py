@@ -44,7 +44,7 @@ from ..device import device_array
 from ..setup import barrier_within
 from ._streams import Streams
 
-__all__ = ["NcclTransport", "nccl_module"]
+__all__ = ["NcclTransport", "nccl_module", "nccl_reduction"]
 
 _BY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
             "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
@@ -69,6 +69,19 @@ def nccl_module(xp):
     else:
         module = getattr(xp.cuda, "nccl", None)
     return module if module is not None and getattr(module, "available", False) else None
+
+
+def nccl_reduction(lib, dtype, reduce_op):
+    """``(NCCL datatype, NCCL op, NCCL elements per array element)`` of NCCL module ``lib``, or None when NCCL has
+    no such reduction (the staged path takes it)."""
+    key = "bool" if dtype.kind == "b" else dtype.name
+    ops = _BOOL_OPS if dtype.kind == "b" else _OPS
+    if key not in _BY_NAME or reduce_op not in ops or dtype.kind == "c" and reduce_op is ReduceOp.PRODUCT:
+        return None
+    datatype = getattr(lib, _BY_NAME[key], None)
+    if datatype is None:  # NCCL_BFLOAT16 missing from an older cupy
+        return None
+    return datatype, getattr(lib, ops[reduce_op]), 2 if dtype.kind == "c" else 1
 
 
 class _Communicator:
@@ -140,7 +153,7 @@ class NcclTransport:
 
     def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
         """In-place allreduce through NCCL (or the staged path for a reduction NCCL lacks)."""
-        plan = self._reduction(array.dtype, reduce_op)
+        plan = nccl_reduction(self._lib, array.dtype, reduce_op)
         if plan is None:
             return self._fallback().allreduce(array, reduce_op, mpi_op, async_op, name)
         datatype, op, per_element = plan
@@ -174,7 +187,7 @@ class NcclTransport:
 
     def reduce_scatter(self, output, input, reduce_op, mpi_op, async_op: bool, name):  # noqa: A002
         """Reduce ``input`` across ranks; rank ``r`` receives block ``r`` in ``output``."""
-        plan = self._reduction(input.dtype, reduce_op)
+        plan = nccl_reduction(self._lib, input.dtype, reduce_op)
         if plan is None:
             if (type(input) is np.ndarray) != (type(output) is np.ndarray):
                 raise ValueError(f"reduce_scatter{f' of {name!r}' if name else ''}: NCCL has no {reduce_op.value} "
@@ -191,18 +204,6 @@ class NcclTransport:
                          reduce_op is ReduceOp.AVG, output, async_op)
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _reduction(self, dtype, reduce_op):
-        """``(NCCL datatype, NCCL op, NCCL elements per array element)``, or None when NCCL has no such
-        reduction (the staged path takes it)."""
-        key = "bool" if dtype.kind == "b" else dtype.name
-        ops = _BOOL_OPS if dtype.kind == "b" else _OPS
-        if key not in _BY_NAME or reduce_op not in ops or dtype.kind == "c" and reduce_op is ReduceOp.PRODUCT:
-            return None
-        datatype = getattr(self._lib, _BY_NAME[key], None)
-        if datatype is None:  # NCCL_BFLOAT16 missing from an older cupy
-            return None
-        return datatype, getattr(self._lib, ops[reduce_op]), 2 if dtype.kind == "c" else 1
-
     def _fallback(self):
         if self._staged is None:
             from .staged import StagedTransport

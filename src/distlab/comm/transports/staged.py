@@ -28,7 +28,7 @@ from ..device import device_array
 from ..reduce_ops import is_bfloat16
 from ._streams import Streams
 
-__all__ = ["StagedTransport", "CHUNK_BYTES", "CHUNK_BYTES_VAR"]
+__all__ = ["StagedTransport", "CHUNK_BYTES", "CHUNK_BYTES_VAR", "allreduce_call"]
 
 CHUNK_BYTES_VAR = "DISTLAB_STAGED_CHUNK_BYTES"
 
@@ -91,16 +91,11 @@ class StagedTransport:
     def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
         """In-place allreduce of a device array, chunked and pipelined through a pinned arena."""
         group = self.group
-
-        def call(buf):
-            if is_bfloat16(array.dtype):
-                return group.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
-            return group.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
-
         seq = group._enter("allreduce", name, array, reduce_op=reduce_op)
         average = group.size if reduce_op is ReduceOp.AVG else 0
         return group._staged("allreduce", seq, name, array.nbytes,
-                             self._pipeline(array, call, True, True, average), async_op)
+                             self._pipeline(array, allreduce_call(group.comm, array.dtype, mpi_op), True, True,
+                                            average), async_op)
 
     def broadcast(self, array, src: int, async_op: bool, name):
         """Broadcast of a device array from rank ``src``, chunked and pipelined through a pinned arena."""
@@ -227,6 +222,14 @@ class StagedTransport:
     def _up(streams: Streams, arena: _Arena, caller) -> None:
         arena.pending = [streams.record(streams.up)]
         streams.release_to(caller)
+
+
+def allreduce_call(comm, dtype, mpi_op):
+    """``call(host buffer)``: the nonblocking in-place MPI allreduce of one chunk over ``comm`` (bfloat16 as its
+    16-bit words, which ``mpi_op`` reduces)."""
+    if is_bfloat16(dtype):
+        return lambda buf: comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
+    return lambda buf: comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
 
 
 def _bits(buf):
