@@ -234,3 +234,58 @@ def test_a_stream_waits_for_the_collectives_queued_on_it_and_a_synchronize_is_bo
     work.finished = True
     assert event.done and stream.done and other.done
     event.synchronize()
+
+
+def test_the_stand_in_presents_several_devices_on_request_and_one_by_default(monkeypatch):
+    """DISTLAB_FAKEGPU_DEVICES=N: cupy's Device(i).use(), getDevice, getDeviceCount, a uuid per (node, device),
+    peer access between distinct devices, and an NCCL communicator on the device current when it was made."""
+    runtime = xp.cuda.runtime
+    assert runtime.getDeviceCount() == 1 and runtime.getDevice() == 0 and xp.cuda.Device().id == 0
+    with pytest.raises(ValueError, match=r"the stand-in has 1 device \(0 .. 0; DISTLAB_FAKEGPU_DEVICES"):
+        xp.cuda.Device(1)
+    monkeypatch.setenv("DISTLAB_FAKEGPU_DEVICES", "3")
+    try:
+        assert runtime.getDeviceCount() == 3
+        uuids = [runtime.getDeviceProperties(k)["uuid"] for k in range(3)]
+        assert len(set(uuids)) == 3 and all(len(u) == 16 for u in uuids)
+        assert runtime.deviceCanAccessPeer(0, 2) and not runtime.deviceCanAccessPeer(1, 1)
+        with xp.cuda.Device(2):
+            assert runtime.getDevice() == 2 and xp.cuda.Device() == xp.cuda.Device(2)
+        assert runtime.getDevice() == 0
+        xp.cuda.Device(1).use()
+        assert runtime.getDevice() == 1
+        comm = xp.cuda.nccl.NcclCommunicator(1, xp.cuda.nccl.get_unique_id(), 0)
+        assert comm.device_id() == 1
+        comm.destroy()
+        from distlab.comm.transports import local_placement
+
+        placement = local_placement(0, "auto")
+        assert placement.device_id == 1 and placement.peers == 0b101
+        runtime.setDevice(0)
+        other = local_placement(0, "auto")
+        assert other.device != placement.device and other.peers == 0b110
+        for bad in ("0", "two"):
+            monkeypatch.setenv("DISTLAB_FAKEGPU_DEVICES", bad)
+            with pytest.raises(ValueError, match=f"DISTLAB_FAKEGPU_DEVICES='{bad}'"):
+                runtime.getDeviceCount()
+    finally:
+        monkeypatch.delenv("DISTLAB_FAKEGPU_DEVICES")
+        runtime.setDevice(0)
+
+
+def test_the_stand_in_nccl_reduces_to_a_root_and_reads_in_place_offsets_as_nccl():
+    """reduce (cupy's argument order, only the root's buffer written); reduce-scatter and all-gather whose receive
+    buffer is the send buffer at the rank's offset (NCCL's in-place forms)."""
+    nccl = xp.cuda.nccl
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    values = xp.asarray(np.array([1.0, 2.0, 3.0]))
+    out = xp.zeros(3)
+    comm.reduce(values.data.ptr, out.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0, 0)
+    comm.reduce(values.data.ptr, values.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_MAX, 0, 0)
+    comm.reduceScatter(values.data.ptr, values.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0)
+    comm.allGather(values.data.ptr, values.data.ptr, 3, nccl.NCCL_FLOAT64, 0)
+    xp.cuda.Stream.null.synchronize()
+    assert out.get().tolist() == values.get().tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(nccl.NcclError, match=r"root 1 is not in \[0, 1\)"):
+        comm.reduce(values.data.ptr, out.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 1, 0)
+    comm.destroy()

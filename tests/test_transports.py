@@ -7,9 +7,15 @@ GPU_A, GPU_B = 0xA1, 0xB1
 NCCL = 22809  # the NCCL version code a rank has (2.28.9); 0: none
 
 
-def ranks(*specs, setting="auto"):
-    """One Placement per (node, device, device_id, peers, nccl, cuda_aware) spec."""
-    return [Placement(*spec, setting=setting) for spec in specs]
+def ranks(*specs, setting="auto", **more):
+    """One Placement per (node, device, device_id, peers, nccl, cuda_aware) spec (``more``: the other fields)."""
+    return [Placement(*spec, setting=setting, **more) for spec in specs]
+
+
+def two_by_two(nccl=NCCL, setting="auto", **more):
+    """Two nodes (keys 0 and 2) of two ranks, each rank on a device of its own (no peer access across nodes)."""
+    return ranks((0, 0xA1, 0, 0b10, nccl, False), (0, 0xA3, 1, 0b01, nccl, False), (2, 0xB1, 0, 0b10, nccl, False),
+                 (2, 0xB3, 1, 0b01, nccl, False), setting=setting, **more)
 
 
 @pytest.mark.parametrize("placements, expected", [
@@ -51,6 +57,20 @@ def ranks(*specs, setting="auto"):
     ([Placement(0, GPU_A, nccl=NCCL, proven=False), Placement(2, GPU_B, nccl=NCCL, proven=False)], "none"),
     ([Placement(0, GPU_A, nccl=NCCL, setting="nccl", proven=False),
       Placement(2, GPU_B, nccl=NCCL, setting="nccl", proven=False)], "nccl"),
+    # hierarchical: across nodes, on the opt-in (HOROVOD_HIERARCHICAL_ALLREDUCE's) or where NCCL has no network
+    (two_by_two(), "nccl"),
+    (two_by_two(hierarchical=True), "hierarchical"),
+    (two_by_two(nccl_net=False), "hierarchical"),
+    (two_by_two(setting="hierarchical"), "hierarchical"),
+    (two_by_two(0, nccl_net=False), "staged"),                                                 # no NCCL at all
+    (two_by_two(nccl_net=False)[:3], "staged"),                                                # nodes of 2 and 1
+    (ranks((0, GPU_A, 0, 0, NCCL, True), (0, GPU_A, 0, 0, NCCL, True), (2, GPU_B, 0, 0, NCCL, True),
+           (2, GPU_B, 0, 0, NCCL, True), nccl_net=False), "mpi"),                              # devices shared
+    (ranks((0, GPU_A, 0, 0b10, NCCL, False), (0, GPU_B, 1, 0b01, NCCL, False), nccl_net=False), "ipc"),  # one node
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_B, 1, 0, NCCL, False), hierarchical=True), "nccl"),  # one node
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_B, 1, 0, NCCL, False), setting="hierarchical"), "hierarchical"),
+    (two_by_two(hierarchical=True, proven=False), "none"),                                     # a real GPU today
+    (two_by_two(setting="hierarchical", proven=False), "hierarchical"),
 ])
 def test_placements_map_to_a_transport(placements, expected):
     assert choose(placements)[0] == expected
@@ -72,6 +92,15 @@ def test_placements_map_to_a_transport(placements, expected):
            setting="nccl"), "ranks [1, 2] share one device"),
     (ranks((0, GPU_A, 0, 0, False, False)) + ranks((0, GPU_A, 0, 0, False, False), setting="ipc"),
      "ranks [0]: auto; ranks [1]: ipc"),
+    (two_by_two(setting="nccl", nccl_net=False), "the ranks span 2 nodes and NCCL has no network between them on "
+                                                 "ranks [0, 1, 2, 3] (DISTLAB_NCCL_NET=0); use hierarchical"),
+    (two_by_two(setting="hierarchical")[:3],
+     "every node must hold as many ranks, and they differ: node 0: ranks [0, 1]; node 2: ranks [2]"),
+    (two_by_two(setting="hierarchical")[:2] + two_by_two(0, setting="hierarchical")[2:], "ranks [2, 3] have no NCCL"),
+    (ranks((0, GPU_A, 0, 0, NCCL, False), (0, GPU_A, 0, 0, NCCL, False), (2, GPU_B, 0, 0, NCCL, False),
+           (2, GPU_B, 0, 0, NCCL, False), setting="hierarchical"), "ranks [0, 1], [2, 3] share one device"),
+    (two_by_two(setting="hierarchical")[:3] + ranks((2, 0, 0, 0, NCCL, False), setting="hierarchical"),
+     "ranks [3] have no device"),
 ])
 def test_a_transport_the_placement_cannot_serve_is_refused_naming_ranks(placements, words):
     with pytest.raises(ValueError, match="DISTLAB_DEVICE_COMM") as caught:
@@ -79,9 +108,17 @@ def test_a_transport_the_placement_cannot_serve_is_refused_naming_ranks(placemen
     assert words in str(caught.value)
 
 
+def test_ranks_must_agree_on_the_hierarchical_opt_in():
+    placements = two_by_two()[:1] + two_by_two(hierarchical=True)[1:]
+    with pytest.raises(ValueError, match=r"DISTLAB_HIERARCHICAL_ALLREDUCE differs between ranks \(ranks \[1, 2, 3\] "
+                                         r"set it, the others not\); every rank must set the same"):
+        choose(placements)
+
+
 def test_placements_travel_as_rows_and_one_device_means_one_reducer():
     for placement in (Placement(4, GPU_A, 1, 0b101, True, False, "staged"), Placement(0, GPU_A, proven=False),
-                      Placement(2, GPU_B, 0, 0, NCCL, False, "nccl")):
+                      Placement(2, GPU_B, 0, 0, NCCL, False, "nccl"),
+                      Placement(2, GPU_B, 1, 0b1, NCCL, False, "hierarchical", nccl_net=False, hierarchical=True)):
         assert Placement.from_row(placement.row()) == placement
     assert reducer_mode(ranks((0, GPU_A, 0, 0, 0, 0), (0, GPU_A, 0, 0, 0, 0))) == "leader"
     assert reducer_mode(ranks((0, GPU_A, 0, 2, 0, 0), (0, GPU_B, 1, 1, 0, 0))) == "split"

@@ -3,7 +3,9 @@ stand-in: every collective it serves, every dtype and op, odd sizes across chunk
 in reverse, 1,000 reuses of one buffer, the same bits on every rank, a joined rank's host zeros shadowing the
 others' device collectives, and a timeout naming the missing rank. For nccl also: the reductions NCCL lacks go
 through the staged path, auto picks nccl across nodes, the stand-in's rendezvous (two communicators at once, a
-missing member named, a rank claimed twice), and the communicator destroyed (or aborted) with its group."""
+missing member named, a rank claimed twice), and the communicator destroyed (or aborted) with its group. For
+hierarchical (2 simulated nodes of 2 ranks, local rank k on stand-in device k): counts below, at and around the
+local size, what auto picks on the opt-in and where NCCL has no network, nodes of different sizes refused."""
 import os
 import time
 
@@ -17,13 +19,15 @@ from distlab import fakegpu as xp
 from distlab.comm.reduce_ops import is_bfloat16, mpi_reduction, parse_op
 from distlab.errors import DistTimeoutError
 
+if os.environ.get("DISTLAB_FAKEGPU_DEVICES"):  # each local rank on a device of its own, as with LOCAL_RANK
+    xp.cuda.Device(MPI.COMM_WORLD.Get_rank() % int(os.environ["DISTLAB_RANKS_PER_NODE"])).use()
 pg = comm.world()
 r, n = pg.rank, pg.size
 transport = os.environ["DISTLAB_DEVICE_COMM"]
 assert pg.device_comm == transport, pg
 rng = np.random.default_rng(100 + r)
 # ipc sums in rank order, MPI's tree may group 4 ranks differently; the stand-in NCCL reduces with MPI
-exact = n == 2 or transport in ("staged", "nccl")
+exact = n == 2 or transport in ("staged", "nccl", "hierarchical")
 
 
 plain = MPI.COMM_WORLD.Dup()  # the expected results come from plain MPI, never through the group's transport
@@ -90,6 +94,17 @@ for dtype, ops in DTYPES.items():
             plain.Reduce_scatter_block(typed(block), typed(reference),
                                        op=mpi_reduction(block.dtype, parse_op("sum"), "expected"))
             agree(out, reference, ("reduce_scatter", dtype, size), everywhere=False)
+
+if transport == "hierarchical":  # counts below, at and around the local size (2): shards, remainder, or both
+    for size in (0, 1, 2, 3, 4, 5, 64):
+        for dtype, op in (("float64", "avg"), ("int64", "max"), ("bfloat16", "sum"), ("complex64", "sum")):
+            host = (rng.standard_normal(size) * 4).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+            expected, device = mpi_allreduce(host, op), xp.asarray(host)
+            pg.allreduce(device, op=op, name=f"around.{dtype}.{size}")
+            agree(device, expected, ("around", dtype, op, size))
+    assert pg._transport.local_size == 2 and pg._transport.local_rank == r % 2
+    scatter, gather, cross = pg._transport.communicators
+    assert scatter.device_id() == gather.device_id() == r % 2 and cross.Get_size() == n // 2
 
 # async work waited on in reverse order; each keeps its arrays
 works = [pg.allreduce(xp.full(3001, float(r + k), dtype=np.float64), async_op=True, name=f"async{k}")
@@ -167,6 +182,30 @@ if transport == "nccl":
     del os.environ["DISTLAB_TIMEOUT"]
     plain.Barrier()
 
+if transport == "hierarchical":
+    # the reductions NCCL lacks went through the staged path (per size: band and bor of int32 and uint8, int16 sum)
+    assert pg._transport.fallbacks == 20, pg._transport.fallbacks
+    # auto: across nodes on the opt-in (HOROVOD_HIERARCHICAL_ALLREDUCE's), or where NCCL has no network; else nccl
+    os.environ["DISTLAB_DEVICE_COMM"] = "auto"
+    for env, expected in (({"DISTLAB_HIERARCHICAL_ALLREDUCE": "1"}, "hierarchical"),
+                          ({"DISTLAB_NCCL_NET": "0"}, "hierarchical"), ({}, "nccl")):
+        os.environ.update(env)
+        with pg.new_group(list(range(n))) as sub:
+            assert sub.device_comm == expected, (env, sub)
+            ints = xp.full(5, r + 1, dtype=np.int64)
+            sub.allreduce(ints)
+            assert np.all(ints.get() == n * (n + 1) // 2)
+        for key in env:
+            del os.environ[key]
+    # nodes holding different numbers of ranks: refused on every member, naming the nodes
+    os.environ["DISTLAB_DEVICE_COMM"] = transport
+    try:
+        pg.new_group([0, 1, 2])
+        assert r == 3, "must be refused"
+    except ValueError as exc:
+        assert r < 3 and "node 0: ranks [0, 1]; node 2: ranks [2]" in str(exc), exc
+    plain.Barrier()
+
 # a rank that never arrives is named
 pg.barrier()
 late = n - 1
@@ -178,6 +217,10 @@ else:
         raise AssertionError("must time out")
     except DistTimeoutError as exc:
         assert exc.missing_ranks == [late] and exc.name == "dev.bucket", exc
+if transport == "hierarchical":  # the group's end destroys the node's communicators, or aborts them
+    scatter, gather, _ = pg._transport.communicators
+    pg.destroy()
+    assert scatter.comm == gather.comm == 0
 if transport == "nccl":  # the group's end destroys its communicator, or aborts it where a collective never ended
     communicator = pg._transport.communicator
     pg.destroy()

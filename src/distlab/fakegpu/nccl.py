@@ -188,7 +188,7 @@ class NcclCommunicator:
 
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,  # noqa: N802
                       stream: int):
-        send, recv, dtype = self._buffers(sendbuf, recvcount * self._ndev, recvbuf, recvcount, datatype)
+        send, recv, dtype = self._buffers(sendbuf, recvcount * self._ndev, recvbuf, recvcount, datatype, False)
         if recv is not None:
             self._queue(stream, self._mpi.Ireduce_scatter_block(send, recv, _mpi_op(op, dtype)))
 
@@ -208,7 +208,7 @@ class NcclCommunicator:
         self._queue(stream, self._mpi.Ireduce(source, recv, _mpi_op(op, dtype), root=root))
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int):  # noqa: N802
-        send, recv, _ = self._buffers(sendbuf, count, recvbuf, count * self._ndev, datatype)
+        send, recv, _ = self._buffers(sendbuf, count, recvbuf, count * self._ndev, datatype, False)
         if recv is not None:
             self._queue(stream, self._mpi.Iallgather(send, recv))
 
@@ -233,10 +233,12 @@ class NcclCommunicator:
         self._running = [work for work in self._running if not work.Test()]
         return self._running
 
-    def _buffers(self, sendptr: int, sendcount: int, recvptr: int, recvcount: int, datatype: int):
+    def _buffers(self, sendptr: int, sendcount: int, recvptr: int, recvcount: int, datatype: int,
+                 same_ok: bool = True):
         """The typed views of the memory behind both pointers (a copy of the send side when they overlap
-        without being the same buffer, as in NCCL's in-place reduce-scatter and all-gather: MPI refuses aliased
-        buffers); ``recv`` is None for an empty collective."""
+        without being the same buffer, or at all unless ``same_ok``: the in-place reduce-scatter and all-gather of
+        NCCL, whose receive buffer holds the send buffer at the rank's offset, are no in-place call MPI has, and MPI
+        refuses aliased buffers); ``recv`` is None for an empty collective."""
         self._live()
         if datatype not in _DTYPES:
             raise NcclError(_INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL datatype")
@@ -248,7 +250,7 @@ class NcclCommunicator:
         if sendcount:
             send = _memory(sendptr, sendcount, dtype, "sendbuff")
             end, recv_end = sendptr + send.nbytes, recvptr + recv.nbytes
-            if (sendptr != recvptr or send.nbytes != recv.nbytes) and sendptr < recv_end and recvptr < end:
+            if (sendptr != recvptr or not same_ok) and sendptr < recv_end and recvptr < end:
                 send = send.copy()
         return _typed(send), _typed(recv), dtype
 
