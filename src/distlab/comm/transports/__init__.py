@@ -8,30 +8,37 @@ Each rank posts its placement (:func:`local_placement`: node, device identity, w
 whether NCCL and a CUDA-aware MPI are at hand, and its ``DISTLAB_DEVICE_COMM``), the group gathers them, and the
 pure function :func:`choose` maps the table to one transport, the same on every rank:
 
-==========  ===================================================================================================
-``ipc``     every rank on one node, on one device or on devices that reach each other (peer access): buffers
-            every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in); :mod:`.ipc`.
-``nccl``    otherwise, when every rank has NCCL (``cupy.cuda.nccl``, or the stand-in's) and no two ranks share a
-            device (NCCL before 2.30 refuses that: "Duplicate GPU detected"): one NCCL communicator per group,
-            bootstrapped over MPI; :mod:`.nccl`.
-``mpi``     otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go to MPI
-            directly.
-``staged``  the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
-``none``    no transport: the plain path (:func:`~distlab.comm.device.mpi_buffer`; a CUDA-aware MPI takes the
-            device pointer, else the array is staged through pageable host memory).
-==========  ===================================================================================================
+================  =============================================================================================
+``ipc``           every rank on one node, on one device or on devices that reach each other (peer access):
+                  buffers every local rank maps (CUDA IPC on a GPU, POSIX shared memory on the stand-in);
+                  :mod:`.ipc`.
+``hierarchical``  otherwise, ranks on several nodes, as many on each, each on a device of its own with NCCL,
+                  where every rank opts in (``DISTLAB_HIERARCHICAL_ALLREDUCE=1``, Horovod's
+                  ``HOROVOD_HIERARCHICAL_ALLREDUCE``) or NCCL has no network between the nodes
+                  (``DISTLAB_NCCL_NET=0``): allreduce by an NCCL reduce-scatter inside each node, host MPI across
+                  the nodes, an NCCL all-gather; :mod:`.hierarchical`.
+``nccl``          otherwise, when every rank has NCCL (``cupy.cuda.nccl``, or the stand-in's), no two ranks share
+                  a device (NCCL before 2.30 refuses that: "Duplicate GPU detected") and NCCL reaches every node:
+                  one NCCL communicator per group, bootstrapped over MPI; :mod:`.nccl`.
+``mpi``           otherwise, when every rank's MPI is CUDA-aware (``MPIX_Query_cuda_support``): device pointers go
+                  to MPI directly.
+``staged``        the fallback: a pinned host arena, chunked and pipelined on copy streams; :mod:`.staged`.
+``none``          no transport: the plain path (:func:`~distlab.comm.device.mpi_buffer`; a CUDA-aware MPI takes
+                  the device pointer, else the array is staged through pageable host memory).
+================  =============================================================================================
 
 ``auto`` chooses among them only for a device whose transport code has run on that kind of device: today the
 stand-in (``distlab.fakegpu``, with its NCCL stand-in that reduces with MPI), on which CI runs every transport.
 On a real GPU the IPC slots, the NCCL communicators, the pinned arena and the stream ordering have not run yet,
 so ``auto`` keeps cupy arrays on the path a GPU run has shown to work (``none``: staged through host memory by
 :func:`~distlab.comm.device.mpi_buffer`) until the device check proves them; ``DISTLAB_DEVICE_COMM=ipc``,
-``nccl`` or ``staged`` takes them on a GPU now. Ranks spanning nodes go through NCCL as a whole (NCCL's own
-network transport); the hierarchical form (NCCL inside each node, host MPI across nodes) is not built.
+``nccl``, ``hierarchical`` or ``staged`` takes them on a GPU now. Ranks spanning nodes go through NCCL as a whole
+(NCCL's own network transport), or through ``hierarchical`` on the opt-in or where NCCL has no network.
 
-``DISTLAB_DEVICE_COMM=auto|ipc|nccl|staged|mpi|none`` overrides ``auto`` (``none`` keeps the plain path anywhere:
-the baseline ``benchmarks/bench_gpu.py`` compares the transports with); every rank must set the same word, and a
-transport the placement cannot serve is a ValueError on every rank that names the ranks in the way.
+``DISTLAB_DEVICE_COMM=auto|ipc|nccl|hierarchical|staged|mpi|none`` overrides ``auto`` (``none`` keeps the plain
+path anywhere: the baseline ``benchmarks/bench_gpu.py`` compares the transports with); every rank must set the
+same word, and a transport the placement cannot serve is a ValueError on every rank that names the ranks in the
+way.
 """
 from __future__ import annotations
 
