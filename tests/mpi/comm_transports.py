@@ -105,6 +105,14 @@ if transport == "hierarchical":  # counts below, at and around the local size (2
     assert pg._transport.local_size == 2 and pg._transport.local_rank == r % 2
     scatter, gather, cross = pg._transport.communicators
     assert scatter.device_id() == gather.device_id() == r % 2 and cross.Get_size() == n // 2
+    # async work waited on in different orders on different ranks, a blocking allreduce issued meanwhile: every
+    # phase still goes out in call order on every rank
+    works = [pg.allreduce(xp.full(1001, float(r + k)), async_op=True, name=f"order{k}") for k in range(4)]
+    between = xp.full(7, 1.0)
+    pg.allreduce(between, name="between")
+    assert np.all(between.get() == n)
+    for k in (range(4) if r % 2 else reversed(range(4))):
+        assert works[k].wait() and np.all(works[k].result().get() == sum(range(n)) + n * k)
 
 # async work waited on in reverse order; each keeps its arrays
 works = [pg.allreduce(xp.full(3001, float(r + k), dtype=np.float64), async_op=True, name=f"async{k}")
