@@ -185,7 +185,7 @@ class HierarchicalTransport:
             start = shard * self.local_rank
             count = shard + (rest if self.local_rank == last else 0)
             if count and self._cross.Get_size() > 1:
-                pipeline = self._staged._pipeline(flat[start:start + count], cross_call, True, True, 0)
+                pipeline = self._staged.pipeline(flat[start:start + count], cross_call, True, True, 0)
                 request = next(pipeline)  # every chunk's MPI call is issued by now
                 op.phase = 1
                 while True:
@@ -194,7 +194,7 @@ class HierarchicalTransport:
                         request = pipeline.send(None)
                     except StopIteration:
                         break
-                stream.wait_event(streams.record(self._staged._streams_for(xp).up))
+                stream.wait_event(streams.record(self._staged.streams_for(xp).up))
             op.phase = 1
             yield _Turn(self._ops, op, 2)
             with stream:

@@ -82,7 +82,8 @@ class StagedTransport:
         self.arenas_made += 1
         return _Arena(xp, max(nbytes, 64))
 
-    def _streams_for(self, xp) -> Streams:
+    def streams_for(self, xp) -> Streams:
+        """The transport's copy streams on device module ``xp``."""
         streams = self._streams.get(xp)
         if streams is None:
             streams = self._streams[xp] = Streams(xp)
@@ -94,7 +95,7 @@ class StagedTransport:
         seq = group._enter("allreduce", name, array, reduce_op=reduce_op)
         average = group.size if reduce_op is ReduceOp.AVG else 0
         return group._staged("allreduce", seq, name, array.nbytes,
-                             self._pipeline(array, allreduce_call(group.comm, array.dtype, mpi_op), True, True,
+                             self.pipeline(array, allreduce_call(group.comm, array.dtype, mpi_op), True, True,
                                             average), async_op)
 
     def broadcast(self, array, src: int, async_op: bool, name):
@@ -102,10 +103,13 @@ class StagedTransport:
         group = self.group
         seq = group._enter("broadcast", name, array, root=src)
         mine = group.rank == src
-        stages = self._pipeline(array, lambda buf: group.comm.Ibcast(_bits(buf), root=src), mine, not mine, 0)
+        stages = self.pipeline(array, lambda buf: group.comm.Ibcast(_bits(buf), root=src), mine, not mine, 0)
         return group._staged("broadcast", seq, name, array.nbytes, stages, async_op)
 
-    def _pipeline(self, array, call, down: bool, up: bool, average: int):
+    def pipeline(self, array, call, down: bool, up: bool, average: int):
+        """The stages of one chunked, pipelined collective of ``array`` through a pinned arena: ``call(host chunk)``
+        issues each chunk's MPI request (every one before the first yield); ``down``/``up``: copy in/out;
+        ``average``: divide each reduced chunk by it (0: not). Also the hierarchical transport's cross-node step."""
         flat = array.reshape(-1)
         step = max(CHUNK_BYTES // array.dtype.itemsize, 1)
         bounds = [(a, min(a + step, flat.size)) for a in range(0, flat.size, step)]
@@ -117,7 +121,7 @@ class StagedTransport:
                 if average:
                     flat[a:b] /= average
             return array
-        streams = self._streams_for(xp)
+        streams = self.streams_for(xp)
         arena = self._take(xp, array.nbytes)
         host = arena.host[:array.nbytes].view(array.dtype)
         caller = streams.after_caller()
@@ -154,7 +158,7 @@ class StagedTransport:
         group = self.group
         seq = group._enter("allgather", name, array)
         xp = device_module(array)
-        streams = self._streams_for(xp)
+        streams = self.streams_for(xp)
 
         def stages():
             arena = self._take(xp, out.nbytes + array.nbytes)
@@ -190,7 +194,7 @@ class StagedTransport:
             return output
 
         def stages():
-            streams = self._streams_for(xp)
+            streams = self.streams_for(xp)
             arena = self._take(xp, input.nbytes + output.nbytes)
             try:
                 send = arena.host[:input.nbytes].view(input.dtype)
