@@ -17,15 +17,20 @@ remainder of ``N % L``:
 
 The remainder is handled as Horovod does rather than by padding: padding would need a device buffer of the padded
 size and two more copies per call; the reduce and broadcast of fewer than ``L`` elements cost one small NCCL call
-each. ``avg`` is a sum divided by the group size once the all-gather completed, as the other transports; on the
-stand-in, whose NCCL reduces with MPI, an integer result equals the staged path's bits, and a floating-point sum
-is grouped by node first (the order a GPU's NCCL ring would not keep either).
+each. ``avg`` is a sum divided by the group size once the all-gather completed, as the other transports. A sum is
+grouped by node first; on the stand-in, whose NCCL reduces with MPI, the conformance suite finds the staged
+path's bits for every dtype on 2 nodes of 2 ranks (this MPI's allreduce of 4 ranks pairs them the same way; another
+MPI may group floating-point sums differently, and a GPU's NCCL does).
 
 Each phase waits for the one before, so the phases of collectives in flight are issued in one order on every
-rank: the reduce-scatters when the collectives are called (on their own NCCL communicator), each cross-node call
-and each all-gather (on a second NCCL communicator) only after every earlier collective of the group issued its
-own, driving the earlier ones forward (ranks that wait on async work in different orders still agree). The wait
-is bounded by the group's timeout and names the missing ranks, like every wait.
+rank: the reduce-scatters when the collectives are called (on their own NCCL communicator and stream), each
+cross-node call and each all-gather (on a second NCCL communicator and stream) only after every earlier
+collective of the group issued its own, driving the earlier ones forward (ranks that wait on async work in
+different orders still agree). Each communicator thus sees its calls in one order on every rank, and on a stream
+of its own no rank queues one communicator's kernel behind the other's (which could wait on each other across
+ranks); whether a GPU runs the two communicators' kernels side by side, as this needs while async allreduces
+overlap, no GPU run has shown yet. The wait is bounded by the group's timeout and names the missing ranks, like
+every wait.
 
 The other collectives (broadcast, allgather, reduce_scatter), and the reductions NCCL lacks (see :mod:`.nccl`),
 go through the staged path over the whole group: host MPI, which reaches every node.
@@ -160,7 +165,7 @@ class HierarchicalTransport:
         xp, streams, size = self._xp, self._streams, self.group.size
         datatype, nccl_op, per_element = plan
         scatter, gather, last = self._scatter, self._gather, self.local_size - 1
-        stream = streams.down
+        stream, later = streams.down, streams.up  # the node's reductions; its all-gathers (see the docstring)
         try:
             caller = streams.after_caller()
             buffer = array
@@ -194,23 +199,23 @@ class HierarchicalTransport:
                         request = pipeline.send(None)
                     except StopIteration:
                         break
-                stream.wait_event(streams.record(self._staged.streams_for(xp).up))
+                later.wait_event(streams.record(self._staged.streams_for(xp).up))
             op.phase = 1
             yield _Turn(self._ops, op, 2)
-            with stream:
+            with later:
                 if shard:
-                    gather.nccl.allGather(mine, ptr, shard * per_element, datatype, stream.ptr)
+                    gather.nccl.allGather(mine, ptr, shard * per_element, datatype, later.ptr)
                 if rest:
-                    gather.nccl.bcast(remainder, rest * per_element, datatype, last, stream.ptr)
+                    gather.nccl.bcast(remainder, rest * per_element, datatype, last, later.ptr)
             op.phase = 2
             gather.running += 1
-            yield _Completion(streams.record(stream), gather.nccl)
+            yield _Completion(streams.record(later), gather.nccl)
             gather.running -= 1
-            with stream:
+            with later:
                 if average:
                     buffer /= size
                 if buffer is not array:
-                    buffer.get(stream=stream, out=array)
+                    buffer.get(stream=later, out=array)
             streams.release_to(caller)
             return array
         finally:
