@@ -16,9 +16,9 @@ cannot be told from a rank's own text when two ranks' partial lines interleave; 
 
 What it keeps of hydra's behaviour (the launcher's supervision relies on it): each rank in its own process group,
 signals (``SIGINT``, ``SIGTERM``, ``SIGHUP``) forwarded to every rank's group, stdin to rank 0 only, every chunk
-of a rank's output and every line in it tagged with the pattern (``%r``: the rank), the job ended with ``SIGKILL`` to every rank as
-soon as one calls ``MPI_Abort`` or ends badly (a non-zero status or a signal), and ``PMI_process_mapping`` saying
-that every rank is on one node. Its exit status is the first bad ending's (``128 + signal`` for a signal), else 0.
+of a rank's output and every line in it tagged with the pattern (``%r``: the rank), the job ended with
+``SIGKILL`` to every rank as soon as one calls ``MPI_Abort`` or ends badly (a non-zero status or a signal), and
+``PMI_process_mapping`` saying that every rank is on one node. Its exit status is the first bad ending's (``128 + signal`` for a signal), else 0.
 
 Run by the launcher (:func:`distlab.launch.mpiexec_command`) as
 ``python -m distlab._process_manager [-prepend-pattern P] -n N program args...``; it never imports MPI.
