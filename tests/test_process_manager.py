@@ -68,7 +68,7 @@ def test_an_abort_is_recorded_and_an_unknown_command_refused():
     server, replies = serve(2)
     server.handle(1, parse_request("cmd=abort exitcode=7 message=abort"))
     assert server.aborted == 7 and replies == []
-    with pytest.raises(ValueError, match="rank 0 sent the PMI command 'spawn'.*DISTLAB_PROCESS_MANAGER=hydra"):
+    with pytest.raises(ValueError, match="rank 0 sent the PMI command 'spawn'.*DISTLAB_PROCESS_MANAGER=mpiexec"):
         server.handle(0, parse_request("cmd=spawn nprocs=2"))
 
 
@@ -123,3 +123,15 @@ def test_an_mpi_abort_or_a_killed_rank_ends_the_job_at_once():
              "os.kill(os.getpid(), signal.SIGKILL) if c.rank == 0 else time.sleep(60)\n"
     done, took = manage(2, killed)
     assert done.returncode == 128 + signal.SIGKILL and took < 30, (done, took)
+
+
+@mpi
+def test_a_spawn_is_refused_with_what_to_set_and_ends_the_job():
+    # MPI_Comm_spawn sends PMI-1's multi-line request (mcmd=spawn ... endcmd): read whole, refused once, by name.
+    source = "from mpi4py import MPI\nimport sys\nMPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n"
+    done, took = manage(1, source)
+    assert done.returncode == 1 and took < 30, (done, took)
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("[mpiexec@distlab]")]
+    assert refusals == ["[mpiexec@distlab] rank 0 sent the PMI command 'spawn', which this process manager does "
+                        "not serve (spawning processes and publishing names need hydra: "
+                        "DISTLAB_PROCESS_MANAGER=mpiexec)"], done.stderr

@@ -63,6 +63,7 @@ class Rank:
         self.process = process
         self.pmi = pmi
         self.pending = b""
+        self.multiline: list[str] | None = None  # the lines of an ``mcmd=...`` request until its ``endcmd``
         self.outputs = {process.stdout.fileno(): 1, process.stderr.fileno(): 2}  # its pipe -> our stdout/stderr
 
 
@@ -84,7 +85,7 @@ class PmiServer:
         answer = getattr(self, f"_{command}", None)
         if answer is None:
             raise ValueError(f"rank {rank} sent the PMI command {command!r}, which this process manager does not "
-                             "serve (spawning and name publishing need hydra: DISTLAB_PROCESS_MANAGER=hydra)")
+                             "serve (spawning processes and publishing names need hydra: DISTLAB_PROCESS_MANAGER=mpiexec)")
         answer(rank, request)
 
     def _init(self, rank, request):
@@ -199,15 +200,30 @@ class ProcessManager:
             sock.close()
             return
         entry.pending += data
-        while b"\n" in entry.pending:
+        while b"\n" in entry.pending and self.status is None:
             line, entry.pending = entry.pending.split(b"\n", 1)
-            if line.strip():
+            request = self._whole_request(entry, line.decode(errors="replace").strip())
+            if request:
                 try:
-                    self.server.handle(entry.rank, parse_request(line.decode(errors="replace")))
+                    self.server.handle(entry.rank, parse_request(request))
                 except (ValueError, KeyError) as exc:
                     _write(2, f"[mpiexec@distlab] {exc}\n".encode())
-                    self.status = self.status or 1
+                    self.status = 1
                     self._kill_all()
+
+    @staticmethod
+    def _whole_request(entry: Rank, line: str) -> str:
+        """A request once whole: PMI-1 sends ``spawn`` as ``mcmd=spawn``, one ``key=value`` a line, to ``endcmd``."""
+        if entry.multiline is not None:
+            if line != "endcmd":
+                entry.multiline.append(line)
+                return ""
+            request, entry.multiline = " ".join(entry.multiline), None
+            return request
+        if line.startswith("mcmd="):
+            entry.multiline = ["cmd=" + line[len("mcmd="):]]
+            return ""
+        return line
 
     def _reply(self, rank: int, line: str) -> None:
         try:
