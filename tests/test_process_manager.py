@@ -126,12 +126,18 @@ def test_an_mpi_abort_or_a_killed_rank_ends_the_job_at_once():
 
 
 @mpi
-def test_a_spawn_is_refused_with_what_to_set_and_ends_the_job():
+def test_a_spawn_is_refused_with_what_to_set_and_ends_the_job(tmp_path):
     # MPI_Comm_spawn sends PMI-1's multi-line request (mcmd=spawn ... endcmd): read whole, refused once, by name.
     source = "from mpi4py import MPI\nimport sys\nMPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n"
     done, took = manage(1, source)
     assert done.returncode == 1 and took < 30, (done, took)
-    refusals = [line for line in done.stderr.splitlines() if line.startswith("[mpiexec@distlab]")]
-    assert refusals == ["[mpiexec@distlab] rank 0 sent the PMI command 'spawn', which this process manager does "
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("distlab process manager:")]
+    assert refusals == ["distlab process manager: rank 0 sent the PMI command 'spawn', which this process manager does "
                         "not serve (spawning processes and publishing names need hydra: "
                         "DISTLAB_PROCESS_MANAGER=mpiexec)"], done.stderr
+    # under the launcher the refusal is shown (not taken for hydra's noise), before the launcher's summary
+    script = tmp_path / "spawn.py"
+    script.write_text(source)
+    launched = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", "-n", "1", str(script)],
+                              capture_output=True, text=True, timeout=60)
+    assert launched.returncode == 1 and refusals[0] in launched.stderr.splitlines(), launched.stderr

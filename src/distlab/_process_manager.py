@@ -148,7 +148,7 @@ class ProcessManager:
                 try:
                     self._start(rank)
                 except OSError as exc:  # no such program, or out of processes or descriptors
-                    _write(2, f"[mpiexec@distlab] could not start rank {rank} ({' '.join(self.command)}): "
+                    _write(2, f"distlab process manager: could not start rank {rank} ({' '.join(self.command)}): "
                               f"{exc}\n".encode())
                     self.status = 1
                     return self.status
@@ -207,7 +207,7 @@ class ProcessManager:
                 try:
                     self.server.handle(entry.rank, parse_request(request))
                 except (ValueError, KeyError) as exc:
-                    _write(2, f"[mpiexec@distlab] {exc}\n".encode())
+                    _write(2, f"distlab process manager: {exc}\n".encode())
                     self.status = 1
                     self._kill_all()
 
