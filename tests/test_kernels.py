@@ -72,7 +72,7 @@ _OPTIMIZERS = {
 }
 _PRELUDE = """#include <cmath>
 #include <algorithm>
-using std::sqrt; using std::exp; using std::log; using std::fabs; using std::max; using std::min;
+using std::sqrt; using std::exp; using std::log; using std::fabs; using std::fmax; using std::fmin;
 struct Dim3 { unsigned int x, y, z; };
 static Dim3 blockIdx, blockDim, threadIdx, gridDim;
 #define __global__

@@ -13,14 +13,14 @@ written with numpy arrays give:
 
 - statements ``T name = expr;``, ``name = expr;`` and ``name op= expr;`` (``+ - * /``), separated by ``;``;
 - expressions of parameters, locals, integer literals, ``+ - * /``, comparisons (``y > 0`` is 1 or 0 in
-  arithmetic, as numpy's booleans are) and ``sqrt exp log fabs max min``; no float literals (a C ``1.0`` is a
+  arithmetic, as numpy's booleans are) and ``sqrt exp log fabs fmax fmin``; no float literals (a C ``1.0`` is a
   double, where numpy keeps a Python float in the array's type: pass such constants as ``T`` parameters,
   computed on the host), no ``?:``, no ``&&``/``||``, no casts;
 - a scalar argument takes its parameter's type (``T lr`` with ``T`` float32 casts ``lr`` to float32, as numpy
   does to a Python float in ``lr * g``); an output parameter may be read (it is the element of the output array).
 
 A GPU rounds some of these operations differently from numpy (the CUDA compiler contracts ``a - b * c`` into
-one fused multiply-add; its ``max`` skips a NaN that numpy's keeps), as it does for unfused cupy code: only the
+one fused multiply-add; its ``fmax`` skips a NaN that numpy's ``maximum`` keeps), as it does for unfused cupy code: only the
 host twins are bit-equal to numpy.
 
 :func:`multi_tensor_kernel` gives a kernel's multi-tensor form, which runs the body over many arrays in one launch
@@ -40,8 +40,10 @@ __all__ = ["HostElementwiseKernel", "elementwise_kernel", "MultiTensorKernel", "
 _C_TYPES = {"float": "float32", "double": "float64", "int": "int32", "bool": "bool", "float16": "float16",
             "float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64", "bool_": "bool"}
 #: the functions a body may call, and numpy's function for each
-_FUNCTIONS = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "fabs": np.absolute, "max": np.maximum,
-              "min": np.minimum}
+# fmax/fmin, not max/min: CUDA's math library declares them for float and double in every compiler (NVRTC for
+# raw kernels included), where max/min overloads depend on the headers a kernel gets.
+_FUNCTIONS = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "fabs": np.absolute, "fmax": np.maximum,
+              "fmin": np.minimum}
 _STATEMENT = re.compile(r"\s*(?:const\s+)?(?:(?P<type>[A-Za-z_]\w*)\s+)?(?P<name>[A-Za-z_]\w*)\s*"
                         r"(?P<op>[-+*/]?)=(?!=)(?P<expr>.+)", re.S)
 _TOKEN = re.compile(r"\s*(?:(?P<number>\d+)(?![\w.])|(?P<name>[A-Za-z_]\w*)|(?P<op>[<>!=]=|[-+*/(),<>]))")

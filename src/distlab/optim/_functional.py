@@ -151,7 +151,7 @@ def fused_adam(p, state, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad
     second = "v"
     if amsgrad:
         outputs.append(("vmax", state["max_exp_avg_sq"]))
-        body.append("vmax = max(vmax, v)")
+        body.append("vmax = fmax(vmax, v)")
         second = "vmax"
     body.append(f"p = p - step_size * (m / (sqrt({second}) / bc2 + eps))")
     _run(p.data, "distlab_adam", inputs, outputs, body)
@@ -201,5 +201,5 @@ def fused_adamax(p, state, clr, beta1, beta2, eps, weight_decay, maximize):
     inputs, outputs, body = _start(p, maximize, weight_decay)
     inputs += [("clr", clr), ("b1c", 1 - beta1), ("beta2", beta2), ("eps", eps)]
     outputs += [("m", state["exp_avg"]), ("u", state["exp_inf"])]
-    body += ["m = m + b1c * (d - m)", "u = max(u * beta2, fabs(d) + eps)", "p = p - clr * (m / u)"]
+    body += ["m = m + b1c * (d - m)", "u = fmax(u * beta2, fabs(d) + eps)", "p = p - clr * (m / u)"]
     _run(p.data, "distlab_adamax", inputs, outputs, body)
