@@ -100,6 +100,15 @@ def manage(np, source, *options, timeout=60):
     return done, time.monotonic() - started
 
 
+def leftovers(since: float) -> list:
+    """MPICH's shared-memory files changed since ``since`` that no process holds."""
+    from distlab._leftovers import PREFIX, SHM_DIR, held_shm_paths
+
+    held = held_shm_paths()
+    return [e.path for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX) and e.stat().st_ctime >= since
+            and e.path not in held]
+
+
 @mpi
 def test_ranks_start_talk_and_tag_each_line_of_their_output():
     # Two lines in one write: each gets its tag (the launcher's demultiplexer takes untagged lines for the
@@ -117,12 +126,15 @@ def test_ranks_start_talk_and_tag_each_line_of_their_output():
 def test_an_mpi_abort_or_a_killed_rank_ends_the_job_at_once():
     abort = "from mpi4py import MPI\nimport time\nc = MPI.COMM_WORLD\nc.Barrier()\nc.Abort(7) if c.rank == 1 " \
             "else time.sleep(60)\n"
+    started = time.time() - 1.0
     done, took = manage(2, abort)
     assert done.returncode == 7 and took < 30, (done, took)
     killed = "from mpi4py import MPI\nimport os, signal, time\nc = MPI.COMM_WORLD\nc.Barrier()\n" \
              "os.kill(os.getpid(), signal.SIGKILL) if c.rank == 0 else time.sleep(60)\n"
     done, took = manage(2, killed)
     assert done.returncode == 128 + signal.SIGKILL and took < 30, (done, took)
+    # the killed ranks never finalized: their shared-memory files went with the job, as under the launcher
+    assert leftovers(started) == [], leftovers(started)
 
 
 @mpi

@@ -18,7 +18,9 @@ What it keeps of hydra's behaviour (the launcher's supervision relies on it): ea
 signals (``SIGINT``, ``SIGTERM``, ``SIGHUP``) forwarded to every rank's group, stdin to rank 0 only, every chunk
 of a rank's output and every line in it tagged with the pattern (``%r``: the rank), the job ended with
 ``SIGKILL`` to every rank as soon as one calls ``MPI_Abort`` or ends badly (a non-zero status or a signal), and
-``PMI_process_mapping`` saying that every rank is on one node. Its exit status is the first bad ending's (``128 + signal`` for a signal), else 0.
+``PMI_process_mapping`` saying that every rank is on one node. Its exit status is the first bad ending's
+(``128 + signal`` for a signal), else 0. After a bad ending it removes the shared-memory files of the ranks that
+never finalized (:mod:`distlab._leftovers`), as the launcher does, for a job started without the launcher.
 
 Run by the launcher (:func:`distlab.launch.mpiexec_command`) as
 ``python -m distlab._process_manager [-prepend-pattern P] -n N program args...``; it never imports MPI.
@@ -141,6 +143,7 @@ class ProcessManager:
         self.signalled: list[int] = []
 
     def run(self) -> int:
+        self.started = time.time() - 1.0  # file times lag the clock by up to a tick
         for signum in FORWARDED:
             signal.signal(signum, self._forward)
         try:
@@ -155,7 +158,22 @@ class ProcessManager:
             self._serve()
         finally:
             self._kill_all()
+            if self.status:
+                self._remove_leftovers()
         return self.status or 0
+
+    def _remove_leftovers(self) -> None:
+        """After a bad ending: the shared-memory files of ranks that never finalized (:mod:`distlab._leftovers`),
+        once the killed ranks are gone (bounded), as the launcher removes them; here for a job started without it."""
+        from . import _leftovers
+
+        end = time.monotonic() + 2.0
+        for entry in self.ranks:
+            try:
+                entry.process.wait(timeout=max(end - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        _leftovers.remove_leftovers(self.started)
 
     def _start(self, rank: int) -> None:
         ours, theirs = socket.socketpair()
