@@ -140,7 +140,8 @@ def test_an_mpi_abort_or_a_killed_rank_ends_the_job_at_once():
 @mpi
 def test_a_spawn_is_refused_with_what_to_set_and_ends_the_job(tmp_path):
     # MPI_Comm_spawn sends PMI-1's multi-line request (mcmd=spawn ... endcmd): read whole, refused once, by name.
-    source = "from mpi4py import MPI\nimport sys\nMPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n"
+    source = ("from mpi4py import MPI\nimport sys\n"
+              "MPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n")
     done, took = manage(1, source)
     assert done.returncode == 1 and took < 30, (done, took)
     refusals = [line for line in done.stderr.splitlines() if line.startswith("distlab process manager:")]

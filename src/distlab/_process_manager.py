@@ -87,7 +87,8 @@ class PmiServer:
         answer = getattr(self, f"_{command}", None)
         if answer is None:
             raise ValueError(f"rank {rank} sent the PMI command {command!r}, which this process manager does not "
-                             "serve (spawning processes and publishing names need hydra: DISTLAB_PROCESS_MANAGER=mpiexec)")
+                             "serve (spawning processes and publishing names need hydra: "
+                             "DISTLAB_PROCESS_MANAGER=mpiexec)")
         answer(rank, request)
 
     def _init(self, rank, request):
