@@ -170,6 +170,16 @@ def _inplace(ufunc):
     return op
 
 
+
+def _read_back(convert):
+    """A scalar conversion of a device array (``float(a)``...): one counted read back to the host."""
+    def method(self):
+        _transfers.count("item")
+        return convert(self._a)
+
+    method.__name__ = f"__{convert.__name__}__"
+    return method
+
 class ndarray:  # noqa: N801 - the name cupy's array type has
     """A "device" array over host memory (see the module docstring). Build one with the facade (``xp.asarray``)."""
 
@@ -248,21 +258,11 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         _transfers.count("to_host")
         return self._a.tolist()
 
-    def __float__(self):
-        _transfers.count("item")
-        return float(self._a)
-
-    def __int__(self):
-        _transfers.count("item")
-        return int(self._a)
-
-    def __bool__(self):
-        _transfers.count("item")
-        return bool(self._a)
-
-    def __complex__(self):
-        _transfers.count("item")
-        return complex(self._a)
+    # float(a), int(a), bool(a), complex(a): each reads the value back to the host, as cupy's do
+    __float__ = _read_back(float)
+    __int__ = _read_back(int)
+    __bool__ = _read_back(bool)
+    __complex__ = _read_back(complex)
 
     def __reduce__(self):  # pickling copies to the host, as cupy's does
         _transfers.count("to_host")
