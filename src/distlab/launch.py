@@ -99,9 +99,9 @@ def process_manager(mpiexec: str, env: dict | None = None) -> str:
     unless ``DISTLAB_PROCESS_MANAGER=mpiexec`` (in ``env``, default this process's environment); any other MPI's
     ``mpiexec`` starts its own ranks.
     """
-    value = (os.environ if env is None else env).get(PROCESS_MANAGER_VAR, "").strip().lower() or "distlab"
-    if value not in ("distlab", "mpiexec"):
-        raise ValueError(f"{PROCESS_MANAGER_VAR}={value!r} is not one of distlab, mpiexec")
+    from ._env import choice
+
+    value = choice(PROCESS_MANAGER_VAR, "distlab", ("distlab", "mpiexec"), environ=env)
     return "distlab" if value == "distlab" and _is_hydra(mpiexec) else "mpiexec"
 
 
