@@ -100,8 +100,10 @@ def nccl_check(out: Path, rehearse: bool) -> int:
         stream.synchronize()
         communicator.destroy()
         record["raw_allreduce"] = "ok" if float(values[12345]) == 12345.0 else "wrong result"
-        os.environ["DISTLAB_DEVICE_COMM"] = "nccl"
         from distlab import comm
+        from distlab.comm.transports import DEVICE_COMM_VAR
+
+        os.environ[DEVICE_COMM_VAR] = "nccl"
 
         with comm.ProcessGroup(name="nccl-check", timeout=60) as group:
             averaged = xp.full(1000, 3.0, dtype=xp.float32)

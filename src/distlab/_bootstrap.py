@@ -149,11 +149,9 @@ def _fork_watcher(job_dir) -> int | None:
 
 def _die_with(watcher: int) -> None:
     """Have the kernel kill this rank if its watcher dies (mpiexec kills the watcher's process group anyway)."""
-    import ctypes
+    from ._process_manager import die_with_parent
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not die_with_parent():
         return
     if os.getppid() != watcher:  # the watcher died before prctl took effect
         os._exit(1)

@@ -20,7 +20,7 @@ of a rank's output and every line in it tagged with the pattern (``%r``: the ran
 ``SIGKILL`` to every rank as soon as one calls ``MPI_Abort`` or ends badly (a non-zero status or a signal), and
 ``PMI_process_mapping`` saying that every rank is on one node. Its exit status is the first bad ending's
 (``128 + signal`` for a signal), else 0. After a bad ending it removes the shared-memory files of the ranks that
-never finalized (:mod:`distlab._leftovers`), as the launcher does, for a job started without the launcher.
+never finalized (:mod:`distlab._leftovers`) when no launcher above it does.
 
 Run by the launcher (:func:`distlab.launch.mpiexec_command`) as
 ``python -m distlab._process_manager [-prepend-pattern P] -n N program args...``; it never imports MPI.
@@ -159,7 +159,7 @@ class ProcessManager:
             self._serve()
         finally:
             self._kill_all()
-            if self.status:
+            if self.status and not os.environ.get("DISTLAB_LAUNCHER"):  # the launcher removes them itself
                 self._remove_leftovers()
         return self.status or 0
 
@@ -182,7 +182,7 @@ class ProcessManager:
                    MPI_LOCALNRANKS=str(self.size), MPI_LOCALRANKID=str(rank))
         process = subprocess.Popen(self.command, env=env, pass_fds=[theirs.fileno()], process_group=0,
                                    stdin=None if rank == 0 else subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_manager)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
         theirs.close()
         entry = Rank(rank, process, ours)
         self.ranks.append(entry)
@@ -297,14 +297,18 @@ def _write(fd: int, data: bytes) -> None:
             time.sleep(0.01)
 
 
-def _die_with_manager() -> None:
-    """In each rank, before it runs: the kernel kills it if this manager dies (PR_SET_PDEATHSIG)."""
+def die_with_parent() -> bool:
+    """Have the kernel kill this process when its parent dies (``PR_SET_PDEATHSIG``); False where it cannot.
+
+    Each rank calls it before it runs (its parent: this manager), and the bootstrap's rank (its parent: its
+    watcher)."""
     import ctypes
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
