@@ -121,19 +121,12 @@ def local_step(cupy, layers, width, batch, steps, warmup):
     import numpy as np
 
     import distlab
-    from distlab import nn, optim
 
     model = _mlp(layers, width).to("cuda")
-    opt = optim.SGD(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(0)
     x = distlab.tensor(cupy.asarray(rng.standard_normal((batch, width), dtype=np.float32)))
     y = distlab.tensor(cupy.asarray(rng.standard_normal((batch, width), dtype=np.float32)))
-    loss_fn = nn.MSELoss()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
+    step, _ = _trainer(model, x, y)
 
     sync = cupy.cuda.get_current_stream().synchronize
     row = {"what": f"{layers} x Linear({width}, {width}) + ReLU, batch {batch}",
@@ -150,19 +143,29 @@ def local_step(cupy, layers, width, batch, steps, warmup):
     if not torch.cuda.is_available():
         return row
     torch.manual_seed(0)
-    tmodel = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width),
-                                                                       torch.nn.ReLU())]).cuda()
-    topt = torch.optim.SGD(tmodel.parameters(), lr=1e-3)
-    tx = torch.as_tensor(x.data.get()).cuda()
-    ty = torch.as_tensor(y.data.get()).cuda()
-
-    def tstep():
-        topt.zero_grad()
-        torch.nn.functional.mse_loss(tmodel(tx), ty).backward()
-        topt.step()
-
+    tstep = _torch_trainer(_torch_mlp(torch, layers, width).cuda(), torch.as_tensor(x.data.get()).cuda(),
+                           torch.as_tensor(y.data.get()).cuda())
     row["torch_ms"] = _median_ms(tstep, steps, warmup, torch.cuda.synchronize)
     return row
+
+
+def _torch_mlp(torch, layers: int, width: int):
+    """The benchmark's MLP in torch (``layers`` x Linear(width, width) + ReLU), on the CPU."""
+    return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+
+
+def _torch_trainer(model, x, y):
+    """One torch training step of ``model`` on ``(x, y)`` (MSE loss, SGD), as :func:`_trainer`'s in distlab."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def _use_device(device):
@@ -368,22 +371,12 @@ def _ipc_floor_slots(r, nbytes: int):
     CUDA IPC on a GPU, shared memory on the stand-in) and this rank's block to reduce (all of it on rank 0 when
     every rank shares one device, as the transport's leader does, else an even share); ``(None, None, why)`` when
     the placement refuses ipc."""
-    import numpy as np
-
-    from distlab.comm import transports
-    from distlab.comm.transports.ipc import CudaSlots, HostSlots
+    from distlab.comm.transports.ipc import CudaSlots, HostSlots, _block
 
     group, why = _group("ipc", "bench ipc floor")
     if group is None:
         return None, None, why
-    mine = transports.local_placement(int(group.node_keys[group.rank])).row()
-    placements = [transports.Placement.from_row(row) for row in r.comm.allgather(mine)]
-    count = nbytes // 4
-    if transports.reducer_mode(placements) == "leader":
-        block = (0, count) if r.rank == 0 else (0, 0)
-    else:
-        bounds = np.linspace(0, count, r.size + 1).astype(int)
-        block = (bounds[r.rank], bounds[r.rank + 1])
+    block = _block(nbytes // 4, r.rank, r.size, group._transport.mode)  # the transport's own split
     try:
         slots, failure = (HostSlots if r.xp.__name__ != "cupy" else CudaSlots)(group, r.xp, nbytes), None
     except Exception as exc:  # noqa: BLE001 - the floor is dropped on every rank; the other limits still run
@@ -518,17 +511,10 @@ def _torch_figure(r, model_spec, steps: int, warmup: int) -> dict:
     layers, width, batch = model_spec
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(*[m for _ in range(layers) for m in (
-        torch.nn.Linear(width, width), torch.nn.ReLU())]).to(device), device_ids=[device.index])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model = DistributedDataParallel(_torch_mlp(torch, layers, width).to(device), device_ids=[device.index])
     generator = torch.Generator().manual_seed(1 + r.rank)
     x, y = (torch.randn(batch, width, generator=generator).to(device) for _ in range(2))
-
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
+    step = _torch_trainer(model, x, y)
     ms = _median_ms(step, steps, warmup, torch.cuda.synchronize)
     host = np.concatenate([p.detach().cpu().numpy().ravel() for p in model.parameters()])
     return {"ms": ms, "ok": r.everywhere(_same_bits_everywhere(r, host))}
@@ -588,7 +574,7 @@ def _transport_columns(args, common, allreduce: list, ddp: list, skipped: dict, 
         else:
             ran.append(name)
             for row, figure in zip(allreduce, _combine([p["allreduce"] for p in per_rank])):
-                row[name] = {**figure, "GB/s": row["bytes"] / figure["ms"] / 1e6}
+                row[name] = _with_bandwidth(figure, row["bytes"])
             for row, figure in zip(ddp, _combine([p["ddp"] for p in per_rank])):
                 row[name] = figure
     return ran
@@ -611,7 +597,7 @@ def _limit_columns(args, common, report: dict, allreduce: list, ddp: list, skipp
         for column in LIMITS:
             if column in per_rank[0]["allreduce"][k]:
                 figure = _combine([[p["allreduce"][k][column]] for p in per_rank])[0]
-                row[column] = {**figure, "GB/s": row["bytes"] / figure["ms"] / 1e6}
+                row[column] = _with_bandwidth(figure, row["bytes"])
     for row, figure in zip(ddp, _combine([p["floor"] for p in per_rank])):
         row["floor"] = figure
 
@@ -654,13 +640,17 @@ def _trace(args, names: list, spec, report: dict, problems: list) -> None:
         problems.append(f"timeline: {done if isinstance(done, str) else 'no trace was written'}")
 
 
+def _with_bandwidth(figure: dict, nbytes: int) -> dict:
+    """An allreduce figure with the bandwidth it reached (bytes per millisecond / 1e6 = GB/s)."""
+    return {**figure, "GB/s": nbytes / figure["ms"] / 1e6}
+
+
 def measure(args, report: dict, argv=None) -> list:
-    """Tables 2 and 3 into ``report`` with the machine, the command line and the date (and the timeline when
-    asked); returns the problems (failed launches or checks), empty when every figure was measured and checked."""
+    """Tables 2 and 3 into ``report`` with the command line and the date (and the timeline when asked); returns
+    the problems (failed launches or checks), empty when every figure was measured and checked."""
     import shlex
 
-    report.update(machine=machine(gpu_or_reason(args.device)[0], args.device),
-                  command=shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+    report.update(command=shlex.join(["python", "benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     sizes = (TINY_SIZES[:2] if args.quick else TINY_SIZES) if args.tiny else (QUICK_SIZES if args.quick else SIZES)
     models = dict(list((TINY_MODELS if args.tiny else MODELS).items())[:1 if args.quick else None])
@@ -711,9 +701,10 @@ def machine(cupy, device: str) -> dict:
     except OSError:
         info["driver"] = None
     try:
-        from cupy.cuda import nccl
+        from distlab.comm.transports.nccl import nccl_module
 
-        info["nccl"] = nccl.get_version()
+        lib = nccl_module(cupy)
+        info["nccl"] = int(lib.get_version()) if lib is not None else None
     except Exception:  # noqa: BLE001 - cupy without its NCCL library
         info["nccl"] = None
     try:
@@ -763,14 +754,11 @@ def main(argv=None) -> int:
         return 2
     import distlab
 
-    if args.device == "fake":
-        device = "distlab.fakegpu (the CI stand-in: figures mean nothing)"
-    else:
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    described = machine(cupy, args.device)
+    device = described["gpu"]
     layers, width, batch = (20, 256, 32) if args.quick else (100, 256, 32)
     report = {"device": device, "devices": cupy.cuda.runtime.getDeviceCount(), "impl": distlab.IMPL,
-              "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "np": args.np}
+              "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "np": args.np, "machine": described}
     report["local_step"] = local_step(cupy, layers, width, batch, args.steps, args.warmup)
     problems = measure(args, report, argv)
     print(f"bench_gpu on {device} ({report['devices']} device(s)), impl {distlab.IMPL}, medians of {args.steps} "
