@@ -149,3 +149,31 @@ def test_the_cuda_source_run_on_the_cpu_writes_the_stand_ins_bits(launches, tmp_
         for got, want in zip((x for a in arrays if isinstance(a, list) for x in a),
                              (x for a in after if isinstance(a, list) for x in a)):
             assert got.tobytes() == want.tobytes(), (which, name)
+
+
+@pytest.mark.parametrize("make", [lambda ps: optim.SGD(ps, lr=np.float64(0.1), momentum=0.9),
+                                  lambda ps: optim.Adam(ps, lr=np.float64(0.01), weight_decay=np.float64(0.1))],
+                         ids=["sgd", "adam"])
+def test_a_numpy_scalar_hyper_parameter_is_a_scalar_of_the_multi_tensor_kernel(make, monkeypatch):
+    """A hyper-parameter given (or computed) as a numpy scalar is one ``T`` the kernel takes by value, not a list
+    of one per tensor: on cupy the latter compiles to a pointer where the float goes."""
+    calls = []
+    real = _functional.multi_tensor_kernel
+
+    def spy(*signature):
+        kernel = real(*signature)
+        return lambda *args: (calls.append((kernel, args)), kernel(*args))
+
+    monkeypatch.setattr(_functional, "multi_tensor_kernel", spy)
+    params = [nn.Parameter(x) for x in _tensors(xp, [(4, 3), (3,)], 3)]
+    opt = make(params)
+    for p, g in zip(params, _tensors(xp, [p.shape for p in params], 10)):
+        p.grad = distlab.Tensor(g)
+    opt.step()
+    assert calls
+    for kernel, args in calls:
+        shape = tuple(len(a) if isinstance(a, list) else None for a in args)
+        names = [n for n, _ in kernel.elementwise.in_params]
+        assert names[0] == "g" and shape[0] == 2 and shape[1:len(names)] == (None,) * (len(names) - 1), names
+        source, _ = kernel.cuda_source("float", shape)
+        assert "const T* g_0" in source and not any(f"T* {n}_0" in source for n in names[1:])

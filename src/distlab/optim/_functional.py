@@ -82,12 +82,13 @@ def batched():
         _batch.calls = None
         groups = {}
         for xp, signature, inputs, outputs in calls:
-            scalars = tuple(v for _, v in inputs if not hasattr(v, "shape"))
+            scalars = tuple(v for _, v in inputs if not isinstance(v, xp.ndarray))
             key = (xp.__name__, signature, outputs[0][1].dtype, scalars)
             groups.setdefault(key, (xp, signature, []))[2].append((inputs, outputs))
         for xp, signature, members in groups.values():
             first_inputs, first_outputs = members[0]
-            args = [[m[0][i][1] for m in members] if hasattr(v, "shape") else v for i, (_, v) in enumerate(first_inputs)]
+            args = [[m[0][i][1] for m in members] if isinstance(v, xp.ndarray) else v
+                    for i, (_, v) in enumerate(first_inputs)]
             args += [[m[1][i][1] for m in members] for i in range(len(first_outputs))]
             multi_tensor_kernel(xp, *signature)(*args)
 
@@ -99,7 +100,7 @@ def _run(data, name: str, inputs: list, outputs: list, body: list) -> None:
     signature = (", ".join(f"T {n}" for n, _ in inputs), ", ".join(f"T {n}" for n, _ in outputs),
                  "; ".join(body) + ";", name)
     if _batch.calls is not None and xp is not np and data.dtype in MULTI_TENSOR_DTYPES and all(
-            a.flags.c_contiguous for _, a in inputs + outputs if hasattr(a, "shape")):
+            a.flags.c_contiguous for _, a in inputs + outputs if isinstance(a, xp.ndarray)):
         _batch.calls.append((xp, signature, inputs, outputs))
         return
     elementwise_kernel(xp, *signature)(*(v for _, v in inputs), *(a for _, a in outputs))
