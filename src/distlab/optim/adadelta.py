@@ -14,7 +14,7 @@ default, fuses on device arrays only.
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad, fusable, fused_adadelta
+from ._functional import check_non_negative, fused_adadelta
 from .optimizer import Optimizer
 
 __all__ = ["Adadelta"]
@@ -38,16 +38,12 @@ class Adadelta(Optimizer):
         return {"step": 0, "square_avg": xp.zeros_like(p.data), "acc_delta": xp.zeros_like(p.data)}
 
     def _update(self, p, group) -> None:
-        if fusable(group.get("fused"), p):
-            state = self._state(p, group)
-            state["step"] += 1
+        state, grad = self._begin_dense(p, group)
+        if grad is None:
             fused_adadelta(p, state, group["lr"], group["rho"], group["eps"], group["weight_decay"],
                            group["maximize"])
             return
         xp = array_module(p.data)
-        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
-        state = self._state(p, group)
-        state["step"] += 1
         rho, eps = group["rho"], group["eps"]
         square_avg, acc_delta = state["square_avg"], state["acc_delta"]
         square_avg *= rho

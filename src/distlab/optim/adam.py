@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from ..autograd._array import array_module
-from ._functional import dense_grad, fusable, fused_adam
+from ._functional import fused_adam
 from .optimizer import Optimizer
 
 __all__ = ["Adam", "AdamW"]
@@ -43,20 +43,15 @@ class Adam(Optimizer):
         return state
 
     def _update(self, p, group) -> None:
-        xp = array_module(p.data)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"]
-        if fusable(group.get("fused"), p):
-            state = self._state(p, group)
-            state["step"] += 1
-            fused_adam(p, state, lr, beta1, beta2, eps, wd, decoupled, group["amsgrad"], group["maximize"],
-                       state["step"])
-            return
-        grad = dense_grad(self, p, group["maximize"], 0.0 if decoupled else wd)
-        state = self._state(p, group)
-        state["step"] += 1
+        state, grad = self._begin_dense(p, group, 0.0 if decoupled else wd)
         step = state["step"]
+        if grad is None:
+            fused_adam(p, state, lr, beta1, beta2, eps, wd, decoupled, group["amsgrad"], group["maximize"], step)
+            return
+        xp = array_module(p.data)
         if wd != 0 and decoupled:
             p.data *= 1 - lr * wd
         m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -13,7 +13,7 @@ default, fuses on device arrays only.
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad, fusable, fused_adamax
+from ._functional import check_non_negative, fused_adamax
 from .optimizer import Optimizer
 
 __all__ = ["Adamax"]
@@ -35,21 +35,15 @@ class Adamax(Optimizer):
         return {"step": 0, "exp_avg": xp.zeros_like(p.data), "exp_inf": xp.zeros_like(p.data)}
 
     def _update(self, p, group) -> None:
-        if fusable(group.get("fused"), p):
-            state = self._state(p, group)
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            fused_adamax(p, state, group["lr"] / (1 - beta1 ** state["step"]), beta1, beta2, group["eps"],
-                         group["weight_decay"], group["maximize"])
+        state, grad = self._begin_dense(p, group)
+        beta1, beta2 = group["betas"]
+        clr = group["lr"] / (1 - beta1 ** state["step"])
+        if grad is None:
+            fused_adamax(p, state, clr, beta1, beta2, group["eps"], group["weight_decay"], group["maximize"])
             return
         xp = array_module(p.data)
-        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
-        state = self._state(p, group)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
         exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
         exp_avg += (1 - beta1) * (grad - exp_avg)
         exp_inf *= beta2
         xp.maximum(exp_inf, xp.abs(grad) + group["eps"], out=exp_inf)
-        clr = group["lr"] / (1 - beta1 ** state["step"])
         p.data -= clr * (exp_avg / exp_inf)

@@ -5,7 +5,7 @@ import copy
 
 from ..autograd._array import array_module
 from ..autograd.tensor import Tensor, zero_grads
-from ._functional import batched
+from ._functional import batched, dense_grad, fusable
 
 __all__ = ["Optimizer", "required"]
 
@@ -112,6 +112,18 @@ class Optimizer:
 
     def _init_state(self, p, group, xp) -> dict:
         raise NotImplementedError
+
+    def _begin_dense(self, p, group, weight_decay=None) -> tuple:
+        """The start of a dense update: ``(state, grad)``, ``p``'s state with its step counted, and the gradient as
+        :func:`~distlab.optim._functional.dense_grad` gives it (``weight_decay`` None: the group's), or None when
+        the update runs fused. A sparse gradient raises before any state is made."""
+        grad = None
+        if not fusable(group.get("fused"), p):
+            decay = group["weight_decay"] if weight_decay is None else weight_decay
+            grad = dense_grad(self, p, group["maximize"], decay)
+        state = self._state(p, group)
+        state["step"] += 1
+        return state, grad
 
     def _params_with_grad(self, group):
         return [p for p in group["params"] if p.grad is not None]

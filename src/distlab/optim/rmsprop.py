@@ -15,7 +15,7 @@ default, fuses on device arrays only.
 from __future__ import annotations
 
 from ..autograd._array import array_module
-from ._functional import check_non_negative, dense_grad, fusable, fused_rmsprop
+from ._functional import check_non_negative, fused_rmsprop
 from .optimizer import Optimizer
 
 __all__ = ["RMSprop"]
@@ -43,16 +43,12 @@ class RMSprop(Optimizer):
         return state
 
     def _update(self, p, group) -> None:
-        if fusable(group.get("fused"), p):
-            state = self._state(p, group)
-            state["step"] += 1
+        state, grad = self._begin_dense(p, group)
+        if grad is None:
             fused_rmsprop(p, state, group["lr"], group["alpha"], group["eps"], group["weight_decay"],
                           group["momentum"], group["centered"], group["maximize"])
             return
         xp = array_module(p.data)
-        grad = dense_grad(self, p, group["maximize"], group["weight_decay"])
-        state = self._state(p, group)
-        state["step"] += 1
         alpha, eps = group["alpha"], group["eps"]
         square_avg = state["square_avg"]
         square_avg *= alpha
