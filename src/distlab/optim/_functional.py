@@ -116,15 +116,16 @@ def _start(p, maximize: bool, weight_decay: float = 0.0):
     return inputs, [("p", p.data)], body
 
 
-def fused_sgd(p, buf, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    """SGD's update of ``p`` (its dense gradient) in one kernel; returns the momentum buffer (made on the first
-    step with momentum, as the unfused ``grad.copy()``), or None without momentum."""
+def fused_sgd(p, state, lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """SGD's update of ``p`` (its dense gradient) and, with momentum, of the momentum buffer in ``state`` (made
+    there on the first step, as the unfused ``grad.copy()``; ``state`` None without momentum), in one kernel."""
     inputs, outputs, body = _start(p, maximize, weight_decay)
     inputs.append(("lr", lr))
     if momentum != 0:
         inputs.append(("momentum", momentum))
+        buf = state.get("momentum_buffer")
         if buf is None:
-            buf = array_module(p.data).empty_like(p.data)
+            buf = state["momentum_buffer"] = array_module(p.data).empty_like(p.data)
             body.append("buf = d")
         elif dampening:
             inputs.append(("damp", 1 - dampening))
@@ -135,7 +136,6 @@ def fused_sgd(p, buf, lr, momentum, dampening, weight_decay, nesterov, maximize)
         body.append("d = d + momentum * buf" if nesterov else "d = buf")
     body.append("p = p - lr * d")
     _run(p.data, "distlab_sgd", inputs, outputs, body)
-    return buf
 
 
 def fused_adam(p, state, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step):

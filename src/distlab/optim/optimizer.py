@@ -61,13 +61,13 @@ class Optimizer:
         zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):
-        """Update every parameter that has a gradient (``_update(p, group)``); returns ``closure()`` if given."""
+        """Update every parameter that has a gradient (``_update_in(p, group)``); returns ``closure()`` if given."""
         loss = closure() if closure is not None else None
         with batched():  # fused updates of device parameters: a few multi-tensor launches for all of them
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._update(p, group)
+                        self._update_in(p, group)
         return loss
 
     def step_param(self, param, grad) -> None:

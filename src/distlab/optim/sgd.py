@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..autograd._array import array_module, index_add
 from ..autograd.sparse import SparseGrad
-from ._functional import batched, fusable, fused_sgd
+from ._functional import fusable, fused_sgd
 from .optimizer import Optimizer, required
 
 __all__ = ["SGD"]
@@ -36,32 +36,14 @@ class SGD(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=nesterov, maximize=maximize, fused=fused))
 
-    def step(self, closure=None):
-        """Update every parameter that has a gradient; returns ``closure()`` if given (as torch)."""
-        loss = closure() if closure is not None else None
-        with batched():  # fused updates of device parameters: a few multi-tensor launches for all of them
-            for group in self.param_groups:
-                hyper = self._hyper(group)
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update(p, *hyper)
-        return loss
-
-    @staticmethod
-    def _hyper(group) -> tuple:
-        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
-                group["maximize"], group.get("fused"))
-
     def _update_in(self, p, group) -> None:
-        self._update(p, *self._hyper(group))
+        self._update(p, group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
+                     group["maximize"], group.get("fused"))
 
     def _update(self, p, lr, momentum, dampening, wd, nesterov, maximize, fused=None) -> None:
         if fusable(fused, p):
-            state = self.state.get(p) if momentum != 0 else None
-            buf = fused_sgd(p, None if state is None else state.get("momentum_buffer"), lr, momentum, dampening,
-                            wd, nesterov, maximize)
-            if buf is not None:
-                self.state.setdefault(p, {})["momentum_buffer"] = buf
+            fused_sgd(p, self.state.setdefault(p, {}) if momentum != 0 else None, lr, momentum, dampening, wd,
+                      nesterov, maximize)
             return
         grad = p.grad
         if isinstance(grad, SparseGrad):
