@@ -263,7 +263,7 @@ def propagate(node, outputs, buffers, deps, ready, order: int) -> int:
             prev = buffers.get(nxt)
             if prev is None:
                 buffers[nxt] = g
-            elif (type(prev) is type(g) and (type(prev) is np.ndarray or is_cupy(prev)) and prev is not g
+            elif (type(prev) is type(g) and (type(prev) is np.ndarray or is_cupy(prev))
                   and prev.base is None and prev.shape == g.shape
                   and prev.dtype == g.dtype and getattr(prev.flags, "writeable", True)
                   and sys.getrefcount(prev) <= _OWNED_REFS + 1):
