@@ -196,7 +196,7 @@ class ReluBackward(Node):
 
     def apply(self, g):
         out = self.saved
-        if type(g) is type(out) and g.dtype == out.dtype and g.shape == out.shape and is_cupy(g):
+        if is_cupy(g) and type(g) is type(out) and g.dtype == out.dtype and g.shape == out.shape:
             return (elementwise_kernel(array_module(g), "T g, T out", "T gx", "gx = g * (out > 0);",
                                        "distlab_relu_backward")(g, out),)
         return (g * (out > 0),)
