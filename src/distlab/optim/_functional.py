@@ -23,21 +23,16 @@ __all__ = ["dense_grad", "check_non_negative", "fusable", "batched", "fused_sgd"
            "fused_adadelta", "fused_adamax"]
 
 
-def _dense(optimizer, p):
-    if isinstance(p.grad, SparseGrad):
-        raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients (as in torch); use SGD "
-                           "or Adagrad for sparse embeddings")
-    return p.grad.data
-
-
 def dense_grad(optimizer, p, maximize: bool, weight_decay: float = 0.0):
     """``p``'s gradient as a dense array, negated for ``maximize``, plus ``weight_decay * p`` (torch's coupled
     weight decay); a new array whenever either applies, so the gradient itself is never written in place.
 
     Raises RuntimeError for a sparse gradient, as torch does for every optimizer but SGD, Adagrad and SparseAdam.
     """
-    grad = _dense(optimizer, p)
-    grad = -grad if maximize else grad
+    if isinstance(p.grad, SparseGrad):
+        raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients (as in torch); use SGD "
+                           "or Adagrad for sparse embeddings")
+    grad = -p.grad.data if maximize else p.grad.data
     return grad + weight_decay * p.data if weight_decay != 0 else grad
 
 
