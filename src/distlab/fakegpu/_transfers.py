@@ -42,7 +42,7 @@ def count(kind: str) -> None:
 
 def count_launch(kind: str) -> None:
     """Record one kernel launch of ``kind`` ("elementwise", "reduction", "matmul", "alloc", "copy", "fill",
-    "fused") for the calling module."""
+    "random") for the calling module."""
     _LAUNCHES[(kind, _caller())] += 1
 
 
