@@ -20,8 +20,8 @@ written with numpy arrays give:
   does to a Python float in ``lr * g``); an output parameter may be read (it is the element of the output array).
 
 A GPU rounds some of these operations differently from numpy (the CUDA compiler contracts ``a - b * c`` into
-one fused multiply-add; its ``fmax`` skips a NaN that numpy's ``maximum`` keeps), as it does for unfused cupy code: only the
-host twins are bit-equal to numpy.
+one fused multiply-add; its ``fmax`` skips a NaN that numpy's ``maximum`` keeps), as it does for unfused cupy
+code: only the host twins are bit-equal to numpy.
 
 :func:`multi_tensor_kernel` gives a kernel's multi-tensor form, which runs the body over many arrays in one launch
 (torch's ``multi_tensor_apply``, what an optimizer step needs): on cupy a ``RawKernel`` whose source

@@ -19,8 +19,8 @@ from ..autograd._array import array_module, is_cupy
 from ..autograd._kernels import MULTI_TENSOR_DTYPES, elementwise_kernel, multi_tensor_kernel
 from ..autograd.sparse import SparseGrad
 
-__all__ = ["dense_grad", "check_non_negative", "fusable", "batched", "fused_sgd", "fused_adam", "fused_adagrad", "fused_rmsprop",
-           "fused_adadelta", "fused_adamax"]
+__all__ = ["dense_grad", "check_non_negative", "fusable", "batched", "fused_sgd", "fused_adam", "fused_adagrad",
+           "fused_rmsprop", "fused_adadelta", "fused_adamax"]
 
 
 def dense_grad(optimizer, p, maximize: bool, weight_decay: float = 0.0):
