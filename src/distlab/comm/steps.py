@@ -93,7 +93,7 @@ class GroupSteps:
 
     def _staged(self, op: str, seq: int, name, nbytes: int, stages, async_op: bool, peer=None):
         """Run a multi-request operation (``stages`` yields each request and returns the result)."""
-        start_us = now_us() if self._timeline.enabled else 0.0
+        start_us = self._start()
         work = Work(self, op, seq, name, nbytes, peer=peer, stages=stages, start_us=start_us)
         if async_op:
             if not work._done:

@@ -7,18 +7,14 @@ of the bucket).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
 
-from ..autograd._array import array_module
+from ..autograd._array import array_module as _xp
 
 log = logging.getLogger("distlab.ddp_comm_hooks")
-
-
-def _xp(array):
-    """The array module of ``array``: numpy, or the device module distlab registered for it (cupy, a stand-in)."""
-    return array_module(array)
 
 
 def _strided(xp, base, offset, stride, count, shape):
@@ -120,18 +116,10 @@ class _Layout:
                 self.p_total += count * rows * r
                 self.q_total += count * cols * r
         self.plain, self.u_total = [], 0
-        i = 0
-        while i < len(plain):
-            offset, length = plain[i]
-            j, stride = i + 1, 0
-            if j < len(plain) and plain[j][1] == length:
-                stride = plain[j][0] - offset
-                while j < len(plain) and plain[j][1] == length and plain[j][0] - plain[j - 1][0] == stride:
-                    j += 1
-            count = j - i
-            self.plain.append((offset, stride if count > 1 else length, count, length, self.u_total))
-            self.u_total += count * length
-            i = j
+        for length, same_length in itertools.groupby(plain, key=lambda entry: entry[1]):
+            for offset, stride, count in _constant_stride_runs([o for o, _ in same_length]):
+                self.plain.append((offset, stride if count > 1 else length, count, length, self.u_total))
+                self.u_total += count * length
 
 
 def _constant_stride_runs(starts):

@@ -377,7 +377,7 @@ def _method(name):
 METHODS = ("reshape", "view", "astype", "copy", "ravel", "flatten", "transpose", "swapaxes", "squeeze", "sum",
            "mean", "max", "min", "prod", "var", "std", "argmax", "argmin", "any", "all", "cumsum", "clip", "dot",
            "nonzero", "fill", "repeat", "take", "round", "conj", "sort", "argsort", "diagonal", "trace",
-           "reshape", "cumprod", "ptp", "put", "choose", "compress", "partition", "argpartition")
+           "cumprod", "ptp", "put", "choose", "compress", "partition", "argpartition")
 for _name in METHODS:
     setattr(ndarray, _name, _method(_name))
 
