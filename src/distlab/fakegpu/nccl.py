@@ -30,7 +30,6 @@ arrays themselves do.
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 import weakref
 
@@ -128,8 +127,9 @@ class NcclCommunicator:
             raise NcclError(_INVALID_ARGUMENT, f"rank {rank} is not in [0, {ndev})")
         owner, token = (int(w) for w in np.frombuffer(raw[4:20].astype(np.uint8).tobytes(), dtype="<i8"))
         self._ndev, self._rank, self._token = int(ndev), int(rank), token
-        while _deferred and threading.current_thread() is threading.main_thread():
-            _deferred.pop().Free()
+        from distlab.comm.setup import free_deferred, release_comm
+
+        free_deferred()
         table = _rendezvous(owner, token, self._ndev, self._rank)
         world = MPI.COMM_WORLD.Get_group()
         members = world.Incl(table)
@@ -141,7 +141,7 @@ class NcclCommunicator:
         self._running: list = []
         self._aborted = False
         self._device = _cuda.runtime.getDevice()
-        self._finalizer = weakref.finalize(self, _free, self._mpi)
+        self._finalizer = weakref.finalize(self, release_comm, self._mpi)
 
     # -- what cupy's communicator answers ------------------------------------------------------------------
     @property
@@ -300,19 +300,6 @@ def _mpi_op(op: int, dtype: np.dtype):
 
         made = _BF16_OPS[op] = MPI.Op.Create(reduce, commute=True)
     return made
-
-
-_deferred: list = []  # communicators a finalizer released in a thread that may not call MPI
-
-
-def _free(mpi) -> None:
-    """Free the communicator's MPI communicator (from a thread MPI forbids: when the next one is made)."""
-    if MPI.Is_finalized():
-        return
-    if threading.current_thread() is threading.main_thread() or MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        mpi.Free()
-    else:
-        _deferred.append(mpi)
 
 
 # -- the bootstrap ---------------------------------------------------------------------------------------------
