@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 
+from .._types import ReduceOp
 from .._wire import NCCL_BOOTSTRAP_REPLY_TAG, NCCL_BOOTSTRAP_TAG
 from . import cuda as _cuda
 from ._ndarray import resolve_pointer
@@ -66,7 +67,7 @@ _ERRORS = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR", 3
 _DTYPES = {NCCL_INT8: "int8", NCCL_UINT8: "uint8", NCCL_INT32: "int32", NCCL_UINT32: "uint32",
            NCCL_INT64: "int64", NCCL_UINT64: "uint64", NCCL_FLOAT16: "float16", NCCL_FLOAT32: "float32",
            NCCL_FLOAT64: "float64", NCCL_BFLOAT16: "bfloat16"}
-_OPS = {NCCL_SUM: "SUM", NCCL_PROD: "PROD", NCCL_MAX: "MAX", NCCL_MIN: "MIN"}  # MPI's ops, by name
+_OPS = {NCCL_SUM: ReduceOp.SUM, NCCL_PROD: ReduceOp.PRODUCT, NCCL_MAX: ReduceOp.MAX, NCCL_MIN: ReduceOp.MIN}
 _OK, _TIMED_OUT, _CLASH = 0, 1, 2
 _mailbox: dict[int, list] = {}  # token -> bootstrap messages that came while another id was being served
 _orphans: list = []  # collectives of aborted communicators (MPI may still use their buffers)
@@ -281,25 +282,13 @@ def _typed(view):
     return [view.view(np.uint16), MPI.UINT16_T]
 
 
-_BF16_OPS: dict = {}
-
-
 def _mpi_op(op: int, dtype: np.dtype):
     if op not in _OPS:
         raise NcclError(_INVALID_ARGUMENT, f"op {op} is not an NCCL reduction the stand-in has (sum, prod, max, "
                                            "min)")
-    if dtype.kind != "V":
-        return getattr(MPI, _OPS[op])
-    made = _BF16_OPS.get(op)
-    if made is None:
-        combine = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}[op]
+    from distlab.comm.reduce_ops import mpi_reduction
 
-        def reduce(inbuf, outbuf, _datatype):
-            into = np.frombuffer(outbuf, dtype=dtype)
-            combine(into, np.frombuffer(inbuf, dtype=dtype), out=into)
-
-        made = _BF16_OPS[op] = MPI.Op.Create(reduce, commute=True)
-    return made
+    return mpi_reduction(dtype, _OPS[op], "NcclCommunicator")
 
 
 # -- the bootstrap ---------------------------------------------------------------------------------------------
