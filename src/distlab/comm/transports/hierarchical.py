@@ -45,7 +45,7 @@ from ..._types import ReduceOp
 from ..device import device_array
 from ..setup import barrier_within, release_comm
 from ._streams import Streams
-from .nccl import _Communicator, _Completion, _close, nccl_module, nccl_reduction
+from .nccl import _Communicator, _close, _device_buffer, _finish, nccl_module, nccl_reduction
 from .staged import StagedTransport, allreduce_call
 
 __all__ = ["HierarchicalTransport"]
@@ -168,11 +168,7 @@ class HierarchicalTransport:
         stream, later = streams.down, streams.up  # the node's reductions; its all-gathers (see the docstring)
         try:
             caller = streams.after_caller()
-            buffer = array
-            if type(array) is np.ndarray:  # a joined rank's host zeros: a device buffer for the NCCL calls
-                with stream:
-                    buffer = xp.empty(array.shape, dtype=array.dtype)
-                buffer.set(array, stream=stream)
+            buffer = _device_buffer(xp, array, stream)  # a joined rank's host zeros: a device buffer for NCCL
             flat, ptr, itemsize = buffer.reshape(-1), buffer.data.ptr, buffer.itemsize
             shard, rest = divmod(flat.size, self.local_size)
             mine = ptr + shard * itemsize * self.local_rank
@@ -183,9 +179,7 @@ class HierarchicalTransport:
                 if rest:
                     scatter.nccl.reduce(remainder, remainder, rest * per_element, datatype, nccl_op, last,
                                         stream.ptr)
-            scatter.running += 1
-            yield _Completion(streams.record(stream), scatter.nccl)
-            scatter.running -= 1
+            yield from scatter.completed(streams, stream)
             yield _Turn(self._ops, op, 1)
             start = shard * self.local_rank
             count = shard + (rest if self.local_rank == last else 0)
@@ -208,14 +202,8 @@ class HierarchicalTransport:
                 if rest:
                     gather.nccl.bcast(remainder, rest * per_element, datatype, last, later.ptr)
             op.phase = 2
-            gather.running += 1
-            yield _Completion(streams.record(later), gather.nccl)
-            gather.running -= 1
-            with later:
-                if average:
-                    buffer /= size
-                if buffer is not array:
-                    buffer.get(stream=later, out=array)
+            yield from gather.completed(streams, later)
+            _finish(later, buffer, size if average else 0, [(buffer, array)])
             streams.release_to(caller)
             return array
         finally:

@@ -94,6 +94,13 @@ class _Communicator:
         self.nccl = nccl
         self.running = 0
 
+    def completed(self, streams, stream):
+        """Yield what completes the collective just issued on ``stream`` (for ``yield from``), counting it as
+        running meanwhile: one abandoned at that wait (a timeout) leaves the communicator to be aborted."""
+        self.running += 1
+        yield _Completion(streams.record(stream), self.nccl)
+        self.running -= 1
+
 
 def _close(state: _Communicator) -> None:
     """Destroy the communicator, or abort it when a collective never completed (a timed-out wait)."""
@@ -101,6 +108,30 @@ def _close(state: _Communicator) -> None:
         state.nccl.abort()
     else:
         state.nccl.destroy()
+
+
+def _device_buffer(xp, array, stream, copy_in: bool = True):
+    """``array`` itself when it is in device memory; for a host array, a device buffer of its shape made on
+    ``stream`` (holding its values, copied on ``stream``, when ``copy_in``)."""
+    if type(array) is not np.ndarray:
+        return array
+    with stream:
+        buffer = xp.empty(array.shape, dtype=array.dtype)
+    if copy_in:
+        buffer.set(array, stream=stream)
+    return buffer
+
+
+def _finish(stream, result, divisor, copies) -> None:
+    """On ``stream``, once the collective completed: ``result /= divisor`` unless ``divisor`` is 0 (an average:
+    the stand-in runs kernels at once, a GPU queues them), then each ``(device buffer, host array)`` of ``copies``
+    copied back unless they are one array."""
+    with stream:
+        if divisor:
+            result /= divisor
+        for buffer, array in copies:
+            if buffer is not array:
+                buffer.get(stream=stream, out=array)
 
 
 class _Completion:
@@ -222,25 +253,11 @@ class NcclTransport:
 
         def stages():
             caller = streams.after_caller()
-            buffers = []
-            for array, down, _ in operands:
-                if type(array) is np.ndarray:
-                    with stream:
-                        buffer = xp.empty(array.shape, dtype=array.dtype)
-                    if down:
-                        buffer.set(array, stream=stream)
-                    array = buffer
-                buffers.append(array)
-            state.running += 1
+            buffers = [_device_buffer(xp, array, stream, down) for array, down, _ in operands]
             issue(state.nccl, *buffers, stream)
-            yield _Completion(streams.record(stream), state.nccl)
-            state.running -= 1
-            with stream:
-                if average:  # after the sum completed: the stand-in runs kernels at once, a GPU queues them
-                    buffers[-1] /= size
-                for (array, _, up), buffer in zip(operands, buffers):
-                    if up and buffer is not array:
-                        buffer.get(stream=stream, out=array)
+            yield from state.completed(streams, stream)
+            _finish(stream, buffers[-1], size if average else 0,
+                    [(buffer, array) for (array, _, up), buffer in zip(operands, buffers) if up])
             streams.release_to(caller)
             return result
 
