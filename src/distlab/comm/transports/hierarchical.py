@@ -45,12 +45,12 @@ from ..._types import ReduceOp
 from ..device import device_array
 from ..setup import barrier_within, release_comm
 from ._streams import Streams
-from .nccl import _Communicator, _close, _device_buffer, _finish, nccl_module, nccl_reduction
+from .nccl import (_UNIQUE_ID_BYTES, _Communicator, _close, _device_buffer, _finish, _make, nccl_module,
+                   nccl_reduction)
 from .staged import StagedTransport, allreduce_call
 
 __all__ = ["HierarchicalTransport"]
 
-_UNIQUE_ID_BYTES = 128
 _DONE = 3
 
 
@@ -117,9 +117,8 @@ class HierarchicalTransport:
         wait(group.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")
         barrier_within(group.comm, f"hierarchical transport of group {group.name!r} set-up (every rank holds its "
                                    "node's ids)", group.timeout)
-        made = [lib.NcclCommunicator(self.local_size, tuple(int(b) for b in table[local[0], k]), self.local_rank)
-                for k in range(2)]
-        self._scatter, self._gather = _Communicator(made[0]), _Communicator(made[1])
+        self._scatter, self._gather = (_make(lib, self.local_size, table[local[0], k], self.local_rank)
+                                       for k in range(2))
         self._cross = group.comm.Split(self.local_rank, group.rank)  # every rank passed the barrier above
         self.release = weakref.finalize(self, _release, self._scatter, self._gather, self._cross)
         self._streams = Streams(module)

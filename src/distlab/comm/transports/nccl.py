@@ -102,6 +102,11 @@ class _Communicator:
         self.running -= 1
 
 
+def _make(lib, size: int, uid, rank: int) -> _Communicator:
+    """Rank ``rank`` of the ``size``-rank NCCL communicator of unique id ``uid`` (an array of its bytes)."""
+    return _Communicator(lib.NcclCommunicator(size, tuple(int(b) for b in uid), rank))
+
+
 def _close(state: _Communicator) -> None:
     """Destroy the communicator, or abort it when a collective never completed (a timed-out wait)."""
     if state.running:
@@ -171,7 +176,7 @@ class NcclTransport:
             uid[:] = nccl.get_unique_id()
         wait(group.comm.Ibcast(uid, root=0), "nccl unique id")
         barrier_within(group.comm, f"{what} (every rank holds the unique id)", group.timeout)
-        self._state = _Communicator(nccl.NcclCommunicator(group.size, tuple(int(b) for b in uid), group.rank))
+        self._state = _make(nccl, group.size, uid, group.rank)
         self.release = weakref.finalize(self, _close, self._state)
         self._streams = Streams(module)
         self._staged = None
