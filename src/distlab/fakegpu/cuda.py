@@ -51,9 +51,9 @@ def wait_for(works: list, what: str) -> None:
     """Block until ``works`` complete, at most ``DISTLAB_TIMEOUT`` seconds."""
     if not works:
         return
-    from distlab.futures import resolve_timeout
+    from distlab.futures import default_timeout
 
-    timeout = resolve_timeout(None, f"{what}: timeout")
+    timeout = default_timeout()
     deadline = time.monotonic() + timeout
     while works:
         if time.monotonic() > deadline:

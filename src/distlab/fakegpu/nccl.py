@@ -111,12 +111,6 @@ def get_unique_id() -> tuple:
     return tuple(int(b) for b in np.frombuffer(raw.ljust(NCCL_UNIQUE_ID_BYTES, b"\0"), dtype=np.int8))
 
 
-def _timeout() -> float:
-    from distlab.futures import resolve_timeout
-
-    return resolve_timeout(None, "NcclCommunicator: timeout")
-
-
 class NcclCommunicator:
     """One rank of an NCCL communicator of ``ndev`` ranks made from ``commId`` (see the module docstring)."""
 
@@ -297,7 +291,9 @@ def _rendezvous(owner: int, token: int, ndev: int, rank: int) -> list[int]:
     me = MPI.COMM_WORLD.Get_rank()
     if ndev == 1 and owner == me:
         return [me]
-    timeout = _timeout()
+    from distlab.futures import default_timeout
+
+    timeout = default_timeout()
     deadline = time.monotonic() + timeout
     if owner == me:
         return _serve(token, ndev, rank, me, deadline, timeout)
