@@ -114,9 +114,8 @@ class HierarchicalTransport:
         if self.local_rank == 0:  # each node's first rank makes its node's two ids
             ids[0], ids[1] = lib.get_unique_id(), lib.get_unique_id()
         table = np.empty((group.size, 2, _UNIQUE_ID_BYTES), np.int8)
-        wait(group.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")
-        barrier_within(group.comm, f"hierarchical transport of group {group.name!r} set-up (every rank holds its "
-                                   "node's ids)", group.timeout)
+        barrier_within(group.comm, f"hierarchical transport of group {group.name!r} set-up", group.timeout)
+        wait(group.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")  # every rank came: completes now
         self._scatter, self._gather = (_make(lib, self.local_size, table[local[0], k], self.local_rank)
                                        for k in range(2))
         self._cross = group.comm.Split(self.local_rank, group.rank)  # every rank passed the barrier above

@@ -1,9 +1,9 @@
 """The NCCL transport: device collectives through one NCCL communicator per group, bootstrapped over MPI.
 
 Set-up mirrors Horovod's ``NCCLOpContext::InitNCCLComm`` (``horovod/common/ops/nccl_operations.cc``): when the
-group is made, its rank 0 makes the unique id (``xp.cuda.nccl.get_unique_id()``), the group's MPI communicator
-broadcasts it under the set-up deadline, a bounded barrier checks every rank holds it (a rank that never came is
-named there, not left hanging in ``ncclCommInitRank``, which has no deadline), and every rank makes its
+group is made, a bounded barrier checks every rank came (one that never did, rank 0 included, is named there, not
+left hanging in ``ncclCommInitRank``, which has no deadline), its rank 0 makes the unique id
+(``xp.cuda.nccl.get_unique_id()``), the group's MPI communicator broadcasts it, and every rank makes its
 ``NcclCommunicator(size, id, rank)``, kept for the group's life: one communicator per group, as Horovod keeps one
 per process set. MPI stays the control plane: sequence numbers, arrival, DETAIL fingerprints, timeouts naming
 ranks, Join.
@@ -171,11 +171,11 @@ class NcclTransport:
         self._xp = module
         nccl = self._lib = nccl_module(module)
         what = f"nccl transport of group {group.name!r} set-up"
+        barrier_within(group.comm, what, group.timeout)  # names any rank that never came, rank 0 included
         uid = np.zeros(_UNIQUE_ID_BYTES, np.int8)
         if group.rank == 0:
             uid[:] = nccl.get_unique_id()
         wait(group.comm.Ibcast(uid, root=0), "nccl unique id")
-        barrier_within(group.comm, f"{what} (every rank holds the unique id)", group.timeout)
         self._state = _make(nccl, group.size, uid, group.rank)
         self.release = weakref.finalize(self, _close, self._state)
         self._streams = Streams(module)
