@@ -30,6 +30,17 @@ if transport == "staged":
     assert counts["to_host"] + counts["from_host"] == 3, xp.transfers()
 else:
     assert counts["to_host"] == 0 and counts["from_host"] == 0, xp.transfers()
+# allgather and reduce_scatter of device arrays: a transport that takes them copies nothing to the host before
+# it (no staging for MPI thrown away); staged copies happen only inside distlab.comm.transports
+xp.reset()
+gathered = pg.allgather(xp.full(2, r, dtype=np.int32))
+assert isinstance(gathered, xp.ndarray) and gathered.get()[:, 0].tolist() == list(range(n)), gathered
+scattered = xp.zeros(2, dtype=np.float64)
+pg.reduce_scatter(scattered, xp.asarray(np.arange(2.0 * n) + r))
+assert scattered.get().tolist() == [n * (2 * r + k) + n * (n - 1) / 2 for k in range(2)], scattered
+outside = {key: count for key, count in xp.transfers().items() if key[0] in ("to_host", "from_host")
+           and key[1].startswith("distlab.comm") and not key[1].startswith("distlab.comm.transports")}
+assert not outside, xp.transfers()
 # The rooted calls and all_to_all_single take device arrays the same way (lists on the root through host memory).
 red = xp.asarray(np.full(3, r + 1.0))
 pg.reduce(red, dst=n - 1)

@@ -25,8 +25,8 @@ import numpy as np
 from ..autograd._array import device_module
 from .reduce_ops import check_movable
 
-__all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "empty_like",
-           "device_array"]
+__all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "check_buffer",
+           "empty_like", "device_array"]
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,9 @@ def mpi_buffer(array, what: str):
     """Return (buffer to give MPI, step copying results back or None), staging device arrays if needed."""
     if type(array) is np.ndarray:  # the hot path: host memory, no staging
         if not array.flags.c_contiguous:
-            raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
-                             "pass np.ascontiguousarray(a) and copy the result back")
+            raise _not_contiguous(array, what)
         return array, None
-    backend = backend_for(array)
-    if not _is_contiguous(array):
-        raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
-                         "pass np.ascontiguousarray(a) and copy the result back")
+    backend = _checked_backend(array, what)
     if not backend.on_device:
         return array, None
     backend.synchronize(array)  # the kernels writing this array must finish before MPI reads it
@@ -140,14 +136,35 @@ def mpi_buffer(array, what: str):
     return host, (lambda: backend.from_host(array, host))
 
 
+def check_buffer(array, what: str) -> None:
+    """The checks of :func:`mpi_buffer` (a TypeError for what MPI cannot take, a ValueError for an array that is
+    not C-contiguous) without its staging: for a call that may yet hand the array to a transport."""
+    if type(array) is np.ndarray:
+        if not array.flags.c_contiguous:
+            raise _not_contiguous(array, what)
+        return
+    _checked_backend(array, what)
+
+
+def _checked_backend(array, what: str) -> ArrayBackend:
+    backend = backend_for(array)
+    if not _is_contiguous(array):
+        raise _not_contiguous(array, what)
+    return backend
+
+
+def _not_contiguous(array, what: str) -> ValueError:
+    return ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
+                      "pass np.ascontiguousarray(a) and copy the result back")
+
+
 def device_array(array, what: str, name=None, host_too: bool = False) -> bool:
     """True when ``array`` is a device array (or with ``host_too`` a numpy array) a transport can take; checked:
     C-contiguous, a movable dtype."""
     if not (host_too and type(array) is np.ndarray) and device_module(array) is None:
         return False
     if not _is_contiguous(array):
-        raise ValueError(f"{what}: the array must be C-contiguous (got strides {array.strides}); "
-                         "pass np.ascontiguousarray(a) and copy the result back")
+        raise _not_contiguous(array, what)
     check_movable(array.dtype, what, name)
     return True
 

@@ -17,7 +17,7 @@ from .._wire import COMM_RESERVED_TAGS
 from ..errors import CollectiveMismatchError
 from ..timeline import now_us
 from . import shared
-from .device import empty_like, mpi_buffer
+from .device import check_buffer, empty_like, mpi_buffer
 from .reduce_ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
 from .pieces import SPLIT_FROM_BYTES, in_turn, piece_bytes, start_pieces
 from .steps import GroupSteps
@@ -121,15 +121,20 @@ class GroupOperations(GroupSteps):
 
     def allgather(self, array, out=None, async_op: bool = False, name=None):
         """Gather every rank's ``array`` into ``out`` of shape ``(size,) + array.shape`` (returned)."""
-        send, _ = self._movable(array, "allgather", name)
+        transport = self._transport
+        if transport is None:
+            send, _ = self._movable(array, "allgather", name)
+        else:  # checked alike, staged for MPI only if the transport does not take the arrays
+            self._movable(array, "allgather", name, stage=False)
         if out is None:
             out = empty_like(array, (self.size,) + tuple(array.shape))
         if tuple(out.shape) != (self.size,) + tuple(array.shape) or out.dtype != array.dtype:
             raise ValueError(f"allgather: out must have shape {(self.size,) + tuple(array.shape)} and dtype "
                              f"{array.dtype}, got {tuple(out.shape)} {out.dtype}")
-        if self._transport is not None and self._transport.takes(array, "allgather", name) \
-                and self._transport.takes(out, "allgather", name):
-            return self._transport.allgather(array, out, async_op, name)
+        if transport is not None:
+            if transport.takes(array, "allgather", name) and transport.takes(out, "allgather", name):
+                return transport.allgather(array, out, async_op, name)
+            send, _ = self._movable(array, "allgather", name)
         recv, copy_back = self._movable(out, "allgather", name)
         seq = self._enter("allgather", name, array)
         start = self._start()
@@ -140,14 +145,21 @@ class GroupOperations(GroupSteps):
         """Reduce ``input`` (``size`` equal blocks) across ranks; rank ``r`` receives block ``r`` in ``output``."""
         reduce_op = parse_op(op)
         mpi_op = mpi_reduction(input.dtype, reduce_op, "reduce_scatter", name) if hasattr(input, "dtype") else None
-        send, _ = mpi_buffer(input, "reduce_scatter")
-        recv, copy_back = mpi_buffer(output, "reduce_scatter")
+        transport = self._transport
+        if transport is None:
+            send, _ = mpi_buffer(input, "reduce_scatter")
+            recv, copy_back = mpi_buffer(output, "reduce_scatter")
+        else:  # checked alike, staged for MPI only if the transport does not take the arrays
+            check_buffer(input, "reduce_scatter")
+            check_buffer(output, "reduce_scatter")
         if input.size != output.size * self.size or input.dtype != output.dtype:
             raise ValueError(f"reduce_scatter: input must hold size*output.size = {output.size * self.size} "
                              f"elements of {output.dtype}, got {input.size} of {input.dtype}")
-        if self._transport is not None and self._transport.takes(input, "reduce_scatter", name) \
-                and self._transport.takes(output, "reduce_scatter", name):
-            return self._transport.reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
+        if transport is not None:
+            if transport.takes(input, "reduce_scatter", name) and transport.takes(output, "reduce_scatter", name):
+                return transport.reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
+            send, _ = mpi_buffer(input, "reduce_scatter")
+            recv, copy_back = mpi_buffer(output, "reduce_scatter")
         if is_bfloat16(input.dtype):
             send, recv = [send.view(np.uint16), MPI.UINT16_T], [recv.view(np.uint16), MPI.UINT16_T]
         seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)
@@ -237,11 +249,15 @@ class GroupOperations(GroupSteps):
 
     # -- argument checks --------------------------------------------------------------------------------------
     @staticmethod
-    def _movable(array, what: str, name):
-        """``mpi_buffer`` after the dtype check; ml_dtypes arrays travel as their bits."""
+    def _movable(array, what: str, name, stage: bool = True):
+        """``mpi_buffer`` after the dtype check; ml_dtypes arrays travel as their bits. Without ``stage``, only
+        the checks (``check_buffer``), for a call whose transport may yet take the array: ``(None, None)``."""
         dtype = getattr(array, "dtype", None)
         if dtype is not None:
             check_movable(dtype, what, name)
+        if not stage:
+            check_buffer(array, what)
+            return None, None
         buf, copy_back = mpi_buffer(array, what)
         if dtype is not None and dtype.kind == "V":
             buf = buf.view(np.uint8)
