@@ -3,9 +3,10 @@ stand-in: every collective it serves, every dtype and op, odd sizes across chunk
 in reverse, 1,000 reuses of one buffer, the same bits on every rank, a joined rank's host zeros shadowing the
 others' device collectives, and a timeout naming the missing rank. For nccl also: the reductions NCCL lacks go
 through the staged path, auto picks nccl across nodes, the stand-in's rendezvous (two communicators at once, a
-missing member named, a rank claimed twice), and the communicator destroyed (or aborted) with its group. For
-hierarchical (2 simulated nodes of 2 ranks, local rank k on stand-in device k): counts below, at and around the
-local size, what auto picks on the opt-in and where NCCL has no network, nodes of different sizes refused."""
+missing member named, a rank claimed twice), rank 0 missing at the transport's set-up named by its barrier, and the
+communicator destroyed (or aborted) with its group. For hierarchical (2 simulated nodes of 2 ranks, local rank k on
+stand-in device k): counts below, at and around the local size, what auto picks on the opt-in and where NCCL has
+no network, nodes of different sizes refused."""
 import os
 import time
 
@@ -188,6 +189,23 @@ if transport == "nccl":
     except nccl.NcclError as exc:
         assert "NCCL_ERROR_INVALID_USAGE" in str(exc) and "ranks [0]" in str(exc), exc
     del os.environ["DISTLAB_TIMEOUT"]
+    plain.Barrier()
+    # the transport's set-up: a rank that never came, rank 0 (the id's maker) included, is named by its barrier
+    # before any rank waits for the id
+    from types import SimpleNamespace
+
+    from distlab.comm.setup import bounded_wait
+    from distlab.comm.transports.nccl import NcclTransport
+
+    lonely = MPI.COMM_WORLD.Dup()
+    if r != 0:
+        half = SimpleNamespace(comm=lonely, rank=r, size=n, name="half", timeout=0.3)
+        try:
+            NcclTransport(half, xp, lambda request, step: bounded_wait(request, step, lonely, 0.3,
+                                                                       time.monotonic() + 0.3))
+            raise AssertionError("must time out")
+        except DistTimeoutError as exc:
+            assert exc.missing_ranks == [0] and "nccl transport of group 'half' set-up" in str(exc), exc
     plain.Barrier()
 
 if transport == "hierarchical":
