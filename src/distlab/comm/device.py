@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,7 +27,7 @@ from ..autograd._array import device_module
 from .reduce_ops import check_movable
 
 __all__ = ["ArrayBackend", "backend_for", "cuda_aware", "mpi_cuda_support", "mpi_buffer", "check_buffer",
-           "empty_like", "device_array"]
+           "empty_like", "device_array", "pickled", "displacements"]
 
 
 @dataclass(frozen=True)
@@ -183,3 +184,13 @@ def _is_contiguous(array) -> bool:
     if flags is not None:
         return bool(flags["C_CONTIGUOUS"]) if not hasattr(flags, "c_contiguous") else bool(flags.c_contiguous)
     return True
+
+
+def pickled(obj) -> np.ndarray:
+    """``obj`` pickled (highest protocol), as a uint8 array MPI can send."""
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+
+
+def displacements(sizes) -> np.ndarray:
+    """Where each of ``sizes`` starts when they are laid end to end (MPI's ``displs`` of a ``v`` call)."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]])

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from .._wire import COMM_OBJECT_TAG
 from ..errors import CollectiveMismatchError
 from .monitor import monitored_barrier
-from .rooted import pickled
+from .device import displacements, pickled
 from .steps import GroupSteps
 
 __all__ = ["ExchangeOperations", "split_mismatches"]
@@ -182,7 +182,7 @@ class _Rows:
 
 def _counts_and_offsets(splits: list[int], row: int) -> tuple[list[int], list[int]]:
     counts = [s * row for s in splits]
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []
+    offsets = displacements(counts).astype(np.int64).tolist() if counts else []
     return counts, offsets
 
 

@@ -17,8 +17,8 @@ from .._wire import COMM_RESERVED_TAGS
 from ..errors import CollectiveMismatchError
 from ..timeline import now_us
 from . import shared
-from .device import check_buffer, empty_like, mpi_buffer
-from .reduce_ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op
+from .device import check_buffer, displacements, empty_like, mpi_buffer, pickled
+from .reduce_ops import averaging, check_movable, is_bfloat16, mpi_reduction, parse_op, reduction_buffer
 from .pieces import SPLIT_FROM_BYTES, in_turn, piece_bytes, start_pieces
 from .steps import GroupSteps
 from .work import StatusRequest
@@ -55,10 +55,7 @@ class GroupOperations(GroupSteps):
         if piece:
             requests = start_pieces(self.comm, buf, piece, mpi_op, MPI.UINT16_T if is_bfloat16(array.dtype) else None)
             return self._staged("allreduce", seq, name, array.nbytes, in_turn(requests, finish, array), async_op)
-        if is_bfloat16(array.dtype):  # our own MPI op, on the bits as uint16
-            request = self.comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
-        else:
-            request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
+        request = self.comm.Iallreduce(MPI.IN_PLACE, reduction_buffer(buf), mpi_op)  # bfloat16: our op, on its bits
         return self._issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
 
     def _shared_allreduce(self, arena, offset: int, array, reduce_op, async_op: bool, name):
@@ -160,8 +157,7 @@ class GroupOperations(GroupSteps):
                 return transport.reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
             send, _ = mpi_buffer(input, "reduce_scatter")
             recv, copy_back = mpi_buffer(output, "reduce_scatter")
-        if is_bfloat16(input.dtype):
-            send, recv = [send.view(np.uint16), MPI.UINT16_T], [recv.view(np.uint16), MPI.UINT16_T]
+        send, recv = reduction_buffer(send), reduction_buffer(recv)
         seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)
         start = self._start()
         request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
@@ -189,14 +185,14 @@ class GroupOperations(GroupSteps):
 
     def allgather_object(self, obj, async_op: bool = False, name=None):
         """Gather any picklable object from every rank; returns the list in rank order."""
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        payload = pickled(obj)
         seq = self._enter("allgather_object", name)
 
         def stages():
             sizes = np.zeros(self.size, dtype=np.int64)
             yield self.comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)
             data = np.empty(int(sizes.sum()), dtype=np.uint8)
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            offsets = displacements(sizes)
             yield self.comm.Iallgatherv(payload, [data, (sizes, offsets), MPI.BYTE])
             return [pickle.loads(data[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
 
@@ -205,8 +201,7 @@ class GroupOperations(GroupSteps):
     def broadcast_object(self, obj=None, src: int = 0, async_op: bool = False, name=None):
         """Return rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
         self._check_rank(src, "broadcast_object src")
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8) \
-            if self.rank == src else None
+        payload = pickled(obj) if self.rank == src else None
         seq = self._enter("broadcast_object", name, root=src)
 
         def stages():

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from .._types import ReduceOp
 
-__all__ = ["parse_op", "mpi_reduction", "check_movable", "averaging", "is_bfloat16"]
+__all__ = ["parse_op", "mpi_reduction", "check_movable", "averaging", "is_bfloat16", "as_bits", "reduction_buffer"]
 
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
@@ -34,6 +34,17 @@ def parse_op(op) -> ReduceOp:
     """``ReduceOp.parse`` with a dictionary fast path (this runs on every collective)."""
     parsed = _OP_LOOKUP.get(op)
     return parsed if parsed is not None else ReduceOp.parse(op)
+
+
+def as_bits(buf):
+    """What MPI moves unreduced: ml_dtypes arrays (bfloat16...) as their bytes, others as they are."""
+    return buf.view(np.uint8) if buf.dtype.kind == "V" else buf
+
+
+def reduction_buffer(buf):
+    """What MPI reduces: bfloat16 as its 16-bit words (which :func:`mpi_reduction`'s own op reduces), others as
+    they are."""
+    return [buf.view(np.uint16), MPI.UINT16_T] if is_bfloat16(buf.dtype) else buf
 
 
 def is_bfloat16(dtype) -> bool:

@@ -20,8 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .._types import ReduceOp
-from .device import backend_for, mpi_buffer
-from .reduce_ops import averaging, is_bfloat16, mpi_reduction, parse_op
+from .device import backend_for, displacements, mpi_buffer, pickled
+from .reduce_ops import as_bits, averaging, mpi_reduction, parse_op, reduction_buffer
 from .steps import GroupSteps
 
 __all__ = ["RootedOperations", "to_host", "pickled"]
@@ -44,7 +44,7 @@ class RootedOperations(GroupSteps):
         root = self.rank == dst
         seq = self._enter("reduce", name, array, root=dst, reduce_op=reduce_op)
         start = self._start()
-        spec = [buf.view(np.uint16), MPI.UINT16_T] if is_bfloat16(array.dtype) else buf
+        spec = reduction_buffer(buf)
         request = self.comm.Ireduce(MPI.IN_PLACE if root else spec, spec if root else None, mpi_op, root=dst)
         finish = None
         if root:
@@ -65,7 +65,7 @@ class RootedOperations(GroupSteps):
             request = self.comm.Igather(send, None, root=dst)
             return self._issue("gather", seq, name, array.nbytes, request, None, None, async_op, None, start)
         table = np.empty((self.size,) + tuple(array.shape), dtype=array.dtype)
-        request = self.comm.Igather(send, _bits(table), root=dst)
+        request = self.comm.Igather(send, as_bits(table), root=dst)
 
         def finish():
             for target, row in zip(targets, table):
@@ -88,7 +88,7 @@ class RootedOperations(GroupSteps):
                 row[...] = to_host(source)
         seq = self._enter("scatter", name, array, root=src)
         start = self._start()
-        request = self.comm.Iscatter(None if table is None else _bits(table), recv, root=src)
+        request = self.comm.Iscatter(None if table is None else as_bits(table), recv, root=src)
         return self._issue("scatter", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
 
     def gather_object(self, obj, object_gather_list=None, dst: int = 0, async_op: bool = False, name=None):
@@ -109,7 +109,7 @@ class RootedOperations(GroupSteps):
             if not root:
                 yield self.comm.Igatherv(payload, None, root=dst)
                 return None
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            offsets = displacements(sizes)
             data = np.empty(int(sizes.sum()), dtype=np.uint8)
             yield self.comm.Igatherv(payload, [data, (sizes, offsets), MPI.BYTE], root=dst)
             for index, (offset, size) in enumerate(zip(offsets, sizes)):
@@ -144,7 +144,7 @@ class RootedOperations(GroupSteps):
             yield self.comm.Iscatter(sizes, size, root=src)
             data = np.empty(int(size[0]), dtype=np.uint8)
             if root:
-                offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                offsets = displacements(sizes)
                 table = np.concatenate(payloads) if payloads else np.empty(0, dtype=np.uint8)
                 yield self.comm.Iscatterv([table, (sizes, offsets), MPI.BYTE], data, root=src)
             else:
@@ -191,11 +191,6 @@ class RootedOperations(GroupSteps):
                              f"on the {role} rank (rank {root}), got {got}")
 
 
-def pickled(obj) -> np.ndarray:
-    """``obj`` pickled (highest protocol), as a uint8 array MPI can send."""
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-
-
 def to_host(array) -> np.ndarray:
     """A host view (numpy) or copy (device array, once its stream is done) of ``array``."""
     if type(array) is np.ndarray:
@@ -217,7 +212,3 @@ def _write(target, host: np.ndarray) -> None:
     else:
         target[...] = host
 
-
-def _bits(table: np.ndarray) -> np.ndarray:
-    """A host table as MPI takes it: ml_dtypes (kind ``V``) arrays travel as their bytes."""
-    return table.view(np.uint8) if table.dtype.kind == "V" else table

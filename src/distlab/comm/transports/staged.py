@@ -25,7 +25,7 @@ from mpi4py import MPI
 from ..._types import ReduceOp
 from ...autograd._array import device_module
 from ..device import device_array
-from ..reduce_ops import is_bfloat16
+from ..reduce_ops import as_bits, reduction_buffer
 from ._streams import Streams
 
 __all__ = ["StagedTransport", "CHUNK_BYTES", "CHUNK_BYTES_VAR", "allreduce_call"]
@@ -103,7 +103,7 @@ class StagedTransport:
         group = self.group
         seq = group._enter("broadcast", name, array, root=src)
         mine = group.rank == src
-        stages = self.pipeline(array, lambda buf: group.comm.Ibcast(_bits(buf), root=src), mine, not mine, 0)
+        stages = self.pipeline(array, lambda buf: group.comm.Ibcast(as_bits(buf), root=src), mine, not mine, 0)
         return group._staged("broadcast", seq, name, array.nbytes, stages, async_op)
 
     def pipeline(self, array, call, down: bool, up: bool, average: int):
@@ -166,7 +166,7 @@ class StagedTransport:
                 send = arena.host[:array.nbytes].view(array.dtype).reshape(array.shape)
                 recv = arena.host[array.nbytes:array.nbytes + out.nbytes].view(out.dtype).reshape(out.shape)
                 caller = self._down(streams, arena, array, send)
-                yield group.comm.Iallgather(_bits(send), _bits(recv))
+                yield group.comm.Iallgather(as_bits(send), as_bits(recv))
                 out.set(recv, stream=streams.up)
                 self._up(streams, arena, caller)
             finally:
@@ -182,10 +182,7 @@ class StagedTransport:
         xp = device_module(input)
 
         def call(send, recv):
-            if is_bfloat16(input.dtype):
-                return group.comm.Ireduce_scatter_block([send.view(np.uint16), MPI.UINT16_T],
-                                                        [recv.view(np.uint16), MPI.UINT16_T], mpi_op)
-            return group.comm.Ireduce_scatter_block(send, recv, mpi_op)
+            return group.comm.Ireduce_scatter_block(reduction_buffer(send), reduction_buffer(recv), mpi_op)
 
         def host_stages():  # host arrays (a rank meeting the others' device call with host memory): the same call
             yield call(input.reshape(-1), output.reshape(-1))
@@ -231,11 +228,4 @@ class StagedTransport:
 def allreduce_call(comm, dtype, mpi_op):
     """``call(host buffer)``: the nonblocking in-place MPI allreduce of one chunk over ``comm`` (bfloat16 as its
     16-bit words, which ``mpi_op`` reduces)."""
-    if is_bfloat16(dtype):
-        return lambda buf: comm.Iallreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], mpi_op)
-    return lambda buf: comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
-
-
-def _bits(buf):
-    """ml_dtypes arrays travel as their bytes."""
-    return buf.view(np.uint8) if buf.dtype.kind == "V" else buf
+    return lambda buf: comm.Iallreduce(MPI.IN_PLACE, reduction_buffer(buf), mpi_op)
