@@ -179,7 +179,7 @@ def test_the_stand_in_nccl_mirrors_cupy_on_a_one_rank_communicator():
 
     nccl = xp.cuda.nccl
     uid = nccl.get_unique_id()
-    assert len(uid) == nccl.NCCL_UNIQUE_ID_BYTES and all(-128 <= b < 128 for b in uid) and uid != nccl.get_unique_id()
+    assert type(uid) is bytes and len(uid) == nccl.NCCL_UNIQUE_ID_BYTES and uid != nccl.get_unique_id()  # cupy 14
     assert nccl.available and nccl.get_version() == 22809 and not hasattr(nccl, "NCCL_AVG")
     comm = nccl.NcclCommunicator(1, uid, 0)
     assert (comm.size(), comm.rank_id(), comm.device_id()) == (1, 0, 0) and comm.comm
@@ -203,10 +203,12 @@ def test_the_stand_in_nccl_mirrors_cupy_on_a_one_rank_communicator():
                         (lambda: comm.allReduce(block.data.ptr, block.data.ptr, 2, 42, 0, 0), "datatype 42"),
                         (lambda: comm.allReduce(block.data.ptr, block.data.ptr, 2, nccl.NCCL_INT32, 4, 0), "op 4"),
                         (lambda: comm.bcast(block.data.ptr, 2, nccl.NCCL_INT32, 1, 0), "root 1"),
-                        (lambda: nccl.NcclCommunicator(1, (0,) * 128, 0), "not a unique id"),
+                        (lambda: nccl.NcclCommunicator(1, bytes(128), 0), "not a unique id"),
                         (lambda: nccl.NcclCommunicator(2, uid, 2), r"rank 2 is not in \[0, 2\)")):
         with pytest.raises(nccl.NcclError, match=words):
             call()
+    with pytest.raises(TypeError, match="'commId' has incorrect type \\(expected bytes, got tuple\\)"):
+        nccl.NcclCommunicator(1, tuple(uid), 0)  # what cupy before 14 took
     comm.destroy()
     assert comm.comm == 0
     with pytest.raises(nccl.NcclError, match="destroyed"):

@@ -105,22 +105,24 @@ def get_build_version() -> int:
     return _VERSION
 
 
-def get_unique_id() -> tuple:
-    """A new unique id: 128 signed bytes carrying this process's world rank and a random token."""
+def get_unique_id() -> bytes:
+    """A new unique id: 128 bytes (cupy 14 hands them over as ``bytes``, earlier cupy as a tuple of ints) carrying
+    this process's world rank and a random token."""
     raw = _MAGIC + np.array([MPI.COMM_WORLD.Get_rank(), secrets.randbits(62)], dtype="<i8").tobytes()
-    return tuple(int(b) for b in np.frombuffer(raw.ljust(NCCL_UNIQUE_ID_BYTES, b"\0"), dtype=np.int8))
+    return raw.ljust(NCCL_UNIQUE_ID_BYTES, b"\0")
 
 
 class NcclCommunicator:
     """One rank of an NCCL communicator of ``ndev`` ranks made from ``commId`` (see the module docstring)."""
 
-    def __init__(self, ndev: int, commId: tuple, rank: int):  # noqa: N803 - cupy's argument name
-        raw = np.asarray(commId, dtype=np.int64)
-        if raw.shape != (NCCL_UNIQUE_ID_BYTES,) or bytes(raw[:4].astype(np.uint8)) != _MAGIC:
+    def __init__(self, ndev: int, commId: bytes, rank: int):  # noqa: N803 - cupy's argument name
+        if not isinstance(commId, bytes):  # cupy's typed argument, its message
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
+        if len(commId) != NCCL_UNIQUE_ID_BYTES or commId[:4] != _MAGIC:
             raise NcclError(_INVALID_ARGUMENT, "commId is not a unique id from get_unique_id()")
         if not 0 <= rank < ndev:
             raise NcclError(_INVALID_ARGUMENT, f"rank {rank} is not in [0, {ndev})")
-        owner, token = (int(w) for w in np.frombuffer(raw[4:20].astype(np.uint8).tobytes(), dtype="<i8"))
+        owner, token = (int(w) for w in np.frombuffer(commId[4:20], dtype="<i8"))
         self._ndev, self._rank, self._token = int(ndev), int(rank), token
         from distlab.comm.setup import free_deferred, release_comm
 

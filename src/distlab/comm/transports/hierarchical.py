@@ -110,10 +110,10 @@ class HierarchicalTransport:
         keys = [int(key) for key in group._node_keys]
         local = [k for k, key in enumerate(keys) if key == keys[group.rank]]
         self.local_rank, self.local_size = local.index(group.rank), len(local)
-        ids = np.zeros((2, _UNIQUE_ID_BYTES), np.int8)
+        ids = np.zeros((2, _UNIQUE_ID_BYTES), np.uint8)
         if self.local_rank == 0:  # each node's first rank makes its node's two ids
-            ids[0], ids[1] = lib.get_unique_id(), lib.get_unique_id()
-        table = np.empty((group.size, 2, _UNIQUE_ID_BYTES), np.int8)
+            ids[:] = [np.frombuffer(lib.get_unique_id(), np.uint8) for _ in range(2)]
+        table = np.empty((group.size, 2, _UNIQUE_ID_BYTES), np.uint8)
         barrier_within(group.comm, f"hierarchical transport of group {group.name!r} set-up", group.timeout)
         wait(group.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")  # every rank came: completes now
         self._scatter, self._gather = (_make(lib, self.local_size, table[local[0], k], self.local_rank)

@@ -50,7 +50,7 @@ _BY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "
             "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
             "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16", "complex64": "NCCL_FLOAT32",
             "complex128": "NCCL_FLOAT64", "bool": "NCCL_UINT8"}
-_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy hands it over as a tuple of 128 signed bytes)
+_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy 14 hands it over as 128 bytes)
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
         ReduceOp.PRODUCT: "NCCL_PROD"}
 _BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
@@ -103,8 +103,8 @@ class _Communicator:
 
 
 def _make(lib, size: int, uid, rank: int) -> _Communicator:
-    """Rank ``rank`` of the ``size``-rank NCCL communicator of unique id ``uid`` (an array of its bytes)."""
-    return _Communicator(lib.NcclCommunicator(size, tuple(int(b) for b in uid), rank))
+    """Rank ``rank`` of the ``size``-rank NCCL communicator of unique id ``uid`` (a uint8 array of its bytes)."""
+    return _Communicator(lib.NcclCommunicator(size, uid.tobytes(), rank))
 
 
 def _close(state: _Communicator) -> None:
@@ -172,9 +172,9 @@ class NcclTransport:
         nccl = self._lib = nccl_module(module)
         what = f"nccl transport of group {group.name!r} set-up"
         barrier_within(group.comm, what, group.timeout)  # names any rank that never came, rank 0 included
-        uid = np.zeros(_UNIQUE_ID_BYTES, np.int8)
+        uid = np.zeros(_UNIQUE_ID_BYTES, np.uint8)
         if group.rank == 0:
-            uid[:] = nccl.get_unique_id()
+            uid[:] = np.frombuffer(nccl.get_unique_id(), np.uint8)
         wait(group.comm.Ibcast(uid, root=0), "nccl unique id")
         self._state = _make(nccl, group.size, uid, group.rank)
         self.release = weakref.finalize(self, _close, self._state)
