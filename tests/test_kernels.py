@@ -2,14 +2,13 @@
 the CPU.
 
 The CUDA source of each optimizer's multi-tensor kernel is compiled here by the host C++ compiler, with the
-CUDA names it uses (``__global__``, ``blockIdx``...) defined for one host thread, and run over the arrays the
-stand-in updated, launch by launch, block by block and thread by thread: it must write the very bits the stand-in
-wrote. What that leaves to a GPU: nvcc's own reading of the source, and the launch itself
-(``tests/test_autograd_gpu.py``).
+CUDA names it uses (``__global__``, ``blockIdx``...) defined for one host thread, and launched the way cupy's form
+of the kernel launches it over the arrays the stand-in updated, block by block and thread by thread: it must
+write the very bits the stand-in wrote. Where nvcc is installed (no GPU needed), every kernel source a GPU would
+compile is compiled by it too. What that leaves to a GPU: the launch itself (``tests/test_autograd_gpu.py``).
 """
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 
@@ -19,8 +18,10 @@ import pytest
 import distlab
 from distlab import fakegpu as xp
 from distlab import nn, optim
-from distlab.autograd._kernels import MultiTensorKernel
+from distlab.autograd._kernels import CupyMultiTensorKernel, HostElementwiseKernel, MultiTensorKernel
 from distlab.optim import _functional
+
+from _cuda_host import HostCuda, elementwise_source
 
 SGD_BODY = ("T g, T lr, T momentum", "T p, T buf",
             "T d = g; buf = buf * momentum + d; d = buf; p = p - lr * d;", "sgd")
@@ -60,28 +61,19 @@ def test_a_multi_tensor_kernel_refuses_what_it_cannot_index(call, error, words):
         MultiTensorKernel("T g", "T p", "T n = g; p = n;", "k")
 
 
-_OPTIMIZERS = {
+_OPTIMIZERS = {  # every branch of the fused bodies (optim/_functional.py) at least once
+    "sgd-plain": lambda ps: optim.SGD(ps, lr=0.1),
     "sgd": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True),
     "sgd-dampening": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.8, dampening=0.3),
     "adam": lambda ps: optim.Adam(ps, lr=0.01, amsgrad=True, weight_decay=0.1),
+    "adam-plain": lambda ps: optim.Adam(ps, lr=0.01),
     "adamw": lambda ps: optim.AdamW(ps, lr=0.01, maximize=True),
     "adagrad": lambda ps: optim.Adagrad(ps, lr=0.1, weight_decay=0.1),
     "rmsprop": lambda ps: optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True),
+    "rmsprop-plain": lambda ps: optim.RMSprop(ps, lr=0.01, weight_decay=0.1),
     "adadelta": lambda ps: optim.Adadelta(ps, weight_decay=0.1),
     "adamax": lambda ps: optim.Adamax(ps, lr=0.01, maximize=True),
 }
-_PRELUDE = """#include <cmath>
-#include <algorithm>
-using std::sqrt; using std::exp; using std::log; using std::fabs; using std::fmax; using std::fmin;
-struct Dim3 { unsigned int x, y, z; };
-static Dim3 blockIdx, blockDim, threadIdx, gridDim;
-#define __global__
-extern "C" void set_thread(unsigned bx, unsigned by, unsigned tx, unsigned grid_x, unsigned block_x) {
-    blockIdx = {bx, by, 0}; threadIdx = {tx, 0, 0}; gridDim = {grid_x, 1, 1}; blockDim = {block_x, 1, 1};
-}
-"""
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """Every multi-tensor launch of two steps of each optimizer on the stand-in (35 parameters, so two chunks):
@@ -121,34 +113,61 @@ def test_every_optimizer_ran_multi_tensor_launches_of_32(launches):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++)")
-def test_the_cuda_source_run_on_the_cpu_writes_the_stand_ins_bits(launches, tmp_path):
-    """Each launch's CUDA source, compiled by g++ (no contraction into multiply-adds, as numpy) and run with every
-    (block, thread) of a 2 x 3 grid row per tensor: the arrays it writes equal the stand-in's, bit for bit."""
-    sources, names = [], []
-    for i, (_, kernel, before, _) in enumerate(launches):
-        shape = tuple(len(a) if isinstance(a, list) else None for a in before)
-        source, name = kernel.cuda_source("float", shape)
-        sources.append(f"namespace k{i} {{\n{source.replace(name, f'{name}_{i}')}}}\n")  # one symbol per launch
-        names.append(f"{name}_{i}")
-    (tmp_path / "kernels.cpp").write_text(_PRELUDE + "".join(sources))
-    subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", str(tmp_path / "k.so"),
-                    str(tmp_path / "kernels.cpp")], check=True, capture_output=True, timeout=120)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
-    for name, (which, kernel, before, after) in zip(names, launches):
+def test_cupys_multi_tensor_kernel_runs_its_cuda_source_to_the_stand_ins_bits(launches, tmp_path):
+    """Each launch made again by the form cupy runs (:class:`CupyMultiTensorKernel`: its source, its grid, its
+    arguments handed to ``RawKernel``), the source compiled by g++ (no contraction into multiply-adds, as numpy)
+    and run block by block and thread by thread over the whole grid: the arrays it writes equal the stand-in's,
+    bit for bit, and every argument has the C type of its parameter."""
+    shapes = [tuple(len(a) if isinstance(a, list) else None for a in before) for _, _, before, _ in launches]
+    cuda = HostCuda(tmp_path, {kernel.cuda_source("float", shape) for (_, kernel, *_), shape in zip(launches, shapes)})
+    for which, kernel, before, after in launches:
         arrays = [[x.copy() for x in a] if isinstance(a, list) else a for a in before]
-        args = [a.ctypes.data_as(ctypes.c_void_p) for a in kernel.kernel_args(arrays, np.dtype(np.float32))
-                if isinstance(a, np.ndarray)]
-        sizes = [ctypes.c_longlong(a.size) for a in next(a for a in arrays if isinstance(a, list))]
-        scalars = [ctypes.c_float(v) for v in arrays if not isinstance(v, list)]
-        function = getattr(lib, name)
-        for t in range(len(sizes)):
-            for block in range(2):
-                for thread in range(3):
-                    lib.set_thread(block, t, thread, 2, 3)
-                    function(*args, *sizes, *scalars)
+        CupyMultiTensorKernel(cuda, *kernel.signature)._launch(arrays)
         for got, want in zip((x for a in arrays if isinstance(a, list) for x in a),
                              (x for a in after if isinstance(a, list) for x in a)):
-            assert got.tobytes() == want.tobytes(), (which, name)
+            assert got.tobytes() == want.tobytes(), which
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++)")
+def test_a_tensor_longer_than_the_grid_is_strided_over_and_scalars_take_their_c_type(tmp_path):
+    """1024 blocks of 256 threads at most: a tensor of 600,000 elements takes each thread round the grid three
+    times, beside a 5-element one in the same launch; a scalar that is not ``T`` is what a GPU would misread."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        g, p, buf = ([rng.standard_normal(n).astype(dtype) for n in (600_000, 5)] for _ in range(3))
+        want_p, want_buf = [a.copy() for a in p], [a.copy() for a in buf]
+        MultiTensorKernel(*SGD_BODY)(g, 0.1, 0.9, want_p, want_buf)
+        (tmp_path / dtype.__name__).mkdir()
+        kernel = CupyMultiTensorKernel(HostCuda(tmp_path / dtype.__name__), *SGD_BODY)
+        kernel(g, 0.1, 0.9, p, buf)
+        assert [a.tobytes() for a in p + buf] == [a.tobytes() for a in want_p + want_buf]
+        raw = next(iter(kernel._compiled.values()))
+        with pytest.raises(TypeError, match="lr is a (float|double): a GPU would read the bytes of float"):
+            raw((1, 2), (256,), tuple(kernel.kernel_args([g, 0.1, 0.9, p, buf], np.dtype(dtype)))[:-2] + (0.1, 0.9))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (nvcc)")
+def test_every_kernel_source_compiles_for_a_gpu(launches, tmp_path):
+    """What nvcc makes of every kernel a GPU would compile (for an H100, to PTX, no device needed): each
+    multi-tensor launch's raw source, and each body as ``cupy.ElementwiseKernel`` wraps it (the per-parameter
+    updates, ReLU's backward), in float and double."""
+    units = {}
+    for _, kernel, before, _ in launches:
+        shape = tuple(len(a) if isinstance(a, list) else None for a in before)
+        arrays = {n for (n, _), k in zip(kernel.elementwise.in_params, shape) if k is not None}
+        for ctype in ("float", "double"):
+            units.setdefault(kernel.cuda_source(ctype, shape), None)
+            units.setdefault((elementwise_source(kernel.elementwise, ctype, arrays, "elementwise"), "elementwise"))
+    relu = HostElementwiseKernel("T g, T out", "T gx", "gx = g * (out > 0);", "distlab_relu_backward")
+    units.update(((elementwise_source(relu, c, {"g", "out"}, "elementwise"), "elementwise"), None)
+                 for c in ("float", "double"))
+    text = "".join(f"namespace unit{i} {{\n{source.replace(name, f'{name}_{i}')}}}\n"
+                   for i, (source, name) in enumerate(units))
+    (tmp_path / "kernels.cu").write_text(text)
+    done = subprocess.run(["nvcc", "-arch=compute_90", "--ptx", "-o", str(tmp_path / "kernels.ptx"),
+                           str(tmp_path / "kernels.cu")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "kernels.ptx").read_text().count(".entry") == len(units) > 40
 
 
 @pytest.mark.parametrize("make", [lambda ps: optim.SGD(ps, lr=np.float64(0.1), momentum=0.9),

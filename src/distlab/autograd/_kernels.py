@@ -81,7 +81,7 @@ class HostElementwiseKernel:
     """
 
     def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel"):
-        self.name = name
+        self.name, self.operation = name, operation
         self.in_params = _parse_params(in_params, name)
         self.out_params = _parse_params(out_params, name)
         self.nin, self.nout = len(self.in_params), len(self.out_params)
@@ -180,6 +180,7 @@ class MultiTensorKernel:
     def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel"):
         self.elementwise = HostElementwiseKernel(in_params, out_params, operation, name)
         self.name, self.operation = name, operation
+        self.signature = (in_params, out_params, operation, name)  # what made it, to make its other forms
         if any(ctype != "T" for _, ctype in self.elementwise.in_params + self.elementwise.out_params):
             raise ValueError(f"{name}: a multi-tensor kernel takes T parameters only")
         taken = {"t", "n", "i", "sizes"} & ({p for p, _ in self.elementwise.in_params + self.elementwise.out_params}
