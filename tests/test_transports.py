@@ -1,4 +1,5 @@
 """The device transport a group chooses from its ranks' placements (a pure function: a table of cases)."""
+import numpy as np
 import pytest
 
 from distlab.comm.transports import Placement, choose, reducer_mode
@@ -132,3 +133,30 @@ def test_the_stand_ins_placement_carries_its_nccl_version():
     placement = local_placement(0, "auto")
     assert placement.device and placement.proven and placement.nccl == fakegpu.cuda.nccl.get_version() == 22809
     assert nccl_module(fakegpu) is fakegpu.cuda.nccl and nccl_module(None) is None
+
+
+def test_the_staged_pipeline_queues_every_chunk_down_before_the_host_waits(monkeypatch):
+    """cupy's ``ndarray.get(stream=..., out=...)`` waits until its copy landed unless ``blocking=False``: the
+    pipeline's copies down must not wait, or chunk k + 1 cannot come down while MPI moves chunk k (each chunk's
+    event says when it landed)."""
+    from distlab import comm, fakegpu
+    from distlab.comm.transports import staged
+
+    blocking, real = [], fakegpu.ndarray.get
+
+    def get(self, *args, **kwargs):
+        blocking.append(kwargs.get("blocking", True))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(staged, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fakegpu.ndarray, "get", get)
+    monkeypatch.setenv("DISTLAB_DEVICE_COMM", "staged")
+    fakegpu.use_as_cuda()
+    try:
+        group = comm.ProcessGroup(name="staged-pipeline", timeout=30)
+        assert group.device_comm == "staged"
+        x = fakegpu.asarray(np.arange(100, dtype=np.float32))
+        group.allreduce(x)
+    finally:
+        fakegpu.use_as_cuda(False)
+    assert blocking == [False] * 7 and x.get().tolist() == list(range(100))  # 400 bytes in chunks of 64

@@ -129,8 +129,8 @@ class StagedTransport:
             streams.down.wait_event(event)
         ready = []
         if down:
-            for a, b in bounds:  # every copy down queued at once; each chunk's event says when it landed
-                flat[a:b].get(stream=streams.down, out=host[a:b])
+            for a, b in bounds:  # every copy down queued at once (cupy's get waits for its copy unless told not
+                flat[a:b].get(stream=streams.down, out=host[a:b], blocking=False)  # to); each chunk's event: landed
                 ready.append(streams.record(streams.down))
         requests = []
         for k, (a, b) in enumerate(bounds):
