@@ -36,7 +36,7 @@ NAMESPACES = {
     "distlab.fakegpu": "cupy",
     "distlab.fakegpu.cuda": "cupy.cuda",
     "distlab.fakegpu.cuda.runtime": "cupy.cuda.runtime",
-    "distlab.fakegpu.nccl": "cupy.cuda.nccl",
+    "distlab.fakegpu.cuda.nccl": "cupy.cuda.nccl",
     "distlab.fakegpu.random": "cupy.random",
     "distlab.fakegpu.lib": "cupy.lib",
     "distlab.fakegpu.lib.stride_tricks": "cupy.lib.stride_tricks",
@@ -48,6 +48,8 @@ CLASSES = ("cupy.ndarray", "cupy.ElementwiseKernel", "cupy.RawKernel", "cupy.ufu
            "cupy.cuda.UnownedMemory", "cupy.cuda.MemoryPointer", "cupy.cuda.PinnedMemoryPointer",
            "cupy.cuda.nccl.NcclCommunicator", "cupy.cuda.nccl.NcclError", "cupy.random.Generator",
            "cupy.random.RandomState")
+#: instance attributes cupy sets without listing them in the class's docstring (read in cupy's source)
+_UNDOCUMENTED = {"cupy.cuda.nccl.NcclError": ["status"]}  # NcclError.__init__: self.status = status
 _KINDS = {"POSITIONAL_ONLY": "positional_only", "POSITIONAL_OR_KEYWORD": "positional_or_keyword",
           "VAR_POSITIONAL": "var_positional", "KEYWORD_ONLY": "keyword_only", "VAR_KEYWORD": "var_keyword"}
 #: dunders every class has, or that say nothing of an API
@@ -287,7 +289,8 @@ def snapshot() -> dict:
             entries[name] = describe(value, name)
         out["namespaces"][path] = entries
     for path in CLASSES:
-        out["classes"][path] = describe_class(resolve(path))
+        out["classes"][path] = entry = describe_class(resolve(path))
+        entry["instance_attributes"] = sorted(set(entry["instance_attributes"]) | set(_UNDOCUMENTED.get(path, ())))
     out["missing"] = sorted(f"{path}.{name}" for path, names in stand_in.items() for name in names
                             if name not in out["namespaces"][path])
     return out

@@ -21,6 +21,7 @@ numpy: the stand-in proves where the data goes, not how a GPU rounds.
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import numpy as np
@@ -363,23 +364,48 @@ for _name, _ufunc in {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": n
     setattr(ndarray, f"__{_name}__", _binary(_ufunc))
 
 
-def _method(name):
+def _method(name, params: str):
+    """The method ``name`` with cupy's ``params``: an argument cupy's method does not take is refused with
+    Python's TypeError, as cupy's refuses it; the rest go to numpy's method on the host array."""
+    signature = inspect.signature(eval(f"lambda self, {params}: None"))  # noqa: S307 - METHODS' constant text
+    host_defaults = _HOST_DEFAULTS.get(name, {})
+
     def method(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments
         out = kwargs.get("out")
+        kwargs.update((k, v) for k, v in host_defaults.items() if k not in given)
         result = getattr(self._a, name)(*unwrap(args, name), **unwrap(kwargs, name))
         launched(name, result, (self._a,), out)
         return out if out is not None else wrap(result)
     method.__name__ = name
+    method.__signature__ = signature
     return method
 
 
-#: The array methods cupy has (and device code uses), run on the host array with their results kept on the device.
-METHODS = ("reshape", "view", "astype", "copy", "ravel", "flatten", "transpose", "swapaxes", "squeeze", "sum",
-           "mean", "max", "min", "prod", "var", "std", "argmax", "argmin", "any", "all", "cumsum", "clip", "dot",
-           "nonzero", "fill", "repeat", "take", "round", "conj", "sort", "argsort", "diagonal", "trace",
-           "cumprod", "ptp", "put", "choose", "compress", "partition", "argpartition")
-for _name in METHODS:
-    setattr(ndarray, _name, _method(_name))
+#: The array methods cupy has (and device code uses), with cupy 14's parameters (the snapshot test compares them
+#: with cupy's): run on the host array with their results kept on the device.
+METHODS = {
+    "reshape": "*shape, order='C', copy=None", "view": "dtype=None, type=None",
+    "astype": "dtype, order='K', casting=None, subok=None, copy=True", "copy": "order='C'", "ravel": "order='C'",
+    "flatten": "order='C'", "transpose": "*axes", "swapaxes": "axis1, axis2", "squeeze": "axis=None",
+    "sum": "axis=None, dtype=None, out=None, keepdims=False", "mean": "axis=None, dtype=None, out=None, keepdims=False",
+    "max": "axis=None, out=None, keepdims=False", "min": "axis=None, out=None, keepdims=False",
+    "prod": "axis=None, dtype=None, out=None, keepdims=None",
+    "var": "axis=None, dtype=None, out=None, ddof=0, keepdims=False",
+    "std": "axis=None, dtype=None, out=None, ddof=0, keepdims=False",
+    "argmax": "axis=None, out=None, dtype=None, keepdims=False", "argmin": "axis=None, out=None, dtype=None, "
+    "keepdims=False", "any": "axis=None, out=None, keepdims=False", "all": "axis=None, out=None, keepdims=False",
+    "cumsum": "axis=None, dtype=None, out=None", "clip": "min=None, max=None, out=None", "dot": "b, out=None",
+    "nonzero": "", "fill": "value", "repeat": "repeats, axis=None", "take": "indices, axis=None, out=None",
+    "round": "decimals=0, out=None", "conj": "", "sort": "axis=-1, kind=None", "argsort": "axis=-1, kind=None",
+    "diagonal": "offset=0, axis1=0, axis2=1", "trace": "offset=0, axis1=0, axis2=1, dtype=None, out=None",
+    "cumprod": "axis=None, dtype=None, out=None", "ptp": "axis=None, out=None, keepdims=False",
+    "put": "indices, values, mode='wrap'", "choose": "choices, out=None, mode='raise'",
+    "compress": "condition, axis=None, out=None", "partition": "kth, axis=-1", "argpartition": "kth, axis=-1"}
+#: where cupy's default differs from numpy's, the stand-in hands numpy cupy's (``put`` wraps out-of-range indices)
+_HOST_DEFAULTS = {"put": {"mode": "wrap"}}
+for _name, _params in METHODS.items():
+    setattr(ndarray, _name, _method(_name, _params))
 
 
 def _rebuild(host):

@@ -4,8 +4,8 @@ The stand-in's kernels run synchronously on the host, so a kernel's wait is alre
 that device code calls these the way it would call cupy's (a stream as a context manager,
 ``Event.record(stream)``, ``stream.wait_event(event)``), and that each synchronisation is counted like a transfer
 (kind ``"synchronize"``). The one device work that does not finish at once is a collective of the stand-in NCCL
-(:mod:`distlab.fakegpu.nccl`, which the package sets here as ``cuda.nccl``), which runs until every member has
-issued it: it is queued (:func:`enqueue`) on the stream it was issued on, an event recorded after it is ``done``
+(:mod:`distlab.fakegpu._nccl`, which the package sets here as ``cuda.nccl``), which runs until every member has
+issued it: it is queued (:func:`_enqueue`) on the stream it was issued on, an event recorded after it is ``done``
 only once it completed (as ``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize
 waits for it, bounded by ``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
 
@@ -23,14 +23,15 @@ import time
 from . import _transfers
 
 __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", "get_elapsed_time",
-           "is_available", "runtime", "enqueue", "wait_for", "DEVICES_VAR"]
+           "is_available", "runtime"]
 
 _ptrs = itertools.count(0x1000)
+_state: dict = {"device": 0}
 _current: list = []
 _queued: dict[int, list] = {}  # stream pointer -> collectives still running on it (anything with ``Test()``)
 
 
-def enqueue(stream_ptr: int, work) -> None:
+def _enqueue(stream_ptr: int, work) -> None:
     """Queue ``work`` (polled with ``work.Test()``, True once complete) on the stream ``stream_ptr``."""
     _queued.setdefault(int(stream_ptr), []).append(work)
 
@@ -47,7 +48,7 @@ def _queued_on(ptr: int) -> list:
     return works
 
 
-def wait_for(works: list, what: str) -> None:
+def _wait_for(works: list, what: str) -> None:
     """Block until ``works`` complete, at most ``DISTLAB_TIMEOUT`` seconds."""
     if not works:
         return
@@ -63,14 +64,13 @@ def wait_for(works: list, what: str) -> None:
         works = _running(works)
 
 
-class Stream:
-    """A CUDA stream (no-op): ``with stream:`` makes it current; ``null`` is the default stream."""
+class _BaseStream:
+    """What every stream has (cupy's ``_BaseStream``): ``ptr`` and ``device_id``; ``with stream:`` makes it
+    current."""
 
-    null: "Stream"
-
-    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
-        self.ptr = 0 if null else next(_ptrs) if ptr is None else ptr
-        self.non_blocking = non_blocking
+    def __init__(self, ptr: int, device_id: int):
+        self.ptr = ptr
+        self.device_id = device_id
 
     def __enter__(self):
         _current.append(self)
@@ -87,9 +87,13 @@ class Stream:
     def done(self) -> bool:
         return not _queued_on(self.ptr)
 
+    @property
+    def is_non_blocking(self) -> bool:
+        return self._non_blocking
+
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
+        _wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
 
     def record(self, event=None):
         event = Event() if event is None else event
@@ -99,59 +103,76 @@ class Stream:
     def wait_event(self, event) -> None:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event takes an Event, got {type(event).__name__}")
-        for work in _running(event.after):
-            enqueue(self.ptr, work)
+        for work in _running(event._after):
+            _enqueue(self.ptr, work)
 
     def __eq__(self, other):
-        return isinstance(other, Stream) and other.ptr == self.ptr
+        return isinstance(other, _BaseStream) and other.ptr == self.ptr
 
-    __hash__ = object.__hash__
+    def __hash__(self):
+        return self.ptr
 
     def __repr__(self):
-        return f"<Stream {self.ptr:#x}>"
+        return f"<{type(self).__name__} {self.ptr} (device {self.device_id})>"
+
+
+class Stream(_BaseStream):
+    """A CUDA stream (no-op), as ``cupy.cuda.Stream(null=False, non_blocking=False, ptds=False,
+    priority=None)``; ``Stream.null`` is the default stream."""
+
+    null: "Stream"
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False, priority=None):
+        super().__init__(0 if null else next(_ptrs), -1 if null else _state["device"])
+        self._non_blocking = bool(non_blocking)
 
 
 Stream.null = Stream(null=True)
 
 
-class ExternalStream(Stream):
-    """A stream made elsewhere, known by its pointer."""
+class ExternalStream(_BaseStream):
+    """A stream made elsewhere, known by its pointer (``cupy.cuda.ExternalStream(ptr, device_id=-1)``)."""
 
-    def __init__(self, ptr: int):
-        super().__init__(ptr=ptr)
+    def __init__(self, ptr: int, device_id: int = -1):
+        super().__init__(ptr, device_id)
+        self._non_blocking = False
 
 
-def get_current_stream() -> Stream:
+def get_current_stream(device_id: int = -1) -> Stream:
     """The stream device work is queued on now."""
     return _current[-1] if _current else Stream.null
 
 
 class Event:
-    """A CUDA event (no-op): ``record(stream)`` marks a point in the stream; ``synchronize()`` waits for it."""
+    """A CUDA event (no-op): ``record(stream)`` marks a point in the stream; ``synchronize()`` waits for it.
+
+    An interprocess event must disable timing, or cupy refuses it (CUDA's ``cudaEventCreateWithFlags`` would)."""
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
+        if interprocess and not disable_timing:
+            raise ValueError("Timing must be disabled for interprocess events")  # cupy's words
         self.ptr = next(_ptrs)
-        self.recorded_on = None
-        self.after: list = []  # the collectives queued on the stream when it was recorded
+        self._recorded_on = None
+        self._after: list = []  # the collectives queued on the stream when it was recorded
 
     def record(self, stream=None) -> None:
-        self.recorded_on = get_current_stream() if stream is None else stream
-        self.after = _queued_on(self.recorded_on.ptr)
+        self._recorded_on = get_current_stream() if stream is None else stream
+        self._after = _queued_on(self._recorded_on.ptr)
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        wait_for(self.after, "Event.synchronize")
-        self.after = []
+        _wait_for(self._after, "Event.synchronize")
+        self._after = []
 
     @property
     def done(self) -> bool:
-        self.after = _running(self.after)
-        return not self.after
+        self._after = _running(self._after)
+        return not self._after
 
 
-def get_elapsed_time(start: Event, end: Event) -> float:
+def get_elapsed_time(start_event: Event, end_event: Event) -> float:
     """Milliseconds between two recorded events (always 0.0 on the stand-in)."""
-    if start.recorded_on is None or end.recorded_on is None:
+    if start_event._recorded_on is None or end_event._recorded_on is None:
         raise RuntimeError("get_elapsed_time: both events must be recorded")
     return 0.0
 
@@ -189,16 +210,15 @@ class Device:
         return f"<CUDA Device {self.id}>"
 
 
-_state: dict = {"device": 0}
-DEVICES_VAR = "DISTLAB_FAKEGPU_DEVICES"
+_DEVICES_VAR = "DISTLAB_FAKEGPU_DEVICES"
 
 
 def _device_count() -> int:
     import os
 
-    value = os.environ.get(DEVICES_VAR, "").strip()
+    value = os.environ.get(_DEVICES_VAR, "").strip()
     if value and (not value.isdigit() or int(value) < 1):
-        raise ValueError(f"{DEVICES_VAR}={value!r}: expected a positive number of stand-in devices")
+        raise ValueError(f"{_DEVICES_VAR}={value!r}: expected a positive number of stand-in devices")
     return int(value) if value else 1
 
 
@@ -206,7 +226,7 @@ def _checked(device) -> int:
     index, count = int(device), _device_count()
     if not 0 <= index < count:
         raise ValueError(f"the stand-in has {count} device{'s' if count > 1 else ''} (0 .. {count - 1}; "
-                         f"{DEVICES_VAR} sets how many), not {index}")
+                         f"{_DEVICES_VAR} sets how many), not {index}")
     return index
 
 
@@ -255,9 +275,9 @@ class runtime:  # noqa: N801 - cupy.cuda.runtime is a module
         return {"name": b"distlab.fakegpu", "uuid": uuid, "major": 9, "minor": 0}
 
     @staticmethod
-    def deviceCanAccessPeer(device: int, peer: int) -> int:  # noqa: N802
+    def deviceCanAccessPeer(device: int, peerDevice: int) -> int:  # noqa: N802, N803 - cupy's names
         """1 for two distinct devices of this process (all stand-in memory is the host's), as NVLink peers."""
-        return int(_checked(device) != _checked(peer))
+        return int(_checked(device) != _checked(peerDevice))
 
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802

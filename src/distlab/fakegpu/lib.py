@@ -1,18 +1,18 @@
 """``cupy.lib`` for the stand-in: ``stride_tricks.as_strided``, a strided view of the same device memory."""
 from __future__ import annotations
 
-import types
+import types as _types
 
-import numpy as np
+import numpy as _np
 
-from ._ndarray import ndarray
+from ._ndarray import ndarray as _ndarray
 
 
 def _as_strided(x, shape=None, strides=None):
     """A view of the device array ``x`` with ``shape`` and byte ``strides`` (``cupy.lib.stride_tricks.as_strided``)."""
-    if not isinstance(x, ndarray):
+    if not isinstance(x, _ndarray):
         raise TypeError(f"as_strided takes a device array, got {type(x).__name__}")
-    return ndarray(np.lib.stride_tricks.as_strided(x._a, shape, strides))
+    return _ndarray(_np.lib.stride_tricks.as_strided(x._a, shape, strides))
 
 
-stride_tricks = types.SimpleNamespace(as_strided=_as_strided)
+stride_tricks = _types.SimpleNamespace(as_strided=_as_strided)
