@@ -48,6 +48,15 @@ CLASSES = ("cupy.ndarray", "cupy.ElementwiseKernel", "cupy.RawKernel", "cupy.ufu
            "cupy.cuda.UnownedMemory", "cupy.cuda.MemoryPointer", "cupy.cuda.PinnedMemoryPointer",
            "cupy.cuda.nccl.NcclCommunicator", "cupy.cuda.nccl.NcclError", "cupy.random.Generator",
            "cupy.random.RandomState")
+#: what functions return where the docstring does not say it (read in cupy 14.2.0's source)
+_RETURNS = {
+    "cupy.cuda.nccl.get_unique_id": "bytes",  # uniqueId.internal[:NCCL_UNIQUE_ID_BYTES]; a tuple before cupy 14
+    "cupy.cuda.nccl.get_version": "int",
+    "cupy.cuda.nccl.get_build_version": "int",
+    "cupy.cuda.runtime.ipcGetMemHandle": "bytes",  # bytes(reserved), the 64-byte cudaIpcMemHandle_t
+    "cupy.cuda.runtime.ipcOpenMemHandle": "intptr_t",  # <intptr_t>devPtr
+    "cupy.cuda.runtime.getDeviceProperties": "dict",  # name and uuid as bytes (uuid cut at its first zero byte)
+}
 #: instance attributes cupy sets without listing them in the class's docstring (read in cupy's source)
 _UNDOCUMENTED = {"cupy.cuda.nccl.NcclError": ["status"]}  # NcclError.__init__: self.status = status
 _KINDS = {"POSITIONAL_ONLY": "positional_only", "POSITIONAL_OR_KEYWORD": "positional_or_keyword",
@@ -144,18 +153,25 @@ def parameters(obj, name: str):
     read = doc_signature(obj, name) or (doc_signature(target, "__init__") if isinstance(obj, type) else None)
     if sig is not None and not _opaque(sig):
         params = [{"name": p.name, "kind": _KINDS[p.kind.name],
-                   **({} if p.default is p.empty else {"default": _default(p.default)})}
+                   **({} if p.default is p.empty else {"default": _default(p.default)}),
+                   **({} if p.annotation is p.empty else {"type": _annotation(p.annotation)})}
                   for p in sig.parameters.values()]
         if params and params[0]["name"] == "self":
             params = params[1:]
-        return params, read[1] if read else None
+        returns = None if sig.return_annotation is sig.empty else _annotation(sig.return_annotation)
+        return params, read[1] if read else returns
     return read if read else (None, None)
+
+
+def _annotation(value) -> str:
+    return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
 
 
 def _opaque(sig) -> bool:
     """A signature that says nothing (``(*args, **kwargs)``, Cython's generic constructor)."""
-    return all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name.startswith("_")
-               for p in sig.parameters.values())
+    params = list(sig.parameters.values())
+    return bool(params) and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name.startswith("_")
+                                for p in params)
 
 
 def returns_from_doc(obj):
@@ -287,6 +303,8 @@ def snapshot() -> dict:
             except AttributeError:
                 continue
             entries[name] = describe(value, name)
+            if f"{path}.{name}" in _RETURNS:
+                entries[name]["returns"] = _RETURNS[f"{path}.{name}"]
         out["namespaces"][path] = entries
     for path in CLASSES:
         out["classes"][path] = entry = describe_class(resolve(path))

@@ -87,6 +87,23 @@ def _literal(text: str):
     return (type(value).__name__, value)
 
 
+#: the Python type a value of each C type cupy declares arrives or leaves as
+_PY_TYPES = {"bytes": "bytes", "str": "str", "int": "int", "size_t": "int", "intptr_t": "int", "ptrdiff_t": "int",
+             "Py_ssize_t": "int", "unsigned int": "int", "bint": "bool", "bool": "bool", "tuple": "tuple",
+             "dict": "dict", "float": "float", "double": "float", "list": "list"}
+
+
+def type_problem(what: str, mine, theirs) -> str | None:
+    """Where the stand-in annotates a type and cupy declares one, they agree (``bytes``, not ``tuple``)."""
+    want = _PY_TYPES.get(theirs or "")
+    if not mine or want is None:
+        return None
+    allowed = {part.strip() for part in mine.split("|")}
+    if want in allowed or allowed & {"object", "Any"} or want == "int" and "bool" in allowed:
+        return None
+    return f"{what} is {mine} here, {theirs} ({want}) in cupy"
+
+
 def param_problems(mine: list, theirs: list) -> list[str]:
     """Why a callable taking ``mine`` would accept a call cupy's (taking ``theirs``) refuses, or bind it apart."""
     problems = []
@@ -115,6 +132,9 @@ def param_problems(mine: list, theirs: list) -> list[str]:
                 problems.append(f"{name!r} is positional parameter {i}, cupy's {j}")
         if kind != "positional_only" and q["kind"] == "positional_only":
             problems.append(f"{name!r} may be passed by keyword, cupy's is positional-only")
+        problem = type_problem(repr(name), p.get("type"), q.get("type"))
+        if problem:
+            problems.append(problem)
         if "default" in p and "default" not in q:
             problems.append(f"{name!r} is optional, cupy requires it")
         elif "default" in p and _literal(p["default"]) != _literal(q["default"]):
@@ -129,11 +149,22 @@ def param_problems(mine: list, theirs: list) -> list[str]:
 
 
 def _signature_of(value, name):
-    """The stand-in's parameters, or None for a numpy function forwarded as it is (checked at the call sites)."""
+    """The stand-in's parameters and return type, or None for a numpy function forwarded as it is (checked at the
+    call sites)."""
     if getattr(value, "__qualname__", "").startswith("_device_function.<locals>"):
-        return None
-    params, _ = api.parameters(value, name)
-    return params
+        return None, None
+    return api.parameters(value, name)
+
+
+def _callable_problems(where: str, value, name: str, entry: dict) -> list[str]:
+    mine, returns = _signature_of(value, name)
+    problems = []
+    if mine is not None and "params" in entry:
+        problems += [f"{where}{_sig(entry)}: {p}" for p in param_problems(mine, entry["params"])]
+    problem = type_problem("the result", returns, entry.get("returns"))
+    if problem and entry["kind"] != "class":
+        problems.append(f"{where}: {problem}")
+    return problems
 
 
 def _stand_in_classes(fakegpu, cupy_api: dict):
@@ -177,9 +208,8 @@ def namespace_problems(cupy_api: dict) -> list[str]:
                 continue
             if kind == "constant" and entry.get("type") != type(value).__name__:
                 problems.append(f"{where}: a {type(value).__name__} in the stand-in, a {entry.get('type')} in cupy")
-            mine = _signature_of(value, name) if kind in ("function", "class") else None
-            if mine is not None and "params" in entry:
-                problems += [f"{where}{_sig(entry)}: {p}" for p in param_problems(mine, entry["params"])]
+            if kind in ("function", "class"):
+                problems += _callable_problems(where, value, name, entry)
     for name in sorted(n for n in dir(np) if not n.startswith("_")):  # what the facade forwards from numpy
         if name not in cupy_api["namespaces"]["cupy"] and hasattr(fakegpu, name):
             problems.append(f"cupy.{name}: the stand-in forwards numpy's, cupy {cupy_api['cupy']} has none")
@@ -213,10 +243,8 @@ def class_problems(cupy_api: dict) -> list[str]:
                                                                                          "staticmethod")):
                 problems.append(f"{where}: a {kind} in the stand-in, a {entry['kind']} in cupy")
                 continue
-            if kind not in data and "params" in entry:
-                mine = _signature_of(getattr(cls, name), name)
-                if mine is not None:
-                    problems += [f"{where}{_sig(entry)}: {p}" for p in param_problems(mine, entry["params"])]
+            if kind not in data:
+                problems += _callable_problems(where, getattr(cls, name), name, entry)
         for sample in _SAMPLES.get(cupy_path, lambda xp: [])(fakegpu):
             attrs = set(getattr(sample, "__dict__", {})) | {s for k in type(sample).__mro__
                                                             for s in getattr(k, "__slots__", ())}
@@ -463,3 +491,124 @@ def test_against_live_cupy():
         for path, names in SNAPSHOT["namespaces"].items():
             for name in names:
                 assert name in live["namespaces"][path], f"{path}.{name}"
+
+
+def test_the_checks_catch_cupy_13s_tuple_unique_id(monkeypatch):
+    """The form the stand-in had before cupy 14 (``get_unique_id() -> tuple``, ``commId: tuple``) fails them."""
+    nccl = _stand_in().cuda.nccl
+
+    def get_unique_id() -> tuple:
+        return ()
+
+    def __init__(self, ndev: int, commId: tuple, rank: int):  # noqa: N803, N807
+        pass
+
+    monkeypatch.setattr(nccl, "get_unique_id", get_unique_id)
+    monkeypatch.setattr(nccl.NcclCommunicator, "__init__", __init__)
+    assert _unexpected(namespace_problems(SNAPSHOT)) == [
+        "cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank, config): 'commId' is tuple here, bytes (bytes) in cupy",
+        "cupy.cuda.nccl.get_unique_id: the result is tuple here, bytes (bytes) in cupy"]
+
+
+# -- cupy's conventions, beyond signatures: the stand-in refuses what cupy refuses, with cupy's words -------------
+def test_an_interprocess_event_must_disable_timing():
+    xp = _stand_in()
+    with pytest.raises(ValueError, match="^Timing must be disabled for interprocess events$"):
+        xp.cuda.Event(interprocess=True)
+    event = xp.cuda.Event(disable_timing=True, interprocess=True)
+    assert xp.cuda.Stream().record(event) is event and event.done is True  # a property, as cupy's
+
+
+def test_streams_are_cupys():
+    xp = _stand_in()
+    stream, external = xp.cuda.Stream(non_blocking=True, ptds=False, priority=None), xp.cuda.ExternalStream(5, 0)
+    assert stream.is_non_blocking and not xp.cuda.Stream().is_non_blocking and stream.device_id == 0
+    assert xp.cuda.Stream.null.ptr == 0 and external.ptr == 5 and external.device_id == 0
+    assert hash(stream) == stream.ptr and external == xp.cuda.ExternalStream(5) and not hasattr(external, "null")
+    assert xp.cuda.get_current_stream(device_id=-1) is xp.cuda.Stream.null
+    start, end = stream.record(), stream.record()
+    assert xp.cuda.get_elapsed_time(start_event=start, end_event=end) == 0.0
+    assert xp.cuda.runtime.deviceCanAccessPeer(device=0, peerDevice=0) == 0
+
+
+def test_nccl_errors_and_arguments_are_cupys():
+    """``NcclError(status)``: NCCL's name and words (the stand-in's cause after them); pointers, counts and streams
+    are C integers, so a MemoryPointer or a Stream object is refused as Cython refuses it."""
+    import pickle
+
+    nccl = _stand_in().cuda.nccl
+    error = nccl.NcclError(5)
+    assert error.status == 5 and str(error) == "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN " \
+        "for details)"
+    copy = pickle.loads(pickle.dumps(nccl._error(4, "the cause")))
+    assert type(copy) is nccl.NcclError and copy.status == 4 and str(copy).endswith("details) (the cause)")
+    with pytest.raises(TypeError, match="Argument 'commId' has incorrect type"):
+        nccl.NcclCommunicator(1, tuple(nccl.get_unique_id()), 0)
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    try:
+        a = _stand_in().zeros(4, np.float32)
+        stream = _stand_in().cuda.Stream()
+        with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+            comm.allReduce(a.data, a.data, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+        with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+            comm.allReduce(a.data.ptr, a.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream)
+        comm.allReduce(a.data.ptr, a.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+        stream.synchronize()
+    finally:
+        comm.destroy()
+
+
+def test_array_methods_take_cupys_arguments_only():
+    xp = _stand_in()
+    a = xp.asarray(np.arange(6, dtype=np.float32))
+    for call in (lambda: a.sum(where=a > 0), lambda: a.max(initial=0), lambda: a.copy(order="C", subok=True),
+                 lambda: a.astype(np.float64, device="cpu"), lambda: a.fill()):
+        with pytest.raises(TypeError):
+            call()
+    assert a.reshape(2, 3, order="C").shape == (2, 3) and a.astype(np.float64, copy=False).dtype == np.float64
+    a.put(xp.asarray(np.array([7])), xp.asarray(np.array([1.0], np.float32)))  # cupy's put wraps (numpy's raises)
+    assert a.get()[1] == 1.0
+
+
+def test_get_and_set_refuse_as_cupy_does():
+    xp = _stand_in()
+    a = xp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(TypeError, match="^Only numpy.ndarray can be obtained fromcupy.ndarray$"):
+        a.get(out=[0] * 6)
+    with pytest.raises(TypeError, match="^float64 array cannot be obtained from float32 array$"):
+        a.get(out=np.empty((2, 3)))
+    with pytest.raises(ValueError, match=r"^Shape mismatch. Expected shape: \(2, 3\), actual shape: \(3, 2\)$"):
+        a.get(out=np.empty((3, 2), np.float32))
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        a.get(out=np.empty((2, 6), np.float32)[:, ::2])
+    with pytest.raises(TypeError, match="^Only numpy.ndarray can be set to cupy.ndarray$"):
+        a.set([0] * 6)
+    fortran = xp.asarray(np.zeros((2, 3), np.float32)).T  # F-contiguous: cupy sets it
+    fortran.set(np.ones((3, 2), np.float32))
+    assert fortran.get().sum() == 6
+    assert xp.asnumpy(a, blocking=False).shape == (2, 3)
+
+
+def test_the_facade_has_cupys_names_only():
+    xp = _stand_in()
+    for name in ("insert", "geomspace", "object_", "str_", "errstate", "emath", "fft", "MemoryPointer", "nccl",
+                 "scatter_add", "frombuffer"):
+        assert not hasattr(xp, name), name
+    assert not hasattr(xp.linalg, "matrix_norm") and not hasattr(xp.linalg, "vecdot")
+    q, r = xp.linalg.qr(xp.asarray(np.eye(3)))
+    assert isinstance(q, xp.ndarray) and float(xp.linalg.norm(r)) == pytest.approx(3 ** 0.5)
+    with pytest.raises(ValueError, match="Unable to avoid copy"):
+        xp.asarray(np.zeros(2), copy=False)
+    with pytest.raises(NotImplementedError):
+        xp.array(np.zeros(2), subok=True)
+    assert xp.array(np.zeros(2), None, True, "K", False, 3).shape == (1, 1, 2)  # ndmin is the sixth, as cupy's
+
+
+def test_random_draws_are_cupys():
+    """cupy's Generator has no normal, choice or permutation: code drawing them on the stand-in would fail on cupy."""
+    xp = _stand_in()
+    rng = xp.random.default_rng(3)
+    assert not any(hasattr(rng, name) for name in ("normal", "choice", "permutation", "shuffle", "bit_generator"))
+    assert np.array_equal(rng.standard_normal((2, 2)).get(), np.random.default_rng(3).standard_normal((2, 2)))
+    xp.random.seed(seed=1)
+    assert sorted(xp.random.permutation(a=4).get().tolist()) == [0, 1, 2, 3]

@@ -229,11 +229,15 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
     def get(self, stream=None, order="C", out=None, blocking=True):
         """Copy to a new numpy array (or into ``out``): the explicit device-to-host transfer."""
         _transfers.count("to_host")
-        if out is not None:
+        if out is not None:  # cupy's checks, in its order and words
             if not isinstance(out, np.ndarray):
-                raise TypeError("`out` must be a numpy.ndarray")
-            if out.shape != self._a.shape or out.dtype != self._a.dtype:
-                raise ValueError("Shape or dtype mismatch")
+                raise TypeError("Only numpy.ndarray can be obtained fromcupy.ndarray")
+            if out.dtype != self._a.dtype:
+                raise TypeError(f"{out.dtype} array cannot be obtained from {self._a.dtype} array")
+            if out.shape != self._a.shape:
+                raise ValueError(f"Shape mismatch. Expected shape: {self._a.shape}, actual shape: {out.shape}")
+            if not (out.flags.c_contiguous or out.flags.f_contiguous):
+                raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
             out[...] = self._a
             return out
         return np.array(self._a, order=order, copy=True)
@@ -241,12 +245,12 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
     def set(self, arr, stream=None):
         """Copy a numpy array of the same shape and dtype in: the explicit host-to-device transfer."""
         if not isinstance(arr, np.ndarray):
-            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
         if arr.dtype != self._a.dtype:
             raise TypeError(f"{arr.dtype} array cannot be set to {self._a.dtype} array")
         if arr.shape != self._a.shape:
             raise ValueError(f"Shape mismatch. Old shape: {self._a.shape}, new shape: {arr.shape}")
-        if not self._a.flags.c_contiguous:
+        if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
         _transfers.count("from_host")
         self._a[...] = arr
