@@ -219,6 +219,8 @@ def test_the_stand_in_nccl_mirrors_cupy_on_a_one_rank_communicator():
 def test_a_stream_waits_for_the_collectives_queued_on_it_and_a_synchronize_is_bounded(monkeypatch):
     """A stand-in NCCL collective runs until every member issued it: events and streams after it are not done,
     a stream waiting on such an event inherits it, and a synchronize gives up after DISTLAB_TIMEOUT."""
+    from distlab.fakegpu._queue import enqueue
+
     class Running:
         finished = False
 
@@ -226,7 +228,7 @@ def test_a_stream_waits_for_the_collectives_queued_on_it_and_a_synchronize_is_bo
             return self.finished
 
     work, stream, other = Running(), xp.cuda.Stream(non_blocking=True), xp.cuda.Stream(non_blocking=True)
-    xp.cuda._enqueue(stream.ptr, work)
+    enqueue(stream.ptr, work)
     event = stream.record()
     other.wait_event(event)
     assert not event.done and not stream.done and not other.done

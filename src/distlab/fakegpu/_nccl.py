@@ -20,7 +20,7 @@ creator must itself be a member (it answers during its own set-up), as every cal
 the id, as Horovod does).
 
 A collective is issued at once as MPI's nonblocking counterpart on the communicator's own MPI communicator and
-queued on the stream it was given (:func:`distlab.fakegpu.cuda._enqueue`): an event recorded after it is done once
+queued on the stream it was given (:func:`distlab.fakegpu._queue.enqueue`): an event recorded after it is done once
 MPI completed it, which is how a caller waits for a GPU's NCCL kernel. Because MPI reduces, every rank gets the
 same bits, and the same bits as MPI's allreduce of the same arrays; a GPU's NCCL sums in its own ring or tree
 order. The version reported is 2.28.9 (the ``nvidia-nccl-cu13`` wheel the GPU check ran); ``NCCL_AVG`` is not
@@ -38,7 +38,7 @@ import numpy as np
 
 from .._types import ReduceOp as _ReduceOp
 from .._wire import NCCL_BOOTSTRAP_REPLY_TAG as _REPLY_TAG, NCCL_BOOTSTRAP_TAG as _REQUEST_TAG
-from . import cuda as _cuda
+from . import _queue, cuda as _cuda
 from ._ndarray import resolve_pointer as _resolve_pointer
 
 __all__ = ["available", "NcclError", "NcclCommunicator", "get_unique_id", "get_version", "get_build_version",
@@ -184,7 +184,7 @@ class NcclCommunicator:
     def destroy(self) -> None:
         """Free the communicator once its collectives completed (``ncclCommDestroy`` finalizes first)."""
         if self._finalizer.alive:
-            _cuda._wait_for(self._still_running(), "NcclCommunicator.destroy")
+            _queue.wait_for(self._still_running(), "NcclCommunicator.destroy")
             self._finalizer()
 
     def abort(self) -> None:
@@ -280,7 +280,7 @@ class NcclCommunicator:
 
     def _queue(self, stream: int, request) -> None:
         self._running = self._still_running() + [request]
-        _cuda._enqueue(stream, request)
+        _queue.enqueue(stream, request)
 
 
 def _integers(*values) -> None:

@@ -5,7 +5,7 @@ that device code calls these the way it would call cupy's (a stream as a context
 ``Event.record(stream)``, ``stream.wait_event(event)``), and that each synchronisation is counted like a transfer
 (kind ``"synchronize"``). The one device work that does not finish at once is a collective of the stand-in NCCL
 (:mod:`distlab.fakegpu._nccl`, which the package sets here as ``cuda.nccl``), which runs until every member has
-issued it: it is queued (:func:`_enqueue`) on the stream it was issued on, an event recorded after it is ``done``
+issued it: it is queued (:func:`distlab.fakegpu._queue.enqueue`) on the stream it was issued on, an event recorded after it is ``done``
 only once it completed (as ``cudaEventQuery``), a stream that waits on that event inherits it, and a synchronize
 waits for it, bounded by ``DISTLAB_TIMEOUT`` (a GPU would hang there; the stand-in raises TimeoutError).
 
@@ -18,9 +18,8 @@ communicator is on a device of its own.
 from __future__ import annotations
 
 import itertools
-import time
 
-from . import _transfers
+from . import _queue, _transfers
 
 __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", "get_elapsed_time",
            "is_available", "runtime"]
@@ -28,40 +27,6 @@ __all__ = ["Stream", "ExternalStream", "Event", "Device", "get_current_stream", 
 _ptrs = itertools.count(0x1000)
 _state: dict = {"device": 0}
 _current: list = []
-_queued: dict[int, list] = {}  # stream pointer -> collectives still running on it (anything with ``Test()``)
-
-
-def _enqueue(stream_ptr: int, work) -> None:
-    """Queue ``work`` (polled with ``work.Test()``, True once complete) on the stream ``stream_ptr``."""
-    _queued.setdefault(int(stream_ptr), []).append(work)
-
-
-def _running(works: list) -> list:
-    """The works of ``works`` still running (testing them moves them forward)."""
-    return [work for work in works if not work.Test()]
-
-
-def _queued_on(ptr: int) -> list:
-    works = _running(_queued.pop(ptr, []))
-    if works:
-        _queued[ptr] = works
-    return works
-
-
-def _wait_for(works: list, what: str) -> None:
-    """Block until ``works`` complete, at most ``DISTLAB_TIMEOUT`` seconds."""
-    if not works:
-        return
-    from distlab.futures import default_timeout
-
-    timeout = default_timeout()
-    deadline = time.monotonic() + timeout
-    while works:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: {len(works)} NCCL collectives queued on it did not complete within "
-                               f"{timeout:g} s (DISTLAB_TIMEOUT): a member never issued them")
-        time.sleep(1e-4)
-        works = _running(works)
 
 
 class _BaseStream:
@@ -85,7 +50,7 @@ class _BaseStream:
 
     @property
     def done(self) -> bool:
-        return not _queued_on(self.ptr)
+        return not _queue.queued_on(self.ptr)
 
     @property
     def is_non_blocking(self) -> bool:
@@ -93,7 +58,7 @@ class _BaseStream:
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        _wait_for(_queued_on(self.ptr), f"synchronize of {self!r}")
+        _queue.wait_for(_queue.queued_on(self.ptr), f"synchronize of {self!r}")
 
     def record(self, event=None):
         event = Event() if event is None else event
@@ -103,8 +68,8 @@ class _BaseStream:
     def wait_event(self, event) -> None:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event takes an Event, got {type(event).__name__}")
-        for work in _running(event._after):
-            _enqueue(self.ptr, work)
+        for work in _queue.running(event._after):
+            _queue.enqueue(self.ptr, work)
 
     def __eq__(self, other):
         return isinstance(other, _BaseStream) and other.ptr == self.ptr
@@ -157,16 +122,16 @@ class Event:
 
     def record(self, stream=None) -> None:
         self._recorded_on = get_current_stream() if stream is None else stream
-        self._after = _queued_on(self._recorded_on.ptr)
+        self._after = _queue.queued_on(self._recorded_on.ptr)
 
     def synchronize(self) -> None:
         _transfers.count("synchronize")
-        _wait_for(self._after, "Event.synchronize")
+        _queue.wait_for(self._after, "Event.synchronize")
         self._after = []
 
     @property
     def done(self) -> bool:
-        self._after = _running(self._after)
+        self._after = _queue.running(self._after)
         return not self._after
 
 
