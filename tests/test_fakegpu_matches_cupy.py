@@ -17,7 +17,6 @@ against live cupy and compare the snapshot with it. What is checked:
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import sys
 from pathlib import Path
