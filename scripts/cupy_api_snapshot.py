@@ -6,7 +6,8 @@ Run with a Python that has cupy (no GPU needed: only names, signatures and docst
     python scripts/cupy_api_snapshot.py --out other.json
 
 It records, for each cupy namespace the stand-in mirrors (:data:`NAMESPACES`: ``cupy``, ``cupy.cuda``,
-``cupy.cuda.runtime``, ``cupy.cuda.nccl``, ``cupy.random``, ``cupy.lib.stride_tricks``, ``cupy.linalg``), every
+``cupy.cuda.runtime``, ``cupy.cuda.nccl``, ``cupy.cuda.memory``, ``cupy.random``, ``cupy.lib.stride_tricks``,
+``cupy.linalg``), every
 public name with its kind, and for a callable its parameters (name, kind, default where readable) and, where the
 docstring says it, its return type; and for each cupy class the stand-in mirrors or distlab calls (:data:`CLASSES`)
 every member, dunders included, its constructor's parameters and the instance attributes its docstring lists.
@@ -37,6 +38,7 @@ NAMESPACES = {
     "distlab.fakegpu.cuda": "cupy.cuda",
     "distlab.fakegpu.cuda.runtime": "cupy.cuda.runtime",
     "distlab.fakegpu.cuda.nccl": "cupy.cuda.nccl",
+    "distlab.fakegpu.cuda.memory": "cupy.cuda.memory",
     "distlab.fakegpu.random": "cupy.random",
     "distlab.fakegpu.lib": "cupy.lib",
     "distlab.fakegpu.lib.stride_tricks": "cupy.lib.stride_tricks",
@@ -44,8 +46,10 @@ NAMESPACES = {
 }
 #: the cupy classes snapshotted member by member: the stand-in's, and those distlab calls on cupy only
 CLASSES = ("cupy.ndarray", "cupy.ElementwiseKernel", "cupy.RawKernel", "cupy.ufunc", "cupy.cuda.Stream",
-           "cupy.cuda.ExternalStream", "cupy.cuda.Event", "cupy.cuda.Device", "cupy.cuda.Memory",
-           "cupy.cuda.UnownedMemory", "cupy.cuda.MemoryPointer", "cupy.cuda.PinnedMemoryPointer",
+           "cupy.cuda.ExternalStream", "cupy.cuda.Event", "cupy.cuda.Device", "cupy.cuda.BaseMemory",
+           "cupy.cuda.Memory", "cupy.cuda.UnownedMemory", "cupy.cuda.MemoryPointer", "cupy.cuda.PinnedMemoryPointer",
+           "cupy.cuda.memory.BaseMemory", "cupy.cuda.memory.Memory", "cupy.cuda.memory.UnownedMemory",
+           "cupy.cuda.memory.MemoryPointer", "cupy.cuda.runtime.CUDARuntimeError",
            "cupy.cuda.nccl.NcclCommunicator", "cupy.cuda.nccl.NcclError", "cupy.random.Generator",
            "cupy.random.RandomState")
 #: what functions return where the docstring does not say it (read in cupy 14.2.0's source)

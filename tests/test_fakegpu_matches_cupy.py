@@ -166,10 +166,19 @@ def _callable_problems(where: str, value, name: str, entry: dict) -> list[str]:
     return problems
 
 
+def _stand_in_namespaces():
+    """(stand-in path, cupy path, namespace) of each cupy namespace the stand-in has (it need not have them all)."""
+    _stand_in()
+    for stand_in, cupy_path in api.NAMESPACES.items():
+        try:
+            yield stand_in, cupy_path, api.resolve(stand_in)
+        except (ImportError, AttributeError):
+            continue
+
+
 def _stand_in_classes(fakegpu, cupy_api: dict):
     """(cupy class path, stand-in class) for every class of the stand-in's namespaces that cupy has."""
-    for stand_in, cupy_path in api.NAMESPACES.items():
-        module = api.resolve(stand_in)
+    for stand_in, cupy_path, module in _stand_in_namespaces():
         for name in api.public_names(module):
             value = getattr(module, name)
             if isinstance(value, type) and name in cupy_api["namespaces"][cupy_path] \
@@ -190,8 +199,7 @@ def _own_members(cls) -> list[str]:
 def namespace_problems(cupy_api: dict) -> list[str]:
     fakegpu = _stand_in()
     problems = []
-    for stand_in, cupy_path in api.NAMESPACES.items():
-        module = api.resolve(stand_in)
+    for stand_in, cupy_path, module in _stand_in_namespaces():
         theirs = cupy_api["namespaces"][cupy_path]
         for name in api.public_names(module):
             where = f"{cupy_path}.{name}"

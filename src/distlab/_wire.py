@@ -195,7 +195,7 @@ COMM_OBJECT_TAG = 32765
 #: 0's verdict back (COMM_MONITOR_VERDICTS code, the missing ranks, every rank's fingerprint).
 COMM_MONITOR_TAG = 32764
 COMM_MONITOR_VERDICTS = ("passed", "timed_out", "mismatch")  # codes: index
-#: The stand-in NCCL's bootstrap (distlab.fakegpu.nccl), on COMM_WORLD: each member's request to the unique id's
+#: The stand-in NCCL's bootstrap (distlab.fakegpu._nccl), on COMM_WORLD: each member's request to the unique id's
 #: owner, int64 words [token, rank, world rank, ndev]; and the owner's reply, [token, status, count, world rank
 #: per member] (status 0) or [token, status, count, the missing or clashing ranks] (status 1: timed out; 2: bad
 #: arguments).
