@@ -49,7 +49,7 @@ CLASSES = ("cupy.ndarray", "cupy.ElementwiseKernel", "cupy.RawKernel", "cupy.ufu
            "cupy.cuda.ExternalStream", "cupy.cuda.Event", "cupy.cuda.Device", "cupy.cuda.BaseMemory",
            "cupy.cuda.Memory", "cupy.cuda.UnownedMemory", "cupy.cuda.MemoryPointer", "cupy.cuda.PinnedMemoryPointer",
            "cupy.cuda.memory.BaseMemory", "cupy.cuda.memory.Memory", "cupy.cuda.memory.UnownedMemory",
-           "cupy.cuda.memory.MemoryPointer", "cupy.cuda.runtime.CUDARuntimeError",
+           "cupy.cuda.memory.MemoryPointer", "cupy.cuda.memory.CUDARuntimeError", "cupy.cuda.runtime.CUDARuntimeError",
            "cupy.cuda.nccl.NcclCommunicator", "cupy.cuda.nccl.NcclError", "cupy.random.Generator",
            "cupy.random.RandomState")
 #: what functions return where the docstring does not say it (read in cupy 14.2.0's source)
@@ -213,6 +213,8 @@ def describe(value, name: str) -> dict:
             entry["returns"] = returns
     elif entry["kind"] == "constant":
         entry["type"] = type(value).__name__
+        if isinstance(value, (bool, int, float, str)):
+            entry["value"] = value
     return entry
 
 

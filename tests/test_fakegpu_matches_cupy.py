@@ -103,8 +103,9 @@ def type_problem(what: str, mine, theirs) -> str | None:
     return f"{what} is {mine} here, {theirs} ({want}) in cupy"
 
 
-def param_problems(mine: list, theirs: list) -> list[str]:
-    """Why a callable taking ``mine`` would accept a call cupy's (taking ``theirs``) refuses, or bind it apart."""
+def param_problems(mine: list, theirs: list, constants: dict | None = None) -> list[str]:
+    """Why a callable taking ``mine`` would accept a call cupy's (taking ``theirs``) refuses, or bind it apart
+    (``constants``: the namespace whose names a default may be, ``flags=cudaIpcMemLazyEnablePeerAccess``)."""
     problems = []
     names = [p["name"] for p in theirs]
     kinds = {p["kind"] for p in theirs}
@@ -136,7 +137,7 @@ def param_problems(mine: list, theirs: list) -> list[str]:
             problems.append(problem)
         if "default" in p and "default" not in q:
             problems.append(f"{name!r} is optional, cupy requires it")
-        elif "default" in p and _literal(p["default"]) != _literal(q["default"]):
+        elif "default" in p and _literal(p["default"]) != _literal(_named(q["default"], constants or {})):
             problems.append(f"{name!r} defaults to {p['default']}, cupy's to {q['default']}")
     given = {p["name"] for p in mine}
     varargs = {p["kind"] for p in mine} & {"var_positional", "var_keyword"}
@@ -147,6 +148,12 @@ def param_problems(mine: list, theirs: list) -> list[str]:
     return problems
 
 
+def _named(default: str, constants: dict) -> str:
+    """A default that names one of cupy's constants, as the constant's value."""
+    entry = constants.get(default)
+    return repr(entry["value"]) if entry is not None and "value" in entry else default
+
+
 def _signature_of(value, name):
     """The stand-in's parameters and return type, or None for a numpy function forwarded as it is (checked at the
     call sites)."""
@@ -155,11 +162,11 @@ def _signature_of(value, name):
     return api.parameters(value, name)
 
 
-def _callable_problems(where: str, value, name: str, entry: dict) -> list[str]:
+def _callable_problems(where: str, value, name: str, entry: dict, constants: dict) -> list[str]:
     mine, returns = _signature_of(value, name)
     problems = []
     if mine is not None and "params" in entry:
-        problems += [f"{where}{_sig(entry)}: {p}" for p in param_problems(mine, entry["params"])]
+        problems += [f"{where}{_sig(entry)}: {p}" for p in param_problems(mine, entry["params"], constants)]
     problem = type_problem("the result", returns, entry.get("returns"))
     if problem and entry["kind"] != "class":
         problems.append(f"{where}: {problem}")
@@ -216,7 +223,7 @@ def namespace_problems(cupy_api: dict) -> list[str]:
             if kind == "constant" and entry.get("type") != type(value).__name__:
                 problems.append(f"{where}: a {type(value).__name__} in the stand-in, a {entry.get('type')} in cupy")
             if kind in ("function", "class"):
-                problems += _callable_problems(where, value, name, entry)
+                problems += _callable_problems(where, value, name, entry, theirs)
     for name in sorted(n for n in dir(np) if not n.startswith("_")):  # what the facade forwards from numpy
         if name not in cupy_api["namespaces"]["cupy"] and hasattr(fakegpu, name):
             problems.append(f"cupy.{name}: the stand-in forwards numpy's, cupy {cupy_api['cupy']} has none")
@@ -251,7 +258,8 @@ def class_problems(cupy_api: dict) -> list[str]:
                 problems.append(f"{where}: a {kind} in the stand-in, a {entry['kind']} in cupy")
                 continue
             if kind not in data:
-                problems += _callable_problems(where, getattr(cls, name), name, entry)
+                namespace = cupy_api["namespaces"].get(cupy_path.rpartition(".")[0], {})
+                problems += _callable_problems(where, getattr(cls, name), name, entry, namespace)
         for sample in _SAMPLES.get(cupy_path, lambda xp: [])(fakegpu):
             attrs = set(getattr(sample, "__dict__", {})) | {s for k in type(sample).__mro__
                                                             for s in getattr(k, "__slots__", ())}
