@@ -323,13 +323,18 @@ def snapshot() -> dict:
 def stand_in_names() -> dict:
     """cupy namespace -> the public names the stand-in of this checkout defines in it (``{}`` when the stand-in
     cannot be imported here: the snapshot of cupy stands without it, with no ``missing`` list)."""
-    os.environ.setdefault("DISTLAB_IMPL", "reference")  # the stand-in needs no compiled core
-    sys.path.insert(0, str(REPO / "src"))
     try:
-        import distlab.fakegpu  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        print(f"the stand-in is not importable ({exc}): no 'missing' list", file=sys.stderr)
-        return {}
+        import distlab.fakegpu  # noqa: F401 - as installed (the device check's tests), or from src/ below
+    except Exception:  # noqa: BLE001 - not installed, or its core not built: this checkout's, on the reference twin
+        for name in [m for m in sys.modules if m == "distlab" or m.startswith("distlab.")]:
+            del sys.modules[name]
+        os.environ.setdefault("DISTLAB_IMPL", "reference")  # the stand-in needs no compiled core
+        sys.path.insert(0, str(REPO / "src"))
+        try:
+            import distlab.fakegpu  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            print(f"the stand-in is not importable ({exc}): no 'missing' list", file=sys.stderr)
+            return {}
     names = {}
     for stand_in, cupy_path in NAMESPACES.items():
         try:
