@@ -280,7 +280,11 @@ _TYPED = {"src/distlab/comm/transports/nccl.py": {"lib": _NCCL, "nccl": _NCCL, "
                                                   "self.comm": _COMMUNICATOR, "self.nccl": _COMMUNICATOR},
           "src/distlab/comm/transports/hierarchical.py": {"lib": _NCCL, "self._lib": _NCCL,
                                                           "scatter.nccl": _COMMUNICATOR,
-                                                          "gather.nccl": _COMMUNICATOR}}
+                                                          "gather.nccl": _COMMUNICATOR},
+          # where ``module`` is the device array module (cupy on a GPU)
+          "src/distlab/rpc/devices.py": {"self.module": []},
+          "src/distlab/comm/device.py": {"module": []},
+          "src/distlab/autograd/_array.py": {"module": []}}
 
 
 def _chain(node):
@@ -339,11 +343,17 @@ def _call_problems(call: ast.Call, entry: dict) -> list[str]:
     return problems
 
 
+#: the code a GPU run executes on cupy: distlab (not the stand-in), and the device check's scripts, scenarios,
+#: benchmark and examples
+_CALLERS = ("src/distlab/**/*.py", "tests/mpi/*.py", "tests/test_*gpu*.py", "benchmarks/bench_gpu.py",
+            "scripts/gpu_check.py", "examples/*.py")
+
+
 def call_site_problems(cupy_api: dict) -> list[str]:
-    """Every access through an array module in src/distlab (outside the stand-in), checked against cupy."""
+    """Every access through an array module in the code a GPU run executes, checked against cupy."""
     problems = []
-    for path in sorted((REPO / "src" / "distlab").rglob("*.py")):
-        if "fakegpu" in path.parts:
+    for path in sorted({p for pattern in _CALLERS for p in REPO.glob(pattern)}):
+        if "fakegpu" in path.parts or path.name == "test_fakegpu_matches_cupy.py":
             continue
         tree = ast.parse(path.read_text())
         typed = _TYPED.get(str(path.relative_to(REPO)), {})
