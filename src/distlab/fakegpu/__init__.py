@@ -8,6 +8,10 @@ its arrays as device arrays: :func:`distlab.autograd.array_module` returns this 
 stages them through host memory (or hands them to a "CUDA-aware" MPI through ``__cuda_array_interface__``).
 :func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy.
 
+Every public name is cupy 14's, with cupy's parameters (``tests/test_fakegpu_matches_cupy.py`` checks them against
+a snapshot of cupy's API), but the counters below, :func:`use_as_cuda` and :class:`MultiTensorKernel`: code that
+runs on the stand-in calls nothing cupy lacks.
+
 Every transfer between host and "device", and every stream wait, is counted by the distlab module that asked for
 it (:func:`transfers`, :func:`total`, :func:`round_trips`), so a test can show which components stage through
 the host and that none converts implicitly. Every kernel a GPU would launch (a ufunc, a reduction, a matmul, an
