@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as _np
 
-from . import cuda, lib, nccl, random
+from . import cuda, lib, memory, nccl, random
 from ._kernels import ElementwiseKernel, MultiTensorKernel
 from ._ndarray import MemoryPointer, ndarray, launched as _launched, unwrap as _unwrap, \
     unwrap_index as _unwrap_index, wrap as _wrap
@@ -30,6 +30,12 @@ from ._transfers import launch_total, launches, reset, round_trips, total, trans
 from ._transfers import count as _count, count_launch as _count_launch
 
 cuda.nccl = nccl  # cupy.cuda.nccl
+cuda.memory = memory  # cupy.cuda.memory; its classes under cupy.cuda; the runtime's IPC calls over them
+for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer"):
+    setattr(cuda, _name, getattr(memory, _name))
+for _name in ("CUDARuntimeError", "cudaIpcMemLazyEnablePeerAccess", "ipcGetMemHandle", "ipcOpenMemHandle",
+              "ipcCloseMemHandle"):
+    setattr(cuda.runtime, _name, getattr(memory, _name))
 
 __all__ = ["ndarray", "MemoryPointer", "ElementwiseKernel", "MultiTensorKernel", "cuda", "lib", "random", "asarray",
            "array", "ascontiguousarray", "asnumpy", "get_array_module", "scatter_add", "use_as_cuda", "transfers",
@@ -41,16 +47,16 @@ def _from_host(value, dtype=None, copy=False):
         a = value._a
         if dtype is not None and a.dtype != _np.dtype(dtype):
             _count_launch("copy")
-            return ndarray(a.astype(dtype))
+            return _wrap(a.astype(dtype))
         if copy:
             _count_launch("copy")
-            return ndarray(a.copy())
+            return _wrap(a.copy())
         return value
     if isinstance(value, _np.ndarray):
         _count("from_host")
     elif isinstance(value, (list, tuple)) and any(isinstance(v, ndarray) for v in value):
         raise TypeError("asarray of a list holding device arrays: use xp.stack")
-    return ndarray(_np.array(value, dtype=dtype, copy=True))
+    return _wrap(_np.array(value, dtype=dtype, copy=True))
 
 
 def asarray(a, dtype=None, order=None):
@@ -61,7 +67,7 @@ def asarray(a, dtype=None, order=None):
 def array(obj, dtype=None, copy=True, order="K", ndmin=0):
     """A new device array holding ``obj`` (always a copy unless ``copy=False`` and nothing changes)."""
     out = _from_host(obj, dtype, copy=bool(copy))
-    return out if ndmin <= out.ndim else ndarray(out._a.reshape((1,) * (ndmin - out.ndim) + out.shape))
+    return out if ndmin <= out.ndim else _wrap(out._a.reshape((1,) * (ndmin - out.ndim) + out.shape))
 
 
 def ascontiguousarray(a, dtype=None):
@@ -69,7 +75,7 @@ def ascontiguousarray(a, dtype=None):
     if out._a.flags.c_contiguous:
         return out
     _count_launch("copy")
-    return ndarray(_np.ascontiguousarray(out._a))
+    return _wrap(_np.ascontiguousarray(out._a))
 
 
 def asnumpy(a, stream=None, order="C", out=None):
