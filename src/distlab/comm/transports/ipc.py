@@ -41,6 +41,7 @@ from ._streams import Streams
 __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
 
 SLOT_BYTES_VAR = "DISTLAB_IPC_SLOT_BYTES"
+_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _ARRIVE, _DONE = 0, 1
 _COMBINE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
             ReduceOp.PRODUCT: "multiply", ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or"}
@@ -58,35 +59,42 @@ def slot_bytes(on_gpu: bool) -> int:
 
 class CudaSlots:
     """Slots in device memory: a dedicated ``cuda.Memory`` per rank, the peers' opened by IPC handle once (the
-    same calls on cupy and on the stand-in). Collective: a rank that cannot allocate its slot or open a peer's
-    makes every rank raise the same error, naming the ranks that failed."""
+    same calls on cupy and on the stand-in). Collective: a rank that cannot allocate its slot or open a peer's,
+    or ranks that disagree on the slot size, make every rank raise the same error, naming the ranks."""
 
     def __init__(self, group, xp, nbytes: int):
         runtime = xp.cuda.runtime
         self._xp = xp
         self.nbytes = nbytes
-        self._opened: list[int] = []  # filled as handles open: the finalizer closes whatever was opened
-        self._memories = []
-        weakref.finalize(self, _close_handles, runtime, self._opened)
-        failure, handle = None, np.zeros(64, dtype=np.uint8)  # sizeof(cudaIpcMemHandle_t); zeros: no slot
+        # the opened handles: the owner of every peer's memory here, closed once the last memory over them goes
+        # (held by no one else, so dropping the slots closes them at once, without waiting for a cyclic GC)
+        self._handles = _Handles()
+        weakref.finalize(self._handles, _close_handles, runtime, self._handles.pointers)
+        self._memories = [None] * group.size
+        failure, mine = None, np.zeros(_HANDLE_BYTES + 8, dtype=np.uint8)  # no handle: no slot
+        mine[_HANDLE_BYTES:] = np.array([nbytes], dtype=np.int64).view(np.uint8)
         try:
-            self._mine = xp.cuda.Memory(nbytes)
-            handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self._mine.ptr)), dtype=np.uint8)
+            self._memories[group.rank] = xp.cuda.Memory(nbytes)
+            mine[:_HANDLE_BYTES] = np.frombuffer(runtime.ipcGetMemHandle(self._memories[group.rank].ptr), np.uint8)
         except (RuntimeError, MemoryError, OSError) as exc:  # cupy's CUDARuntimeError and OutOfMemoryError
             failure = f"allocating its {nbytes}-byte slot: {type(exc).__name__}: {exc}"
-        table = _gather(group, handle, "handles")
-        mine = self._mine if failure is None else None
+        table = _gather(group, mine, "handles")
+        sizes = table[:, _HANDLE_BYTES:].copy().view(np.int64)[:, 0]
+        if np.any(sizes != nbytes):
+            described = "; ".join(f"ranks {np.flatnonzero(sizes == size).tolist()}: {size} bytes"
+                                  for size in dict.fromkeys(sizes.tolist()))
+            raise RuntimeError(f"ipc transport of group {group.name!r}: the ranks' slot sizes differ "
+                               f"({SLOT_BYTES_VAR}): {described}")
         for k in range(group.size):
-            self._memories.append(mine if k == group.rank else None)
-            if k == group.rank or failure is not None or not table[k].any():
+            if k == group.rank or failure is not None or not table[k, :_HANDLE_BYTES].any():
                 continue
             try:
-                ptr = runtime.ipcOpenMemHandle(table[k].tobytes())  # with cudaIpcMemLazyEnablePeerAccess
+                ptr = runtime.ipcOpenMemHandle(table[k, :_HANDLE_BYTES].tobytes())  # lazy peer access
             except (RuntimeError, OSError) as exc:
                 failure = f"opening rank {k}'s slot: {type(exc).__name__}: {exc}"
                 continue
-            self._opened.append(ptr)
-            self._memories[k] = xp.cuda.UnownedMemory(ptr, nbytes, self)
+            self._handles.pointers.append(ptr)
+            self._memories[k] = xp.cuda.UnownedMemory(ptr, nbytes, self._handles)
         failed = np.flatnonzero(_gather(group, np.array([failure is not None], dtype=np.int8), "mapping")[:, 0])
         if failed.size:
             raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {failed.tolist()} could not map the "
@@ -98,17 +106,26 @@ class CudaSlots:
         return self._xp.ndarray((count,), dtype=dtype, memptr=pointer)
 
 
+class _Handles:
+    """The IPC handles one rank opened (device pointers), closed by a finalizer when the last memory goes."""
+
+    __slots__ = ("pointers", "__weakref__")
+
+    def __init__(self):
+        self.pointers: list[int] = []
+
+
+def _close_handles(runtime, pointers) -> None:
+    for ptr in pointers:
+        runtime.ipcCloseMemHandle(ptr)
+
+
 def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
     """Set-up allgather straight on the group's communicator (not through the transport being set up)."""
     table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
     bounded_wait(group.comm.Iallgather(mine, table), f"ipc transport of group {group.name!r} set-up ({what})",
                  group.comm, group.timeout, time.monotonic() + group.timeout)
     return table
-
-
-def _close_handles(runtime, pointers) -> None:
-    for ptr in pointers:
-        runtime.ipcCloseMemHandle(ptr)
 
 
 class _Turn:
@@ -155,20 +172,25 @@ class IpcTransport:
     def __init__(self, group, mode: str, module):
         self.group = group
         self.mode = mode  # "leader" or "split"
-        self._slots = None
+        self._held: list = []  # the slots, once mapped; released with the group (destroyed or dropped)
+        self.release = weakref.finalize(self, self._held.clear)
         self._comm = None
         self._streams = None
         self._last = None  # the Work of the collective that used the slots last
         self._module = module  # the device module the slots belong to
         self._peers = [k for k in range(group.size) if k != group.rank]
 
+    @property
+    def _slots(self):
+        return self._held[0] if self._held else None
+
     def _ready(self, xp) -> None:
         """The group's first device collective: map the slots (collective; every rank gets here in step)."""
-        if self._slots is not None:
+        if self._comm is not None:
             return
         group = self.group
         on_gpu = xp.__name__ == "cupy"
-        self._slots = CudaSlots(group, xp, slot_bytes(on_gpu))
+        self._held.append(CudaSlots(group, xp, slot_bytes(on_gpu)))
         self._comm = bounded_dup(group.comm, f"ipc transport of group {group.name!r}", group.timeout)
         self._tag_limit = (int(self._comm.Get_attr(MPI.TAG_UB)) + 1) // 2
         weakref.finalize(self, release_comm, self._comm)
