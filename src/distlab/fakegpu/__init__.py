@@ -6,7 +6,9 @@
 Importing it registers its array type with distlab (``distlab.autograd.register_device_array``), so distlab treats
 its arrays as device arrays: :func:`distlab.autograd.array_module` returns this module for them, the comm layer
 stages them through host memory (or hands them to a "CUDA-aware" MPI through ``__cuda_array_interface__``).
-:func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy.
+:func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy. ``cuda.Memory``
+and the runtime's IPC calls (:mod:`.memory`) emulate CUDA IPC between processes, so code that shares device memory
+by handle (the ipc transport's slots) runs as it would on a GPU.
 
 Every transfer between host and "device", and every stream wait, is counted by the distlab module that asked for
 it (:func:`transfers`, :func:`total`, :func:`round_trips`), so a test can show which components stage through
