@@ -201,7 +201,8 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
         if nbytes == 0:
             self._a = np.empty(shape, dtype, order=order)
             return
-        resolve_pointer(memptr.ptr, nbytes, "memptr")  # memory that exists, or an illegal address
+        if host_bytes(memptr.ptr, nbytes) is None:  # a cuda.Memory or an opened handle, else an exposed array
+            resolve_pointer(memptr.ptr, nbytes, "memptr")  # memory that exists, or an illegal address
         span = over_pointer(memptr.ptr, nbytes, memptr)  # the array holds memptr, its memory and its owner
         self._a = np.ndarray(shape, dtype, buffer=span, strides=strides, order=order)
 
