@@ -38,7 +38,7 @@ import numpy as np
 from . import cuda
 
 __all__ = ["CUDARuntimeError", "BaseMemory", "Memory", "UnownedMemory", "MemoryPointer", "cudaIpcMemLazyEnablePeerAccess",
-           "ipcGetMemHandle", "ipcOpenMemHandle", "ipcCloseMemHandle", "host_bytes", "IPC_HANDLE_BYTES"]
+           "ipcGetMemHandle", "ipcOpenMemHandle", "ipcCloseMemHandle", "host_bytes", "over_pointer", "IPC_HANDLE_BYTES"]
 
 #: cupy's names and words for the CUDA runtime errors the stand-in raises (``cudaGetErrorName``/``String``)
 _ERRORS = {1: ("cudaErrorInvalidValue", "invalid argument"), 2: ("cudaErrorMemoryAllocation", "out of memory"),
