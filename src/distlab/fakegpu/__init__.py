@@ -7,7 +7,7 @@ Importing it registers its array type with distlab (``distlab.autograd.register_
 its arrays as device arrays: :func:`distlab.autograd.array_module` returns this module for them, the comm layer
 stages them through host memory (or hands them to a "CUDA-aware" MPI through ``__cuda_array_interface__``).
 :func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy. ``cuda.Memory``
-and the runtime's IPC calls (:mod:`.memory`) emulate CUDA IPC between processes, so code that shares device memory
+and the runtime's IPC calls (:mod:`._memory`) emulate CUDA IPC between processes, so code that shares device memory
 by handle (the ipc transport's slots) runs as it would on a GPU.
 
 Every transfer between host and "device", and every stream wait, is counted by the distlab module that asked for
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import numpy as _np
 
-from . import cuda, lib, memory, nccl, random
+import types as _types
+
+from . import _memory, cuda, lib, nccl, random
 from ._kernels import ElementwiseKernel, MultiTensorKernel
 from ._ndarray import MemoryPointer, ndarray, launched as _launched, unwrap as _unwrap, \
     unwrap_index as _unwrap_index, wrap as _wrap
@@ -32,12 +34,16 @@ from ._transfers import launch_total, launches, reset, round_trips, total, trans
 from ._transfers import count as _count, count_launch as _count_launch
 
 cuda.nccl = nccl  # cupy.cuda.nccl
-cuda.memory = memory  # cupy.cuda.memory; its classes under cupy.cuda; the runtime's IPC calls over them
-for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer"):
-    setattr(cuda, _name, getattr(memory, _name))
+# cupy.cuda.memory (cupy's names only: the helpers stay in _memory), its classes under cupy.cuda too, and the
+# runtime's IPC calls over them
+cuda.memory = _types.ModuleType(f"{cuda.__name__}.memory", "``cupy.cuda.memory`` for the stand-in.")
+for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer", "CUDARuntimeError"):
+    setattr(cuda.memory, _name, getattr(_memory, _name))
+    if _name != "CUDARuntimeError":
+        setattr(cuda, _name, getattr(_memory, _name))
 for _name in ("CUDARuntimeError", "cudaIpcMemLazyEnablePeerAccess", "ipcGetMemHandle", "ipcOpenMemHandle",
               "ipcCloseMemHandle"):
-    setattr(cuda.runtime, _name, getattr(memory, _name))
+    setattr(cuda.runtime, _name, getattr(_memory, _name))
 
 __all__ = ["ndarray", "MemoryPointer", "ElementwiseKernel", "MultiTensorKernel", "cuda", "lib", "random", "asarray",
            "array", "ascontiguousarray", "asnumpy", "get_array_module", "scatter_add", "use_as_cuda", "transfers",

@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 
 from . import _transfers
-from .memory import MemoryPointer, UnownedMemory, host_bytes, over_pointer
+from ._memory import MemoryPointer, UnownedMemory, host_bytes, over_pointer
 
 __all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap", "resolve_pointer", "launched", "launch_kind"]
 
