@@ -37,10 +37,9 @@ cuda.nccl = nccl  # cupy.cuda.nccl
 # cupy.cuda.memory (cupy's names only: the helpers stay in _memory), its classes under cupy.cuda too, and the
 # runtime's IPC calls over them
 cuda.memory = _types.ModuleType(f"{cuda.__name__}.memory", "``cupy.cuda.memory`` for the stand-in.")
-for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer", "CUDARuntimeError"):
+for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer"):
     setattr(cuda.memory, _name, getattr(_memory, _name))
-    if _name != "CUDARuntimeError":
-        setattr(cuda, _name, getattr(_memory, _name))
+    setattr(cuda, _name, getattr(_memory, _name))
 for _name in ("CUDARuntimeError", "cudaIpcMemLazyEnablePeerAccess", "ipcGetMemHandle", "ipcOpenMemHandle",
               "ipcCloseMemHandle"):
     setattr(cuda.runtime, _name, getattr(_memory, _name))
