@@ -190,7 +190,7 @@ class IpcTransport:
             return
         group = self.group
         on_gpu = xp.__name__ == "cupy"
-        self._held.append(CudaSlots(group, xp, slot_bytes(on_gpu)))
+        self._held[:] = [CudaSlots(group, xp, slot_bytes(on_gpu))]
         self._comm = bounded_dup(group.comm, f"ipc transport of group {group.name!r}", group.timeout)
         self._tag_limit = (int(self._comm.Get_attr(MPI.TAG_UB)) + 1) // 2
         weakref.finalize(self, release_comm, self._comm)
