@@ -368,17 +368,17 @@ LIMITS = ("ipc floor", "D2H pageable", "D2H pinned", "H2D pageable", "H2D pinned
 
 def _ipc_floor_slots(r, nbytes: int):
     """``(slots, block, None)``: the ipc transport's own buffers (one per rank, every rank mapping the others':
-    CUDA IPC on a GPU, shared memory on the stand-in) and this rank's block to reduce (all of it on rank 0 when
+    CUDA IPC, emulated by the stand-in) and this rank's block to reduce (all of it on rank 0 when
     every rank shares one device, as the transport's leader does, else an even share); ``(None, None, why)`` when
     the placement refuses ipc."""
-    from distlab.comm.transports.ipc import CudaSlots, HostSlots, _block
+    from distlab.comm.transports.ipc import CudaSlots, _block
 
     group, why = _group("ipc", "bench ipc floor")
     if group is None:
         return None, None, why
     block = _block(nbytes // 4, r.rank, r.size, group._transport.mode)  # the transport's own split
     try:
-        slots, failure = (HostSlots if r.xp.__name__ != "cupy" else CudaSlots)(group, r.xp, nbytes), None
+        slots, failure = CudaSlots(group, r.xp, nbytes), None
     except Exception as exc:  # noqa: BLE001 - the floor is dropped on every rank; the other limits still run
         slots, failure = None, f"{type(exc).__name__}: {exc}"
     group.destroy()

@@ -293,3 +293,202 @@ def test_the_stand_in_nccl_reduces_to_a_root_and_reads_in_place_offsets_as_nccl(
     with pytest.raises(nccl.NcclError, match=r"root 1 is not in \[0, 1\)"):
         comm.reduce(values.data.ptr, out.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 1, 0)
     comm.destroy()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA IPC emulation
+_PEER = r"""
+import os, sys
+import numpy as np
+from distlab import fakegpu as xp
+
+def inode_held():  # whether this process still maps the memory or has it open (by the file's inode)
+    fds = os.listdir("/proc/self/fd")
+    return any(line.split()[4] == str(INODE) for line in open("/proc/self/maps")) or \
+        any(os.stat(f"/proc/self/fd/{fd}").st_ino == INODE for fd in fds if os.path.exists(f"/proc/self/fd/{fd}"))
+
+handle = bytes.fromhex(sys.stdin.readline())
+INODE = int(sys.stdin.readline())
+runtime = xp.cuda.runtime
+ptr = runtime.ipcOpenMemHandle(handle)
+memory = xp.cuda.UnownedMemory(ptr, 4096, None)
+view = xp.ndarray((1024,), dtype=np.int32, memptr=xp.cuda.MemoryPointer(memory, 0))
+print("read", int(view[:8].sum()), int(view[1023]), flush=True)
+view[8:16] = 7  # the owner sees this write
+print("wrote", flush=True)
+sys.stdin.readline()  # the owner freed its Memory meanwhile: what this process mapped is still there
+print("after owner freed", int(view[:16].sum()), flush=True)
+del view, memory
+runtime.ipcCloseMemHandle(ptr)
+print("held after close", inode_held(), flush=True)
+try:
+    runtime.ipcCloseMemHandle(ptr)
+except runtime.CUDARuntimeError as exc:
+    print("second close", exc, flush=True)
+"""
+
+
+def _peer():
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-P", "-c", _PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _holds(pid: int, inode: int) -> set[str]:
+    """The names under which process ``pid`` maps or has open the file of ``inode`` (empty: it holds none)."""
+    import os
+
+    names = {line.split(maxsplit=5)[5].strip() for line in open(f"/proc/{pid}/maps")
+             if line.split()[4] == str(inode) and len(line.split()) > 5}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode:
+                names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor, say)
+            continue
+    return names
+
+
+def test_an_ipc_handle_maps_the_same_memory_in_another_process_until_every_side_closed():
+    """As CUDA IPC: a dedicated Memory's 64-byte handle, opened by another process, maps the very bytes both ways;
+    the owner freeing its Memory leaves the peer's mapping intact; once both closed no process holds the memory,
+    and none of it was ever a file in /dev/shm."""
+    import os
+    import struct
+
+    memory = xp.cuda.Memory(4096)
+    view = xp.ndarray((1024,), dtype=np.int32, memptr=xp.cuda.MemoryPointer(memory, 0))
+    view[...] = 0
+    view[:8] = 3
+    view[1023] = -5
+    handle = xp.cuda.runtime.ipcGetMemHandle(memory.ptr)
+    assert type(handle) is bytes and len(handle) == 64
+    inode = struct.unpack_from("<q", handle, 48)[0]
+    assert inode == os.fstat(memory._fd).st_ino
+    assert _holds(os.getpid(), inode) == {"/memfd:distlab.fakegpu.Memory (deleted)"}  # a name in no filesystem
+    peer = _peer()
+    try:
+        peer.stdin.write(f"{handle.hex()}\n{inode}\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().split() == ["read", "24", "-5"]
+        assert peer.stdout.readline().strip() == "wrote"
+        assert view[8:16].tolist() == [7] * 8  # the peer's write, seen here
+        del view, memory  # the owner frees its Memory: nothing here holds it any more
+        assert not _holds(os.getpid(), inode) and _holds(peer.pid, inode) == {"/memfd:distlab.fakegpu.Memory (deleted)"}
+        peer.stdin.write("\n")
+        peer.stdin.flush()
+        out, err = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+    assert peer.returncode == 0, err
+    assert out.splitlines() == ["after owner freed 80", "held after close False",
+                                "second close cudaErrorInvalidValue: invalid argument"]
+
+
+def test_ipc_refuses_what_cuda_refuses():
+    """A pointer that is not the base of a live Memory has no handle; a process cannot open its own handle
+    (CUDA's "invalid device context"); a closed or unknown address cannot be closed; a malformed handle, a
+    handle of a freed Memory or of a process gone, and flags other than cudaIpcMemLazyEnablePeerAccess are
+    refused; the arguments are checked as cupy's Cython signatures check them."""
+    import pickle as pickling
+    import subprocess
+    import sys
+
+    runtime = xp.cuda.runtime
+    error = runtime.CUDARuntimeError
+    memory = xp.cuda.Memory(256)
+    handle = runtime.ipcGetMemHandle(memory.ptr)
+    plain = xp.zeros(64, np.float32)
+    for ptr in (memory.ptr + 64, plain.data.ptr, 0, 12345):
+        with pytest.raises(error, match=r"^cudaErrorInvalidValue: invalid argument$") as info:
+            runtime.ipcGetMemHandle(ptr)
+        assert info.value.status == 1 and isinstance(info.value, RuntimeError)
+    with pytest.raises(error, match=r"^cudaErrorDeviceUninitialized: invalid device context$") as info:
+        runtime.ipcOpenMemHandle(handle)
+    assert info.value.status == 201
+    copy = pickling.loads(pickling.dumps(info.value))
+    assert (type(copy), copy.status, str(copy)) == (error, 201, str(info.value))
+    with pytest.raises(error, match="cudaErrorInvalidValue"):
+        runtime.ipcOpenMemHandle(handle, 0)
+    with pytest.raises(error, match="cudaErrorInvalidValue"):
+        runtime.ipcOpenMemHandle(b"\1" * 64)
+    with pytest.raises(error, match="cudaErrorInvalidValue"):
+        runtime.ipcCloseMemHandle(memory.ptr)  # never opened: a Memory of this process
+    with pytest.raises(TypeError, match=r"expected bytes, got bytearray"):
+        runtime.ipcOpenMemHandle(bytearray(handle))
+    with pytest.raises(IndexError, match="expected 64, got 10"):
+        runtime.ipcOpenMemHandle(handle[:10])
+    with pytest.raises(TypeError, match="an integer is required"):
+        runtime.ipcGetMemHandle(1.5)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # a handle naming a process that ended
+    gone.wait(timeout=60)
+    forged = handle[:24] + gone.pid.to_bytes(8, "little") + handle[32:]
+    with pytest.raises(error, match=r"^cudaErrorMapBufferObjectFailed: mapping of buffer object failed$"):
+        runtime.ipcOpenMemHandle(forged)
+
+
+def test_arrays_over_device_memory_keep_it_alive_and_stay_inside_it():
+    """``ndarray(shape, dtype, memptr=MemoryPointer(mem, offset))`` views ``mem`` and holds it, as cupy's; an
+    address outside every live allocation is an illegal address; the signatures are cupy 14's."""
+    import gc
+    import inspect
+
+    memory = xp.cuda.Memory(64)
+    ptr = memory.ptr
+    assert (memory.size, memory.device_id, int(memory)) == (64, 0, ptr)
+    pointer = xp.cuda.MemoryPointer(memory, 16)
+    assert (pointer.ptr, pointer.mem, int(pointer + 8)) == (ptr + 16, memory, ptr + 24)
+    view = xp.ndarray((4,), dtype=np.float32, memptr=pointer)
+    view[...] = 2
+    del memory, pointer
+    gc.collect()
+    assert view.data.ptr == ptr + 16 and xp.cuda.runtime.ipcGetMemHandle(ptr)  # still allocated: the view holds it
+    whole = xp.ndarray((2, 8), dtype=np.float32, memptr=view.data + -16, order="F")
+    assert float(whole.sum()) == 8
+    with pytest.raises(ValueError, match="illegal address"):
+        xp.ndarray((17,), dtype=np.float32, memptr=whole.data)  # one element past the allocation
+    del view, whole
+    gc.collect()
+    with pytest.raises(xp.cuda.runtime.CUDARuntimeError):
+        xp.cuda.runtime.ipcGetMemHandle(ptr)  # freed with its last array
+    stray = xp.cuda.MemoryPointer(xp.cuda.UnownedMemory(ptr, 64, None), 0)
+    with pytest.raises(ValueError, match="illegal address"):
+        xp.ndarray((1,), dtype=np.uint8, memptr=stray)
+    with pytest.raises(RuntimeError, match="explicit device ID for a null pointer"):
+        xp.cuda.UnownedMemory(0, 0, None)
+    assert xp.cuda.Memory(0).ptr == 0
+    assert xp.ndarray((2, 3), np.int16).shape == (2, 3)
+    signatures = {xp.cuda.UnownedMemory: "(ptr, size, owner, device_id=-1)", xp.cuda.Memory: "(size)",
+                  xp.cuda.MemoryPointer: "(mem, offset)",
+                  xp.ndarray: "(shape, dtype=<class 'float'>, memptr=None, strides=None, order='C')",
+                  xp.cuda.runtime.ipcGetMemHandle: "(devPtr)", xp.cuda.runtime.ipcCloseMemHandle: "(devPtr)",
+                  xp.cuda.runtime.ipcOpenMemHandle: "(handle, flags=1)"}
+    assert {f: str(inspect.signature(f)) for f in signatures} == signatures
+    assert xp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess == 1
+
+
+def test_a_killed_peer_leaves_nothing_behind():
+    """A process killed while it maps another's Memory: the kernel drops its mapping and the owner's free then
+    releases the memory; it never had a name in /dev/shm or any other filesystem."""
+    import os
+    import signal
+    import struct
+
+    memory = xp.cuda.Memory(1 << 20)
+    handle = xp.cuda.runtime.ipcGetMemHandle(memory.ptr)
+    inode = struct.unpack_from("<q", handle, 48)[0]
+    peer = _peer()
+    try:
+        peer.stdin.write(f"{handle.hex()}\n{inode}\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().split()[0] == "read"
+        assert _holds(peer.pid, inode) == {"/memfd:distlab.fakegpu.Memory (deleted)"}
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(timeout=60)
+    finally:
+        peer.kill()
+        peer.communicate()
+    assert peer.returncode == -signal.SIGKILL
+    del memory
+    assert not _holds(os.getpid(), inode)

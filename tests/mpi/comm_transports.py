@@ -4,9 +4,10 @@ in reverse, 1,000 reuses of one buffer, the same bits on every rank, a joined ra
 others' device collectives, and a timeout naming the missing rank. For nccl also: the reductions NCCL lacks go
 through the staged path, auto picks nccl across nodes, the stand-in's rendezvous (two communicators at once, a
 missing member named, a rank claimed twice), rank 0 missing at the transport's set-up named by its barrier, and the
-communicator destroyed (or aborted) with its group. For hierarchical (2 simulated nodes of 2 ranks, local rank k on
-stand-in device k): counts below, at and around the local size, what auto picks on the opt-in and where NCCL has
-no network, nodes of different sizes refused."""
+communicator destroyed (or aborted) with its group. For ipc: the slots' set-up refused on every rank, naming the
+ranks (a peer's slot a rank cannot open, slot sizes that differ), and a destroyed group's slots unmapped at once.
+For hierarchical (2 simulated nodes of 2 ranks, local rank k on stand-in device k): counts below, at and around the
+local size, what auto picks on the opt-in and where NCCL has no network, nodes of different sizes refused."""
 import os
 import time
 
@@ -231,6 +232,47 @@ if transport == "hierarchical":
     except ValueError as exc:
         assert r < 3 and "node 0: ranks [0, 1]; node 2: ranks [2]" in str(exc), exc
     plain.Barrier()
+
+if transport == "ipc":
+    # the slots' set-up is collective: a rank that cannot open a peer's slot, or ranks that disagree on the slot
+    # size, make every rank raise the same error naming them; a destroyed group's slots are unmapped at once (the
+    # stand-in's CUDA IPC: anonymous memory the kernel frees with its last mapping, never a file in /dev/shm)
+    def slots_mapped():
+        return sum("/memfd:distlab.fakegpu.Memory" in line for line in open("/proc/self/maps"))
+
+    runtime, before = xp.cuda.runtime, slots_mapped()
+    opener = runtime.ipcOpenMemHandle
+
+    def refused(handle, flags=runtime.cudaIpcMemLazyEnablePeerAccess):
+        raise runtime.CUDARuntimeError(205)
+
+    for case in ("open", "size"):
+        with pg.new_group(list(range(n))) as sub:
+            assert sub.device_comm == "ipc", sub
+            if r == 1:
+                runtime.ipcOpenMemHandle = refused if case == "open" else opener
+                os.environ["DISTLAB_IPC_SLOT_BYTES"] = "8192" if case == "size" else "4096"
+            try:
+                sub.allreduce(xp.ones(8), name=f"refused.{case}")
+                raise AssertionError("must be refused")
+            except RuntimeError as exc:
+                if case == "open":
+                    assert f"group '{sub.name}': ranks [1] could not map the slots" in str(exc), exc
+                    assert (r == 1) == ("this rank failed opening rank 0's slot: CUDARuntimeError: "
+                                        "cudaErrorMapBufferObjectFailed" in str(exc)), exc
+                else:
+                    ranks = [k for k in range(n) if k != 1]
+                    assert f"slot sizes differ (DISTLAB_IPC_SLOT_BYTES): ranks {ranks}: 4096 bytes; ranks [1]: " \
+                           "8192 bytes" in str(exc), exc
+            finally:
+                runtime.ipcOpenMemHandle = opener
+                os.environ["DISTLAB_IPC_SLOT_BYTES"] = "4096"
+    assert slots_mapped() == before, (slots_mapped(), before)
+    with pg.new_group(list(range(n))) as sub:
+        ints = xp.full(5, r + 1, dtype=np.int64)
+        sub.allreduce(ints)
+        assert np.all(ints.get() == n * (n + 1) // 2) and slots_mapped() == before + n
+    assert slots_mapped() == before, (slots_mapped(), before)
 
 # a rank that never arrives is named
 pg.barrier()

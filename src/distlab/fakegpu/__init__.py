@@ -6,7 +6,9 @@
 Importing it registers its array type with distlab (``distlab.autograd.register_device_array``), so distlab treats
 its arrays as device arrays: :func:`distlab.autograd.array_module` returns this module for them, the comm layer
 stages them through host memory (or hands them to a "CUDA-aware" MPI through ``__cuda_array_interface__``).
-:func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy.
+:func:`use_as_cuda` makes ``"cuda"`` (``module.to("cuda")``) mean the stand-in instead of cupy. ``cuda.Memory``
+and the runtime's IPC calls (:mod:`._memory`) emulate CUDA IPC between processes, so code that shares device memory
+by handle (the ipc transport's slots) runs as it would on a GPU.
 
 Every public name is cupy 14's, with cupy's parameters (``tests/test_fakegpu_matches_cupy.py`` checks them against
 a snapshot of cupy's API), but the counters below, :func:`use_as_cuda` and :class:`MultiTensorKernel`: code that
@@ -28,7 +30,7 @@ import numpy as _np
 
 import types as _types
 
-from . import _nccl, cuda, lib, random
+from . import _memory, _nccl, cuda, lib, random
 from ._kernels import ElementwiseKernel, MultiTensorKernel
 from ._ndarray import ndarray, launched as _launched, unwrap as _unwrap, unwrap_index as _unwrap_index, \
     wrap as _wrap
@@ -36,6 +38,15 @@ from ._transfers import launch_total, launches, reset, round_trips, total, trans
 from ._transfers import count as _count, count_launch as _count_launch
 
 cuda.nccl = _nccl  # cupy.cuda.nccl
+# cupy.cuda.memory (cupy's names only: the helpers stay in _memory), its classes under cupy.cuda too, and the
+# runtime's IPC calls over them
+cuda.memory = _types.ModuleType(f"{cuda.__name__}.memory", "``cupy.cuda.memory`` for the stand-in.")
+for _name in ("BaseMemory", "Memory", "UnownedMemory", "MemoryPointer"):
+    setattr(cuda.memory, _name, getattr(_memory, _name))
+    setattr(cuda, _name, getattr(_memory, _name))
+for _name in ("CUDARuntimeError", "cudaIpcMemLazyEnablePeerAccess", "ipcGetMemHandle", "ipcOpenMemHandle",
+              "ipcCloseMemHandle"):
+    setattr(cuda.runtime, _name, getattr(_memory, _name))
 
 __all__ = ["ndarray", "ElementwiseKernel", "MultiTensorKernel", "cuda", "lib", "linalg", "random", "asarray",
            "array", "ascontiguousarray", "asnumpy", "get_array_module", "use_as_cuda", "transfers", "total",
@@ -47,16 +58,16 @@ def _from_host(value, dtype=None, copy=False):
         a = value._a
         if dtype is not None and a.dtype != _np.dtype(dtype):
             _count_launch("copy")
-            return ndarray(a.astype(dtype))
+            return _wrap(a.astype(dtype))
         if copy:
             _count_launch("copy")
-            return ndarray(a.copy())
+            return _wrap(a.copy())
         return value
     if isinstance(value, _np.ndarray):
         _count("from_host")
     elif isinstance(value, (list, tuple)) and any(isinstance(v, ndarray) for v in value):
         raise TypeError("asarray of a list holding device arrays: use xp.stack")
-    return ndarray(_np.array(value, dtype=dtype, copy=True))
+    return _wrap(_np.array(value, dtype=dtype, copy=True))
 
 
 def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
@@ -71,7 +82,7 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocki
     if subok:
         raise NotImplementedError  # as cupy's
     out = _from_host(obj, dtype, copy=bool(copy))
-    return out if ndmin <= out.ndim else ndarray(out._a.reshape((1,) * (ndmin - out.ndim) + out.shape))
+    return out if ndmin <= out.ndim else _wrap(out._a.reshape((1,) * (ndmin - out.ndim) + out.shape))
 
 
 def ascontiguousarray(a, dtype=None):
@@ -79,7 +90,7 @@ def ascontiguousarray(a, dtype=None):
     if out._a.flags.c_contiguous:
         return out
     _count_launch("copy")
-    return ndarray(_np.ascontiguousarray(out._a))
+    return _wrap(_np.ascontiguousarray(out._a))
 
 
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):

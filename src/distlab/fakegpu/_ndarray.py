@@ -27,23 +27,12 @@ import weakref
 import numpy as np
 
 from . import _transfers
+from ._memory import MemoryPointer, UnownedMemory, host_bytes, over_pointer
 
 __all__ = ["ndarray", "MemoryPointer", "unwrap", "unwrap_index", "wrap", "resolve_pointer", "launched", "launch_kind"]
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
              "Please use `.get()` to construct a NumPy array explicitly.")
-
-
-class MemoryPointer:
-    """What ``ndarray.data`` is in cupy: an address (``ptr``) into device memory."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __int__(self):
-        return self.ptr
 
 
 #: Device memory whose address was handed out (``data.ptr``, ``__cuda_array_interface__``): start address ->
@@ -79,16 +68,19 @@ def resolve_pointer(ptr: int, nbytes: int, what: str = "pointer") -> np.ndarray:
         host = ref()
         if host is not None and start <= ptr and ptr + nbytes <= start + length:
             return host.reshape(-1).view(np.uint8)[ptr - start:ptr - start + nbytes]
+    mapped = host_bytes(ptr, nbytes)
+    if mapped is not None:
+        return mapped
     raise ValueError(f"{what} {ptr:#x} ({nbytes} bytes) is not inside any live device array whose address was "
-                     "taken (data.ptr): an illegal address")
+                     "taken (data.ptr), nor inside a live cuda.Memory or opened IPC handle: an illegal address")
 
 
 def wrap(value):
     """Host results back onto the "device": numpy arrays and scalars become :class:`ndarray`, containers recurse."""
     if isinstance(value, np.ndarray):
-        return ndarray(value)
+        return _over(value)
     if isinstance(value, np.generic):
-        return ndarray(np.asarray(value))
+        return _over(np.asarray(value))
     if isinstance(value, tuple):
         return tuple(wrap(v) for v in value)
     if isinstance(value, list):
@@ -187,8 +179,33 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
     __slots__ = ("_a", "__weakref__")
     __array_priority__ = 100.0  # as cupy.ndarray's
 
-    def __init__(self, host: np.ndarray):
-        self._a = host
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        """``ndarray(shape, dtype=float, memptr=None, strides=None, order='C')``, as cupy's: new memory, or a view
+        of the memory at ``memptr`` (a :class:`MemoryPointer`, kept alive by the array)."""
+        shape = tuple(int(n) for n in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+        dtype = np.dtype(dtype)
+        if order not in ("C", "F"):
+            raise ValueError(f"order not understood: {order!r}")
+        if memptr is None:
+            if strides is not None:
+                raise ValueError("strides are given without memptr")
+            _transfers.count_launch("alloc")
+            self._a = np.empty(shape, dtype, order=order)
+            return
+        if not isinstance(memptr, MemoryPointer):
+            raise TypeError(f"memptr must be a MemoryPointer, got {type(memptr).__name__}")
+        count = int(np.prod(shape))
+        if strides is None:
+            nbytes = count * dtype.itemsize
+        else:
+            nbytes = 0 if count == 0 else dtype.itemsize + sum((n - 1) * abs(int(s)) for n, s in zip(shape, strides))
+        if nbytes == 0:
+            self._a = np.empty(shape, dtype, order=order)
+            return
+        if host_bytes(memptr.ptr, nbytes) is None:  # a cuda.Memory or an opened handle, else an exposed array
+            resolve_pointer(memptr.ptr, nbytes, "memptr")  # memory that exists, or an illegal address
+        span = over_pointer(memptr.ptr, nbytes, memptr)  # the array holds memptr, its memory and its owner
+        self._a = np.ndarray(shape, dtype, buffer=span, strides=strides, order=order)
 
     # -- the walls: no implicit conversion to the host ---------------------------------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -288,14 +305,14 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
-    data = property(lambda self: MemoryPointer(_expose(self._a)))
-    T = property(lambda self: ndarray(self._a.T))
-    real = property(lambda self: ndarray(self._a.real))
-    imag = property(lambda self: ndarray(self._a.imag))
+    data = property(lambda self: MemoryPointer(UnownedMemory(_expose(self._a), self._a.nbytes, self._a, 0), 0))
+    T = property(lambda self: _over(self._a.T))
+    real = property(lambda self: _over(self._a.real))
+    imag = property(lambda self: _over(self._a.imag))
 
     @property
     def base(self):
-        return None if self._a.base is None else ndarray(self._a.base) if isinstance(self._a.base, np.ndarray) \
+        return None if self._a.base is None else _over(self._a.base) if isinstance(self._a.base, np.ndarray) \
             else self._a.base
 
     @property
@@ -327,11 +344,11 @@ class ndarray:  # noqa: N801 - the name cupy's array type has
 
     def __copy__(self):
         _transfers.count_launch("copy")
-        return ndarray(self._a.copy())
+        return _over(self._a.copy())
 
     def __deepcopy__(self, memo):
         _transfers.count_launch("copy")
-        return ndarray(self._a.copy())
+        return _over(self._a.copy())
 
     def __matmul__(self, other):
         if getattr(other, "__array_priority__", 0) > self.__array_priority__ and not isinstance(other, ndarray):
@@ -412,5 +429,12 @@ for _name, _params in METHODS.items():
     setattr(ndarray, _name, _method(_name, _params))
 
 
+def _over(host: np.ndarray) -> ndarray:
+    """The device array over ``host`` (how the stand-in wraps its numpy results: no copy, no launch)."""
+    out = ndarray.__new__(ndarray)
+    out._a = host
+    return out
+
+
 def _rebuild(host):
-    return ndarray(host)
+    return _over(host)

@@ -1,9 +1,10 @@
 """The IPC transport: device collectives through buffers every rank of the node maps.
 
-Each rank owns one slot of :data:`SLOT_BYTES`, a dedicated allocation (never a memory-pool sub-allocation, whose
-IPC handle would name the pool's larger block), which every other rank maps once, when the group's first device
-collective runs (:class:`CudaSlots`: ``cudaIpcGetMemHandle``/``cudaIpcOpenMemHandle``, handles exchanged over MPI
-and cached for the group's life; :class:`HostSlots` on the stand-in: POSIX shared memory with the same layout).
+Each rank owns one slot of ``DISTLAB_IPC_SLOT_BYTES`` (:func:`slot_bytes`), a dedicated allocation (never a
+memory-pool sub-allocation, whose IPC handle would name the pool's larger block), which every other rank maps once,
+when the group's first device collective runs (:class:`CudaSlots`: ``cudaIpcGetMemHandle``/``cudaIpcOpenMemHandle``,
+handles exchanged over MPI and cached for the group's life). The stand-in (:mod:`distlab.fakegpu`) emulates those
+calls (its ``cuda.Memory`` is an anonymous memory file a peer maps by handle), so it runs this very code.
 A collective then runs, one slot-sized chunk at a time:
 
 1. **copy in** on the transport's stream, after an event on the caller's stream; the host waits for that copy;
@@ -33,14 +34,14 @@ from mpi4py import MPI
 
 from ..._types import ReduceOp
 from ...errors import CollectiveMismatchError
-from ..board import map_node_file
 from ..device import device_array
 from ..setup import bounded_dup, bounded_wait, release_comm
 from ._streams import Streams
 
-__all__ = ["IpcTransport", "HostSlots", "CudaSlots", "SLOT_BYTES_VAR"]
+__all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
 
 SLOT_BYTES_VAR = "DISTLAB_IPC_SLOT_BYTES"
+_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _ARRIVE, _DONE = 0, 1
 _COMBINE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
             ReduceOp.PRODUCT: "multiply", ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or"}
@@ -48,56 +49,75 @@ _OPS = {None: 0, **{op: k + 1 for k, op in enumerate(_COMBINE)}}
 
 
 def slot_bytes(on_gpu: bool) -> int:
-    """``DISTLAB_IPC_SLOT_BYTES``, else 64 MiB on a GPU (GPU.md's 64 MiB case in one chunk), 1 MiB on the
-    stand-in (whose slots are shared memory in ``/dev/shm``)."""
+    """``DISTLAB_IPC_SLOT_BYTES``, else 64 MiB on a GPU (a 64 MiB allreduce in one chunk), 1 MiB on the stand-in
+    (whose slots are host memory, one per rank of every ipc group)."""
     value = os.environ.get(SLOT_BYTES_VAR, "").strip()
     if value and (not value.isdigit() or int(value) < 64):
         raise ValueError(f"{SLOT_BYTES_VAR}={value!r}: expected a number of bytes, 64 or more")
     return int(value) // 64 * 64 if value else (64 << 20 if on_gpu else 1 << 20)
 
 
-class HostSlots:
-    """The stand-in's slots: one shared-memory file mapped by every rank, wrapped as stand-in device arrays."""
-
-    def __init__(self, group, xp, nbytes: int):
-        memory, mapped = map_node_file(lambda mine, what: _gather(group, mine, what), group.rank == 0, 0, nbytes * group.size, "ipc", reserve=True)
-        if not mapped.all():
-            raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {np.flatnonzero(~mapped).tolist()} "
-                               f"could not map {nbytes * group.size} bytes of shared memory")
-        self._memory = memory
-        self._wrap = type(xp.empty(0))
-        self.nbytes = nbytes
-
-    def view(self, rank: int, count: int, dtype):
-        """``count`` elements of ``dtype`` at the start of ``rank``'s slot, as a device array."""
-        host = np.frombuffer(self._memory, np.uint8, count * dtype.itemsize, rank * self.nbytes)
-        return self._wrap(host.view(dtype))
-
-
 class CudaSlots:
-    """Slots in GPU memory: a dedicated ``cupy.cuda.Memory`` per rank, the peers' opened by IPC handle once."""
+    """Slots in device memory: a dedicated ``cuda.Memory`` per rank, the peers' opened by IPC handle once (the
+    same calls on cupy and on the stand-in). Collective: a rank that cannot allocate its slot or open a peer's,
+    or ranks that disagree on the slot size, make every rank raise the same error, naming the ranks."""
 
     def __init__(self, group, xp, nbytes: int):
         runtime = xp.cuda.runtime
         self._xp = xp
-        self._mine = xp.cuda.Memory(nbytes)
-        handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self._mine.ptr)), dtype=np.uint8)
-        table = _gather(group, handle, "handles")
-        self._opened = []
-        self._memories = []
-        for k in range(group.size):
-            if k == group.rank:
-                self._memories.append(self._mine)
-                continue
-            ptr = runtime.ipcOpenMemHandle(table[k].tobytes())  # with cudaIpcMemLazyEnablePeerAccess
-            self._opened.append(ptr)
-            self._memories.append(xp.cuda.UnownedMemory(ptr, nbytes, self))
-        weakref.finalize(self, _close_handles, runtime, list(self._opened))
         self.nbytes = nbytes
+        # the opened handles: the owner of every peer's memory here, closed once the last memory over them goes
+        # (held by no one else, so dropping the slots closes them at once, without waiting for a cyclic GC)
+        self._handles = _Handles()
+        weakref.finalize(self._handles, _close_handles, runtime, self._handles.pointers)
+        self._memories = [None] * group.size
+        failure, mine = None, np.zeros(_HANDLE_BYTES + 8, dtype=np.uint8)  # no handle: no slot
+        mine[_HANDLE_BYTES:] = np.array([nbytes], dtype=np.int64).view(np.uint8)
+        try:
+            self._memories[group.rank] = xp.cuda.Memory(nbytes)
+            mine[:_HANDLE_BYTES] = np.frombuffer(runtime.ipcGetMemHandle(self._memories[group.rank].ptr), np.uint8)
+        except (RuntimeError, MemoryError, OSError) as exc:  # cupy's CUDARuntimeError and OutOfMemoryError
+            failure = f"allocating its {nbytes}-byte slot: {type(exc).__name__}: {exc}"
+        table = _gather(group, mine, "handles")
+        sizes = table[:, _HANDLE_BYTES:].copy().view(np.int64)[:, 0]
+        if np.any(sizes != nbytes):
+            described = "; ".join(f"ranks {np.flatnonzero(sizes == size).tolist()}: {size} bytes"
+                                  for size in dict.fromkeys(sizes.tolist()))
+            raise RuntimeError(f"ipc transport of group {group.name!r}: the ranks' slot sizes differ "
+                               f"({SLOT_BYTES_VAR}): {described}")
+        for k in range(group.size):
+            if k == group.rank or failure is not None or not table[k, :_HANDLE_BYTES].any():
+                continue
+            try:
+                ptr = runtime.ipcOpenMemHandle(table[k, :_HANDLE_BYTES].tobytes())  # lazy peer access
+            except (RuntimeError, OSError) as exc:
+                failure = f"opening rank {k}'s slot: {type(exc).__name__}: {exc}"
+                continue
+            self._handles.pointers.append(ptr)
+            self._memories[k] = xp.cuda.UnownedMemory(ptr, nbytes, self._handles)
+        failed = np.flatnonzero(_gather(group, np.array([failure is not None], dtype=np.int8), "mapping")[:, 0])
+        if failed.size:
+            raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {failed.tolist()} could not map the "
+                               f"slots" + (f" (this rank failed {failure})" if failure else ""))
 
     def view(self, rank: int, count: int, dtype):
+        """``count`` elements of ``dtype`` at the start of ``rank``'s slot, as a device array."""
         pointer = self._xp.cuda.MemoryPointer(self._memories[rank], 0)
         return self._xp.ndarray((count,), dtype=dtype, memptr=pointer)
+
+
+class _Handles:
+    """The IPC handles one rank opened (device pointers), closed by a finalizer when the last memory goes."""
+
+    __slots__ = ("pointers", "__weakref__")
+
+    def __init__(self):
+        self.pointers: list[int] = []
+
+
+def _close_handles(runtime, pointers) -> None:
+    for ptr in pointers:
+        runtime.ipcCloseMemHandle(ptr)
 
 
 def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
@@ -106,11 +126,6 @@ def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
     bounded_wait(group.comm.Iallgather(mine, table), f"ipc transport of group {group.name!r} set-up ({what})",
                  group.comm, group.timeout, time.monotonic() + group.timeout)
     return table
-
-
-def _close_handles(runtime, pointers) -> None:
-    for ptr in pointers:
-        runtime.ipcCloseMemHandle(ptr)
 
 
 class _Turn:
@@ -157,20 +172,25 @@ class IpcTransport:
     def __init__(self, group, mode: str, module):
         self.group = group
         self.mode = mode  # "leader" or "split"
-        self._slots = None
+        self._held: list = []  # the slots, once mapped; released with the group (destroyed or dropped)
+        self.release = weakref.finalize(self, self._held.clear)
         self._comm = None
         self._streams = None
         self._last = None  # the Work of the collective that used the slots last
         self._module = module  # the device module the slots belong to
         self._peers = [k for k in range(group.size) if k != group.rank]
 
+    @property
+    def _slots(self):
+        return self._held[0] if self._held else None
+
     def _ready(self, xp) -> None:
         """The group's first device collective: map the slots (collective; every rank gets here in step)."""
-        if self._slots is not None:
+        if self._comm is not None:
             return
         group = self.group
         on_gpu = xp.__name__ == "cupy"
-        self._slots = (CudaSlots if on_gpu else HostSlots)(group, xp, slot_bytes(on_gpu))
+        self._held[:] = [CudaSlots(group, xp, slot_bytes(on_gpu))]
         self._comm = bounded_dup(group.comm, f"ipc transport of group {group.name!r}", group.timeout)
         self._tag_limit = (int(self._comm.Get_attr(MPI.TAG_UB)) + 1) // 2
         weakref.finalize(self, release_comm, self._comm)
