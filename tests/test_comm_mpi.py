@@ -15,7 +15,6 @@ def test_collectives(mpirun, np_):
 # nccl: each rank on a node of its own (DISTLAB_RANKS_PER_NODE=1), so no two ranks share the stand-in's device;
 # hierarchical: nodes of 2 ranks, the stand-in presenting 2 devices (local rank k on device k)
 _NODES = {"nccl": "1", "hierarchical": "2"}
-_DEVICES = {"hierarchical": "2"}
 
 
 @pytest.mark.parametrize("transport, aware", [("staged", "0"), ("mpi", "1"), ("ipc", "0"), ("nccl", "0")])
@@ -25,13 +24,16 @@ def test_device_arrays_per_transport(mpirun, transport, aware):
     assert result.stdout.count(f"device path ({transport})") == 2
 
 
-@pytest.mark.parametrize("transport, np_", [("staged", 2), ("ipc", 2), ("ipc", 4), ("nccl", 2), ("nccl", 4),
-                                            ("hierarchical", 4)])
-def test_device_transport_conformance(mpirun, transport, np_):
+@pytest.mark.parametrize("transport, np_, devices", [
+    ("staged", 2, ""), ("ipc", 2, ""), ("ipc", 4, ""), ("ipc", 4, "4"), ("nccl", 2, ""), ("nccl", 4, ""),
+    ("hierarchical", 4, "2")])
+def test_device_transport_conformance(mpirun, transport, np_, devices):
+    """``devices``: how many devices the stand-in presents (ipc on 4: one reducing rank when all share one, each
+    rank its block when each has its own)."""
     # small chunks and slots, so odd sizes cross chunk boundaries (and the staged path nccl falls back to)
     result = mpirun("comm_transports.py", np=np_, timeout=240, env={
         "DISTLAB_DEVICE_COMM": transport, "DISTLAB_IPC_SLOT_BYTES": "4096", "DISTLAB_STAGED_CHUNK_BYTES": "1000",
-        "DISTLAB_RANKS_PER_NODE": _NODES.get(transport, ""), "DISTLAB_FAKEGPU_DEVICES": _DEVICES.get(transport, "")})
+        "DISTLAB_RANKS_PER_NODE": _NODES.get(transport, devices), "DISTLAB_FAKEGPU_DEVICES": devices})
     assert result.stdout.count(f"transport {transport} conformance OK") == np_
 
 

@@ -27,6 +27,8 @@ pg = comm.world()
 r, n = pg.rank, pg.size
 transport = os.environ["DISTLAB_DEVICE_COMM"]
 assert pg.device_comm == transport, pg
+if transport == "ipc":  # one reducing rank when every rank shares one device, else each rank reduces its block
+    assert pg._transport.mode == ("split" if os.environ.get("DISTLAB_FAKEGPU_DEVICES") else "leader"), pg
 rng = np.random.default_rng(100 + r)
 # ipc sums in rank order, MPI's tree may group 4 ranks differently; the stand-in NCCL reduces with MPI
 exact = n == 2 or transport in ("staged", "nccl", "hierarchical")
@@ -70,6 +72,17 @@ def agree(device, host, what, everywhere=True):
 DTYPES = {"float32": "sum avg min max product", "float64": "sum avg min max", "float16": "sum max",
           "int32": "sum min max product band bor", "int64": "sum", "uint8": "band bor max", "bool": "sum min max",
           "complex64": "sum avg", "int16": "sum", "bfloat16": "sum max"}
+if transport == "ipc":  # kernels of one single-chunk allreduce on each rank: leader or not, the slots' traffic
+    device = xp.asarray(np.arange(64, dtype=np.float32))
+    xp.reset()
+    pg.allreduce(device)
+    kernels = xp.launch_total(prefix="distlab.comm.transports.ipc")
+    if pg._transport.mode == "split":  # copy in, its block summed and written to the n - 1 peers, copy out
+        assert kernels == 2 + 2 * (n - 1), kernels
+    else:  # the leader sums straight in its own array and writes the peers' slots; the others copy in and out
+        assert kernels == (2 * (n - 1) if r == 0 else 2), (r, kernels)
+    assert device.get().tolist() == (np.arange(64, dtype=np.float32) * n).tolist()
+
 for dtype, ops in DTYPES.items():
     for size in (1, 7, 1023, 5001):
         values = rng.integers(0, 3, size) if dtype in ("bool", "uint8") else rng.standard_normal(size) * 4
