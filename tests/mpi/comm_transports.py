@@ -82,6 +82,26 @@ if transport == "ipc":  # kernels of one single-chunk allreduce on each rank: le
     else:  # the leader sums straight in its own array and writes the peers' slots; the others copy in and out
         assert kernels == (2 * (n - 1) if r == 0 else 2), (r, kernels)
     assert device.get().tolist() == (np.arange(64, dtype=np.float32) * n).tolist()
+    # arrays in memory every rank maps (DDP's buckets): reduced where they are, in several chunks, the bits of MPI's
+    # sum in rank order; a rank may pass an ordinary array instead (a joined rank's shadow), which goes by its slot
+    memory, (odd, buckets) = pg.device_shared_arrays([(7, np.float32), (3000, np.float64)])
+    assert odd.get().tolist() == [0] * 7 and not buckets.get().any()
+    for ordinary in (None, 1, 0):
+        values = rng.standard_normal(3000) * (r + 1)
+        array = xp.asarray(values) if r == ordinary else buckets
+        array[...] = xp.asarray(values)
+        xp.reset()
+        pg.allreduce(array, name=f"shared.{ordinary}")
+        copies = xp.launch_total(prefix="distlab.comm.transports.ipc") - (2 * (n - 1) * 6 if r == 0 or
+                                                                          pg._transport.mode == "split" else 0)
+        agree(array, mpi_allreduce(values, "sum"), ("shared", ordinary))
+        if pg._transport.mode == "leader":  # 6 chunks of 512 elements: a rank in shared memory copies nothing
+            assert copies == (0 if r == 0 or r != ordinary else 2 * 6), (r, ordinary, copies)
+    odd[...] = xp.asarray(np.full(7, r + 1, dtype=np.float32))
+    pg.allreduce(odd, op="max")
+    assert odd.get().tolist() == [n] * 7
+    assert pg.device_shared_arrays([(100 + 100 * r, np.float32)]) is None  # sizes differ: no rank gets any
+    del memory, odd, buckets
 
 for dtype, ops in DTYPES.items():
     for size in (1, 7, 1023, 5001):

@@ -4,6 +4,7 @@ argv: impl ("reference", "core" or "mixed": even ranks reference, odd ranks core
 Each rank writes <prefix>.rank<N>.pkl: per configuration, the final parameters and the collective trace, so the
 test can compare twins bit for bit and trace for trace.
 """
+import os
 import pickle
 import sys
 
@@ -112,6 +113,10 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
             buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
             for pname, p in model.module.named_parameters():
                 assert p.grad is None or any(np.shares_memory(p.grad.data, buf) for buf in buffers), (name, pname)
+        if device != "cpu":  # dense device buckets live in memory every rank maps (the ipc transport's)
+            mapped = world.device_comm == "ipc" and os.environ.get("DISTLAB_SHARED_MEMORY", "1") != "0"
+            assert all((b.arena is not None) == mapped for b in model.reducer.buckets
+                       if not b.expect_sparse_gradient), name
         if name == "find_unused":
             assert model.reducer.get_logging_data()["find_unused_parameters"]
         if name == "small_buckets":

@@ -1,4 +1,17 @@
-"""Checks the scenario scripts share (imported from the script's own directory)."""
+"""Checks the scenario scripts share (imported from the script's own directory).
+
+A scenario's groups are made before its device half first uses the stand-in, so they move device arrays without a
+device transport. With ``DISTLAB_TEST_DEVICE_WORLD=1`` importing this module registers the stand-in's arrays
+first: the groups then take the transport ``auto`` picks for it (``ipc``: its ranks share one "device" on one
+node), for every collective, the host half's too, as groups do on a GPU.
+"""
+import os
+
+if os.environ.get("DISTLAB_TEST_DEVICE_WORLD") == "1":
+    import distlab.fakegpu  # noqa: F401 - registered before the scenario makes its groups (see above)
+    from distlab import comm as _comm
+
+    assert _comm.world().device_comm == "ipc", _comm.world()
 
 
 def expect(exc_type, call, *texts):

@@ -309,7 +309,9 @@ def _use_buffer(bucket, gradients) -> None:
 
 
 def _place_in_shared_memory(buckets, group) -> None:
-    """Move the dense host buckets into one shared-memory arena when the group's ranks share a node.
+    """Move the dense host buckets into one shared-memory arena when the group's ranks share a node, and the
+    dense device buckets into device memory every rank of the node maps when the group's device collectives go
+    through the ipc transport (``ProcessGroup.device_shared_arrays``).
 
     Collective (every rank builds its buckets at the same point). The group's allreduce then reduces each bucket
     in place, every rank adding up its block of all ranks' copies, instead of copying it through MPI (see
@@ -317,13 +319,21 @@ def _place_in_shared_memory(buckets, group) -> None:
     """
     dense = [bucket for bucket in buckets
              if not bucket.expect_sparse_gradient and type(bucket.gradients) is np.ndarray]
-    placed = group.shared_arrays([(bucket.gradients.size, bucket.gradients.dtype) for bucket in dense])
-    if placed is None:  # on every rank, when any rank cannot or will not
+    _place(dense, group.shared_arrays([(bucket.gradients.size, bucket.gradients.dtype) for bucket in dense]))
+    if hasattr(group, "device_shared_arrays"):  # the same on a device: memory every rank of the node maps
+        dense = [bucket for bucket in buckets
+                 if not bucket.expect_sparse_gradient and type(bucket.gradients) is not np.ndarray]
+        _place(dense, group.device_shared_arrays([(b.gradients.size, b.gradients.dtype) for b in dense]))
+
+
+def _place(buckets, placed) -> None:
+    """Give each bucket its array of ``placed`` ``(memory, arrays)``; None (on every rank): leave them."""
+    if placed is None:
         return
-    arena, arrays = placed
-    for bucket, gradients in zip(dense, arrays):
+    memory, arrays = placed
+    for bucket, gradients in zip(buckets, arrays):
         _use_buffer(bucket, gradients)
-        bucket.arena = arena
+        bucket.arena = memory
 
 
 def _point_grads_at_views(bucket, params) -> None:

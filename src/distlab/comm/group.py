@@ -169,6 +169,17 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
             return None
         return arena, [arena.array(start, count, dtype) for start, (count, dtype) in zip(starts, specs)]
 
+    def device_shared_arrays(self, specs):
+        """Collective: zeroed device arrays, one per ``(count, dtype)`` of ``specs``, that every rank of the node
+        maps (the ipc transport's), so :meth:`allreduce` reads and writes them where they are, with no copy in
+        or out (what :meth:`shared_arrays` is for host arrays; DDP puts its device buckets there).
+
+        Returns ``(memory, arrays)`` (keep ``memory`` as long as the arrays), or None on every rank when the
+        group's device collectives do not go through the ipc transport or the ranks ask for different sizes.
+        """
+        make = getattr(self._transport, "shared_arrays", None)
+        return make(specs) if make is not None else None
+
     # -- lifecycle ------------------------------------------------------------------------------------------
     def new_group(self, ranks, name=None, timeout=None):
         """Make a sub-group of ``ranks`` (every rank of this group must call it); None on non-members.

@@ -43,7 +43,7 @@ class Work:
     """
 
     __slots__ = ("group", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_finish_step", "_done",
-                 "_exception", "_result", "_future", "_start_us", "__weakref__")
+                 "_exception", "_result", "_future", "_start_us", "_ended", "_waited", "__weakref__")
 
     def __init__(self, group: "ProcessGroup", op: str, seq: int, name, nbytes: int, request=None, finish=None,
                  result=None, peer=None, stages=None, start_us: float = 0.0):
@@ -61,11 +61,16 @@ class Work:
         self._result = result
         self._future: Future | None = None
         self._start_us = start_us
+        self._ended: list | None = None  # [exception] once :meth:`advance` ran the last stage; completed later
+        self._waited = False  # a wait() is polling its request (advance must leave it alone)
         if stages is not None:
             self._request_done()  # start the first stage
 
     def _request_done(self) -> None:
         """The current request completed: start the next stage, or run the finish step and complete."""
+        if self._ended is not None:  # advance() ran the stages to their end
+            self._complete(self._ended[0])
+            return
         try:
             if self._stages is not None:
                 try:
@@ -108,6 +113,34 @@ class Work:
                 self._request_done()
         return self._done
 
+    def advance(self) -> bool:
+        """Run the stages whose requests completed, but leave completing the work (and its future's callbacks,
+        which may issue collectives) to its next poll; True once only that is left.
+
+        What a wait on another operation of the same group does for the group's multi-step work (a device
+        transport's arrive, reduce, done), so that a peer waiting on this rank's next step is not kept waiting,
+        as MPI's own nonblocking collectives progress inside any MPI call; completing there could issue a
+        callback's collectives in the middle of the wait, in another order than on the other ranks.
+        """
+        if self._done or self._ended is not None:
+            return True
+        if self._stages is None or self._waited:  # one MPI request progresses by itself; a wait drives its own
+            return False
+        lock = self.group._lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            while self._ended is None and self._request.Test():
+                try:
+                    self._request = self._stages.send(None)
+                except StopIteration as stop:
+                    self._result, self._ended, self._request = stop.value, [None], _ENDED
+                except Exception as exc:  # noqa: BLE001 - a failed step fails the work when it is completed
+                    self._ended, self._request = [exc], _ENDED
+        finally:
+            lock.release()
+        return self._ended is not None
+
     def _try_poll(self) -> bool:
         """:meth:`_poll` unless another thread holds the group's lock (then False): what a wait calls for other
         groups, which must never block on their locks (two threads waiting, each on a group the other drives)."""
@@ -139,6 +172,7 @@ class Work:
             # Hold the group's lock for the whole wait and poll the MPI request itself: no lock round trip per
             # poll (another thread's progress() simply finds this work done afterwards).
             with group._lock:
+                self._waited = True
                 try:
                     while not self._done:
                         request = self._request
@@ -148,6 +182,8 @@ class Work:
                         self._request_done()
                 except DistTimeoutError as exc:
                     self._complete(exc)
+                finally:
+                    self._waited = False
         if self._exception is not None:
             raise self._exception
         return True
@@ -179,6 +215,19 @@ class Work:
 
     def __repr__(self) -> str:
         return f"<Work {self.op} #{self.seq} {'done' if self._done else 'pending'}>"
+
+
+class _Ended:
+    """The request of a work whose stages :meth:`Work.advance` ran to their end: complete."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def Test() -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
+        return True
+
+
+_ENDED = _Ended()
 
 
 class StatusRequest:
@@ -242,7 +291,8 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
 
 
 def progress(skip=None) -> int:
-    """Drive the outstanding async operations of every group (but ``skip``); returns how many may still be pending.
+    """Drive the outstanding async operations of every group; returns how many may still be pending. ``skip``'s
+    (the group a wait is on) only move on (:meth:`Work.advance`), completed by the group's own polls.
 
     A wait past its spin phase calls it for the other groups: an operation of several steps (a device
     transport's arrive, reduce, done) moves only when polled, and a peer may be waiting on it to reach the
@@ -254,7 +304,9 @@ def progress(skip=None) -> int:
     """
     pending = 0
     for group in list(_busy):
-        if group is skip:
+        if group is skip:  # its multi-step work moves on, completed only by the group's own polls (advance)
+            for work in list(group._pending):
+                work.advance()
             continue
         works = list(group._pending)
         for index, work in enumerate(works):

@@ -19,6 +19,10 @@ A collective then runs, one slot-sized chunk at a time:
 4. **done**: a second message to every peer; once all arrived, every slot holds its result and may be reused;
 5. **copy out** (allreduce) into the caller's array; the caller's stream waits on the transport's last event.
 
+An allreduce of an array made by :meth:`IpcTransport.shared_arrays` (memory every rank maps, as the slots are;
+DDP's device buckets) skips steps 1 and 5 on its rank: its arrival message says where the chunk lies, and the
+reducing ranks read and write it there.
+
 Every element is reduced by exactly one rank, in rank order, so every rank gets the same bits. Messages match by
 tag, not issue order, and one collective uses the slots at a time (a later one waits its turn, driving the
 earlier), so async collectives waited on in any order are safe.
@@ -37,6 +41,7 @@ from ..._types import ReduceOp
 from ...errors import CollectiveMismatchError
 from ..device import device_array
 from ..setup import bounded_dup, bounded_wait, release_comm
+from ..shared import shared_memory_enabled
 from ._streams import Streams
 
 __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
@@ -44,6 +49,8 @@ __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
 SLOT_BYTES_VAR = "DISTLAB_IPC_SLOT_BYTES"
 _HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _ARRIVE, _DONE = 0, 1
+_COMMON = 6  # header words every rank must agree on: seq, chunk, count, dtype, op, root; then where its data is
+_NOWHERE = (-1, -1)
 _COMBINE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
             ReduceOp.PRODUCT: "multiply", ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or"}
 _OPS = {None: 0, **{op: k + 1 for k, op in enumerate(_COMBINE)}}
@@ -65,7 +72,7 @@ class CudaSlots:
 
     def __init__(self, group, xp, nbytes: int):
         runtime = xp.cuda.runtime
-        self._xp = xp
+        self._xp, self._rank = xp, group.rank
         self.nbytes = nbytes
         # the opened handles: the owner of every peer's memory here, closed once the last memory over them goes
         # (held by no one else, so dropping the slots closes them at once, without waiting for a cyclic GC)
@@ -101,10 +108,15 @@ class CudaSlots:
             raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {failed.tolist()} could not map the "
                                f"slots" + (f" (this rank failed {failure})" if failure else ""))
 
-    def view(self, rank: int, count: int, dtype):
-        """``count`` elements of ``dtype`` at the start of ``rank``'s slot, as a device array."""
-        pointer = self._xp.cuda.MemoryPointer(self._memories[rank], 0)
+    def view(self, rank: int, count: int, dtype, offset: int = 0):
+        """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s slot, as a device array."""
+        pointer = self._xp.cuda.MemoryPointer(self._memories[rank], offset)
         return self._xp.ndarray((count,), dtype=dtype, memptr=pointer)
+
+    def offset_of(self, array) -> int:
+        """Where device ``array`` starts in this rank's own slot, in bytes, or -1 when it is not all inside it."""
+        base, start = self._memories[self._rank].ptr, array.data.ptr
+        return start - base if base <= start and start + array.nbytes <= base + self.nbytes else -1
 
 
 class _Handles:
@@ -138,7 +150,7 @@ class _Turn:
         self.work = work
 
     def Test(self) -> bool:  # noqa: N802 - polled like an mpi4py request
-        return self.work is None or self.work._poll()
+        return self.work is None or self.work.advance()  # its stages ended: the slots are free
 
 
 class _Messages:
@@ -180,10 +192,53 @@ class IpcTransport:
         self._last = None  # the Work of the collective that used the slots last
         self._module = module  # the device module the slots belong to
         self._peers = [k for k in range(group.size) if k != group.rank]
+        self._shared: list = []  # weak references to the memory of shared_arrays, in the (collective) order made
 
     @property
     def _slots(self):
         return self._held[0] if self._held else None
+
+    def shared_arrays(self, specs):
+        """Collective: zeroed device arrays every rank of the node maps, one per ``(count, dtype)`` of ``specs``
+        (DDP's buckets, as its host buckets go in a shared-memory arena): an allreduce of such an array reads and
+        writes it where it is, with no copy in or out on its rank (torch's symmetric memory, without the
+        separate allocator). Returns ``(memory, arrays)``, keeping ``memory`` as long as the arrays; or None on
+        every rank when the ranks ask for different sizes or none, or any rank set ``DISTLAB_SHARED_MEMORY=0``."""
+        starts, total = [], 0
+        for count, dtype in specs:
+            starts.append(total)
+            total += -(-int(count) * np.dtype(dtype).itemsize // 256) * 256
+        wanted = total if shared_memory_enabled() else 0  # DISTLAB_SHARED_MEMORY=0 on any rank: none anywhere
+        sizes = _gather(self.group, np.array([wanted], np.int64), "shared arrays")[:, 0]
+        if not total or np.any(sizes != total):
+            return None
+        memory = CudaSlots(self.group, self._module, total)
+        self._shared.append(weakref.ref(memory))
+        arrays = [memory.view(self.group.rank, int(count), dtype, start) for start, (count, dtype) in zip(starts, specs)]
+        for array in arrays:
+            array.fill(0)
+        return memory, arrays
+
+    def _place(self, chunk) -> tuple[int, int]:
+        """``(index in shared_arrays' order, byte offset)`` of a device chunk living in shared arrays' memory,
+        which the peers read and write where it is; ``(-1, -1)`` for any other array."""
+        if type(chunk) is not np.ndarray:
+            for index, ref in enumerate(self._shared):
+                memory = ref()
+                offset = memory.offset_of(chunk) if memory is not None else -1
+                if offset >= 0:
+                    return index, offset
+        return -1, -1
+
+    def _view_of(self, rank: int, place, count: int, dtype):
+        """The chunk rank ``rank`` said (its header's ``place``) is where it is, or its slot."""
+        if place[0] < 0:
+            return self._slots.view(rank, count, dtype)
+        memory = self._shared[place[0]]()
+        if memory is None:
+            raise RuntimeError(f"ipc transport of group {self.group.name!r}: rank {rank} passed an array in shared "
+                               f"arrays this rank no longer holds (made #{place[0]}); keep them alike on every rank")
+        return memory.view(rank, count, dtype, int(place[1]))
 
     def _ready(self, xp) -> None:
         """The group's first device collective: map the slots (collective; every rank gets here in step)."""
@@ -209,16 +264,16 @@ class IpcTransport:
             yield turn
             caller = streams.after_caller()
             for k in range(chunks):
-                copy_in, work, copy_out = per_chunk(k)
+                copy_in, work, copy_out, place = per_chunk(k)
                 with streams.down:
                     copy_in()
-                streams.record(streams.down).synchronize()
-                mine = np.array([seq, k, *header, _OPS[reduce_op], root], dtype=np.int64)
+                streams.record(streams.down).synchronize()  # the chunk's data is in place (its producers done)
+                mine = np.array([seq, k, *header, _OPS[reduce_op], root, *place], dtype=np.int64)
                 arrived = _Messages(self._comm, group.rank, self._peers, mine, tag + _ARRIVE)
                 yield arrived
-                _check(arrived.inbox, mine, group.rank, op, seq, name)
+                _check(arrived.inbox[:, :_COMMON], mine[:_COMMON], group.rank, op, seq, name)
                 with streams.down:
-                    work()
+                    work(arrived.inbox[:, _COMMON:])
                 streams.record(streams.down).synchronize()
                 yield _Messages(self._comm, group.rank, self._peers, mine[:2], tag + _DONE)
                 with streams.down:
@@ -239,23 +294,26 @@ class IpcTransport:
         combine = getattr(self._module, _COMBINE[reduce_op])
         average = reduce_op is ReduceOp.AVG
         # the leader reduces straight in its own array, which it reads and writes in place of its slot: two copies
-        # of the array (in and out) fewer on the one device, the same operations in the same order (same bits)
+        # of the array (in and out) fewer on the one device, the same operations in the same order (same bits); so
+        # does every rank whose array lives in shared arrays' memory, which the others map (DDP's buckets)
         direct = self.mode == "leader" and group.rank == 0 and type(array) is not np.ndarray
 
         def per_chunk(k):
             a, b = k * step, min((k + 1) * step, flat.size)
-            views = [self._slots.view(r, b - a, array.dtype) for r in range(group.size)]
-            if direct:
-                views[0] = flat[a:b]
+            place = self._place(flat[a:b])
+            in_place = direct or place[0] >= 0
+            own = flat[a:b] if in_place else self._slots.view(group.rank, b - a, array.dtype)
             first, stop = _block(b - a, group.rank, group.size, self.mode)
 
             def copy_in():
-                if not direct:
-                    _put(views[group.rank], flat[a:b])
+                if not in_place:
+                    _put(own, flat[a:b])
 
-            def work():
+            def work(places):
                 if first == stop:
                     return
+                views = [own if r == group.rank else self._view_of(r, places[r], b - a, array.dtype)
+                         for r in range(group.size)]
                 total = views[0][first:stop]
                 for view in views[1:]:
                     combine(total, view[first:stop], out=total)
@@ -265,10 +323,10 @@ class IpcTransport:
                     view[first:stop] = total
 
             def copy_out():
-                if not direct:
-                    _put(flat[a:b], views[group.rank])
+                if not in_place:
+                    _put(flat[a:b], own)
 
-            return copy_in, work, copy_out
+            return copy_in, work, copy_out, place
 
         return self._run("allreduce", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
                          async_op, array, reduce_op)
@@ -286,11 +344,11 @@ class IpcTransport:
                 if group.rank == src:
                     _put(source, flat[a:b])
 
-            def work():
+            def work(_places):
                 if group.rank != src:
                     _put(flat[a:b], source)
 
-            return copy_in, work, _nothing
+            return copy_in, work, _nothing, _NOWHERE
 
         return self._run("broadcast", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
                          async_op, array, root=src)
@@ -308,11 +366,11 @@ class IpcTransport:
             def copy_in():
                 _put(views[group.rank], flat[a:b])
 
-            def work():
+            def work(_places):
                 for r, view in enumerate(views):
                     _put(rows[r, a:b], view)
 
-            return copy_in, work, _nothing
+            return copy_in, work, _nothing, _NOWHERE
 
         return self._run("allgather", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
                          async_op, out)
@@ -333,7 +391,7 @@ class IpcTransport:
                 for q in range(size):
                     _put(views[group.rank][q], blocks[q, a:b])
 
-            def work():  # a fresh array for the sum: this rank's block of every slot is an input, its own too
+            def work(_places):  # a fresh array for the sum: this rank's block of every slot is an input, its own too
                 total = combine(views[0][group.rank], views[1][group.rank])
                 for view in views[2:]:
                     combine(total, view[group.rank], out=total)
@@ -341,7 +399,7 @@ class IpcTransport:
                     total /= size
                 _put(out[a:b], total)
 
-            return copy_in, work, _nothing
+            return copy_in, work, _nothing, _NOWHERE
 
         return self._run("reduce_scatter", name, input, per_chunk, chunks, (out.size, _dtype_code(input.dtype)),
                          async_op, output, reduce_op)
