@@ -240,12 +240,13 @@ def _pattern(r, count: int):
     return base + r.rank, base * r.size + r.size * (r.size - 1) / 2
 
 
-def _allreduce_figure(r, group, nbytes: int, steps: int, warmup: int) -> dict:
-    """An in-place float32 allreduce of ``nbytes`` on ``group``, every step's result compared with the sum."""
+def _allreduce_figure(r, group, nbytes: int, steps: int, warmup: int, shared: bool = False) -> dict:
+    """An in-place float32 allreduce of ``nbytes`` on ``group``, every step's result compared with the sum;
+    ``shared``: of an array in memory every rank maps (``device_shared_arrays``, as DDP's buckets)."""
     mine_host, expected_host = _pattern(r, nbytes // 4)
     xp = r.xp
     mine, expected = xp.asarray(mine_host), xp.asarray(expected_host)
-    a = xp.empty_like(mine)
+    memory, (a,) = group.device_shared_arrays([(mine.size, mine.dtype)]) if shared else (None, [xp.empty_like(mine)])
 
     def prepare():
         a[...] = mine
@@ -353,6 +354,8 @@ def transport_rank(device, transport, sizes, models, steps, warmup):
     with group:
         for nbytes in sizes:
             out["allreduce"].append(_allreduce_figure(r, group, nbytes, steps, warmup))
+            if transport == "ipc":  # and of an array every rank maps: no copy in or out
+                out.setdefault(SHARED, []).append(_allreduce_figure(r, group, nbytes, steps, warmup, shared=True))
             r.free()
             bar.update()
         for spec in models.values():
@@ -363,6 +366,8 @@ def transport_rank(device, transport, sizes, models, steps, warmup):
     return out
 
 
+#: the column of allreduces of arrays in the ipc transport's shared memory (device_shared_arrays)
+SHARED = "ipc shared"
 LIMITS = ("ipc floor", "D2H pageable", "D2H pinned", "H2D pageable", "H2D pinned", "host MPI")
 
 
@@ -575,6 +580,9 @@ def _transport_columns(args, common, allreduce: list, ddp: list, skipped: dict, 
             ran.append(name)
             for row, figure in zip(allreduce, _combine([p["allreduce"] for p in per_rank])):
                 row[name] = _with_bandwidth(figure, row["bytes"])
+            if SHARED in per_rank[0]:
+                for row, figure in zip(allreduce, _combine([p[SHARED] for p in per_rank])):
+                    row[SHARED] = _with_bandwidth(figure, row["bytes"])
             for row, figure in zip(ddp, _combine([p["ddp"] for p in per_rank])):
                 row[name] = figure
     return ran
@@ -669,7 +677,8 @@ def measure(args, report: dict, argv=None) -> list:
             if column in row and floor:
                 row[column]["x floor"] = row[column]["ms"] / floor
     report["transports"] = {"ran": ran, "skipped": skipped}
-    report["allreduce"] = {"columns": ran + [c for c in LIMITS if c not in skipped], "rows": allreduce}
+    shared = [SHARED] if any(SHARED in row for row in allreduce) else []
+    report["allreduce"] = {"columns": ran + shared + [c for c in LIMITS if c not in skipped], "rows": allreduce}
     report["ddp_step"] = {"columns": ["floor"] + ran + torch_columns, "rows": ddp}
     problems += [f"{table} {row.get('model', row.get('bytes'))} {column}: the result check failed"
                  for table, rows in (("allreduce", allreduce), ("ddp", ddp)) for row in rows

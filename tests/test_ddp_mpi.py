@@ -72,8 +72,7 @@ def test_buckets_reduced_in_shared_memory_train_as_through_mpi(runs, tmp_path, n
 def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
     # On one node the buckets live in a shared-memory arena, whose reduction divides each piece it sums: with
     # gradient_as_bucket_view (gradients computed in the bucket) the bucket allreduces are "avg" and gradients
-    # stay undivided; so with device buckets in memory the ranks map. Copied in (no view) or in private memory
-    # (DISTLAB_SHARED_MEMORY=0 turns both off), they are divided on the way in and
+    # stay undivided. Copied in (no view) or in private memory (arenas off), they are divided on the way in and
     # summed, with the same bits on 2 ranks; a comm hook always gets the plain sum to divide.
     from _mpi import run_scenario
 
@@ -91,8 +90,8 @@ def test_shared_memory_buckets_are_averaged_by_their_reduction(runs, tmp_path):
             if "hook" in config:  # the hook's own collectives, named by the hook
                 assert bucket_ops(result["trace"]) == bucket_ops(private[rank][config]["trace"]) == set(), config
             else:
-                # device buckets go in device memory every rank maps (the ipc transport's), as host ones in the arena
-                in_arena = "bucket_view" in config
+                # device buckets stay in device memory (never in the host arena): summed, like private ones
+                in_arena = "bucket_view" in config and config.startswith("cpu:")
                 assert bucket_ops(result["trace"]) == ({"avg"} if in_arena else {"sum"}), config
                 assert bucket_ops(private[rank][config]["trace"]) == {"sum"}, config
             for a, b in zip(result["params"], private[rank][config]["params"]):

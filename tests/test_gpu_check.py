@@ -101,7 +101,7 @@ def test_bench_gpu_measures_every_transport_the_stand_in_allows_and_checks_every
     assert set(refused) == set(bench_gpu.transports()) - set(allowed)
     assert all("DISTLAB_DEVICE_COMM=" in why for why in refused.values()), refused  # refused, not failed
     table = report["allreduce"]
-    assert table["columns"] == allowed + list(bench_gpu.LIMITS)
+    assert table["columns"] == allowed + [bench_gpu.SHARED] + list(bench_gpu.LIMITS)  # ipc's, of a shared array
     assert [row["bytes"] for row in table["rows"]] == bench_gpu.TINY_SIZES[:2]
     for row in table["rows"]:
         assert all(row[column]["ok"] and row[column]["ms"] > 0 for column in table["columns"]), row
