@@ -317,23 +317,18 @@ def _place_in_shared_memory(buckets, group) -> None:
     in place, every rank adding up its block of all ranks' copies, instead of copying it through MPI (see
     :mod:`distlab.comm.shared`; no counterpart in the anchor, whose gloo and NCCL buckets are private).
     """
-    dense = [bucket for bucket in buckets
-             if not bucket.expect_sparse_gradient and type(bucket.gradients) is np.ndarray]
-    _place(dense, group.shared_arrays([(bucket.gradients.size, bucket.gradients.dtype) for bucket in dense]))
-    if hasattr(group, "device_shared_arrays"):  # the same on a device: memory every rank of the node maps
+    for on_host, make in ((True, group.shared_arrays), (False, getattr(group, "device_shared_arrays", None))):
+        if make is None:
+            continue
         dense = [bucket for bucket in buckets
-                 if not bucket.expect_sparse_gradient and type(bucket.gradients) is not np.ndarray]
-        _place(dense, group.device_shared_arrays([(b.gradients.size, b.gradients.dtype) for b in dense]))
-
-
-def _place(buckets, placed) -> None:
-    """Give each bucket its array of ``placed`` ``(memory, arrays)``; None (on every rank): leave them."""
-    if placed is None:
-        return
-    memory, arrays = placed
-    for bucket, gradients in zip(buckets, arrays):
-        _use_buffer(bucket, gradients)
-        bucket.arena = memory
+                 if not bucket.expect_sparse_gradient and (type(bucket.gradients) is np.ndarray) == on_host]
+        placed = make([(bucket.gradients.size, bucket.gradients.dtype) for bucket in dense])
+        if placed is None:  # on every rank, when any rank cannot or will not
+            continue
+        memory, arrays = placed
+        for bucket, gradients in zip(dense, arrays):
+            _use_buffer(bucket, gradients)
+            bucket.arena = memory
 
 
 def _point_grads_at_views(bucket, params) -> None:

@@ -26,7 +26,7 @@ from .exchange import ExchangeOperations
 from .operations import GroupOperations
 from .rooted import RootedOperations
 from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
-from .shared import aligned, create_arena
+from .shared import create_arena, layout
 from .transports import select as select_transport
 from .work import Work, _busy
 
@@ -160,10 +160,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
 
         Returns ``(arena, arrays)``, or None on every rank when :meth:`shared_arena` would.
         """
-        starts, total = [], 0
-        for count, dtype in specs:
-            starts.append(total)
-            total += aligned(int(count) * np.dtype(dtype).itemsize)
+        starts, total = layout(specs)
         arena = self.shared_arena(total)  # collective even when this rank has nothing to place
         if arena is None:
             return None

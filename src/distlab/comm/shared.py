@@ -48,7 +48,7 @@ from ..errors import CollectiveMismatchError
 from .board import map_node_file
 from .setup import dup_within, release_comm
 
-__all__ = ["SharedArena", "create_arena", "placement_header", "placed_offsets", "aligned", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
+__all__ = ["SharedArena", "create_arena", "placement_header", "placed_offsets", "aligned", "layout", "SHARED_MEMORY_VAR", "shared_memory_enabled", "PIECE_BYTES",
            "SHARED_MIN_BYTES", "SHARED_MIN_BYTES_VAR"]
 
 #: ``0`` turns shared-memory arenas off (DDP's buckets then live in private memory and go through MPI).
@@ -264,9 +264,19 @@ def placed_offsets(table: np.ndarray, header: np.ndarray, rank: int, seq: int, n
     return tuple(int(at) for at in table[:, 1])
 
 
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of cache lines."""
-    return -(-int(nbytes) // ALIGN) * ALIGN
+def aligned(nbytes: int, alignment: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a whole number of ``alignment`` bytes (default: cache lines)."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+def layout(specs, alignment: int = ALIGN) -> tuple[list[int], int]:
+    """Where each array of ``specs`` ``[(count, dtype)]`` starts in one buffer, each ``alignment``-aligned, and
+    the buffer's size in bytes."""
+    starts, total = [], 0
+    for count, dtype in specs:
+        starts.append(total)
+        total += aligned(int(count) * np.dtype(dtype).itemsize, alignment)
+    return starts, total
 
 
 def reducible(dtype, reduce_op) -> bool:

@@ -61,29 +61,31 @@ class Work:
         self._result = result
         self._future: Future | None = None
         self._start_us = start_us
-        self._ended: list | None = None  # [exception] once :meth:`advance` ran the last stage; completed later
+        self._ended: tuple | None = None  # (exception or None,) once the last stage ran (advance: completed later)
         self._waited = False  # a wait() is polling its request (advance must leave it alone)
         if stages is not None:
             self._request_done()  # start the first stage
 
-    def _request_done(self) -> None:
-        """The current request completed: start the next stage, or run the finish step and complete."""
-        if self._ended is not None:  # advance() ran the stages to their end
+    def _request_done(self, complete: bool = True) -> None:
+        """The current request completed: start the next stage, or run the finish step and complete; with
+        ``complete`` False (:meth:`advance`) the ending is kept for the next poll to complete."""
+        if self._ended is None:
+            try:
+                if self._stages is not None:
+                    try:
+                        self._request = self._stages.send(None)
+                        return
+                    except StopIteration as stop:
+                        self._result = stop.value
+                elif self._finish_step is not None:
+                    self._finish_step()
+                self._ended = _CLEAN
+            except Exception as exc:  # noqa: BLE001 - a failed step fails the work; wait() raises it
+                self._ended = (exc,)
+        if complete:
             self._complete(self._ended[0])
-            return
-        try:
-            if self._stages is not None:
-                try:
-                    self._request = self._stages.send(None)
-                    return
-                except StopIteration as stop:
-                    self._result = stop.value
-            elif self._finish_step is not None:
-                self._finish_step()
-        except Exception as exc:  # noqa: BLE001 - a failed step fails the work; wait() raises it
-            self._complete(exc)
-            return
-        self._complete(None)
+        else:
+            self._request = _ENDED
 
     def _complete(self, exception) -> None:
         self._done, self._exception, self._request = True, exception, None
@@ -126,35 +128,27 @@ class Work:
             return True
         if self._stages is None or self._waited:  # one MPI request progresses by itself; a wait drives its own
             return False
-        lock = self.group._lock
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            while self._ended is None and self._request.Test():
-                try:
-                    self._request = self._stages.send(None)
-                except StopIteration as stop:
-                    self._result, self._ended, self._request = stop.value, [None], _ENDED
-                except Exception as exc:  # noqa: BLE001 - a failed step fails the work when it is completed
-                    self._ended, self._request = [exc], _ENDED
-        finally:
-            lock.release()
+        self._drive_unless_locked(complete=False)
         return self._ended is not None
 
     def _try_poll(self) -> bool:
         """:meth:`_poll` unless another thread holds the group's lock (then False): what a wait calls for other
         groups, which must never block on their locks (two threads waiting, each on a group the other drives)."""
-        if self._done:
-            return True
+        if not self._done:
+            self._drive_unless_locked(complete=True)
+        return self._done
+
+    def _drive_unless_locked(self, complete: bool) -> None:
+        """Move on while requests complete, unless another thread holds the group's lock (``complete``: as
+        :meth:`_request_done` takes it)."""
         lock = self.group._lock
         if not lock.acquire(blocking=False):
-            return False
+            return
         try:
-            while not self._done and self._request.Test():
-                self._request_done()
+            while not self._done and (complete or self._ended is None) and self._request.Test():
+                self._request_done(complete)
         finally:
             lock.release()
-        return self._done
 
     def is_completed(self) -> bool:
         """True once the operation finished (this call also drives it forward)."""
@@ -228,6 +222,7 @@ class _Ended:
 
 
 _ENDED = _Ended()
+_CLEAN = (None,)  # how a work that raised nothing ended
 
 
 class StatusRequest:

@@ -41,7 +41,7 @@ from ..._types import ReduceOp
 from ...errors import CollectiveMismatchError
 from ..device import device_array
 from ..setup import bounded_dup, bounded_wait, release_comm
-from ..shared import shared_memory_enabled
+from ..shared import layout, shared_memory_enabled
 from ._streams import Streams
 
 __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
@@ -204,10 +204,7 @@ class IpcTransport:
         writes it where it is, with no copy in or out on its rank (torch's symmetric memory, without the
         separate allocator). Returns ``(memory, arrays)``, keeping ``memory`` as long as the arrays; or None on
         every rank when the ranks ask for different sizes or none, or any rank set ``DISTLAB_SHARED_MEMORY=0``."""
-        starts, total = [], 0
-        for count, dtype in specs:
-            starts.append(total)
-            total += -(-int(count) * np.dtype(dtype).itemsize // 256) * 256
+        starts, total = layout(specs, 256)  # cupy's allocations are 256-byte aligned too
         wanted = total if shared_memory_enabled() else 0  # DISTLAB_SHARED_MEMORY=0 on any rank: none anywhere
         sizes = _gather(self.group, np.array([wanted], np.int64), "shared arrays")[:, 0]
         if not total or np.any(sizes != total):
