@@ -35,6 +35,7 @@ _SUBMODULES = (
 _ATTRIBUTES = {
     "run": "distlab.launch",
     "ReduceOp": "distlab._types",
+    "ShardedArray": "distlab._types",
     "Tensor": "distlab.autograd",
     "tensor": "distlab.autograd",
     "no_grad": "distlab.autograd",

@@ -1,9 +1,10 @@
 """Types shared by the facade and both twins."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "ShardedArray"]
 
 
 class ReduceOp(str, enum.Enum):
@@ -37,3 +38,51 @@ class ReduceOp(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedArray:
+    """One rank's block of a larger array, and where the block sits in it.
+
+    What a sharded state dict holds in place of a whole array: the sharded modules' ``state_dict()`` gives each
+    rank its blocks this way, without communication, and ``distlab.checkpoint`` writes and reshards them. It plays
+    the part of a ``DTensor`` with a ``Shard`` placement in a torch state dict, and of the chunk metadata
+    (offsets, sizes) that ``torch.distributed.checkpoint`` keeps per saved block.
+
+    Parameters
+    ----------
+    local : array
+        This rank's block (numpy or a device array), without padding; it may be empty (a rank past the end of a
+        dimension 0 split by torch's chunk rule holds no rows).
+    global_shape : tuple of int
+        The shape of the whole array.
+    offsets : tuple of int
+        Where ``local[0, 0, ...]`` sits in the whole array, one offset per dimension.
+    """
+
+    local: object
+    global_shape: tuple
+    offsets: tuple
+
+    def __post_init__(self):
+        shape = tuple(int(d) for d in self.global_shape)
+        offsets = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+        sizes = tuple(int(d) for d in getattr(self.local, "shape", ()))
+        if not (len(shape) == len(offsets) == len(sizes)):
+            raise ValueError(f"ShardedArray: a block of shape {sizes} with offsets {offsets} does not fit an array "
+                             f"of shape {shape} (their lengths differ)")
+        for dim, (size, offset, whole) in enumerate(zip(sizes, offsets, shape)):
+            if offset < 0 or size < 0 or offset + size > whole:
+                raise ValueError(f"ShardedArray: a block of shape {sizes} at offsets {offsets} does not fit an "
+                                 f"array of shape {shape} (dimension {dim}: {offset} + {size} > {whole})")
+
+    @property
+    def sizes(self) -> tuple:
+        """The block's shape (``local.shape``)."""
+        return tuple(int(d) for d in self.local.shape)
+
+    def slices(self) -> tuple:
+        """The block's place in the whole array, as a tuple of slices (``whole[block.slices()] = block.local``)."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
