@@ -9,8 +9,11 @@ __all__ = [
     "DistTimeoutError",
     "CollectiveMismatchError",
     "ProcessGroupBrokenError",
+    "ProcessFailedError",
     "RankFailedError",
     "CoreNotBuiltError",
+    "MpiNotFoundError",
+    "FaultToleranceUnsupportedError",
     "CommHookError",
     "RpcError",
     "RpcThreadLevelError",
@@ -87,6 +90,54 @@ class ProcessGroupBrokenError(DistlabError):
     """A process group is unusable: an earlier operation on it timed out and may still be in flight."""
 
 
+class ProcessFailedError(ProcessGroupBrokenError):
+    """Processes of a group have failed (died): what every survivor's operation on the group raises under fault
+    tolerance (ULFM's ``MPI_ERR_PROC_FAILED``, or ``MPI_ERR_REVOKED`` once a peer revoked the group), and what a
+    recovery step that cannot finish raises. The group is unusable until it is rebuilt on the survivors
+    (:mod:`distlab.comm.ulfm`).
+
+    Attributes
+    ----------
+    failed_ranks : list of int
+        The failed processes' ranks in ``COMM_WORLD`` (the world the job started with), sorted.
+    group_ranks : list of int
+        The same processes' ranks in the group the error arose on.
+    group : str or None
+        That group's name.
+    op : str or None
+        The operation that failed (``"allreduce"``, ``"shrink"``, ...).
+    revoked : bool
+        The group had been revoked (by this rank or a peer) when the operation failed.
+    error_class : int or None
+        The MPI error class (``MPI.ERR_PROC_FAILED`` or ``MPI.ERR_REVOKED``), when MPI reported one.
+    """
+
+    def __init__(self, message, *, failed_ranks=(), group_ranks=(), group=None, op=None, revoked=False,
+                 error_class=None):
+        super().__init__(message)
+        self.failed_ranks = sorted(int(r) for r in failed_ranks)
+        self.group_ranks = sorted(int(r) for r in group_ranks)
+        self.group = group
+        self.op = op
+        self.revoked = bool(revoked)
+        self.error_class = error_class
+
+    def __reduce__(self):  # keeps the ranks when the error travels (RPC, distlab.run)
+        return _rebuild_process_failed_error, (str(self), self.failed_ranks, self.group_ranks, self.group, self.op,
+                                               self.revoked, self.error_class)
+
+
+def _rebuild_process_failed_error(message, failed_ranks, group_ranks, group, op, revoked, error_class):
+    return ProcessFailedError(message, failed_ranks=failed_ranks, group_ranks=group_ranks, group=group, op=op,
+                              revoked=revoked, error_class=error_class)
+
+
+class FaultToleranceUnsupportedError(DistlabError):
+    """Fault tolerance (ULFM: revoke, agree, shrink) was asked of an MPI that cannot provide it: MPICH's ch4
+    device (the ``mpich`` wheel's) has only stubs for it, and Open MPI provides it only when started with
+    ``--with-ft ulfm`` (``distlab run --fault-tolerance``). The message names the reason and what to do."""
+
+
 class RankFailedError(DistlabError):
     """A function run with :func:`distlab.run` raised on one or more ranks.
 
@@ -109,6 +160,11 @@ class RankFailedError(DistlabError):
 
 class CoreNotBuiltError(ImportError):
     """The Cython core twin was requested (``DISTLAB_IMPL=core`` or ``auto``) but is not compiled."""
+
+
+class MpiNotFoundError(ImportError):
+    """No MPI library that mpi4py could load is installed (or ``MPI4PY_LIBMPI`` / ``DISTLAB_MPI`` name one that
+    is not there); the message says how to install one."""
 
 
 class CommHookError(DistlabError, TypeError):
