@@ -170,7 +170,9 @@ def _watch(child: int, job_dir) -> None:
     code = os.waitstatus_to_exitcode(status)
     if code != 0 or not _has_record(job_dir, child, "done"):
         _jobdir.write_exit(job_dir, child, status)
-        if os.environ.get("DISTLAB_TIMELINE") and not _has_record(job_dir, child, "stopped"):
+        # Under fault tolerance the others carry on without this rank: they are not stopped.
+        if os.environ.get("DISTLAB_TIMELINE") and os.environ.get("DISTLAB_FAULT_TOLERANCE") != "1" \
+                and not _has_record(job_dir, child, "stopped"):
             stop_peers(job_dir, child)
         _let_output_drain()
         # Die by a signal: hydra then ends the job on every host. (After a mere non-zero exit, measured on a

@@ -9,14 +9,14 @@ import textwrap
 
 from ._supervise import Interrupted
 from .cluster.cli import add_parser as add_cluster_parser, run_command as run_cluster_command
-from .errors import ClusterError
+from .errors import DistlabError, MpiNotFoundError
 from .launch import LAUNCHER_VARIABLES, RANK_VARIABLES, _launch
 
 RUN_USAGE = "python -m distlab run [options] (script.py | -m module) [args ...]"
 
 RUN_DESCRIPTION = """\
-Run a Python script, or a module with -m, on N MPI ranks with the mpiexec of this environment,
-as `mpiexec -n N python script.py args` would, and:
+Run a Python script, or a module with -m, on N MPI ranks with the MPI of this environment
+(MPICH or Open MPI: the first line says which), as `mpiexec -n N python script.py args` would, and:
   - each line a rank prints comes out whole, prefixed with its rank: [0] ..., [1] ...
   - an uncaught exception on any rank ends the whole job at once (no rank waits in a collective
     for a peer that died); the launcher then prints that rank's traceback and a short summary:
@@ -68,6 +68,11 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", type=int, metavar="HOSTS",
                         help="run across a virtual cluster of HOSTS hosts (root; brought up if needed)")
     parser.add_argument("--rate", help="with --cluster: the links' rate, e.g. 10gbit, 1gbit")
+    parser.add_argument("--fault-tolerance", action="store_true",
+                        help="keep the other ranks running when one dies: their operations fail with "
+                             "ProcessFailedError, and distlab.comm.recovery rebuilds the groups on the survivors "
+                             "(MPI's ULFM: Open MPI's mpirun --with-ft ulfm; refused on MPICH, whose ch4 device "
+                             "lacks it)")
     return parser
 
 
@@ -112,8 +117,8 @@ def run_command(argv: list[str]) -> int:
     try:
         result = _launch(["distlab._bootstrap", *target, *program_args], options.np, timeline=options.timeline,
                          timeout=options.timeout, prefix=options.prefix, cluster=options.cluster,
-                         rate=options.rate)
-    except ClusterError as exc:
+                         rate=options.rate, fault_tolerance=options.fault_tolerance, announce=True)
+    except (DistlabError, MpiNotFoundError) as exc:  # the job could not start (a cluster, the MPI): say why
         print(f"distlab: {exc}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted) as exc:  # a second Ctrl-C while stopping: everything is killed

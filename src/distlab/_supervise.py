@@ -75,6 +75,16 @@ def is_diagnostic(line: str) -> bool:
     return bool(_DIAGNOSTIC.match(line))
 
 
+_OPEN_MPI_TAG = re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
+
+
+def open_mpi_tag(line: str) -> tuple[int, str]:
+    """``(rank, text)`` of a line Open MPI's ``mpirun --output tag`` forwarded (``[1,3]<stdout>: text``);
+    ``(UNKNOWN, line)`` for any other line."""
+    match = _OPEN_MPI_TAG.match(line)
+    return (int(match.group(1)), line[match.end():]) if match else (UNKNOWN, line)
+
+
 def is_abort_line(line: str) -> bool:
     """MPICH's ``Abort(1) on node 1 ...`` line, which a rank prints when it calls ``MPI_Abort``."""
     return bool(_ABORT_LINE.match(line))

