@@ -28,9 +28,10 @@ from .rooted import RootedOperations
 from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
 from .shared import create_arena, layout
 from .transports import select as select_transport
+from .ulfm import prepare as prepare_fault_tolerance
 from .work import Work, _busy
 
-__all__ = ["ProcessGroup", "world", "new_group", "debug_level"]
+__all__ = ["ProcessGroup", "world", "new_group", "debug_level", "set_world"]
 
 
 def debug_level() -> str:
@@ -93,6 +94,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         self.name = name or "world"
         self.timeout = timeout
         try:
+            prepare_fault_tolerance(comm)  # under fault tolerance: errors returned, not fatal
             deadline = time.monotonic() + timeout
 
             def wait(request, step: str) -> None:
@@ -287,6 +289,14 @@ def world() -> ProcessGroup:
                 _world = ProcessGroup(name="world")
             group = _world
     return group
+
+
+def set_world(group: ProcessGroup) -> None:
+    """Make ``group`` the default group (what :func:`world` returns): the survivors' world after a failure
+    (:func:`distlab.comm.recovery.rebuild`)."""
+    global _world
+    with _world_lock:
+        _world = group
 
 
 def new_group(ranks, name=None, timeout=None):
