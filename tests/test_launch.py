@@ -370,9 +370,22 @@ def _gone(pids):
 
 # --- the command line (MPI) ----------------------------------------------------------------------------------------
 
+ANNOUNCE = re.compile(r"^distlab: \d+ ranks? on .+, started by .+\n")
+
+
+def without_announce(stderr: str) -> str:
+    """``stderr`` of ``distlab run`` less its first line, which says which MPI runs the job (checked here)."""
+    assert ANNOUNCE.match(stderr), stderr
+    return ANNOUNCE.sub("", stderr, count=1)
+
+
 def launch(*args, cwd=None, timeout=LAUNCH_TIMEOUT):
-    return subprocess.run([sys.executable, "-P", "-m", "distlab", "run", *map(str, args)], capture_output=True,
+    """``python -m distlab run ARGS``; its stderr without the first line (the MPI it runs on) when the job started."""
+    done = subprocess.run([sys.executable, "-P", "-m", "distlab", "run", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd)
+    if ANNOUNCE.match(done.stderr):
+        done.stderr = without_announce(done.stderr)
+    return done
 
 
 def write(path, source):
@@ -595,7 +608,7 @@ def _interrupt(tmp_path, signum):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    return proc.returncode, err, trace, pids
+    return proc.returncode, without_announce(err), trace, pids
 
 
 @mpi
