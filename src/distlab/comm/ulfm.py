@@ -203,9 +203,23 @@ def translating(comm, op: str, group: str | None = None):
     try:
         yield
     except MPI.Exception as exc:
-        if not is_failure(exc):
+        if not (is_failure(exc) or _failed_meanwhile(exc, comm)):
             raise
         raise failure_error(exc, comm, op, group) from exc
+
+
+def _failed_meanwhile(exc, comm) -> bool:
+    """An ``MPI_ERR_OTHER`` from an operation started after a peer died: Open MPI 5.0's nonblocking collectives
+    (libnbc, "Error in NBC_Start_round()") report the failure so; it is one when a failed peer becomes known."""
+    if not enabled() or exc.Get_error_class() != MPI.ERR_OTHER:
+        return False
+    give_up = time.monotonic() + NAMING_WAIT
+    while time.monotonic() < give_up:
+        if failed_ranks(comm)[0] or _is_revoked(comm):
+            return True
+        _progress()
+        time.sleep(0.0005)
+    return False
 
 
 def revoke(comm) -> None:
