@@ -31,7 +31,7 @@ _SUBMODULES = (
     "comm", "futures", "errors", "timeline", "launch",
     "ddp", "ddp_comm_hooks", "join", "metrics",
     "collectives", "rpc", "distributed_autograd",
-    "cluster",
+    "cluster", "checkpoint",
 )
 
 #: Public names defined in a submodule: name -> module that defines it.

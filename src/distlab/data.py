@@ -14,6 +14,11 @@ algorithm, which this module reproduces exactly:
 ``uneven=True`` (not in torch) skips step 2: each rank keeps its natural share (counts differ by one at most), no
 index is repeated and none dropped. Ranks then run different numbers of steps, which is what
 :class:`distlab.join.Join` is for.
+
+A sampler remembers where it is in an epoch (``state_dict()``: the epoch and the indices handed out), so a run
+resumed from a checkpoint starts with the next batch. :class:`ElasticSampler` (Horovod's) goes further: it splits
+what is left of the epoch among however many ranks there are now, so a run restarted on fewer ranks applies every
+sample of the epoch exactly once.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["DistributedSampler", "randperm"]
+__all__ = ["DistributedSampler", "ElasticSampler", "randperm"]
 
 
 def randperm(n: int, seed: int) -> np.ndarray:
@@ -102,6 +107,7 @@ class DistributedSampler:
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self.shuffle, self.seed, self.drop_last, self.uneven = bool(shuffle), int(seed), bool(drop_last), bool(uneven)
         self.epoch = 0
+        self.consumed = 0  # indices of this epoch handed out so far (by __iter__ or batches)
         if uneven:
             self.num_samples = len(range(self.rank, self.dataset_size, self.num_replicas))
             self.total_size = self.dataset_size
@@ -114,11 +120,37 @@ class DistributedSampler:
             self.total_size = self.num_samples * self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the permutation of ``seed + epoch`` from now on (every rank must set the same epoch)."""
+        """Use the permutation of ``seed + epoch`` from now on (every rank must set the same epoch).
+
+        Setting another epoch starts it from its beginning; setting the current one again keeps the position (a
+        run resumed mid-epoch sets the epoch it loaded and goes on from the next batch).
+        """
+        if int(epoch) != self.epoch:
+            self.consumed = 0
         self.epoch = int(epoch)
 
+    def state_dict(self) -> dict:
+        """Where this sampler is: the epoch and the indices of it handed out so far, with what fixes the order."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
+                "dataset_size": self.dataset_size, "num_replicas": self.num_replicas, "drop_last": self.drop_last,
+                "uneven": self.uneven}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go back to where :meth:`state_dict` was taken: the next iteration starts after the indices handed out.
+
+        Raises ValueError for a state of another order (seed, shuffling, data set size) or world size: a
+        DistributedSampler's shares depend on the number of ranks; :class:`ElasticSampler` re-splits them.
+        """
+        for key in ("seed", "shuffle", "dataset_size", "num_replicas", "drop_last", "uneven"):
+            if state[key] != getattr(self, key):
+                hint = (" (a run resumed on another number of ranks needs distlab.data.ElasticSampler, which splits "
+                        "what is left of the epoch among the ranks there are)" if key == "num_replicas" else "")
+                raise ValueError(f"DistributedSampler.load_state_dict: the state has {key}={state[key]!r}, this "
+                                 f"sampler {key}={getattr(self, key)!r}{hint}")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
     def indices(self) -> np.ndarray:
-        """This rank's indices for the current epoch, as an int64 array (what iterating yields)."""
+        """This rank's indices for the current epoch, as an int64 array (what iterating yields from its start)."""
         if self.shuffle:
             order = randperm(self.dataset_size, self.seed + self.epoch)
         else:
@@ -131,16 +163,22 @@ class DistributedSampler:
         return order[self.rank:self.total_size:self.num_replicas]
 
     def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[np.ndarray]:
-        """This epoch's indices in batches of ``batch_size`` (the last one shorter unless ``drop_last``)."""
+        """This epoch's indices in batches of ``batch_size`` (the last one shorter unless ``drop_last``), from the
+        position reached so far (see :meth:`state_dict`)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         order = self.indices()
         stop = len(order) - len(order) % batch_size if drop_last else len(order)
-        for start in range(0, stop, batch_size):
-            yield order[start:start + batch_size]
+        for start in range(self.consumed, stop, batch_size):
+            batch = order[start:start + batch_size]
+            self.consumed = start + len(batch)
+            yield batch
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        order = self.indices().tolist()
+        for position in range(self.consumed, len(order)):
+            self.consumed = position + 1
+            yield order[position]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -149,3 +187,101 @@ class DistributedSampler:
         return (f"DistributedSampler(num_samples={self.dataset_size}, num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last}, "
                 f"uneven={self.uneven})")
+
+
+class ElasticSampler:
+    """Horovod's ``ElasticSampler``: the epoch's indices split among the ranks there are now, minus those processed.
+
+    Each epoch's order is :func:`randperm` of ``seed + epoch`` (or ``0 .. n-1``). After ``processed`` of them were
+    processed (by all ranks together), rank ``r`` of ``R`` takes every ``R``-th of the rest, starting at ``r``,
+    without padding: a step of ``batch_size`` per rank processes the next ``batch_size * R`` indices of the order
+    exactly, so the count :meth:`record_batch` keeps names the processed indices whatever the world size, and a run
+    that restarts on fewer ranks from a commit neither loses nor repeats a committed sample. (Horovod pads the
+    shares by repeating the head of the order, so samples of the last batch are applied twice, and its count
+    drifts from the truth after a resize; horovod#3143, #3399.)
+
+    :meth:`batches` gives every rank the same number of batches (the last ones short, or empty, on the ranks whose
+    share ran out first), so that data-parallel ranks step together.
+
+    Parameters
+    ----------
+    dataset : int or sized
+        The data set's length (or the data set).
+    shuffle, seed
+        As :class:`DistributedSampler`'s.
+    num_replicas, rank : int, optional
+        Default: from the launcher's environment (``WORLD_SIZE``, ``RANK``), read again by :meth:`reset`.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, num_replicas: int | None = None,
+                 rank: int | None = None):
+        size = dataset if isinstance(dataset, (int, np.integer)) else len(dataset)
+        if size < 0:
+            raise ValueError(f"the data set's length must be >= 0, got {size}")
+        self.dataset_size, self.shuffle, self.seed = int(size), bool(shuffle), int(seed)
+        self._fixed = (num_replicas, rank)
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Split what is left of the epoch among the ranks there are now (after a restart or a resize)."""
+        num_replicas, rank = self._fixed
+        if num_replicas is None or rank is None:
+            world_rank, world_size = _world()
+            num_replicas = world_size if num_replicas is None else num_replicas
+            rank = world_rank if rank is None else rank
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"Invalid rank {rank} of {num_replicas} replicas")
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        order = randperm(self.dataset_size, self.seed + self.epoch) if self.shuffle else \
+            np.arange(self.dataset_size, dtype=np.int64)
+        self.remaining_indices = order[self.processed_num:]
+        self.num_samples = len(range(self.rank, len(self.remaining_indices), self.num_replicas))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (Horovod: call it at the end of an epoch, for the next one)."""
+        self.epoch = int(epoch)
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Count one step of ``batch_size`` per rank as processed (call it after the step, before a commit)."""
+        self.processed_num = min(self.processed_num + int(batch_size) * self.num_replicas, self.dataset_size)
+
+    def indices(self) -> np.ndarray:
+        """This rank's share of what is left of the epoch."""
+        return self.remaining_indices[self.rank::self.num_replicas]
+
+    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
+        """This rank's share in batches of ``batch_size``; every rank gets as many batches as the longest share
+        needs (its last ones short or empty), so that the ranks step together."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        mine = self.indices()
+        steps = -(-len(range(0, len(self.remaining_indices), self.num_replicas)) // batch_size)
+        for step in range(steps):
+            yield mine[step * batch_size:(step + 1) * batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed_num": self.processed_num, "seed": self.seed, "shuffle": self.shuffle,
+                "dataset_size": self.dataset_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` at whatever world size this rank is in now."""
+        for key in ("seed", "shuffle", "dataset_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"ElasticSampler.load_state_dict: the state has {key}={state[key]!r}, this sampler "
+                                 f"{key}={getattr(self, key)!r}")
+        self.epoch, self.processed_num = int(state["epoch"]), int(state["processed_num"])
+        self.reset()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __repr__(self) -> str:
+        return (f"ElasticSampler(dataset={self.dataset_size}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, processed_num={self.processed_num}, rank={self.rank}/{self.num_replicas})")

@@ -351,6 +351,44 @@ class DistributedDataParallel(HostJoinable, Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict)
 
+    # -- the bucket layout, for a resumed run -------------------------------------------------------------------
+    def bucket_state_dict(self) -> dict:
+        """The reducer's bucket layout: which parameters each bucket holds, in reduction order, and whether it is
+        the layout rebuilt after the first iteration (in gradient arrival order; with ``bucket_cap_mb="auto"``,
+        with the sizes chosen then). The same on every rank (rank 0's layout is broadcast at the rebuild).
+
+        A resumed run loads it with :meth:`load_bucket_state_dict`, so that it reduces the same buckets as the run
+        it continues from its first step (the rebuild would otherwise happen again after that step, from its own
+        arrival order and measurements) and a restarted run's results stay bit for bit those of the first.
+        """
+        reducer = self.reducer
+        return {"rebuilt": bool(reducer.has_rebuilt_bucket),
+                "buckets": [[int(i) for i in bucket.variable_indices] for bucket in reducer.buckets],
+                "names": list(reducer.param_names),
+                "first_bucket_bytes_cap": int(reducer.first_bucket_bytes_cap),
+                "bucket_bytes_cap": int(reducer.bucket_bytes_cap), "auto_choice": reducer.auto_choice}
+
+    def load_bucket_state_dict(self, state: dict) -> None:
+        """Reduce in the buckets of ``state`` (from :meth:`bucket_state_dict`); call it before the first forward.
+
+        A layout that was not rebuilt yet changes nothing (this run rebuilds after its first iteration, as the saved
+        one would have). Raises ValueError when the layout is for other parameters.
+        """
+        reducer = self.reducer
+        if list(state["names"]) != list(reducer.param_names):
+            raise ValueError("load_bucket_state_dict: the saved bucket layout is for the parameters "
+                             f"{state['names']}, this model reduces {list(reducer.param_names)}")
+        if not state["rebuilt"]:
+            return
+        if reducer.num_iterations and reducer.require_finalize:
+            raise RuntimeError("load_bucket_state_dict: a backward pass is in flight; call it between iterations")
+        reducer.first_bucket_bytes_cap = int(state["first_bucket_bytes_cap"])
+        reducer.bucket_bytes_cap = int(state["bucket_bytes_cap"])
+        reducer.auto_choice = state["auto_choice"]
+        reducer.initialize_buckets([list(bucket) for bucket in state["buckets"]])
+        reducer.has_rebuilt_bucket = True
+        reducer.rebuilt_param_indices = []
+
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, buckets={len(self.reducer.get_grad_buckets())}"
 

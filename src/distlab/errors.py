@@ -40,6 +40,7 @@ __all__ = [
     "StallWarning",
     "ClusterError",
     "ClusterPermissionError",
+    "CheckpointException",
 ]
 
 
@@ -355,3 +356,18 @@ class ClusterError(DistlabError):
 
 class ClusterPermissionError(ClusterError, PermissionError):
     """Building network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); the message says how to run it."""
+
+
+# -- checkpoints (distlab.checkpoint) ----------------------------------------------------------------------------
+class CheckpointException(DistlabError):
+    """A checkpoint could not be saved or loaded; raised on every rank (torch's ``CheckpointException``).
+
+    Attributes
+    ----------
+    failures : dict
+        Every rank that failed mapped to its reason (one line naming the file and the key where there is one).
+    """
+
+    def __init__(self, message, failures=None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
