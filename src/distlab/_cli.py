@@ -7,7 +7,8 @@ import signal
 import sys
 import textwrap
 
-from ._supervise import Interrupted
+from ._restart import parse_hosts
+from ._supervise import MONITOR_INTERVAL, Interrupted
 from .cluster.cli import add_parser as add_cluster_parser, run_command as run_cluster_command
 from .errors import DistlabError, MpiNotFoundError
 from .launch import LAUNCHER_VARIABLES, RANK_VARIABLES, _launch
@@ -23,7 +24,10 @@ Run a Python script, or a module with -m, on N MPI ranks with the MPI of this en
     which rank failed and how (its exception, the signal that killed it, or that it vanished
     before its program finished);
   - Ctrl-C (or SIGTERM) stops every rank quietly; the timeline, if asked for, is still written
-    (marked partial)."""
+    (marked partial);
+  - with --max-restarts N, a failed job is stopped on every rank and started again, at most N
+    times (never after a clean end); the summary gives every attempt's root cause. On a virtual
+    cluster (--cluster MIN:MAX) a host that died is left out while at least MIN hosts remain."""
 
 EXIT_STATUS = """\
 exit status:
@@ -31,7 +35,8 @@ exit status:
   N     the first failing rank's: 1 after an exception, N after sys.exit(N),
         128+S if killed by signal S, 1 if it vanished (os._exit(0) before its program finished)
   124   --timeout ran out
-  130   interrupted by Ctrl-C (SIGINT); 143 by SIGTERM"""
+  130   interrupted by Ctrl-C (SIGINT); 143 by SIGTERM
+  with --max-restarts: the last attempt's"""
 
 
 def _variables(title: str, rows) -> str:
@@ -51,6 +56,7 @@ def _run_parser() -> argparse.ArgumentParser:
         "examples:\n  python -m distlab run -n 4 train.py --epochs 3\n"
         "  python -m distlab run -np 2 -m mypkg.train --epochs 3\n"
         "  python -m distlab run -n 2 --timeline trace.json --no-prefix train.py\n"
+        "  python -m distlab run -n 4 --max-restarts 3 train.py   (resumes from its checkpoints)\n"
         "  sudo .venv/bin/python -m distlab run -n 4 --cluster 2 --rate 1gbit train.py   (a virtual cluster)",
     ])
     parser = argparse.ArgumentParser(prog="python -m distlab run", usage=RUN_USAGE, description=RUN_DESCRIPTION,
@@ -65,8 +71,15 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="stop the job after this many seconds (exit status 124)")
     parser.add_argument("--prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="prefix each line of output with its rank, [N] (default: on)")
-    parser.add_argument("--cluster", type=int, metavar="HOSTS",
-                        help="run across a virtual cluster of HOSTS hosts (root; brought up if needed)")
+    parser.add_argument("--cluster", type=_hosts, metavar="HOSTS",
+                        help="run across a virtual cluster of HOSTS hosts (root; brought up if needed); MIN:MAX "
+                             "runs on MAX hosts and restarts on those that remain while at least MIN do")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="after a failure, stop every rank and start the job again, at most N times "
+                             "(default 0, as torchrun); the ranks find DISTLAB_RESTART_COUNT in their environment")
+    parser.add_argument("--monitor-interval", type=float, default=MONITOR_INTERVAL, metavar="SECONDS",
+                        help=f"how often the launcher looks at the ranks' state (default {MONITOR_INTERVAL:g} s, "
+                             "as torchrun)")
     parser.add_argument("--rate", help="with --cluster: the links' rate, e.g. 10gbit, 1gbit")
     parser.add_argument("--fault-tolerance", action="store_true",
                         help="keep the other ranks running when one dies: their operations fail with "
@@ -76,7 +89,21 @@ def _run_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TAKES_VALUE = {"-n", "-np", "--np", "--timeline", "--timeout", "--cluster", "--rate"}
+_TAKES_VALUE = {"-n", "-np", "--np", "--timeline", "--timeout", "--cluster", "--rate", "--max-restarts",
+                "--monitor-interval"}
+
+
+def _hosts(value: str):
+    """``--cluster``: a number of hosts, or torchrun's ``MIN:MAX``."""
+    if value.isdigit():
+        return int(value)
+    try:
+        parse_hosts(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if ":" not in value:
+        raise argparse.ArgumentTypeError(f"expected a number of hosts or MIN:MAX, got {value!r}")
+    return value
 
 
 def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -109,6 +136,10 @@ def run_command(argv: list[str]) -> int:
         parser.error(f"-n must be at least 1, got {options.np}")
     if options.rate is not None and options.cluster is None:
         parser.error("--rate shapes a virtual cluster's links: give --cluster HOSTS too")
+    if options.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, got {options.max_restarts}")
+    if not options.monitor_interval > 0:
+        parser.error(f"--monitor-interval must be positive, got {options.monitor_interval}")
     if options.script and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
     target = ["-m", options.module] if options.module else [options.script]
@@ -117,7 +148,8 @@ def run_command(argv: list[str]) -> int:
     try:
         result = _launch(["distlab._bootstrap", *target, *program_args], options.np, timeline=options.timeline,
                          timeout=options.timeout, prefix=options.prefix, cluster=options.cluster,
-                         rate=options.rate, fault_tolerance=options.fault_tolerance, announce=True)
+                         rate=options.rate, fault_tolerance=options.fault_tolerance, announce=True,
+                         max_restarts=options.max_restarts, monitor_interval=options.monitor_interval)
     except (DistlabError, MpiNotFoundError) as exc:  # the job could not start (a cluster, the MPI): say why
         print(f"distlab: {exc}", file=sys.stderr)
         return 1

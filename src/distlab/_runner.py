@@ -17,6 +17,41 @@ def _write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def forget_results(workdir: str) -> None:
+    """Before a restart: the results the failed attempt's ranks left are not the job's."""
+    for path in Path(workdir).glob("rank*.pkl"):
+        path.unlink(missing_ok=True)
+
+
+def collect_results(workdir: Path, np: int, job):
+    """The return values each rank of :func:`distlab.run` left (``job``: its JobResult); a failure raised as
+    :class:`~distlab.errors.RankFailedError` naming the rank."""
+    import cloudpickle
+
+    from .errors import RankFailedError
+
+    results, failures = [], {}
+    for rank in range(np):
+        path = workdir / f"rank{rank}.pkl"
+        if not path.exists():
+            results.append(None)
+            continue
+        ok, value = cloudpickle.loads(path.read_bytes())
+        results.append(value if ok else None)
+        if not ok:
+            failures[rank] = value
+    culprits = [e for e in job.ranks if e.culprit]
+    if failures:
+        first = next((e.rank for e in culprits if e.rank in failures), min(failures))
+        raise RankFailedError(f"rank {first} of {np} raised:\n{failures[first]}", rank=first,
+                              remote_traceback=failures[first], failures=failures)
+    if job.returncode != 0:
+        first = culprits[0].rank if culprits else None
+        raise RankFailedError("\n".join(job.summary) or f"the job failed with exit status {job.returncode}",
+                              rank=first)
+    return results
+
+
 def main(payload_path: str, workdir: str) -> None:
     import cloudpickle
 

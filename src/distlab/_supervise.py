@@ -34,6 +34,11 @@ from ._jobdir import is_running, read_records, request_stop
 STOP_GRACE = 10.0
 #: Seconds to keep reading output after mpiexec exited (a rank's child may hold the pipe open).
 DRAIN_GRACE = 1.0
+#: Seconds between the launcher's looks at the ranks' records (torchrun's ``--monitor-interval``, 0.1 s).
+MONITOR_INTERVAL = 0.1
+#: Seconds a job may go on after a rank failed before the launcher stops every rank itself: the process manager
+#: ends the job at once when a rank dies, so this only bounds a job whose survivors are left waiting.
+FAILURE_GRACE = 5.0
 
 # (rank, "stdout"|"stderr", line): rank None for mpiexec's own lines, UNKNOWN under an MPI without tags.
 Sink = Callable[[int | None, str, str], None]
@@ -193,12 +198,14 @@ class RunOutcome:
 
 
 def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np: int, sink: Sink,
-              marker: bytes | None, timeout: float | None) -> RunOutcome:
+              marker: bytes | None, timeout: float | None, monitor_interval: float = MONITOR_INTERVAL) -> RunOutcome:
     """Run ``command`` (mpiexec) in its own session, forward its output to ``sink``, stop it on interrupt.
 
     A ``KeyboardInterrupt`` or :class:`Interrupted` while the job runs stops every rank (they write their
-    timelines first) and is reported in the outcome rather than raised; so is the ``timeout``. A rank stopped
-    by a SIGTERM from elsewhere has the launcher stop the others as well.
+    timelines first) and is reported in the outcome rather than raised; so is the ``timeout``. Every
+    ``monitor_interval`` seconds the launcher looks at the ranks' records: a rank stopped by a SIGTERM from
+    elsewhere has it stop the others as well, and so does a rank that failed while the others go on past
+    :data:`FAILURE_GRACE` (one failure ends every rank, as torchrun's agent does).
     """
     proc = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -211,7 +218,7 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         try:
-            reason = _pump(proc, selector, streams, deadline, job_dir)
+            reason = _pump(proc, selector, streams, deadline, job_dir, monitor_interval)
             if reason != "ended":
                 outcome.timed_out = reason == "deadline"
                 stop_job(proc, job_dir, np, selector, streams)
@@ -236,11 +243,14 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
     return outcome
 
 
-def _pump(proc, selector, streams, deadline: float | None, job_dir: Path) -> str:
+def _pump(proc, selector, streams, deadline: float | None, job_dir: Path,
+          monitor_interval: float = MONITOR_INTERVAL) -> str:
     """Forward output until mpiexec has exited and its pipes are drained ("ended"), until ``deadline``
-    ("deadline"), or until a rank was told to stop by someone else ("rank stopped")."""
+    ("deadline"), until a rank was told to stop by someone else ("rank stopped"), or until the job outlived a
+    failed rank by :data:`FAILURE_GRACE` ("rank failed")."""
     drain_until = None
-    next_check = time.monotonic() + 0.5
+    next_check = time.monotonic() + monitor_interval
+    failed_at = None
     while selector.get_map():
         now = time.monotonic()
         if deadline is not None and now >= deadline:
@@ -250,9 +260,14 @@ def _pump(proc, selector, streams, deadline: float | None, job_dir: Path) -> str
         if drain_until is not None and now >= drain_until:
             return "ended"
         if now >= next_check:  # a rank that got SIGTERM from outside waits for the others to be stopped too
-            next_check = now + 0.5
-            if drain_until is None and _a_rank_stopped(job_dir):
+            next_check = now + monitor_interval
+            names = _record_names(job_dir) if drain_until is None else []
+            if any(name.endswith(".stopped") for name in names):
                 return "rank stopped"
+            if failed_at is None and any(name.endswith((".failed", ".exit")) for name in names):
+                failed_at = now
+            if failed_at is not None and now - failed_at >= FAILURE_GRACE:
+                return "rank failed"
         limit = min(t for t in (deadline, drain_until, next_check) if t is not None) - now
         _read_ready(selector, streams, max(limit, 0.0))
     if deadline is None:
@@ -262,11 +277,11 @@ def _pump(proc, selector, streams, deadline: float | None, job_dir: Path) -> str
     return "ended" if proc.poll() is not None else "deadline"
 
 
-def _a_rank_stopped(job_dir: Path) -> bool:
+def _record_names(job_dir: Path) -> list[str]:
     try:
-        return any(name.endswith(".stopped") for name in os.listdir(job_dir))
+        return os.listdir(job_dir)
     except OSError:
-        return False
+        return []
 
 
 def _wait(proc, deadline: float) -> None:

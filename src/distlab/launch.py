@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _jobdir, _leftovers, _mpi, _supervise
-from .errors import DistlabError, FaultToleranceUnsupportedError, RankFailedError
+from . import _jobdir, _leftovers, _mpi, _restart, _supervise
+from .errors import DistlabError, FaultToleranceUnsupportedError
 
 __all__ = ["find_mpiexec", "mpiexec_command", "check_fault_tolerance", "describe_launch", "process_manager",
            "job_environment", "launch_script", "run", "JobResult"]
@@ -157,6 +157,10 @@ RANK_VARIABLES = [
                                   "(Open MPI's ULFM)"),
     ("DISTLAB_JOB_DIR", "where ranks leave their start, completion and failure records for the launcher"),
     ("DISTLAB_TIMELINE", "with --timeline: where the trace goes (each rank writes <file>.rank<N>)"),
+    ("DISTLAB_RESTART_COUNT, DISTLAB_MAX_RESTARTS", "which attempt this is (0 the first; see --max-restarts), "
+                                                    "and how many restarts the job may have"),
+    ("DISTLAB_RUN_DIR", "a directory that lives as long as the job, across its restarts (distlab.collectives."
+                        "elastic commits there by default); removed when the job ends"),
     ("UCX_TLS=sm,self", "set by the bootstrap when every rank is on one host and neither UCX_TLS nor "
                         "UCX_NET_DEVICES is set: UCX then opens no TCP listener (ranks listen on loopback at most)"),
     ("UCX_TLS=tcp,self, UCX_WARN_UNUSED_ENV_VARS=n, DISTLAB_CLUSTER, DISTLAB_CLUSTER_JOB",
@@ -220,7 +224,9 @@ class JobResult:
     ``summary`` holds the lines the launcher printed about the job's end (also appended to ``stderr`` when
     captured); ``mpiexec_lines`` what hydra printed about itself that the summary made redundant (its
     ``BAD TERMINATION`` banners, its error lines as it tore the job down); ``ranks`` how each rank ended (with ``rank``, ``kind`` such as ``"done"``, ``"failed"``,
-    ``"killed"`` or ``"vanished"``, and ``text``), the ranks that ended the job first.
+    ``"killed"`` or ``"vanished"``, and ``text``), the ranks that ended the job first. A job started again after
+    failures (``max_restarts``) gives its last attempt's result, and in ``attempts`` every attempt's
+    :class:`~distlab._restart.Attempt` (its exit status and root cause).
     """
 
     returncode: int
@@ -235,6 +241,7 @@ class JobResult:
     timeline_ranks: list[int] = field(default_factory=list)
     mpiexec_lines: list[str] = field(default_factory=list)
     mpi: str = ""
+    attempts: list = field(default_factory=list)
 
 
 class _Output:
@@ -284,22 +291,49 @@ class _Output:
 def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: float | None = None,
             env: dict | None = None, capture: bool = False, echo: bool = True, cwd: str | None = None,
             prefix: bool = True, report: bool = True, job_dir: Path | None = None, cluster=None,
-            rate=None, fault_tolerance: bool = False, announce: bool = False) -> JobResult:
-    """Run ``python -m <entry>`` on ``np`` ranks, supervise it, judge how it ended, merge the timeline.
+            rate=None, fault_tolerance: bool = False, announce: bool = False, max_restarts: int = 0,
+            monitor_interval: float = _supervise.MONITOR_INTERVAL, min_hosts: int | None = None,
+            before_restart=None) -> JobResult:
+    """Run ``python -m <entry>`` on ``np`` ranks, supervise it, judge how it ended, merge the timeline; start it
+    again after a failure, at most ``max_restarts`` times (:func:`distlab._restart.run_attempts`).
 
     ``report`` prints the failing ranks' tracebacks and the summary (to stderr or the capture); ``announce``
-    first prints which MPI runs the job. ``cluster``, ``rate`` and ``fault_tolerance``: see
-    :func:`launch_script`.
+    first prints which MPI runs the job. The other arguments: see :func:`launch_script`; ``before_restart()``
+    runs before each restart.
     """
-    extra = dict(env or {})
+    _restart.check_max_restarts(max_restarts)
+    cluster, spelled_min = _restart.parse_hosts(cluster)
+    cluster_job = _cluster_job(np, cluster, rate)
+    output = _Output(prefix, capture, echo, job_dir)
+
+    def run_one(np_, job, extra, limits, first):
+        return _attempt(entry, np_, extra, timeline, limits, cwd, report, job_dir, job, output, monitor_interval,
+                        fault_tolerance, announce and first)
+
+    result = _restart.run_attempts(run_one, np, cluster_job, env, max_restarts,
+                                   spelled_min if min_hosts is None else min_hosts, timeout,
+                                   lambda line: output.write("stderr", f"distlab: {line}"), report, before_restart)
+    result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
+    result.mpiexec_lines = output.mpiexec_lines
+    return result
+
+
+def _attempt(entry, np, extra, timeline, limits, cwd, report, job_dir, cluster_job, output, monitor_interval,
+             fault_tolerance, announce) -> JobResult:
+    """One attempt (see :func:`_launch`); ``limits``: the time it has left, and the job's (for the summary)."""
+    timeout, limit = limits
     if fault_tolerance:
         extra["DISTLAB_FAULT_TOLERANCE"] = "1"
     if timeline:
         timeline = os.path.abspath(timeline)
         extra["DISTLAB_TIMELINE"] = timeline
-    cluster_job = _cluster_job(np, cluster, rate)
     own_dir = job_dir is None
-    job_dir = Path(tempfile.mkdtemp(prefix="distlab-job-")) if own_dir else job_dir
+    if own_dir:
+        job_dir = Path(tempfile.mkdtemp(prefix="distlab-job-"))
+    else:  # a restart must not read the records of the attempt before it
+        shutil.rmtree(job_dir, ignore_errors=True)
+        job_dir.mkdir(parents=True, exist_ok=True)
+    output.job_dir = job_dir
     started = time.time() - 1.0  # file times lag the clock by up to a tick
     try:
         pattern, marker = _supervise.new_marker()
@@ -307,12 +341,11 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
         command = mpiexec_command(np, entry, tag_pattern=pattern, cluster_job=cluster_job, env=environment,
                                   fault_tolerance=fault_tolerance)
         uses_tags = "-prepend-pattern" in command
-        output = _Output(prefix, capture, echo, job_dir)
         mpi = describe_launch(environment, cluster_job, fault_tolerance)
         if announce:
             output.write("stderr", f"distlab: {np} rank{'s' if np != 1 else ''} on {mpi}")
         outcome = _supervise.supervise(command, environment, cwd, job_dir, np, output,
-                                       marker if uses_tags else None, timeout)
+                                       marker if uses_tags else None, timeout, monitor_interval)
         records = _jobdir.read_records(job_dir, np)
     finally:
         if cluster_job is not None:
@@ -321,9 +354,9 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
         if own_dir:
             shutil.rmtree(job_dir, ignore_errors=True)
     verdict = _jobdir.verdict(records, outcome.status, outcome.interrupted,
-                              timeout if outcome.timed_out else None)
+                              (limit if limit is not None else timeout) if outcome.timed_out else None)
     result = JobResult(verdict.returncode, "", "", outcome.timed_out, outcome.interrupted, verdict.lines,
-                       verdict.endings)
+                       verdict.endings, mpi=mpi)
     # Hydra's own error lines as a job is torn down ("one of the processes terminated badly") add nothing to
     # a failure the ranks' records explain; otherwise (hydra could not start the job, say) they are the story.
     explained = outcome.interrupted is not None or outcome.timed_out or any(
@@ -332,6 +365,7 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     if not explained:
         for stream, line in output.diagnostics:
             output.write(stream, line)
+    output.diagnostics = []
     if report:
         for rank, trace in verdict.tracebacks:
             for line in trace.rstrip("\n").split("\n"):
@@ -345,9 +379,6 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
         result.timeline_ranks = _timeline_parts(timeline)
         result.timeline = merge(timeline, partial=not complete)
         result.timeline_partial = not complete
-    result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
-    result.mpiexec_lines = output.mpiexec_lines
-    result.mpi = mpi
     return result
 
 
@@ -370,7 +401,9 @@ def _timeline_parts(timeline: str) -> list[int]:
 
 def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None, timeout: float | None = None,
                   env: dict | None = None, capture: bool = False, cwd: str | None = None, prefix: bool = True,
-                  module: bool = False, cluster=None, rate=None, fault_tolerance: bool = False) -> JobResult:
+                  module: bool = False, cluster=None, rate=None, fault_tolerance: bool = False,
+                  max_restarts: int = 0, monitor_interval: float = _supervise.MONITOR_INTERVAL,
+                  min_hosts: int | None = None) -> JobResult:
     """Run ``script`` (a module's name with ``module=True``) on ``np`` ranks; see the module docstring.
 
     With ``capture`` the ranks' output is collected in the result (else it goes to this process's stdout and
@@ -379,19 +412,22 @@ def launch_script(script: str, np: int = 2, args=(), timeline: str | None = None
     (:mod:`distlab.cluster`, needs root), its links shaped to ``rate`` when given. ``fault_tolerance`` runs it
     with MPI's ULFM (Open MPI's ``--with-ft ulfm``): a dead rank leaves the others running, their operations
     failing with :class:`~distlab.errors.ProcessFailedError`; on an MPI without ULFM it raises
-    :class:`~distlab.errors.FaultToleranceUnsupportedError` naming the reason.
+    :class:`~distlab.errors.FaultToleranceUnsupportedError` naming the reason. After a failure the whole job
+    starts again, at most ``max_restarts`` times (on a cluster, given as ``"MIN:MAX"`` hosts or with
+    ``min_hosts``, without the hosts that died while at least MIN remain); see :mod:`distlab._restart`.
     """
     target = ["-m", str(script)] if module else [str(script)]
     result = _launch(["distlab._bootstrap", *target, *map(str, args)], np, timeline=timeline, timeout=timeout,
                      env=env, capture=capture, echo=not capture, cwd=cwd, prefix=prefix, cluster=cluster,
-                     rate=rate, fault_tolerance=fault_tolerance)
+                     rate=rate, fault_tolerance=fault_tolerance, max_restarts=max_restarts,
+                     monitor_interval=monitor_interval, min_hosts=min_hosts)
     if result.interrupted == signal.SIGINT:
         raise KeyboardInterrupt
     return result
 
 
 def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env: dict | None = None,
-        prefix: bool = True, cluster=None, rate=None, fault_tolerance: bool = False):
+        prefix: bool = True, cluster=None, rate=None, fault_tolerance: bool = False, max_restarts: int = 0):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the list of per-rank return values.
 
     Each rank's output is shown as it comes (to ``sys.stdout``/``sys.stderr``, so in a notebook under the
@@ -418,6 +454,9 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         Shape the cluster's links to this rate (``"10gbit"``, ``"1gbit"``).
     fault_tolerance : bool
         Run with MPI's ULFM (Open MPI only; see :func:`launch_script`).
+    max_restarts : int
+        Start every rank again after a failure, at most this many times (``DISTLAB_RESTART_COUNT`` tells ``fn``
+        which attempt it runs in); the results are the last attempt's.
 
     Raises
     ------
@@ -429,6 +468,7 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
     """
     import cloudpickle
 
+    from ._runner import collect_results, forget_results
     from .futures import default_timeout
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
@@ -442,33 +482,8 @@ def run(fn, np: int = 2, args=(), kwargs=None, timeout: float | None = None, env
         job_dir = Path(workdir) / "job"
         job_dir.mkdir()
         job = _launch(["distlab._runner", str(payload), workdir], np, timeout=limit, env=env, prefix=prefix,
-                      report=False, job_dir=job_dir, cluster=cluster, rate=rate, fault_tolerance=fault_tolerance)
+                      report=False, job_dir=job_dir, cluster=cluster, rate=rate, fault_tolerance=fault_tolerance,
+                      max_restarts=max_restarts, before_restart=lambda: forget_results(workdir))
         if job.interrupted == signal.SIGINT:
             raise KeyboardInterrupt
-        return _collect_results(Path(workdir), np, job)
-
-
-def _collect_results(workdir: Path, np: int, job: JobResult):
-    import cloudpickle
-
-    results, failures = [], {}
-    for rank in range(np):
-        path = workdir / f"rank{rank}.pkl"
-        if not path.exists():
-            results.append(None)
-            continue
-        ok, value = cloudpickle.loads(path.read_bytes())
-        results.append(value if ok else None)
-        if not ok:
-            failures[rank] = value
-    culprits = [e for e in job.ranks if e.culprit]
-    if failures:
-        first = next((e.rank for e in culprits if e.rank in failures), min(failures))
-        raise RankFailedError(f"rank {first} of {np} raised:\n{failures[first]}", rank=first,
-                              remote_traceback=failures[first], failures=failures)
-    if job.returncode != 0:
-        first = culprits[0].rank if culprits else None
-        raise RankFailedError("\n".join(job.summary) or f"the job failed with exit status {job.returncode}",
-                              rank=first)
-    return results
-
+        return collect_results(Path(workdir), job.attempts[-1].np if job.attempts else np, job)

@@ -130,6 +130,19 @@ class _Loader:
             mapped = self.files[name] = _storage.MappedFile(self.directory, name, info)
         return mapped
 
+    def _object_chunk(self, item: dict, fqn: str) -> dict:
+        """The saved value of object ``fqn`` for this rank: the one value, or when the ranks saved different
+        values, the one this rank's number saved."""
+        chunks = item["chunks"]
+        mine = [c for c in chunks if self.rank in c.get("ranks", ())]
+        if mine:
+            return mine[0]
+        if len(chunks) == 1:
+            return chunks[0]
+        raise CheckpointException(f"{fqn!r} holds a different value per rank (saved by ranks "
+                                  f"{sorted(r for c in chunks for r in c['ranks'])}), none for rank {self.rank} "
+                                  f"({self.directory / _storage.METADATA})")
+
     def _piece(self, chunk: dict, fqn: str) -> memoryview:
         return self._file(chunk["file"]).piece(chunk["offset"], chunk["length"], chunk["checksum"], fqn)
 
@@ -139,7 +152,7 @@ class _Loader:
             for chunk, _, _ in read.overlaps():
                 self._piece(chunk, read.fqn)
         for _, item, fqn in self.objects:
-            self._piece(item["chunks"][0], fqn)
+            self._piece(self._object_chunk(item, fqn), fqn)
 
     def copy(self) -> None:
         for read in self.reads:
@@ -152,7 +165,7 @@ class _Loader:
                 read.target[into] = part if xp is np else xp.asarray(part)
                 del saved, part
         for where, item, fqn in self.objects:
-            value = pickle.loads(self._piece(item["chunks"][0], fqn))
+            value = pickle.loads(self._piece(self._object_chunk(item, fqn), fqn))
             if isinstance(where, tuple):
                 node, key = where
                 node[key] = value

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import CheckpointException
 from ._flatten import Entry
+from ._storage import checksum
 
 __all__ = ["Piece", "local_plan", "global_plan", "dtype_name", "dtype_of"]
 
@@ -77,7 +78,8 @@ def local_plan(entries: dict) -> list[Piece]:
 def _piece(fqn: str, entry: Entry) -> Piece:
     if entry.kind == "object":
         payload = pickle.dumps(entry.value, protocol=pickle.HIGHEST_PROTOCOL)
-        return Piece(fqn, entry.path, "object", nbytes=len(payload), payload=payload)
+        # the hash stands in the offsets' place: ranks holding equal values hold the same piece
+        return Piece(fqn, entry.path, "object", offsets=checksum(payload), nbytes=len(payload), payload=payload)
     if entry.kind == "sharded":
         block = entry.value
         local = block.local
@@ -89,11 +91,13 @@ def _piece(fqn: str, entry: Entry) -> Piece:
                  int(value.nbytes), value)
 
 
-def global_plan(described: list[list[tuple]]) -> tuple[dict, list[list[tuple]]]:
-    """From every rank's described pieces: ``(items, writes)``.
+def global_plan(described: list[list[tuple]]) -> tuple[dict, list[list[tuple]], dict]:
+    """From every rank's described pieces: ``(items, writes, holders)``.
 
     ``items`` maps each key to its metadata skeleton (kind, dtype, shape, and its chunks without file places);
-    ``writes[rank]`` lists the ``(fqn, offsets, sizes)`` that rank writes, in file order. Raises
+    ``writes[rank]`` lists the ``(fqn, offsets, sizes)`` that rank writes, in file order; ``holders`` maps each
+    piece to the ranks that hold it (for an object: the ranks that hold that value, when the ranks' values of a
+    key differ, each different value is saved once, with the ranks that held it). Raises
     :class:`CheckpointException` (the same on every rank, since every rank computes it) for a state dict that
     cannot be saved.
     """
@@ -130,7 +134,7 @@ def global_plan(described: list[list[tuple]]) -> tuple[dict, list[list[tuple]]]:
         writes[writer[chunk]].append(chunk)
     items = {fqn: {"kind": kind, "dtype": dtype, "shape": list(shape) if shape is not None else None,
                    "path": paths[fqn], "chunks": []} for fqn, (kind, dtype, shape) in sorted(info.items())}
-    return items, writes
+    return items, writes, holders
 
 
 def _disagreement(fqn, seen, mine, rank, described) -> str:

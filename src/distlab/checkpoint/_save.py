@@ -64,8 +64,7 @@ class _Save:
         if failures:
             raise failed(f"save to {self.directory}", failures)
         self.generation = everyone[0][2]
-        self.items, writes = global_plan([described for _, described, _ in everyone])
-        self.writes = writes
+        self.items, self.writes, self.holders = global_plan([described for _, described, _ in everyone])
         self.file = _storage.data_file(self.rank, self.generation)
 
     def write(self) -> dict:
@@ -99,6 +98,8 @@ class _Save:
                 chunk = {"file": name, "offset": offset, "length": length, "checksum": digest}
                 if items[fqn]["kind"] != "object":
                     chunk.update(offsets=list(offsets), sizes=list(sizes))
+                else:  # the ranks that held this value (several values when the ranks' values differed)
+                    chunk["ranks"] = self.holders[fqn, offsets, sizes]
                 items[fqn]["chunks"].append(chunk)
                 offset += length
         return {"format": _storage.FORMAT, "version": _storage.VERSION, "generation": self.generation,

@@ -57,13 +57,18 @@ class ClusterJob:
     np: int
     slots: list = field(default_factory=list)
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: the hosts this job runs on: the layout's, less those a restart left out (:meth:`without`)
+    hosts: tuple = ()
+
+    def __post_init__(self):
+        self.hosts = tuple(self.hosts) or tuple(self.layout.hosts)
 
     @property
     def env(self) -> dict:
         return {**TRANSPORT_ENV, JOB_MARKER: self.marker, "DISTLAB_CLUSTER": self.layout.name}
 
     def host_arguments(self) -> list[str]:
-        hosts = ",".join(f"{h}:{n}" for h, n in zip(self.layout.hosts, self.slots))
+        hosts = ",".join(f"{h}:{n}" for h, n in zip(self.hosts, self.slots))
         script = work_dir(self.layout.name) / "nsexec"
         if not script.exists():
             raise ClusterError(f"the exec script of cluster {self.layout.name!r} is missing ({script}); run "
@@ -72,12 +77,23 @@ class ClusterJob:
 
     def wrap(self, command: list[str]) -> list[str]:
         """``command`` (``[mpiexec, -n, N, ...]``) run in host 1, with the cluster's hosts and launcher."""
-        return [ip_command(), "netns", "exec", self.layout.hosts[0], command[0], *self.host_arguments(),
+        return [ip_command(), "netns", "exec", self.hosts[0], command[0], *self.host_arguments(),
                 *command[1:]]
 
     def hosts_of_ranks(self) -> list[str]:
         """The host of each rank, in rank order."""
-        return [h for h, n in zip(self.layout.hosts, self.slots) for _ in range(n)]
+        return [h for h, n in zip(self.hosts, self.slots) for _ in range(n)]
+
+    def lost_hosts(self) -> list[str]:
+        """The hosts of this job that died: their namespace is gone or their network interface is down (the
+        link cut). A host whose processes were only killed is alive: it can run the next attempt."""
+        present = set(netlink.namespaces())
+        return [h for h in self.hosts if h not in present or not netlink.link_is_up(h, self.layout.nic(h))]
+
+    def without(self, lost) -> "ClusterJob":
+        """This job on the hosts that remain, each with the ranks it had: fewer ranks, the same per host."""
+        kept = [(h, n) for h, n in zip(self.hosts, self.slots) if h not in set(lost)]
+        return ClusterJob(self.layout, sum(n for _, n in kept), [n for _, n in kept], hosts=tuple(h for h, _ in kept))
 
     def processes(self) -> dict[int, tuple[str, int | None]]:
         """This job's live processes on every host: ``{pid: (host, rank or None for hydra's proxies)}``."""

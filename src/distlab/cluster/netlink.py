@@ -119,6 +119,15 @@ def _links(namespace: str) -> dict[str, dict]:
         return {link.get_attr("IFLA_IFNAME"): link for link in ipr.get_links()}
 
 
+def link_is_up(namespace: str, ifname: str) -> bool:
+    """Whether interface ``ifname`` of ``namespace`` exists and is administratively up (``ip link set up``)."""
+    try:
+        link = _links(namespace).get(ifname)
+    except Exception:  # noqa: BLE001 - a namespace that cannot be entered is no working host
+        return False
+    return link is not None and bool(link["flags"] & 1)  # IFF_UP
+
+
 def add_veth(a: str, a_ns: str, b: str, b_ns: str) -> None:
     """A veth pair with end ``a`` in ``a_ns`` and end ``b`` in ``b_ns``, made in place (never in the root
     namespace); nothing if ``a`` exists already."""

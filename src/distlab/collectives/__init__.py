@@ -19,7 +19,8 @@ reducescatter, barrier and join, each ``_async`` too and each on a ``process_set
 :class:`~distlab.collectives.optimizer.DistributedOptimizer`, ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``broadcast_object`` and ``allgather_object``; process sets
 (``add_process_set``, ``remove_process_set``); ``rank``, ``size``, ``local_rank``, ``local_size``, ``cross_rank``
-and ``cross_size``. Ranks are world ranks everywhere (``root_rank``, the value
+and ``cross_size``; and Horovod's elastic API (:mod:`distlab.collectives.elastic`: ``elastic.run``, ``State``,
+``ObjectState``, ``ModelState``, ``ElasticSampler``) over the launcher's restarts. Ranks are world ranks everywhere (``root_rank``, the value
 ``join`` returns), as in Horovod.
 
 Settings (environment, read by :func:`init`; Horovod's defaults):
@@ -33,6 +34,7 @@ interleaves with the program's own collectives.
 """
 from __future__ import annotations
 
+from . import elastic
 from . import ops as _ops
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import *  # noqa: F403 - the Horovod-style operations, settings, ProcessSet and errors (ops.__all__)
@@ -41,5 +43,5 @@ from .optimizer import Compression, DistributedOptimizer
 __all__ = [
     *_ops.__all__,
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "allgather_object",
+    "allgather_object", "elastic",
 ]
