@@ -21,20 +21,23 @@ SCENARIOS = Path(__file__).resolve().parent / "mpi"
 
 
 def run_scenario(script, np: int = 2, timeout: float = 120, args=(), env=None, expect_failure: bool = False,
-                 timeline=None, cluster=None, fault_tolerance: bool = False) -> JobResult:
+                 timeline=None, cluster=None, fault_tolerance: bool = False, max_restarts: int = 0,
+                 min_hosts=None) -> JobResult:
     """Run ``tests/mpi/<script>`` on ``np`` ranks and fail the test (showing every rank's output) if it fails.
 
     With ``expect_failure=True`` a non-zero exit is returned for the test to inspect instead; a job that passes
     when it should have failed fails the test. A timeout always fails the test. ``cluster`` (a running virtual
     cluster's name, e.g. the ``virtual_cluster`` fixture's) runs the ranks across its hosts, in blocks.
-    ``fault_tolerance`` runs it with MPI's ULFM (Open MPI only).
+    ``fault_tolerance`` runs it with MPI's ULFM (Open MPI only). ``max_restarts`` and ``min_hosts`` are the
+    launcher's (a job that failed and was restarted passes if its last attempt does).
     """
     path = Path(script)
     if not path.is_absolute():
         path = SCENARIOS / path
     start = time.monotonic()
     result = launch_script(str(path), np=np, args=args, env=env, timeout=timeout, capture=True,
-                           timeline=timeline, cluster=cluster, fault_tolerance=fault_tolerance)
+                           timeline=timeline, cluster=cluster, fault_tolerance=fault_tolerance,
+                           max_restarts=max_restarts, min_hosts=min_hosts)
     result.elapsed = time.monotonic() - start
     shown = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
     if result.timed_out:

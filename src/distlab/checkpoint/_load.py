@@ -76,6 +76,11 @@ class _Loader:
         return item
 
     def _plan(self, fqn: str, entry) -> None:
+        if entry.kind == "object" and fqn not in self.items and self._under(list(entry.path)):
+            # a value (None, say) where the checkpoint holds a dict: the dict, as a slot would get it
+            entry.replace({})
+            self._fill(list(entry.path), entry.value, None)
+            return
         item = self._item(fqn)
         if entry.kind == "object":
             if item["kind"] != "object":
@@ -95,17 +100,20 @@ class _Loader:
         return CheckpointException(f"{fqn!r} does not match the checkpoint: the state dict holds {mine}, the "
                                    f"checkpoint {saved} ({self.directory / _storage.METADATA})")
 
+    def _under(self, prefix: list) -> list:
+        """The saved items whose keys start with ``prefix`` (and go deeper)."""
+        return [(fqn, item) for fqn, item in self.items.items() if item["path"][:len(prefix)] == prefix
+                and len(item["path"]) > len(prefix)]
+
     def _plan_slot(self, entry) -> None:
-        """An empty dict asks for every saved value under its key: make them here, to be filled like the rest."""
-        prefix = list(entry.path)
-        found = [(fqn, item) for fqn, item in self.items.items() if item["path"][:len(prefix)] == prefix
-                 and len(item["path"]) > len(prefix)]
-        if not found:
-            return  # nothing saved under it (a parameter without optimizer state): it stays empty
-        sharded = entry.value if isinstance(entry.value, ShardedSlot) else None
-        for fqn, item in found:
+        """An empty dict asks for every saved value under its key: make them here, to be filled like the rest
+        (nothing saved under it, a parameter without optimizer state: it stays empty)."""
+        self._fill(list(entry.path), entry.value, entry.value if isinstance(entry.value, ShardedSlot) else None)
+
+    def _fill(self, prefix: list, target: dict, sharded) -> None:
+        for fqn, item in self._under(prefix):
             keys = item["path"][len(prefix):]
-            node = entry.value
+            node = target
             for key in keys[:-1]:
                 node = node.setdefault(key, {})
             if item["kind"] == "object":

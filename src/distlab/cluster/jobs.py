@@ -65,7 +65,10 @@ class ClusterJob:
 
     @property
     def env(self) -> dict:
-        return {**TRANSPORT_ENV, JOB_MARKER: self.marker, "DISTLAB_CLUSTER": self.layout.name}
+        # on one host (what a restart without the lost hosts may leave) the ranks keep to shared memory: the
+        # host's link may be down with its peer's
+        transport = TRANSPORT_ENV if len(self.hosts) > 1 else {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+        return {**transport, JOB_MARKER: self.marker, "DISTLAB_CLUSTER": self.layout.name}
 
     def host_arguments(self) -> list[str]:
         hosts = ",".join(f"{h}:{n}" for h, n in zip(self.hosts, self.slots))
