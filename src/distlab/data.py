@@ -130,7 +130,9 @@ class DistributedSampler:
         self.epoch = int(epoch)
 
     def state_dict(self) -> dict:
-        """Where this sampler is: the epoch and the indices of it handed out so far, with what fixes the order."""
+        """Where this sampler is: the epoch and the indices of it handed out so far by the pass in progress (a pass
+        that ran to its end starts again from the beginning, as torch's sampler does each time it is iterated; a
+        torchdata ``StatefulDistributedSampler`` counts the same way), with what fixes the order."""
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
                 "dataset_size": self.dataset_size, "num_replicas": self.num_replicas, "drop_last": self.drop_last,
                 "uneven": self.uneven}
@@ -173,12 +175,14 @@ class DistributedSampler:
             batch = order[start:start + batch_size]
             self.consumed = start + len(batch)
             yield batch
+        self.consumed = 0  # a pass that ran to its end: the next one starts the epoch again, as torch's
 
     def __iter__(self) -> Iterator[int]:
         order = self.indices().tolist()
         for position in range(self.consumed, len(order)):
             self.consumed = position + 1
             yield order[position]
+        self.consumed = 0
 
     def __len__(self) -> int:
         return self.num_samples
