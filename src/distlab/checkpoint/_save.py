@@ -213,6 +213,8 @@ def _failure_file(job: _Save) -> Path:
 
 
 def _background(job: _Save, future: Future, timeout: float) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux: a nice value per thread; training comes first
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     try:
         result = job.write()
         if "error" not in result:

@@ -159,7 +159,9 @@ class MappedFile:
         self._map = None
         if size:
             with open(self.path, "rb") as fh:
-                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                # MAP_POPULATE: the pages mapped in one call, not one fault per page at first touch
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
         self._verified: set = set()
 
