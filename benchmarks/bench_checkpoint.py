@@ -5,7 +5,8 @@ Run: ``python -P benchmarks/bench_checkpoint.py`` (``--np 2 4`` by default, ``--
 state in 32 arrays, ``--quick`` for a smoke run). On each world size, side by side in one job (round robin, the
 median of ``--rounds`` rounds):
 
-- save: ``checkpoint.save`` of the replicated state (each array written once, by one rank; every file fsynced,
+- save, then load at once (each method in turn, the order rotating per round, so that the page cache favours
+  none): ``checkpoint.save`` of the replicated state (each array written once, by one rank; every file fsynced,
   the metadata last) against ``numpy.save`` of the same arrays split the same way among the ranks (no fsync), and
   against ``torch.distributed.checkpoint.save`` (gloo, fsync on) where torch imports; MB/s of the state's bytes;
 - load: ``checkpoint.load`` into existing arrays (every rank reads every array and checks its hash) against
@@ -110,17 +111,20 @@ def worker(out: str, rounds: int, megabytes: float, directory: str) -> None:
             for path in where.values():
                 path.mkdir(parents=True, exist_ok=True)
         group.barrier()
-        times["distlab save"].append(timed(group, lambda: checkpoint.save(state, where["distlab"], group=group)))
-        times["numpy save"].append(timed(group, lambda: numpy_save(state, where["numpy"], rank, size)))
-        if dcp is not None:
-            times["DCP save"].append(timed(group, lambda: dcp_module.save(tensors, checkpoint_id=str(where["DCP"]))))
         target = {k: np.empty_like(v) for k, v in state.items()}
-        times["distlab load"].append(timed(group, lambda: checkpoint.load(target, where["distlab"], group=group)))
-        assert all(np.array_equal(target[k], state[k]) for k in state)
-        times["numpy load"].append(timed(group, lambda: numpy_load(state, where["numpy"])))
+        into = {k: torch.empty_like(v) for k, v in tensors.items()} if dcp is not None else None
+        # each load right after its own save (the page cache then favours none of them), in turns per round
+        runs = [("distlab", lambda: checkpoint.save(state, where["distlab"], group=group),
+                 lambda: checkpoint.load(target, where["distlab"], group=group)),
+                ("numpy", lambda: numpy_save(state, where["numpy"], rank, size),
+                 lambda: numpy_load(state, where["numpy"]))]
         if dcp is not None:
-            into = {k: torch.empty_like(v) for k, v in tensors.items()}
-            times["DCP load"].append(timed(group, lambda: dcp_module.load(into, checkpoint_id=str(where["DCP"]))))
+            runs.append(("DCP", lambda: dcp_module.save(tensors, checkpoint_id=str(where["DCP"])),
+                         lambda: dcp_module.load(into, checkpoint_id=str(where["DCP"]))))
+        for name, save, load in runs[r % len(runs):] + runs[:r % len(runs)]:
+            times[f"{name} save"].append(timed(group, save))
+            times[f"{name} load"].append(timed(group, load))
+        assert all(np.array_equal(target[k], state[k]) for k in state)
         group.barrier()
         if rank == 0:
             for path in where.values():
