@@ -65,7 +65,8 @@ def train(kill_at, directory, steps=12, every=3):
     y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
     sampler = DistributedSampler(len(x), shuffle=True, seed=1)
     state = checkpoint.TrainState(model, opt, sampler=sampler, step=0, epoch=0, losses=[])
-    saved = sorted((int(p.name[5:]) for p in Path(directory).glob("step-*")), reverse=True)
+    saved = sorted((int(p.name[5:]) for p in Path(directory).glob("step-*")),
+                   reverse=True)
     if saved:
         checkpoint.load({"train": state}, Path(directory) / f"step-{saved[0]}")
         print(f"attempt {attempt}: resumed from step {state.step}")
@@ -108,7 +109,8 @@ import matplotlib.pyplot as plt
 fig, ax = plt.subplots(figsize=(7, 3))
 for rank in range(2):
     ax.plot(range(1, 13), plain[rank], "o-", label=f"rank {rank}, no failure")
-    ax.plot(range(1, 13), killed[rank], "x--", ms=9, label=f"rank {rank}, killed and restarted")
+    ax.plot(range(1, 13), killed[rank], "x--", ms=9,
+            label=f"rank {rank}, killed and restarted")
 ax.axvline(8, color="grey", lw=0.8)
 ax.text(8.1, max(plain[0]) * 0.9, "rank 1 killed", color="grey")
 ax.set_xlabel("step")
@@ -137,7 +139,8 @@ for key in ["train.model.0.weight", "train.optim.state.0.weight.exp_avg",
             "train.counters.step", "train.counters.losses"]:
     item = metadata["items"][key]
     chunks = [(c["file"], c["length"], c.get("ranks")) for c in item["chunks"]]
-    print(f"{key}: {item['kind']} {item['dtype'] or ''} {item['shape'] or ''} -> {chunks}")
+    what = f"{item['kind']} {item['dtype'] or ''} {item['shape'] or ''}"
+    print(f"{key}: {what} -> {chunks}")
 
 # %% [markdown]
 # ## A flipped byte is refused, on every rank
