@@ -43,11 +43,21 @@ def _assert_same_run(expected: list, got: list, context) -> None:
                         (context, rank, device, name, key)
 
 
+_uninterrupted: dict = {}
+
+
+def uninterrupted(mpirun, tmp_path_factory, np_, impl):
+    """The uninterrupted run's results (one launch per world, shared by the tests that compare with it)."""
+    if (np_, impl) not in _uninterrupted:
+        out = tmp_path_factory.mktemp(f"plain{np_}{impl}")
+        mpirun("ckpt_train.py", np=np_, args=[impl, str(out / "plain"), str(out / "ckpt"), "none"], timeout=240)
+        _uninterrupted[np_, impl] = load_ranks(str(out / "plain"), np_)
+    return _uninterrupted[np_, impl]
+
+
 @pytest.mark.parametrize("np_,impl", [(2, "mixed"), (4, "core")], ids=["2ranks-mixed", "4ranks-core"])
-def test_killed_rank_restart_equals_uninterrupted_run(mpirun, tmp_path, np_, impl):
-    mpirun("ckpt_train.py", np=np_, args=[impl, str(tmp_path / "plain"), str(tmp_path / "plain-ckpt"), "none"],
-           timeout=240)
-    expected = load_ranks(str(tmp_path / "plain"), np_)
+def test_killed_rank_restart_equals_uninterrupted_run(mpirun, tmp_path_factory, tmp_path, np_, impl):
+    expected = uninterrupted(mpirun, tmp_path_factory, np_, impl)
     steps = expected[0]["cpu"]["step"]
     kill = f"{random.randrange(np_)}:{random.choice(['cpu', 'cuda'])}:{random.randrange(1, steps)}"
     job = mpirun("ckpt_train.py", np=np_, args=[impl, str(tmp_path / "killed"), str(tmp_path / "killed-ckpt"), kill],
@@ -59,15 +69,14 @@ def test_killed_rank_restart_equals_uninterrupted_run(mpirun, tmp_path, np_, imp
     _assert_same_run(expected, load_ranks(str(tmp_path / "killed"), np_), kill)
 
 
-def test_rank_killed_while_saving_leaves_the_previous_checkpoint(mpirun, tmp_path):
-    mpirun("ckpt_train.py", np=2, args=["core", str(tmp_path / "plain"), str(tmp_path / "plain-ckpt"), "none"],
-           timeout=240)
-    job = mpirun("ckpt_train.py", np=2, args=["core", str(tmp_path / "cut"), str(tmp_path / "cut-ckpt"),
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(mpirun, tmp_path_factory, tmp_path):
+    expected = uninterrupted(mpirun, tmp_path_factory, 2, "mixed")
+    job = mpirun("ckpt_train.py", np=2, args=["mixed", str(tmp_path / "cut"), str(tmp_path / "cut-ckpt"),
                                               "save:1:cpu:6"], timeout=300, max_restarts=1)
     assert len(job.attempts) == 2 and "rank 1" in job.attempts[0].cause
     assert job.stdout.count("refused step-6: a partial checkpoint") == 2, job.stdout
     assert job.stdout.count("resumed cpu from step 4") == 2, job.stdout
-    _assert_same_run(load_ranks(str(tmp_path / "plain"), 2), load_ranks(str(tmp_path / "cut"), 2), "save")
+    _assert_same_run(expected, load_ranks(str(tmp_path / "cut"), 2), "save")
     # the partial checkpoint was saved again, whole, by the next attempt: no file of the partial one is left
     step6 = sorted(p.name for p in (tmp_path / "cut-ckpt" / "cpu" / "step-6").iterdir())
     assert step6 == [".metadata", "__0_2.distcp", "__1_2.distcp"], step6

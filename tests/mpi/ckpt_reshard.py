@@ -5,7 +5,8 @@ save (4 ranks), on numpy and on the device stand-in:
 2. DDP + ZeroRedundancyOptimizer(Adam) after 3 steps: each parameter's state is written by its owner.
 3. a sharded module built by hand (dimension-0 blocks by torch's chunk rule, uneven, some ranks empty) with SGD
    momentum: get_state_dict wraps the momentum into ShardedArrays of the parameter's global shape and offsets.
-Rank 0 pickles the expected whole state of 1 and 2 beside the checkpoints.
+4. (numpy) the Horovod-style DistributedOptimizer(Adam) after 3 steps.
+Rank 0 pickles the expected whole state of 1, 2 and 4 beside the checkpoints.
 
 load (2 or 3 ranks): a fresh model and optimizer (no optimizer state yet) load each checkpoint and hold exactly
 the saved state: the replicated state, the ZeRO state with the new owners (consolidated on rank 0 and compared),
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import distlab
-from distlab import ShardedArray, checkpoint, comm, nn, optim
+from distlab import ShardedArray, checkpoint, collectives as hvd, comm, nn, optim
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.errors import CheckpointException
 from distlab.optim import ZeroRedundancyOptimizer
@@ -61,6 +62,13 @@ def whole_state(ddp, opt):
         by_index = opt.state_dict()["state"]
     state = {names[i]: {k: (host(v) if hasattr(v, "shape") else v) for k, v in s.items()} for i, s in by_index.items()}
     return {"model": model, "optim": state}
+
+
+class Plain:
+    """A module seen as DDP is (``.module``), for whole_state."""
+
+    def __init__(self, module):
+        self.module = module
 
 
 def chunk(n, parts, index):
@@ -133,9 +141,19 @@ def save_all(device):
         momentum = optim_sd["state"][name]["momentum_buffer"]
         assert isinstance(momentum, ShardedArray) and momentum.global_shape == SHARDED[name][0], momentum
     checkpoint.save({"model": model_sd, "optim": optim_sd}, directory / f"sharded-{device}")
+    horovod_reference = None
+    if device == "cpu":
+        net = mlp(2)
+        hopt = hvd.DistributedOptimizer(optim.Adam(net.parameters(), lr=0.01),
+                                        named_parameters=net.named_parameters())
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        train(net, hopt, device, 3)
+        model_sd, optim_sd = checkpoint.get_state_dict(net, hopt)
+        checkpoint.save({"model": model_sd, "optim": optim_sd}, directory / "horovod")
+        horovod_reference = whole_state(Plain(net), hopt.optimizer)
     if rank == 0:
         with open(directory / f"reference-{device}.pkl", "wb") as fh:
-            pickle.dump({"ddp": reference, "zero": zero_reference}, fh)
+            pickle.dump({"ddp": reference, "zero": zero_reference, "horovod": horovod_reference}, fh)
 
 
 def assert_state(ddp, opt, reference, what):
@@ -173,6 +191,17 @@ def load_all(device):
     assert_state(zddp, zero, reference["zero"], "zero")
     train(zddp, zero, device, 1, start=3)
 
+    if device == "cpu":
+        net = mlp(9)
+        hopt = hvd.DistributedOptimizer(optim.Adam(net.parameters(), lr=0.01),
+                                        named_parameters=net.named_parameters())
+        model_sd, optim_sd = checkpoint.get_state_dict(net, hopt)
+        state = {"model": model_sd, "optim": optim_sd}
+        checkpoint.load(state, directory / "horovod")
+        checkpoint.set_state_dict(net, hopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert_state(Plain(net), hopt.optimizer, reference["horovod"], "horovod")
+        train(net, hopt, device, 1, start=3)
+
     toy = ShardedToy(device)
     sgd = optim.SGD(toy.parameters(), lr=0.5, momentum=0.9)
     model_sd, optim_sd = checkpoint.get_state_dict(toy, sgd)
@@ -194,9 +223,11 @@ def load_all(device):
            "Missing key in checkpoint state_dict: nothing", f"rank {rank}")
 
 
+hvd.init()
 for device in DEVICES:
     if mode == "save":
         save_all(device)
     else:
         load_all(device)
+hvd.shutdown()
 print(f"ckpt_reshard {mode} done", flush=True)
