@@ -121,11 +121,17 @@ class State:
     # -- where and with whom ----------------------------------------------------------------------------------
     @property
     def group(self):
+        """The ranks commits, restores and syncs run over; a :class:`Recovery` that rebuilt the world in place
+        sets the new group here before the loop restores the last commit."""
         if self._group is None:
             from .. import comm
 
             self._group = comm.world()
         return self._group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group = group
 
     @property
     def commit_path(self) -> Path:
