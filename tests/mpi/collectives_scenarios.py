@@ -14,6 +14,7 @@ if "mixed" in sys.argv[1:]:
     os.environ["DISTLAB_IMPL"] = "reference" if int(os.environ["RANK"]) % 2 == 0 else "core"
 
 from distlab import _backend, collectives as hvd  # noqa: E402
+from distlab.collectives import _engine  # noqa: E402
 from distlab.errors import StallWarning  # noqa: E402
 from distlab import fakegpu  # noqa: E402
 from scenario_checks import expect, staged_outside_comm, start_counting  # noqa: E402
@@ -194,10 +195,7 @@ if r == 0:
     h = hvd.allreduce_async(np.ones(2), name="never")
     expect(hvd.StallShutdownError, lambda: hvd.synchronize(h, timeout=30), "'never'", "Shutting down")
 else:
-    deadline = time.monotonic() + 30
-    while hvd.is_initialized() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not hvd.is_initialized()
+    assert _engine.current.stopped.wait(30) and hvd.is_initialized()   # stopped, initialized until shutdown()
     expect(hvd.NotInitializedError, lambda: hvd.allreduce(np.ones(1), name="x"), "stopped")
 hvd.shutdown()
 del os.environ["DISTLAB_STALL_SHUTDOWN_TIME"], os.environ["DISTLAB_STALL_CHECK_TIME"]

@@ -94,9 +94,13 @@ def _shutdown(timeout: float, reason: str) -> None:
 
 
 def is_initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown` while the engine runs (False once a peer stopped it)."""
-    engine = _engines.current
-    return engine is not None and not engine.stopped.is_set()
+    """True from :func:`init` until this rank's own :func:`shutdown`, as Horovod's ``is_initialized``.
+
+    Also while a peer's shutdown (or failure) has stopped the engine: this rank is still initialized, so
+    :func:`init` stays a no-op and operations raise NotInitializedError saying who stopped it and why, until
+    this rank calls ``shutdown()`` (Horovod clears ``initialization_done`` only in ``horovod_shutdown``).
+    """
+    return _engines.current is not None
 
 
 _get = _engines.get
