@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from distlab import comm
 from distlab.comm.work import spin
-from distlab.errors import DistTimeoutError
+from distlab.errors import DistTimeoutError, ProcessGroupBrokenError
 
 OPS = ["sum", "avg", "min", "max", "product", "band", "bor"]
 BAD_DTYPES = [np.dtype(object), np.dtype("U3"), np.dtype("S2"), np.dtype([("a", "i4"), ("b", "f8")]),
@@ -142,13 +142,40 @@ def test_spin_checks_the_deadline_on_every_poll():
     # the side channel knows nothing: the report (distlab.comm.missing.raise_timeout) names no rank
     side = types.SimpleNamespace(remote=[], waiting_seq=0, describe=lambda seq, lead: ([], "no news"),
                                  gave_up=lambda seq: None)
-    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _broken=None, rank=0, size=1, name="fake")
+    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _broken=None, rank=0, size=1, name="fake",
+                                  interrupt=None)
     import time
 
     deadline[0] = time.monotonic() + 0.2
     with pytest.raises(DistTimeoutError):
         spin(group, slow_test, deadline[0], 0.2, "allreduce", 1, None, 0, None)
     assert len(polls_after_deadline) <= 1, len(polls_after_deadline)
+
+
+def test_a_groups_interrupt_ends_a_wait_with_its_error_and_breaks_the_group():
+    """What the collectives engine relies on to hear a peer's failure: a wait past its spin phase calls the
+    group's ``interrupt``; what it raises ends the wait, and the group refuses further calls (the operation may
+    still be in flight)."""
+    group = comm.ProcessGroup(name="interrupted", timeout=30)
+    calls = []
+
+    class PeerGone(Exception):
+        pass
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise PeerGone("rank 1 failed")
+
+    group.interrupt = interrupt
+    inbox, outbox = np.zeros(1), np.ones(1)          # MPI may still write into inbox: keep it alive
+    with pytest.raises(PeerGone, match="rank 1 failed"):
+        group.recv(inbox, 0, tag=5, name="never sent")             # nobody sends: only the interrupt ends it
+    assert len(calls) == 3
+    with pytest.raises(ProcessGroupBrokenError, match="recv of 'never sent' was interrupted"):
+        group.barrier()
+    group.comm.Send(outbox, dest=0, tag=5)          # complete the abandoned receive before the group is freed
+    assert inbox[0] == 1
 
 
 def test_non_native_byte_order_is_refused(pg):

@@ -71,6 +71,10 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
     device_comm : str
         How the group moves device arrays (``ipc``, ``nccl``, ``staged`` or ``mpi``), chosen when it was made from
         every rank's placement and ``DISTLAB_DEVICE_COMM`` (:mod:`distlab.comm.transports`).
+    interrupt : callable or None
+        What every wait on this group calls between its polls once past its spin phase (None: nothing). It may
+        raise to end the wait with that error, which leaves the group broken (the operation may still be in
+        flight). The collectives engine sets it, to stop waiting for a peer whose engine failed.
     """
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
@@ -112,6 +116,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         self._start_numbering()
         self._lock = threading.RLock()
         self._broken: str | None = None
+        self.interrupt = None
         self._pending: dict[Work, None] = {}  # async work not yet seen complete, in issue order (progress())
         self._arenas: list = []  # shared-memory arenas whose arrays allreduce reduces in place
         self._timeline = get_timeline()

@@ -8,8 +8,9 @@ machine runs more ranks than they have cores it also yields the core every fourt
 keep its peer from running the other half of the collective (docs/measurements.md, "Collectives: the poll
 loop", has the figures and the commands). The
 machine, not MPI's node, because virtual hosts on one kernel share its cores (:func:`~distlab.comm.board.node_keys`).
-Past its spin phase a waiting rank reads the side channel's notes between sleeps (:mod:`distlab.comm.missing`),
-and near its deadline it asks the other nodes where their ranks are.
+Past its spin phase a waiting rank reads the side channel's notes between sleeps (:mod:`distlab.comm.missing`)
+and calls the group's ``interrupt`` (if its owner set one: it raises to end the wait), and near its deadline it
+asks the other nodes where their ranks are.
 """
 from __future__ import annotations
 
@@ -277,12 +278,24 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             if now > spin_until:
                 side.waiting_seq = seq
                 listen_all()
+                if group.interrupt is not None:
+                    _interrupt(group, op, seq, name)
                 if _busy:
                     progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
     finally:
         side.waiting_seq = 0
+
+
+def _interrupt(group: "ProcessGroup", op: str, seq: int, name) -> None:
+    """Call the group's ``interrupt``; if it raises, the wait ends with its error and the group is broken."""
+    try:
+        group.interrupt()
+    except BaseException:
+        label = (f"{op} #{seq}" if seq else op) + (f" of {name!r}" if name else "")
+        group._broken = f"{label} was interrupted and may still be in flight"
+        raise
 
 
 def progress(skip=None) -> int:
