@@ -97,15 +97,44 @@ def test_lifecycle_init_after_peer_shutdown_and_who_stopped(mpirun, np_, args):
     assert result.stdout.count("lifecycle on cuda OK") == np_  # the same on the device stand-in
 
 
+FAILURE_CAUSES = {"exception": "the last rank's cycle raises before its collective",
+                  "refusal": "the last rank refuses the coordinator's response list",
+                  "exception after": "the middle rank's cycle raises after its collective",
+                  "set exception": "rank 0 raises in a process set's response",
+                  "coordinator": "rank 0's coordinator raises (stopped in the protocol: rank 0 says so too)"}
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_,args,env", TWIN_RUNS, ids=TWIN_IDS)
-def test_reinit_with_rank_0_ahead_pairs_up_after_a_coordinator_failure(mpirun, np_, args, env):
-    """Rank 0 shutdown() + init() while the others init() (no-op), shutdown(), init() 0.5 s later: from a healthy
-    engine, and after rank 0's coordinator failed (every rank now stops at once with the reason), DISTLAB_TIMEOUT
-    4 s."""
-    result = mpirun("collectives_reinit.py", np=np_, args=args, timeout=90,
-                    env={**(env or {}), "DISTLAB_TIMEOUT": "4"})
-    assert result.stdout.count("reinit OK") == np_
+def test_staggered_reinit_pairs_up_and_every_engine_failure_reaches_every_rank(mpirun, np_, args, env):
+    """Horovod's init(); shutdown(); init() with each rank entering 0, 0.5 and 2 s late, from a fresh process, a
+    healthy engine, and after each cause of failure (FAILURE_CAUSES) on one rank: every other rank stops with that
+    rank's cause long before DISTLAB_TIMEOUT (60 s here), then the staggered sequence pairs up again."""
+    result = mpirun("collectives_stagger.py", np=np_, args=args, timeout=150,
+                    env={**(env or {}), "DISTLAB_TIMEOUT": "60"})
+    assert result.stdout.count("stagger OK") == np_
+    for cause in FAILURE_CAUSES:   # heard by every other rank
+        assert result.stdout.count(f": {cause} on rank") == np_ - (cause != "coordinator"), cause
+    assert result.stdout.count(") paired") == (len(FAILURE_CAUSES) + 2) * np_   # two healthy rounds first
+
+
+KILL_RUNS = [(2, (), None), (2, (), {"DISTLAB_IMPL": "reference"}), (4, ("mixed",), None),
+             (4, ("mixed", "2"), {"DISTLAB_PROCESS_MANAGER": "mpiexec"})]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,args,env", KILL_RUNS, ids=TWIN_IDS + ["4ranks-mixed-hydra"])
+def test_a_killed_rank_ends_the_job_at_once_named_by_the_launcher(mpirun, np_, args, env):
+    """SIGKILL on one rank while the others wait for it in a negotiated allreduce: the process manager (distlab's,
+    or hydra) ends the job at once, and the launcher names the rank and the signal (DISTLAB_TIMEOUT is 600 s,
+    far above this job's own bound)."""
+    victim = int(args[1]) if len(args) > 1 else np_ - 1
+    result = mpirun("collectives_killed.py", np=np_, args=args, timeout=90, expect_failure=True,
+                    env={**(env or {}), "DISTLAB_TIMEOUT": "600"})
+    assert result.stdout.count(": warm") == np_ and "survived" not in result.stdout
+    summary = "\n".join(result.summary)
+    assert f"rank {victim} (pid " in summary and "was killed by signal 9 (SIGKILL)" in summary, summary
+    assert "timed out" not in result.stderr and result.returncode == 137, result.stderr
 
 
 @pytest.mark.mpi

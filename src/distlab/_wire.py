@@ -16,6 +16,7 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "COMM_RESERVED_TAGS", "COMM_SETUP_TAG", "COMM_NOTE_TAG", "COMM_NOTE_VERSION", "COMM_NOTE_HEADER",
            "COMM_NOTE_KINDS", "COMM_NOTE_STATES", "COMM_SLOT_WORDS", "COMM_OBJECT_TAG", "COMM_MONITOR_TAG",
            "COMM_MONITOR_VERDICTS", "NCCL_BOOTSTRAP_TAG", "NCCL_BOOTSTRAP_REPLY_TAG",
+           "ENGINE_FAILURE_TAG", "ENGINE_FAILURE_NOTE_BYTES",
            "DIST_AUTOGRAD_KIND_CODES", "AUTOGRAD_METADATA_FIELDS"]
 
 #: Collective operation names and their codes (index in this tuple). Append only: codes travel between ranks.
@@ -201,6 +202,10 @@ COMM_MONITOR_VERDICTS = ("passed", "timed_out", "mismatch")  # codes: index
 #: arguments).
 NCCL_BOOTSTRAP_TAG = 32763
 NCCL_BOOTSTRAP_REPLY_TAG = 32762
+#: distlab.collectives' failure notes, on its engine's own communicator: a rank whose cycle thread failed sends
+#: each peer the reason, UTF-8, at most ENGINE_FAILURE_NOTE_BYTES bytes (collectives/_failures.py).
+ENGINE_FAILURE_TAG = 32761
+ENGINE_FAILURE_NOTE_BYTES = 4096
 COMM_NOTE_VERSION = 1
 COMM_NOTE_HEADER = ("version", "kind", "state", "seq", "sender", "count")
 COMM_NOTE_KINDS = ("ask", "answer")  # an "ask" is answered once by a rank that receives it; codes: index

@@ -4,7 +4,8 @@ The cycle thread runs, for each process set this rank belongs to (the global set
 order), the controller's negotiation (the active twin of :mod:`distlab.reference.negotiation`) over the set's own
 process group, then runs the agreed responses (:mod:`distlab.collectives._execute`). Every member of a set starts
 cycling it in the same cycle (a set is created while running a response of the global set, which every rank runs
-at the same point), so the sets' collectives always pair up.
+at the same point), so the sets' collectives always pair up. A cycle thread that fails tells every peer at once
+(:mod:`distlab.collectives._failures`), so that every rank stops within the cycle it is in, saying who failed and why.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..errors import DistlabError, DuplicateNameError, NotInitializedError, Stal
 from ..futures import Future
 from ..timeline import get_timeline, now_us
 from ._execute import check_reduction, execute
+from ._failures import FailureNotes, PeerFailed, failure_reason, stopped_by
 from ._placement import placeable
 from ._settings import settings
 
@@ -116,6 +118,7 @@ class _SetState:
                 stall_check_time=s["stall_check_time"], stall_shutdown_time=s["stall_shutdown_time"],
                 timeline=engine.timeline if engine.timeline.enabled else None, process_set_id=process_set_id)
             self.transport = _MPITransport(group)
+            group.interrupt = engine.notes.check      # a wait on the set's group hears a peer's failure note
 
     def size_in_world(self) -> int:
         return self.size
@@ -159,6 +162,7 @@ class Engine:
         self.timeline = get_timeline()
         group = comm.ProcessGroup(name="collectives")
         self.rank, self.size = group.rank, group.size
+        self.notes = FailureNotes(group.comm, self.rank, self.size)
         self.node_keys = group.node_keys                # the node layout the comm layer asked MPI for (local_rank)
         self.sets: dict[int, _SetState] = {}
         self.sets[GLOBAL_PROCESS_SET_ID] = _SetState(self, GLOBAL_PROCESS_SET_ID, range(self.size), group)
@@ -283,6 +287,7 @@ class Engine:
         try:
             while True:
                 start = time.perf_counter()
+                self.notes.check()               # a peer's failure note: stop in this cycle, with its cause
                 response_list = self._cycle(self.world, self.stop.is_set())
                 if response_list.shutdown:
                     self.agreed_stop = True      # every rank leaves the loop in this same cycle
@@ -297,8 +302,11 @@ class Engine:
                 remaining = cycle - (time.perf_counter() - start)
                 if remaining > 0:
                     time.sleep(remaining)
+        except PeerFailed as failure:
+            self.error = stopped_by(failure)
         except BaseException as exc:  # noqa: BLE001 - every pending handle must learn about it
             self.error = exc
+            self.notes.announce(failure_reason(exc, self.rank))   # and every peer, within the cycle it is in
         finally:
             self._finish(reason)
 

@@ -15,6 +15,7 @@ from .._wire import DTYPE_NAMES, JOIN_TENSOR_NAME, REDUCE_OPS, RESPONSE_TYPE_NAM
 from ..autograd._array import array_module
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
+from ._failures import PeerFailed, stopped_by
 from ._placement import Placement, lease, placeable
 
 __all__ = ["execute", "check_reduction", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
@@ -59,9 +60,10 @@ def execute(engine, state, response):
         else:
             raise DistlabError(f"unsupported response type {kind}")
     except BaseException as exc:
+        error = stopped_by(exc) if isinstance(exc, PeerFailed) else exc   # a peer failed: say who and why
         for entry in entries:
             if entry is not None and not entry.future.done():
-                entry.future.set_exception(exc)
+                entry.future.set_exception(error)
         raise
     finally:
         state.release(entries)   # the results are copied out of the set's arena by now
