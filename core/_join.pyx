@@ -73,7 +73,8 @@ cdef class Join:
             return None
         while True:
             if rounds == _SKEW_AFTER + 1:
-                warnings.warn(_shared.skew_message(self._rank, _SKEW_AFTER), stacklevel=2)
+                # a compiled method has no Python frame: level 1 is the user's ``with``, the reference's level 2
+                warnings.warn(_shared.skew_message(self._rank, _SKEW_AFTER), stacklevel=1)
             if not throw:  # in throw mode nothing is shadowed, so nothing is posted ahead either
                 for fn in self._pre_hooks:
                     fn()

@@ -1,8 +1,10 @@
 """Join in one process: the configuration it hands to joinables, notify_join_context, and class checks."""
+import warnings
+
 import pytest
 
 from distlab import comm
-from distlab._common.join import JoinConfig
+from distlab._common.join import COUNT_NAME, WARN_THRESHOLD, JoinConfig, skew_message
 
 
 def make_joinable(join, group):
@@ -156,3 +158,44 @@ def test_pre_hooks_run_before_the_final_count_except_in_throw_mode(join, throw):
         pass
     expected_pre = [] if throw else [("a", "pre"), ("c", "pre")]
     assert log == expected_pre + [("a", "post", True), ("b", "post", True), ("c", "post", True)]
+
+
+class ScriptedGroup:
+    """This rank's view of a group whose other ranks still train for ``iterations`` iterations: Join's count
+    allreduce answers 1 that many times, then 0 (every rank joined). Records every count it answered."""
+
+    rank = 0
+
+    def __init__(self, iterations):
+        self.left = iterations
+        self.counts = []
+
+    def allreduce(self, array, op="sum", async_op=False, name=None):
+        assert name == COUNT_NAME and not async_op, (name, async_op)
+        array[...] = 1 if self.left else 0
+        self.left = max(self.left - 1, 0)
+        self.counts.append(int(array[0]))
+
+
+@pytest.mark.parametrize("shadowed,warned", [(0, 0), (3, 0), (WARN_THRESHOLD, 0), (WARN_THRESHOLD + 1, 1),
+                                             (WARN_THRESHOLD + 4, 1)])
+def test_the_skew_warning_comes_once_past_the_threshold_and_the_loop_starts_clean(join, shadowed, warned):
+    """A rank that shadows ``shadowed`` iterations: one count per iteration plus the final one, each preceded by
+    the pre hooks and (but the last) followed by the main hooks; the post hooks say whether this rank joined last
+    (only when it shadowed nothing); more than WARN_THRESHOLD shadowed iterations warn once, at the user's
+    ``with`` (torch warns about the skew once too)."""
+    group = ScriptedGroup(shadowed)
+    log = []
+    joinables = [recording_joinable(join, group, log, "a"), recording_joinable(join, group, log, "b", NoPreHook)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with join.Join(joinables):
+            pass
+    assert group.counts == [1] * shadowed + [0]
+    iteration = [("a", "pre"), ("a", "main"), ("b", "main")]
+    assert log == iteration * shadowed + [("a", "pre"), ("a", "post", shadowed == 0), ("b", "post", shadowed == 0)]
+    skew = [w for w in caught if issubclass(w.category, UserWarning) and "shadowed more than" in str(w.message)]
+    assert len(skew) == warned, [str(w.message) for w in skew]
+    for w in skew:
+        assert str(w.message) == skew_message(0, WARN_THRESHOLD)
+        assert w.filename == __file__, w.filename      # attributed to the ``with`` statement that joined
