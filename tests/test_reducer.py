@@ -11,6 +11,7 @@ from distlab import comm, nn, optim
 from distlab.autograd import to_numpy
 from distlab.ddp import DistributedDataParallel as DDP
 from distlab.ddp_comm_hooks import allreduce_hook, noop_hook
+from distlab.futures import Future
 
 
 class TwoBranch(nn.Module):
@@ -281,6 +282,57 @@ def test_comm_hooks(impl, xp):
         fresh.register_comm_hook(None, 42)
     with pytest.raises(TypeError, match=r"takes \(state, bucket\)"):
         fresh.register_comm_hook(None, lambda bucket: bucket)
+
+
+def tripling_hook(_state, bucket) -> Future:
+    """No communication; the reduced bucket is a new array, three times the gradients (so it is not the view)."""
+    future = Future(description="tripling hook")
+    future.set_result(bucket.buffer() * 3)
+    return future
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copied", "bucket-view"])
+def test_grad_stays_the_same_array_from_step_to_step(impl, as_view, xp):
+    """Gradients zeroed in place (``set_to_none=False``) are written back in place: the same ``.grad`` tensor and
+    array every step (torch's copy_bucket_to_grad; with bucket views, the view itself), with the new values."""
+    model, plain = DDP(TwoBranch(xp), gradient_as_bucket_view=as_view, impl=impl), TwoBranch(xp)
+    for _ in range(2):   # the buckets are rebuilt once, after the first iteration (bucket views move with them)
+        model.zero_grad(set_to_none=False)
+        model(x(xp)).backward()
+    first = {name: (p.grad, p.grad.data) for name, p in model.module.named_parameters()}
+    for step in range(3):
+        model.zero_grad(set_to_none=False)
+        plain.zero_grad(set_to_none=False)
+        model(x(xp), twice=step % 2 == 1).backward()
+        plain(x(xp), twice=step % 2 == 1).backward()
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            grad, data = first[name]
+            assert p.grad is grad and p.grad.data is data, (name, step)
+            assert np.array_equal(p.grad.data, q.grad.data), (name, step)
+
+
+@pytest.mark.parametrize("grads", ["none", "zeros", "own"])
+def test_bucket_view_grads_hold_what_a_hook_returned_as_a_new_array(impl, grads, xp):
+    """``gradient_as_bucket_view`` with a hook whose result is a new array (not the bucket): the result is copied
+    into the bucket, and every ``.grad`` is its bucket view holding it, whether the gradients were None, zeroed
+    in place, or arrays of the user's own (replaced by the views)."""
+    model, plain = DDP(TwoBranch(xp), gradient_as_bucket_view=True, impl=impl), TwoBranch(xp)
+    model.register_comm_hook(None, tripling_hook)
+    for step in range(3):
+        if grads == "none" or step == 0:
+            model.zero_grad()
+        elif grads == "zeros":
+            model.zero_grad(set_to_none=False)
+        else:
+            for p in model.parameters():
+                p.grad = distlab.tensor(xp.zeros_like(p.data))
+        plain.zero_grad()
+        model(x(xp)).backward()
+        plain(x(xp)).backward()
+        buffers = [b.buffer() for b in model.reducer.get_grad_buckets()]
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            assert np.allclose(p.grad.data, 3 * q.grad.data), (name, step)
+            assert any(np.shares_memory(p.grad.data, buf) for buf in buffers), (name, step)
 
 
 def _train(impl, fused, xp, steps=3, **hyper):
