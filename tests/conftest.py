@@ -19,6 +19,16 @@ from distlab._twins import TWINS
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: The time bound of a test marked ``mpi`` (others get pyproject's ``timeout``, 120 s): each of its jobs is bounded by
+#: the launcher already, so this catches only what hangs outside them (the test's own waits, a stuck launcher).
+MPI_TEST_TIMEOUT = 900
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give every test marked ``mpi`` (and no timeout of its own) the MPI bound (pytest-timeout's marker)."""
+    for item in items:
+        if item.get_closest_marker("mpi") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(MPI_TEST_TIMEOUT))
 
 
 @pytest.fixture(scope="session", autouse=True)
