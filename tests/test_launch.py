@@ -750,3 +750,31 @@ def test_a_one_host_job_listens_on_loopback_only(mpirun):
     # a UCX setting of the user's is left alone (and UCX's devices restricted to loopback keep to it)
     result = mpirun("job_listeners.py", np=2, args=["local"], env={"UCX_NET_DEVICES": "lo"})
     assert result.stdout.count("listeners OK") == 2 and result.stdout.count("UCX_TLS=None") == 2, result.stdout
+
+
+@mpi
+def test_a_launcher_killed_outright_takes_its_job_with_it(tmp_path):
+    """What a test's time bound does to the test session (pytest-timeout's thread method ends it with os._exit), or
+    SIGKILL to a launcher: its process manager is told by the kernel (PR_SET_PDEATHSIG) and stops every rank, so no
+    job outlives its launcher."""
+    import time
+
+    script = write(tmp_path / "hang.py", HANGS)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "the job ended before both ranks were ready"
+            pids += re.findall(r"ready pid (\d+)", line)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while not _gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if process_start_stamp(int(pid))]
+    for pid in left:   # never leave them behind, even when the test fails
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"

@@ -18,7 +18,9 @@ What it keeps of hydra's behaviour (the launcher's supervision relies on it): ea
 signals (``SIGINT``, ``SIGTERM``, ``SIGHUP``) forwarded to every rank's group, stdin to rank 0 only, every chunk
 of a rank's output and every line in it tagged with the pattern (``%r``: the rank), the job ended with
 ``SIGKILL`` to every rank as soon as one calls ``MPI_Abort`` or ends badly (a non-zero status or a signal), and
-``PMI_process_mapping`` saying that every rank is on one node. Its exit status is the first bad ending's
+``PMI_process_mapping`` saying that every rank is on one node. It also ends with its launcher: a launcher killed
+outright (a test session ended at a test's time bound) gets this manager a SIGTERM from the kernel, forwarded to
+every rank, so no job outlives it. Its exit status is the first bad ending's
 (``128 + signal`` for a signal), else 0. After a bad ending it removes the shared-memory files of the ranks that
 never finalized (:mod:`distlab._leftovers`) when no launcher above it does.
 
@@ -297,15 +299,16 @@ def _write(fd: int, data: bytes) -> None:
             time.sleep(0.01)
 
 
-def die_with_parent() -> bool:
-    """Have the kernel kill this process when its parent dies (``PR_SET_PDEATHSIG``); False where it cannot.
+def die_with_parent(signum: int = signal.SIGKILL) -> bool:
+    """Have the kernel send this process ``signum`` when its parent dies (``PR_SET_PDEATHSIG``); False where it
+    cannot.
 
     Each rank calls it before it runs (its parent: this manager), and the bootstrap's rank (its parent: its
-    watcher)."""
+    watcher); this manager asks for SIGTERM when its launcher dies, which it forwards to every rank."""
     import ctypes
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)
     except (OSError, AttributeError):
         return False
     return True
@@ -328,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         args = args[2:]
     if size is None or not args:
         raise SystemExit("usage: python -m distlab._process_manager [-prepend-pattern P] -n N program args...")
+    # A launcher killed outright (a test session ended at a test's time bound, a SIGKILL) takes its job with it:
+    # the kernel sends this manager SIGTERM, which it forwards to every rank as on Ctrl-C.
+    launcher = os.getppid()
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != launcher:
+        raise SystemExit("distlab process manager: its launcher ended before the job started")
     return ProcessManager(size, args, pattern).run()
 
 
