@@ -147,6 +147,7 @@ def test_a_tensor_longer_than_the_grid_is_strided_over_and_scalars_take_their_c_
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (nvcc)")
+@pytest.mark.timeout(600)  # nvcc compiles every kernel source: 41 s on a loaded 2-core machine, the slowest test here
 def test_every_kernel_source_compiles_for_a_gpu(launches, tmp_path):
     """What nvcc makes of every kernel a GPU would compile (for an H100, to PTX, no device needed): each
     multi-tensor launch's raw source, and each body as ``cupy.ElementwiseKernel`` wraps it (the per-parameter
