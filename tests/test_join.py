@@ -1,10 +1,12 @@
 """Join in one process: the configuration it hands to joinables, notify_join_context, and class checks."""
 import warnings
 
+import numpy as np
 import pytest
 
 from distlab import comm
-from distlab._common.join import COUNT_NAME, WARN_THRESHOLD, JoinConfig, skew_message
+from distlab._common.join import COUNT_NAME, TERMINATION_CHECK_NAME, WARN_THRESHOLD, JoinConfig, skew_message
+from distlab.testing import RecordingGroup
 
 
 def make_joinable(join, group):
@@ -169,9 +171,15 @@ class ScriptedGroup:
     def __init__(self, iterations):
         self.left = iterations
         self.counts = []
+        self.answers = []   # what this rank sent to the early-termination check (throw mode)
 
     def allreduce(self, array, op="sum", async_op=False, name=None):
-        assert name == COUNT_NAME and not async_op, (name, async_op)
+        # one int64 element, as the training ranks' notification and check (a different size would not pair)
+        assert array.shape == (1,) and array.dtype == np.int64 and not async_op, (array, async_op)
+        if name == TERMINATION_CHECK_NAME:
+            self.answers.append(int(array[0]))
+            return
+        assert name == COUNT_NAME, name
         array[...] = 1 if self.left else 0
         self.left = max(self.left - 1, 0)
         self.counts.append(int(array[0]))
@@ -199,3 +207,29 @@ def test_the_skew_warning_comes_once_past_the_threshold_and_the_loop_starts_clea
     for w in skew:
         assert str(w.message) == skew_message(0, WARN_THRESHOLD)
         assert w.filename == __file__, w.filename      # attributed to the ``with`` statement that joined
+
+
+def test_in_throw_mode_a_joined_rank_answers_the_check_with_1_and_raises(join):
+    """J3 on the joined rank: while others train, it answers their early-termination check with 1 (one int64) and
+    raises, shadowing nothing (no pre or main hook runs)."""
+    group = ScriptedGroup(2)
+    log = []
+    with pytest.raises(RuntimeError, match=r"rank 0 exhausted its inputs.*every rank raises now"):
+        with join.Join([recording_joinable(join, group, log, "a")], throw_on_early_termination=True):
+            pass
+    assert group.counts == [1] and group.answers == [1] and log == []
+
+
+@pytest.mark.parametrize("throw", [False, True])
+def test_a_training_rank_sends_one_int64_count_and_in_throw_mode_one_int64_check(join, throw):
+    """J1 and J3 on a training rank: each iteration's notification is an allreduce of one int64 (1), and in throw
+    mode the check another (0 here: nobody ran out), the sizes a joined rank's count and answer pair with."""
+    group = RecordingGroup(comm.world())
+    joinable = make_joinable(join, group)
+    join.Join([joinable], throw_on_early_termination=throw)
+    work = join.Join.notify_join_context(joinable)
+    assert work.result()[0] == 1
+    expected = [("allreduce", COUNT_NAME, (1,), "int64", "sum")]
+    if throw:
+        expected.append(("allreduce", TERMINATION_CHECK_NAME, (1,), "int64", "sum"))
+    assert group.trace == expected
