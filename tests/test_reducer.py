@@ -249,6 +249,30 @@ def test_static_graph(impl, xp):
         model.reducer.set_static_graph()
 
 
+def test_an_unused_parameter_contributes_zeros_to_its_bucket(impl, xp):
+    """With find_unused_parameters, a parameter without a gradient is marked ready with zeros in its bucket (what a
+    comm hook sees, and what every rank sends), and keeps no gradient when no rank used it."""
+    model = DDP(TwoBranch(xp), find_unused_parameters=True, bucket_cap_mb=1e-5, impl=impl)  # a bucket each
+    seen = {}
+
+    def recording_hook(state, bucket):
+        for param, view in zip(bucket.parameters(), bucket.gradients()):
+            seen[id(param)] = to_numpy(view).copy()
+        return noop_hook(state, bucket)
+
+    model.register_comm_hook(None, recording_hook)
+    for _ in range(2):
+        seen.clear()
+        model.zero_grad()
+        model(x(xp), use_fc2=False).backward()
+        for name, p in model.module.named_parameters():
+            assert id(p) in seen, name
+            if name.startswith("fc2"):
+                assert p.grad is None and not seen[id(p)].any(), (name, seen[id(p)])
+            else:
+                assert np.array_equal(seen[id(p)], to_numpy(p.grad.data)), name
+
+
 def test_static_graph_change_is_an_error(impl, xp):
     model = DDP(TwoBranch(xp), static_graph=True, impl=impl)
     model(x(xp)).backward()
@@ -656,3 +680,36 @@ def test_logging_data_says_whether_iterations_ran_under_join(impl):
     assert data["join_uneven_inputs"] is True and data["num_parameters"] == 4
     model(x()).backward()                      # as torch's logger: it stays set
     assert model._get_ddp_logging_data()["join_uneven_inputs"] is True
+
+
+def test_static_graph_marks_a_parameter_ready_at_its_last_hook_of_the_iteration(impl, group):
+    """A parameter whose hook fires twice per iteration (torch: a reentrant backward, activation checkpointing):
+    the first static iteration counts each parameter's hooks and reduces once backward ended; every later iteration
+    marks it ready only at its last hook (numGradHooksTriggeredMapPerIteration_), so the bucket carries the whole
+    gradient, once."""
+    module = distlab._backend.load("reducer", impl)
+    params = [nn.Parameter(np.ones(3, dtype=np.float32)), nn.Parameter(np.ones(2, dtype=np.float32))]
+    reduced = []
+
+    def recording_hook(state, bucket):
+        reduced.append([to_numpy(g).copy() for g in bucket.gradients()])
+        return noop_hook(state, bucket)
+
+    reducer = module.Reducer(params, [[0, 1]], group)
+    reducer.set_static_graph()
+    reducer.register_comm_hook(None, recording_hook)
+
+    def backward():
+        reducer.autograd_hook(0)
+        params[0].grad.data[...] = 2.0  # its second accumulation
+        reducer.autograd_hook(1)
+        reducer.autograd_hook(0)
+
+    for iteration in range(3):
+        reducer.prepare_for_forward()
+        reducer.prepare_for_backward([])
+        for p in params:
+            p.grad = distlab.tensor(np.ones_like(p.data))
+        in_backward(backward)
+        assert len(reduced) == iteration + 1, (iteration, reduced)
+        assert reduced[-1][0].tolist() == [2.0] * 3 and reduced[-1][1].tolist() == [1.0] * 2, (iteration, reduced)
