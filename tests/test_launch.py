@@ -593,17 +593,27 @@ HANGS = """\
     """
 
 
-def _interrupt(tmp_path, signum):
+def _hanging_job(tmp_path, *options):
+    """A launcher running HANGS on 2 ranks, once both ranks are ready: ``(its process, the ranks' pids)``."""
     script = write(tmp_path / "hang.py", HANGS)
-    trace = tmp_path / "hang.json"
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", "--timeline", str(trace),
-                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", *options, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
     try:
-        pids = []
         while len(pids) < 2:
             line = proc.stdout.readline()
             assert line, "the job ended before both ranks were ready"
             pids += re.findall(r"ready pid (\d+)", line)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, pids
+
+
+def _interrupt(tmp_path, signum):
+    trace = tmp_path / "hang.json"
+    proc, pids = _hanging_job(tmp_path, "--timeline", str(trace))
+    try:
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -759,18 +769,9 @@ def test_a_launcher_killed_outright_takes_its_job_with_it(tmp_path):
     job outlives its launcher."""
     import time
 
-    script = write(tmp_path / "hang.py", HANGS)
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "distlab", "run", "-n", "2", str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        pids = []
-        while len(pids) < 2:
-            line = proc.stdout.readline()
-            assert line, "the job ended before both ranks were ready"
-            pids += re.findall(r"ready pid (\d+)", line)
-    finally:
-        proc.kill()
-        proc.wait()
+    proc, pids = _hanging_job(tmp_path)
+    proc.kill()
+    proc.wait()
     deadline = time.monotonic() + 30
     while not _gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
