@@ -25,6 +25,11 @@ from sphinx.highlighting import PygmentsBridge
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
+sys.path.insert(0, str(DOCS / "_ext"))
+
+import figures  # noqa: E402 - docs/_ext: the records of docs/_data as substitutions
+import snippets  # noqa: E402 - docs/_ext: the snippet directive
+import support  # noqa: E402 - docs/_ext: the support table from docs/_data/support.json
 
 # The API reference is generated from the reference twin: it holds the full docstrings (core docstrings are one
 # line pointing back to it), and it imports without a compiled core.
@@ -52,16 +57,24 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
     "myst_nb",
+    "sphinx_design",
+    "snippets",   # docs/_ext/snippets.py: code blocks that run when the docs are built
+    "figures",    # docs/_ext/figures.py: no measured figure typed by hand in a page
 ]
 
 # Markdown (MyST) pages and notebooks; conf.py, the figure scripts and the README are not pages.
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "README.md", "_scripts", "_generated", "Thumbs.db", ".DS_Store",
-                    "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "README.md", "_scripts", "_generated", "_ext", "_fragments", "_data",
+                    "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
 root_doc = "index"
 
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
 myst_heading_anchors = 3
+# Every record of docs/_data (a recorded run or a benchmark's JSON) by name: {{ bench_reducer.figures.x }} in a
+# page is filled in from docs/_data/bench/reducer.json at build time (docs/_ext/figures.py).
+myst_substitutions = figures.load()
+# A snippet runs again when its text or distlab's sources changed (docs/_ext/snippets.py).
+snippet_sources_stamp = snippets.sources_hash()
 
 # Notebooks are executed at build time and their outputs cached in docs/_build/.jupyter_cache, keyed by their
 # code cells (which include a hidden cell holding a hash of distlab's sources, see _convert_tutorials).
@@ -153,6 +166,7 @@ if hasattr(KernelManager, "transport_encryption") and zmq.has("curve"):
 
 # Before Sphinx looks for source files.
 _convert_tutorials()
+support.write(DOCS)
 _draw_flow_figures()
 
 _STAR = re.compile(r"(?<![\\*])\*(?=[A-Za-z_])")
@@ -201,13 +215,21 @@ def _mark_docstring_blocks(app, doctree) -> None:
             node["classes"].append("quoted")
 
 
+_TAG = re.compile(r"<[^>]+>")
+
+
 class _LineFormatter(HtmlFormatter):
-    """Pygments' HTML with each source line in a ``<span class="line">``: the site's CSS gives the wrapped lines
-    of quoted code a hanging indent, so a continuation reads as one."""
+    """Pygments' HTML with each source line in a ``<span class="line">`` that knows its indentation (``--indent``,
+    in characters): where the site's CSS wraps a block (quoted code, outputs), a wrapped line continues four
+    characters further in than the line itself starts, so a continuation reads as one."""
 
     def wrap(self, source):
-        return super().wrap((kind, f'<span class="line">{line}</span>' if kind == 1 else line)
-                            for kind, line in source)
+        def line(html):
+            text = _TAG.sub("", html)
+            indent = len(text) - len(text.lstrip(" "))
+            return f'<span class="line" style="--indent:{indent}">{html}</span>'
+
+        return super().wrap((kind, line(text) if kind == 1 else text) for kind, text in source)
 
 
 _TABLE = re.compile(r"<table\b.*?</table>", flags=re.S)

@@ -157,51 +157,6 @@ def test_the_built_site_shows_executed_tutorials_and_flow_figures():
     assert problems == []
 
 
-SUPPORT_WORDS = ("tested", "untested", "refused", "not implemented")
-_TEST_ID = re.compile(r"`(tests/[\w/]+\.py)::(test_\w+)`")
-
-
-def support_table(text: str) -> list[list[str]]:
-    """The rows of docs/support.md's table (header first), as lists of cells."""
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith("|") and not line.startswith("|---")]
-    return rows
-
-
-def support_problems(text: str, repo: Path) -> list[str]:
-    """Cells that say none of the four words, "tested" (or "refused") cells that name no test, and named tests
-    that do not exist."""
-    header, *rows = support_table(text)
-    problems = []
-    for row in rows:
-        for column, cell in zip(header[1:], row[1:]):
-            where = f"{row[0]} x {column}"
-            word = next((w for w in sorted(SUPPORT_WORDS, key=len, reverse=True) if cell.startswith(w)), None)
-            if word is None:
-                problems.append(f"{where}: {cell!r} starts with none of {SUPPORT_WORDS}")
-            named = _TEST_ID.findall(cell)
-            if word in ("tested", "refused") and not named:
-                problems.append(f"{where}: {word}, but no test named (`tests/<file>.py::test_<name>`)")
-            for path, name in named:
-                source = repo / path
-                if not source.exists() or not re.search(rf"^def {name}\(", source.read_text(), flags=re.M):
-                    problems.append(f"{where}: {path}::{name} does not exist")
-    return problems
-
-
-def test_the_support_table_names_tests_that_exist():
-    text = (DOCS / "support.md").read_text()
-    header, *rows = support_table(text)
-    assert header == ["component", "numpy", "cupy, staged", "CUDA IPC", "NCCL", "CUDA-aware MPI"]
-    assert len(rows) >= 8 and all(len(row) == len(header) for row in rows)
-    assert all(row[1].startswith("tested") for row in rows)  # numpy: every component
-    assert support_problems(text, DOCS.parent) == []
-    # the check can fail: a cell without a word, a tested cell without a test, a test that does not exist
-    bad = ("| component | numpy |\n|---|---|\n| a | works |\n| b | tested |\n"
-           "| c | tested: `tests/test_docs_pages.py::test_that_does_not_exist` |")
-    assert [p.split(":")[0] for p in support_problems(bad, DOCS.parent)] == ["a x numpy", "b x numpy", "c x numpy"]
-
-
 def test_the_overview_pages_describe_every_entry():
     # the API landing page: every module page listed once, in its hidden toctree, with a description; every
     # module page titled by its module's name

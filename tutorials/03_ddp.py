@@ -22,8 +22,8 @@
 # 2. looks at the buckets, before and after the one-time rebuild in gradient-arrival order;
 # 3. draws the **overlap timeline**: each gradient's arrival and each bucket's allreduce, per rank;
 # 4. shows what happens when a parameter gets no gradient on one rank;
-# 5. compares bucket sizes across a network link, and what the default, `"auto"`, picks (figures
-#    stored from a measured run; one cell, not run by the docs, measures yours).
+# 5. compares bucket sizes across a network link, round by round, and what the default, `"auto"`,
+#    picks (figures stored from a measured run; one cell, not run by the docs, measures yours).
 #
 # The docs' "DDP reducer" page walks through the code this runs.
 
@@ -268,27 +268,35 @@ for rank, result in enumerate(results):
 # On one machine the ranks' allreduce is a memory copy, done by the same cores that compute backward. Across a
 # network link the bytes travel at the link's rate, and a bucket's allreduce can run while backward computes the
 # next gradients, but only if the bucket is ready early: PyTorch's default layout (`bucket_cap_mb=25`: a 1 MiB
-# first bucket, then 25 MiB) puts most of a 6 MB model in a bucket that is ready only when backward ends.
-# Smaller buckets start the wire early, at a fixed cost per bucket. distlab's default, `bucket_cap_mb="auto"`,
-# lets the reducer choose: it records when gradients arrive in the first iteration, probes the link's latency,
-# bandwidth and how much communication slows computation on this machine, and picks the cap its cost model
-# predicts fastest (the "DDP reducer" docs page explains the model).
+# first bucket, then 25 MiB) puts most of a 6 MB model in a bucket that is ready only when backward ends, and
+# the link waits until then. Smaller buckets start the wire early, at a fixed cost per bucket. The effect is
+# largest where computing and moving the bytes take about as long, so that one can hide the other; where the
+# wire takes far longer than backward, no layout hides much of it, and where it takes far less, there is little
+# to hide. distlab's default, `bucket_cap_mb="auto"`, lets the reducer choose: it records when gradients arrive
+# in the first iteration, probes the link's latency, bandwidth and how much communication slows computation on
+# this machine, and picks the cap its cost model predicts fastest (the "DDP reducer" docs page explains the
+# model).
 #
 # distlab's virtual cluster (`python -m distlab cluster`) puts two "hosts" on this machine in network
 # namespaces joined by a link shaped to a chosen rate, and runs the ranks across them over TCP. The function
-# below measures one DDP step per bucket cap, one rank per host. It needs root and takes a minute, so this
-# page shows the figures it measured on the development machine, stored with the command, the machine and
-# the date in `docs/_data/tutorial_03_bucket_caps.json`; the cell after them runs it live (as root).
+# below measures DDP steps per bucket cap, one rank per host, for a model of 24 `Linear(256, 256)` (6 MB of
+# gradients) at a batch of 256, large enough that backward takes about as long as the model's allreduce at
+# 1 Gbit/s. It needs root and takes about a minute, so this page shows what it measured on the development
+# machine, stored with the command, the machine and the date in `docs/_data/tutorial_03_bucket_caps.json`; the
+# cell after them runs it live (as root). Every round's figure is kept, so the spread from round to round shows
+# beside the median.
 
 # %%
 import json
 from pathlib import Path
 
+CAPS = ("auto", "25", "4", "1")
 
-def step_per_bucket_cap(caps=("auto", 25, 4, 1), layers=24, rounds=5):
-    """Each rank's median step (ms) per bucket cap, the local step, the allreduce alone,
-    and the cap auto chose; the slowest rank's figures (a step waits for both)."""
-    import statistics
+
+def steps_per_bucket_cap(caps=CAPS, layers=24, batch=256, rounds=9, warmup=3):
+    """Per round, the slower rank's time (ms) of one DDP step per bucket cap, of the
+    local step, and of the model's allreduce alone; and the cap auto chose. Steps
+    interleave round by round, so a slow spell of the machine hits every cap alike."""
     import time
 
     from distlab import comm, nn, optim
@@ -301,8 +309,8 @@ def step_per_bucket_cap(caps=("auto", 25, 4, 1), layers=24, rounds=5):
         return nn.Sequential(*[nn.Linear(256, 256) for _ in range(layers)])
 
     rng = np.random.default_rng(pg.rank)
-    x = distlab.tensor(rng.standard_normal((32, 256), dtype=np.float32))
-    y = distlab.tensor(rng.standard_normal((32, 256), dtype=np.float32))
+    x = distlab.tensor(rng.standard_normal((batch, 256), dtype=np.float32))
+    y = distlab.tensor(rng.standard_normal((batch, 256), dtype=np.float32))
 
     def trainer(model):
         opt = optim.SGD(model.parameters(), lr=1e-4)
@@ -313,25 +321,29 @@ def step_per_bucket_cap(caps=("auto", 25, 4, 1), layers=24, rounds=5):
             opt.step()
         return step
 
-    models = {cap: DistributedDataParallel(mlp(), bucket_cap_mb=cap) for cap in caps}
+    def cap_mb(cap):
+        return cap if cap == "auto" else int(cap)
+
+    models = {cap: DistributedDataParallel(mlp(), bucket_cap_mb=cap_mb(cap))
+              for cap in caps}
     steps = {"local": trainer(mlp())}
     steps.update({cap: trainer(model) for cap, model in models.items()})
     gradients = np.ones(sum(p.data.size for p in mlp().parameters()), dtype=np.float32)
     steps["allreduce"] = lambda: pg.allreduce(gradients)
     times = {key: [] for key in steps}
-    # 3 warm-up rounds: DDP rebuilds its buckets after iteration 1 (where auto chooses)
-    for round_ in range(rounds + 3):
+    # warm-up rounds first: DDP rebuilds its buckets after iteration 1 (auto chooses)
+    for round_ in range(warmup + rounds):
         for key, step in steps.items():
             pg.barrier()
             start = time.perf_counter()
             step()
-            if round_ >= 3:
-                times[key].append((time.perf_counter() - start) * 1e3)
-    mine = {str(key): statistics.median(t) for key, t in times.items()}
-    slowest = {key: max(r[key] for r in pg.allgather_object(mine)) for key in mine}
+            if round_ >= warmup:
+                times[key].append(round((time.perf_counter() - start) * 1e3, 2))
+    per_rank = pg.allgather_object(times)
+    slowest = {key: [max(r[key][i] for r in per_rank) for i in range(rounds)]
+               for key in times}
     chosen = models["auto"].reducer.get_logging_data()["bucket_cap_bytes"]
-    slowest["auto cap MB"] = chosen / 2**20
-    return slowest
+    return {"rounds": slowest, "auto cap MB": round(chosen / 2**20, 2)}
 
 
 def stored_figures(name="tutorial_03_bucket_caps.json"):
@@ -342,13 +354,34 @@ def stored_figures(name="tutorial_03_bucket_caps.json"):
     raise FileNotFoundError(f"docs/_data/{name}: run this from a distlab checkout")
 
 
+def summary(rounds):
+    """Median, lowest and highest of a list of round times."""
+    ordered = sorted(rounds)
+    return ordered[len(ordered) // 2], ordered[0], ordered[-1]
+
+
+def quartiles(rounds):
+    """The middle half of a list of round times: its first and third quartiles."""
+    ordered = sorted(rounds)
+    return ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
+
+
 def show(results):
     for rate, r in results.items():
-        steps = ", ".join(f"{cap} {r[cap]:.1f} ms" for cap in ("auto", "25", "4", "1"))
-        print(f"{rate:>7}: local step {r['local']:.1f} ms, "
-              f"allreduce alone {r['allreduce']:.1f} ms, "
-              f"auto chose {r['auto cap MB']:.2g} MiB\n"
-              f"         DDP step per cap: {steps}")
+        median = {key: summary(times)[0] for key, times in r["rounds"].items()}
+        print(f"link {rate}: local step {median['local']:.1f} ms, allreduce alone "
+              f"{median['allreduce']:.1f} ms, auto chose {r['auto cap MB']:.2g} MiB")
+        for cap in CAPS:
+            mid, low, high = summary(r["rounds"][cap])
+            print(f"  cap {cap:>4}: median {mid:6.1f} ms, "
+                  f"rounds {low:.1f} to {high:.1f} ms")
+        best = min(CAPS, key=lambda cap: median[cap])
+        worst = max(CAPS, key=lambda cap: median[cap])
+        apart = quartiles(r["rounds"][worst])[0] > quartiles(r["rounds"][best])[1]
+        ratio = median[worst] / median[best]
+        overlap = "do not overlap: beyond" if apart else "overlap: within"
+        verdict = f"the middle halves of their rounds {overlap} the noise"
+        print(f"  slowest cap {worst} is {ratio:.2f}x the fastest, {best}: {verdict}")
 
 
 stored = stored_figures()
@@ -386,7 +419,7 @@ results = {}
 try:
     for rate in ("1gbit", "10gbit"):
         in_a_thread(cluster.up, 2, rate, "dltut03")
-        runs = in_a_thread(distlab.run, step_per_bucket_cap, np=2, cluster="dltut03")
+        runs = in_a_thread(distlab.run, steps_per_bucket_cap, np=2, cluster="dltut03")
         results[rate] = runs[0]
 finally:
     in_a_thread(cluster.down, "dltut03")
@@ -398,36 +431,49 @@ show(results)
 # %%
 import matplotlib.pyplot as plt
 
-fig, axes = plt.subplots(1, len(results), figsize=(9, 3.2))
+fig, axes = plt.subplots(1, len(results), figsize=(9, 3.4))
 for ax, (rate, r) in zip(axes, results.items()):
-    caps = ["auto", "25", "4", "1"]
-    ax.bar(range(len(caps)), [r[c] for c in caps], color=["#6aa56a"] + ["#e07b5f"] * 3,
-           edgecolor="black", linewidth=0.5)
-    floor = max(r["local"], r["allreduce"])
-    ax.axhline(floor, color="black", linestyle=":", linewidth=1)
-    ax.text(len(caps) - 0.5, floor, " floor", va="bottom", ha="right", fontsize=8)
-    ax.set_xticks(range(len(caps)))
+    medians, lows, highs = zip(*(summary(r["rounds"][cap]) for cap in CAPS))
+    ax.bar(range(len(CAPS)), medians, color=["#6aa56a"] + ["#e07b5f"] * 3,
+           edgecolor="black", linewidth=0.5, label="median step")
+    ax.errorbar(range(len(CAPS)), medians,
+                yerr=[[m - lo for m, lo in zip(medians, lows)],
+                      [hi - m for m, hi in zip(medians, highs)]],
+                fmt="none", ecolor="black", capsize=4, linewidth=1,
+                label="lowest to highest round")
+    floor = max(summary(r["rounds"]["local"])[0], summary(r["rounds"]["allreduce"])[0])
+    ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
+    ax.set_xticks(range(len(CAPS)))
     labels = [f"auto, default\n({r['auto cap MB']:.2g} MiB)"]
-    labels += [f"{c} MiB" for c in caps[1:]]
+    labels += [f"{c} MiB" for c in CAPS[1:]]
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("DDP step, ms")
-    ax.set_title(f"link {rate}: local step {r['local']:.0f} ms, "
-                 f"allreduce {r['allreduce']:.0f} ms", fontsize=9)
+    ax.set_title(f"link {rate}: local step {summary(r['rounds']['local'])[0]:.0f} ms, "
+                 f"allreduce {summary(r['rounds']['allreduce'])[0]:.0f} ms", fontsize=9)
+axes[0].legend(fontsize=7, loc="lower left")
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The dotted line is the floor, max(local step, allreduce alone): neither computing nor moving the bytes can
-# be hidden entirely behind the other. On the slow link the wire dominates, and what matters is that it starts
-# early: PyTorch's big second bucket (the rest of the model, under its 25 MiB cap) leaves the link idle for most
-# of backward. On the fast link the allreduce is short and costs CPU that this 2-core machine also needs for
-# backward, so splitting it into many buckets gains little, and the caps land within a few percent of each
-# other, auto's included (which is fastest there changes from run to run). `auto` picks a cap from its
-# measurements on every rank alike; the choice, with the prediction for every candidate, is in
-# `model.reducer.get_logging_data()["auto_bucket_cap"]`. Across a
-# network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the overlap:
-# each bucket's parameters are updated as soon as it is reduced (the docs' benchmarks page
-# measures it).
+# The dotted line is the floor, max(local step, allreduce alone): neither computing nor moving the bytes can be
+# hidden entirely behind the other. Each bar is a cap's median step, its whisker the lowest to the highest of
+# its rounds; the lines printed above say, per link, whether the middle halves of the slowest and the fastest
+# cap's rounds overlap. Read the bars with those lines: where they say "beyond the noise", the bucket size
+# matters on that link; where they say "within the noise", this run cannot tell the caps apart.
+#
+# What to look for on the slow link: where the wire takes about as long as backward, it helps when it starts
+# early, and PyTorch's big second bucket (the rest of the model, under its 25 MiB cap) leaves it idle until
+# backward ends, so small buckets win by up to the time backward takes. That needs a core free to move the bytes
+# while backward computes: the link is TCP through the kernel, copied by the same cores that train, so on a
+# machine whose cores are busy with other work (the stored run's was: see its `machine` line) the wire waits
+# for the CPU whatever the layout, and the caps come out within the noise of one another. The overlap
+# benchmark's recorded run on a quiet machine (the docs' benchmarks page, "The step against the floor", 26 MB at
+# 2.5 Gbit/s) shows the effect clearly: PyTorch's 25 MiB layout pays far more over the floor than 1 MiB buckets
+# there. On the fast link the allreduce is short and costs CPU that this 2-core machine also needs for backward,
+# so the caps differ little. `auto` picks a cap from its measurements on every rank alike; the
+# choice, with the prediction for every candidate, is in `model.reducer.get_logging_data()["auto_bucket_cap"]`.
+# Across a network, `model._register_fused_optim(optim.SGD, lr=...)` also moves the optimizer's update into the
+# overlap: each bucket's parameters are updated as soon as it is reduced (the docs' benchmarks page measures it).
 #
 # The overlap benchmark (`benchmarks/bench_overlap.py`) measures the same on a 26 MB model at three link
 # rates, both twins, with and without `gradient_as_bucket_view`; the docs' benchmarks page shows its table.

@@ -9,7 +9,8 @@ prints each problem and exits 1 if there is one. The rules:
   recorded run by ``_scripts/make_flow_figures.py`` (an image named after a file of ``docs/_generated/flows``);
 - nothing scrolls sideways in a 1280 px wide window: no code block (diagram, shell, text, Python written for the
   page, a tutorial's cell) and no table is wider than the content column, and no flow figure is drawn wider
-  than the column (:data:`COLUMN_PT`). Cell outputs wrap (the site's ``_static/distlab.css``), and so does code
+  than the column (:data:`COLUMN_PT`). Cell outputs and snippets' outputs wrap (the site's
+  ``_static/distlab.css``), and so does code
   quoted from the sources (``literalinclude`` and docstrings, class ``quoted``, see ``conf.py``), which keeps
   its 120 columns: their wrapped lines are counted and printed, not failed.
 
@@ -150,7 +151,7 @@ class _Parser(HTMLParser):
         self._bold = 0  # open <th>, <strong>, <b> elements
 
     def _in_output(self) -> bool:
-        return any("cell_output" in classes for classes in self._divs)
+        return any("cell_output" in classes or "snippet-output" in classes for classes in self._divs)
 
     def _language(self) -> str:
         for classes in reversed(self._divs):
