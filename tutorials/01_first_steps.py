@@ -108,7 +108,7 @@ print(distlab.run(async_demo, np=2))      # the average of 1 and 2, on both rank
 #
 # The most common failure of a distributed job is a hang: one rank skips a collective, and the others wait
 # forever, saying nothing. In distlab every wait has a timeout (`DISTLAB_TIMEOUT`, 300 s by default; here we
-# give the group half a second), and the error names the ranks that did not arrive. It knows because every rank
+# give the group's waits half a second once it is set up), and the error names the ranks that did not arrive. It knows because every rank
 # posts the last collective it entered in a small shared-memory board that the others can read without its help.
 #
 # Below, rank 1 is "busy elsewhere" and never enters the allreduce. Rank 0 catches the error and returns it.
@@ -121,7 +121,8 @@ def timeout_demo():
     from distlab import comm
     from distlab.errors import DistTimeoutError
 
-    pg = comm.ProcessGroup(timeout=0.5, name="demo")
+    pg = comm.ProcessGroup(name="demo")  # set up with the default timeout
+    pg.timeout = 0.5                      # then every wait of this group: half a second
     pg.barrier()
     if pg.rank == 1:
         time.sleep(1.0)                       # never calls the allreduce

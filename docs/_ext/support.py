@@ -89,7 +89,7 @@ def test_pages(data: dict) -> dict[str, str]:
     """``docs/tests/<stem>.md`` contents: each named test's source under its anchor."""
     pages = {}
     for path, names in sorted(named_tests(data).items()):
-        lines = [f"# `{path}`", "",
+        lines = ["---", "orphan: true", "---", "", f"# `{path}`", "",
                  f"The tests of `{path}` that the {{ref}}`support table <support-table>` names, quoted from the "
                  "repository. Run one with `.venv/bin/python -P -m pytest -q "
                  f"{path}::NAME`.", ""]
