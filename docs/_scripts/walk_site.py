@@ -21,7 +21,7 @@ measures it in the browser (``--dump-dom``). Per page it checks the eight ways a
    test page that exists, and no cell of DDP or Join says "not implemented" for CUDA IPC.
 6. **Present tense.** No "the day's other", "used to", "(before", "predate", "earlier rule" outside the
    changelog.
-7. **Layout.** A wrapped line of a wrapping block continues further in than its line starts (a hanging indent);
+7. **Layout.** No code block scrolls sideways; a wrapped line of a wrapping block continues further in than its line starts (a hanging indent);
    on a page taller than three screens the page's contents are visible beside the text; the index's first
    block is whole commands and whole comments.
 8. **The DDP port.** ``coming-from`` shows a torch script and its distlab port side by side, the port run.
@@ -56,7 +56,7 @@ window.addEventListener("load", () => {
     const note = snippet ? snippet.querySelector("p.snippet-note") : null;
     const visible = note ? (note.offsetHeight > 0 && getComputedStyle(note).visibility !== "hidden") : false;
     out.blocks.push({classes: kinds, text: pre.innerText.slice(0, 400), note: note ? note.innerText : null,
-                     note_visible: visible});
+                     note_visible: visible, scroll: pre.scrollWidth, client: pre.clientWidth});
   });
   article.querySelectorAll("pre span.line").forEach((line) => {
     const range = document.createRange();
@@ -130,6 +130,9 @@ def block_problems(name: str, page: dict) -> list[str]:
     found = []
     for block in page["blocks"]:
         classes = set(block["classes"])
+        if block["scroll"] > block["client"] + 1:
+            found.append(f"{name}: a code block scrolls sideways ({block['scroll']} > {block['client']} px): "
+                         f"{block['text'][:50]!r}")
         if "snippet-code" in classes or "snippet-output" in classes:
             if not block["note"] or not block["note_visible"]:
                 found.append(f"{name}: a snippet without a visible note: {block['text'][:50]!r}")
