@@ -9,7 +9,6 @@ from recorded runs by _scripts/make_flow_figures.py, again only when its inputs 
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -108,16 +107,6 @@ if os.environ.get("DISTLAB_LINKCHECK_OFFLINE"):
 suppress_warnings = ["myst.header"]
 
 
-def sources_hash(*folders: str) -> str:
-    """A hash of the Python sources under ``folders`` (relative to the repository): what executed code depends on."""
-    digest = hashlib.sha256()
-    for folder in folders:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            digest.update(str(path.relative_to(ROOT)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _convert_tutorials() -> None:
     """Write docs/tutorials/<name>.ipynb from each ../tutorials/<name>.py (jupytext percent format).
 
@@ -134,7 +123,7 @@ def _convert_tutorials() -> None:
     for stale in out_dir.glob("*.ipynb"):
         if stale.name not in wanted:
             stale.unlink()
-    stamp = f"# distlab sources {sources_hash('src', 'reference')} (a docs build stamp; not shown)"
+    stamp = f"# distlab sources {snippets.sources_hash(('src', 'reference'))} (a docs build stamp; not shown)"
     for src in sources:
         target = out_dir / (src.stem + ".ipynb")
         notebook = jupytext.read(src, fmt="py:percent")

@@ -252,3 +252,121 @@ def test_getting_started_shows_what_make_demo_prints():
     shown = [line.replace("$(VENV)", ".venv").replace("$(NP)", "2").replace("\\\"", "\"") for line in echoed]
     assert len(shown) >= 15
     assert [line for line in shown if line not in page] == []
+
+
+def _ext(name):
+    spec = importlib.util.spec_from_file_location(f"_docs_{name}", DOCS / "_ext" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parts[len(DOCS.parts)] not in ("_build", "tests", "_generated")
+               and p.name != "README.md")
+
+
+def test_every_measured_figure_of_the_pages_comes_from_a_record():
+    figures = _ext("figures")
+    typed = [f"{page.relative_to(DOCS)}:{line}: {figure}" for page in PAGES
+             for line, figure in figures.hand_typed_figures(page.read_text())]
+    assert typed == []
+
+
+def test_a_figure_typed_by_hand_is_found_where_a_reader_sees_it():
+    figures = _ext("figures")
+    page = "\n".join([
+        "The step takes 12.5 ms, 1.4x the floor.",                      # 1: two figures
+        "It takes {{ bench_x.figures.step }} (`5 ms` in code is not).",  # 2: none
+        "```python",
+        "time.sleep(0.5)  # 3 ms",                                       # 4: inside a fence
+        "```",
+        "| size | raw | distlab |",
+        "| --- | --- | --- |",
+        "| 4 KiB | 5.9 | 7.7 |",                                         # 8: decimals of a table
+        "A 3 s timeout fires after 800 ms. <!-- not measured: the example's timeout -->",
+        "NCCL 2.30 and 100 x Linear(256, 256)",                          # 10: a version, a count
+    ])
+    assert figures.hand_typed_figures(page) == [(1, "12.5 ms"), (1, "1.4x"), (8, "5.9"), (8, "7.7")]
+
+
+def test_every_figure_a_page_quotes_is_in_its_record():
+    # what the build does with StrictUndefined: a name the record lacks (a figure that no run measured) fails
+    jinja2 = pytest.importorskip("jinja2")
+    figures = _ext("figures")
+    records = figures.load()
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    missing = []
+    for page in PAGES:
+        for expression in re.findall(r"\{\{(.*?)\}\}", page.read_text(), flags=re.S):
+            try:
+                env.from_string("{{" + expression + "}}").render(records)
+            except jinja2.exceptions.UndefinedError as exc:
+                missing.append(f"{page.relative_to(DOCS)}: {expression.strip()[:60]}: {exc}")
+    assert missing == []
+    with pytest.raises(jinja2.exceptions.UndefinedError):
+        env.from_string("{{ bench_reducer.figures.no_such_figure }}").render(records)
+
+
+def test_a_record_table_shows_its_units_and_gives_its_cells_by_name():
+    figures = _ext("figures")
+    record = figures.prepare({"tables": {"t": {"columns": ["link", "step [ms]", "over floor [x]"],
+                                               "rows": [["1 Gbit/s", 34.5, 1.06], ["one host", "33.9 ms", 1.4]]}}})
+    assert record["md"]["t"].splitlines() == ["| link | step | over floor |", "| --- | --- | --- |",
+                                              "| 1 Gbit/s | 34.5 ms | 1.06x |", "| one host | 33.9 ms | 1.4x |"]
+    assert record["rows"]["t"]["1 Gbit/s"]["step"] == "34.5 ms"
+    assert record["num"]["t"]["one host"]["step"] == 33.9
+
+
+SNIPPET_PAGE = """# A page
+
+```{snippet} python
+raise SystemExit("the snippet fails")
+```
+
+It takes 12 ms, typed by hand, and {{ bench_reducer.figures.no_such_figure }}.
+
+```python
+print("a plain block")
+```
+
+```{snippet} sh
+:no-run: needs a GPU
+
+make gpu-check
+```
+
+```{snippet} python
+:ranks: 2
+
+import os
+print("rank", os.environ["RANK"])
+```
+"""
+
+
+def test_make_docs_fails_on_a_snippet_that_raises_a_figure_typed_by_hand_and_one_its_record_lacks(tmp_path):
+    pytest.importorskip("sphinx")
+    pytest.importorskip("myst_parser")
+    import subprocess
+
+    (tmp_path / "index.md").write_text(SNIPPET_PAGE)
+    (tmp_path / "conf.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(DOCS / '_ext')!r})\n"
+        "import figures, snippets\n"
+        "extensions = ['myst_parser', 'snippets', 'figures']\n"
+        "myst_enable_extensions = ['substitution']\n"
+        "myst_substitutions = figures.load()\n"
+        "snippet_sources_stamp = 'test'\n")
+    env = {**__import__("os").environ, "DISTLAB_IMPL": "reference"}
+    done = subprocess.run([sys.executable, "-P", "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                           "-d", str(tmp_path / "doctrees"), str(tmp_path), str(tmp_path / "html")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "exited 1, not 0" in done.stderr and "the snippet fails" in done.stderr
+    assert "a measured figure typed by hand: '12 ms'" in done.stderr
+    assert "no_such_figure" in done.stderr
+    assert "a python code block that neither runs nor says why not" in done.stderr
+    html = (tmp_path / "html" / "index.html").read_text()
+    assert "Not run when the docs are built: needs a GPU." in html
+    assert "[0] rank 0" in html and "[1] rank 1" in html

@@ -33,10 +33,6 @@ import json
 import re
 from pathlib import Path
 
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
-
 DOCS = Path(__file__).resolve().parent.parent
 DATA = DOCS / "_data"
 _UNIT = re.compile(r"^(?P<name>.*?)\s*\[(?P<unit>[^\]]+)\]$")
@@ -161,6 +157,9 @@ def hand_typed_figures(markdown: str) -> list[tuple[int, str]]:
 
 def check_sources(app, docname, source) -> None:
     """``source-read``: a page with a hand-typed figure fails the build (``-W``), naming the line."""
+    from sphinx.util import logging  # here, so that the rule itself imports without Sphinx (the tests use it)
+
+    logger = logging.getLogger(__name__)
     if not app.env.doc2path(docname).suffix == ".md":
         return
     for line, figure in hand_typed_figures(source[0]):
