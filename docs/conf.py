@@ -156,6 +156,11 @@ if hasattr(KernelManager, "transport_encryption") and zmq.has("curve"):
 # Before Sphinx looks for source files.
 _convert_tutorials()
 support.write(DOCS)
+# The pages' snippets whose results are not cached, a few at a time (DISTLAB_DOCS_JOBS, default 2) rather than
+# one by one as Sphinx reads the pages.
+_ran = snippets.prerun(DOCS, snippet_sources_stamp, int(os.environ.get("DISTLAB_DOCS_JOBS", "2")))
+if _ran:
+    print(f"docs/conf.py: ran {_ran} snippets of the pages")
 _draw_flow_figures()
 
 _STAR = re.compile(r"(?<![\\*])\*(?=[A-Za-z_])")

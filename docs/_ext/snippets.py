@@ -159,12 +159,16 @@ def run_snippet(language: str, code: str, ranks: int | None, timeout: int, env: 
     return {"returncode": returncode, "output": group_by_rank(output.rstrip()) if ranks else output.rstrip()}
 
 
-def cached_run(language: str, code: str, ranks: int | None, timeout: int, env: dict[str, str],
-               stamp: str) -> dict:
+def cache_path(language: str, code: str, ranks: int | None, timeout: int, env: dict[str, str], stamp: str) -> Path:
     key = hashlib.sha256(json.dumps([language, code, ranks, timeout, sorted(env.items()), stamp,
                                      os.environ.get("DISTLAB_IMPL"), os.environ.get("DISTLAB_TIMEOUT")])
                          .encode()).hexdigest()[:24]
-    path = CACHE / f"{key}.json"
+    return CACHE / f"{key}.json"
+
+
+def cached_run(language: str, code: str, ranks: int | None, timeout: int, env: dict[str, str],
+               stamp: str) -> dict:
+    path = cache_path(language, code, ranks, timeout, env, stamp)
     if path.exists():
         return json.loads(path.read_text())
     result = run_snippet(language, code, ranks, timeout, env)
@@ -172,6 +176,56 @@ def cached_run(language: str, code: str, ranks: int | None, timeout: int, env: d
         CACHE.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
     return result
+
+
+_OPENING = re.compile(r"^(`{3,})\{snippet\}\s+(\w+)\s*$")
+_OPTION = re.compile(r"^:([\w-]+):\s*(.*)$")
+
+
+def snippets_of(markdown: str) -> list[tuple[str, dict, str]]:
+    """The snippets of a page's source, as the directive reads them: (language, options, code)."""
+    found, lines, i = [], markdown.splitlines(), 0
+    while i < len(lines):
+        opening = _OPENING.match(lines[i])
+        i += 1
+        if not opening:
+            continue
+        fence, language, options, body = opening.group(1), opening.group(2), {}, []
+        while i < len(lines) and _OPTION.match(lines[i]):
+            name, value = _OPTION.match(lines[i]).groups()
+            options[name], i = value, i + 1
+        if options and i < len(lines) and not lines[i].strip():
+            i += 1
+        while i < len(lines) and lines[i].rstrip() != fence:
+            body.append(lines[i])
+            i += 1
+        found.append((language, options, "\n".join(body) + "\n"))
+    return found
+
+
+def prerun(docs: Path, stamp: str, workers: int) -> int:
+    """Run every snippet of the pages whose result is not cached yet, ``workers`` at a time, before Sphinx reads
+    the pages one by one (the directive then finds each result cached). Returns how many ran."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = []
+    for page in sorted(docs.rglob("*.md")):
+        if page.parts[len(docs.parts)].startswith("_") or page.name == "README.md":
+            continue
+        for language, options, code in snippets_of(page.read_text()):
+            if "no-run" in options or language not in ("python", "sh"):
+                continue
+            if any(importlib.util.find_spec(name) is None for name in options.get("requires", "").split()):
+                continue
+            ranks = int(options["ranks"]) if "ranks" in options else None
+            timeout = int(options.get("timeout", DEFAULT_TIMEOUT))
+            env = parse_env(options.get("env"))
+            if not cache_path(language, code, ranks, timeout, env, stamp).exists():
+                todo.append((language, code, ranks, timeout, env, stamp))
+    if todo:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(lambda args: cached_run(*args), todo))
+    return len(todo)
 
 
 class snippet_note(nodes.paragraph):
