@@ -86,26 +86,41 @@ window.addEventListener("load", () => {
 """
 
 
-def measure(site: Path, width: int = 1280, browser: str = "chromium") -> dict[str, dict]:
-    """Every page's measured blocks, tables, code font and column width, keyed by the page's path."""
+#: How Chromium runs: headless, no sandbox (root), nothing fetched or synced, a fresh profile each page.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def probe_pages(site: Path, probe: str, marker: str, width: int = 1280, browser: str = "chromium",
+                skip=()) -> dict[str, dict]:
+    """Load every page of a copy of ``site`` in headless Chromium with ``probe`` (a ``<script>`` that writes JSON
+    into ``<pre id="marker">`` once the page has laid out) added to it; each page's JSON, by the page's path."""
     results = {}
-    with tempfile.TemporaryDirectory(prefix="distlab-measure-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="distlab-probe-") as tmp:
         copy = Path(tmp) / "html"
         shutil.copytree(site, copy)
-        pages = sorted(p for p in copy.rglob("*.html") if not p.relative_to(copy).parts[0].startswith("_"))
+        pages = sorted(p for p in copy.rglob("*.html")
+                       if not p.relative_to(copy).parts[0].startswith("_") and p.name not in skip)
         for page in pages:
             text = page.read_text(errors="replace")
-            page.write_text(text.replace("</body>", _PROBE + "</body>", 1))
+            page.write_text(text.replace("</body>", probe + "</body>", 1))
+            profile = Path(tmp) / "profile"
+            shutil.rmtree(profile, ignore_errors=True)
             done = subprocess.run(
-                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=5000",
                  f"--window-size={width},1000", "--dump-dom", page.as_uri()],
                 capture_output=True, text=True, timeout=120)
-            found = re.search(r'<pre id="measured">(.*?)</pre>', done.stdout, flags=re.S)
+            found = re.search(rf'<pre id="{marker}">(.*?)</pre>', done.stdout, flags=re.S)
             if not found:
-                raise RuntimeError(f"{page.name}: no measurement in Chromium's output:\n{done.stderr[-2000:]}")
+                raise RuntimeError(f"{page.name}: nothing measured in Chromium's output:\n{done.stderr[-2000:]}")
             raw = found.group(1).replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"')
             results[str(page.relative_to(copy))] = json.loads(raw.replace("&amp;", "&"))
     return results
+
+
+def measure(site: Path, width: int = 1280, browser: str = "chromium") -> dict[str, dict]:
+    """Every page's measured blocks, tables, code font and column width, keyed by the page's path."""
+    return probe_pages(site, _PROBE, "measured", width, browser)
 
 
 def main() -> int:

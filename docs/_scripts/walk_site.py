@@ -32,16 +32,11 @@ It prints each problem and ``walk_site: N problems in M pages``; the exit status
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+from measure_pages import probe_pages  # the same folder: Chromium's start-up and the page's probe
 
 _PROBE = r"""
 <script>
@@ -105,25 +100,7 @@ HISTORY = {"changelog.html", "genindex.html", "py-modindex.html", "search.html"}
 
 
 def load(site: Path, width: int, browser: str) -> dict[str, dict]:
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="distlab-walk-") as tmp:
-        copy = Path(tmp) / "html"
-        shutil.copytree(site, copy)
-        pages = sorted(p for p in copy.rglob("*.html")
-                       if not p.relative_to(copy).parts[0].startswith("_") and p.name not in HISTORY - {"changelog.html"})
-        for page in pages:
-            page.write_text(page.read_text(errors="replace").replace("</body>", _PROBE + "</body>", 1))
-            profile = Path(tmp) / "profile"
-            shutil.rmtree(profile, ignore_errors=True)
-            done = subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                                   "--virtual-time-budget=5000", f"--window-size={width},1000", "--dump-dom",
-                                   page.as_uri()], capture_output=True, text=True, timeout=120)
-            found = re.search(r'<pre id="walked">(.*?)</pre>', done.stdout, flags=re.S)
-            if not found:
-                raise RuntimeError(f"{page.name}: nothing measured in Chromium's output:\n{done.stderr[-2000:]}")
-            raw = found.group(1).replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"')
-            results[str(page.relative_to(copy))] = json.loads(raw.replace("&amp;", "&"))
-    return results
+    return probe_pages(site, _PROBE, "walked", width, browser, skip=HISTORY - {"changelog.html"})
 
 
 def block_problems(name: str, page: dict) -> list[str]:
