@@ -16,8 +16,8 @@ and the build runs it: a ``python`` snippet as a script, on ``:ranks:`` ranks th
 ``sh`` snippet with ``bash -e``; both in a scratch folder that links the repository's top-level entries (so
 ``python -m distlab run -n 2 examples/train_ddp.py`` works as from the repository root, and what a snippet
 writes stays out of the checkout). The page then shows the code, a line saying how it ran, and the output it
-printed (``:hide-output:`` drops the output; output lines prefixed ``[N]`` by the launcher are grouped by rank,
-each rank's lines in the order printed). A snippet that exits with a status other than ``:returncode:`` (0 by
+printed (``:hide-output:`` drops the output; lines prefixed ``[N]`` by the launcher are grouped by rank between
+two of the launcher's own lines, each rank's in the order printed). A snippet that exits with a status other than ``:returncode:`` (0 by
 default) or outlasts ``:timeout:`` seconds (60 by default) fails the build, with its output.
 
 ``:requires: torch`` runs a snippet only where the named modules import, and says so where they do not.
@@ -97,14 +97,19 @@ def parse_env(text: str | None) -> dict[str, str]:
 
 
 def group_by_rank(output: str) -> str:
-    """The launcher's lines (``[N] ...``) grouped by rank, each rank's in the order printed; other lines (the
-    launcher's own) keep their place after them."""
-    ranked, other = [], []
-    for line in output.splitlines():
-        found = _RANK_LINE.match(line)
-        (ranked if found else other).append((int(found.group(1)) if found else 0, line))
-    ranked.sort(key=lambda item: item[0])  # stable: a rank's lines keep their order
-    return "\n".join(line for _, line in ranked + other)
+    """The ranks' lines (``[N] ...``) grouped by rank, each rank's in the order printed, between two of the
+    launcher's own lines: those keep their place, so a restart's lines stay on their side of it."""
+    out, run = [], []
+    for line in output.splitlines() + [None]:
+        found = _RANK_LINE.match(line) if line is not None else None
+        if found:
+            run.append((int(found.group(1)), line))
+            continue
+        out += [text for _, text in sorted(run, key=lambda item: item[0])]  # stable within a rank
+        run = []
+        if line is not None:
+            out.append(line)
+    return "\n".join(out)
 
 
 def command_for(language: str, ranks: int | None, timeout: int) -> list[str]:
