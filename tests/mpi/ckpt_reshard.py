@@ -2,7 +2,8 @@
 
 save (4 ranks), on numpy and on the device stand-in:
 1. DDP + Adam after 3 steps, through get_state_dict: each replicated array is written once (one chunk each).
-2. DDP + ZeroRedundancyOptimizer(Adam) after 3 steps: each parameter's state is written by its owner.
+2. DDP + ZeroRedundancyOptimizer(Adam) after 3 steps: each parameter's state is written by its owner, through
+   async_save while two more steps train (the checkpoint holds step 3, not what the steps wrote meanwhile).
 3. a sharded module built by hand (dimension-0 blocks by torch's chunk rule, uneven, some ranks empty) with SGD
    momentum: get_state_dict wraps the momentum into ShardedArrays of the parameter's global shape and offsets.
 4. (numpy) the Horovod-style DistributedOptimizer(Adam) after 3 steps.
@@ -130,8 +131,10 @@ def save_all(device):
     model_sd, optim_sd = checkpoint.get_state_dict(zddp, zero)
     owned = {name for name, s in optim_sd["state"].items() if s}
     assert len(owned) < len(list(zddp.parameters())), owned  # a shard only
-    checkpoint.save({"model": model_sd, "optim": optim_sd}, directory / f"zero-{device}")
     zero_reference = whole_state(zddp, zero)
+    future = checkpoint.async_save({"model": model_sd, "optim": optim_sd}, directory / f"zero-{device}")
+    train(zddp, zero, device, 2, start=3)  # the arrays change while the files are written: the save holds step 3
+    assert future.wait(120)["generation"] == 1
 
     toy = ShardedToy(device)
     sgd = optim.SGD(toy.parameters(), lr=0.5, momentum=0.9)
