@@ -15,7 +15,7 @@ from libc.string cimport memcpy
 from distlab._common import rpc_framing as _shared
 from distlab._common.rpc_framing import (bad_batch, bad_buffer_size, bad_control, bad_counts, bad_device,
                                          bad_devices, bad_flags, bad_fork_record, bad_magic, bad_pickle,
-                                         bad_reserved, bad_version, buffer_count, short_message, too_short,
+                                         bad_slot, bad_slot_number, bad_version, buffer_count, short_message, too_short,
                                          unknown_kind, with_sizes)
 from distlab._wire import RFD_TUPLE_SIZE, RPC_WIRE_MAGIC
 from distlab.errors import RpcMessageError
@@ -23,7 +23,8 @@ from distlab.errors import RpcMessageError
 __all__ = ["pack_header", "unpack_header", "unpack_devices", "pack_batch", "split_batch", "check_pickle"]
 
 cdef enum:
-    VERSION = 3
+    VERSION = 4
+    MAX_SLOT = 255
     MAX_BUFFERS = 65536
     MAX_FORKS = 65536
     MAX_DEVICES = 65536
@@ -59,9 +60,9 @@ cdef enum:
 # Sizes are read from the shared module (the header layout is the struct there); the codes are asserted equal.
 cdef Py_ssize_t HEADER_SIZE = _shared.HEADER.size
 cdef Py_ssize_t FORK_INTS = RFD_TUPLE_SIZE
-assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, MAX_DEVICES, FLAG_DEVICES, HOST_DEVICE) == (
+assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, MAX_DEVICES, FLAG_DEVICES, HOST_DEVICE, MAX_SLOT) == (
     _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS, _shared.MAX_DEVICES,
-    _shared.FLAG_DEVICES, _shared.HOST_DEVICE)
+    _shared.FLAG_DEVICES, _shared.HOST_DEVICE, _shared.MAX_SLOT)
 assert (OP_UNKNOWN, OP_PLAIN, OP_STOP, OP_FIXED1, OP_FIXED2, OP_FIXED4, OP_FIXED8, OP_COUNT1, OP_COUNT4, OP_COUNT8,
         OP_LINE, OP_LINE2, OP_PUT_LINE, OP_PUT4, OP_FRAME, OP_NEXT_BUFFER) == (
     _shared.OP_UNKNOWN, _shared.OP_PLAIN, _shared.OP_STOP, _shared.OP_FIXED1, _shared.OP_FIXED2, _shared.OP_FIXED4,
@@ -78,11 +79,13 @@ for _code in range(256):
 cdef uint8_t MAGIC0 = RPC_WIRE_MAGIC[0], MAGIC1 = RPC_WIRE_MAGIC[1]
 
 
-def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body, devices=()):
+def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body, devices=(), int slot=0):
     """See :func:`distlab.reference.rpc_framing.pack_header`."""
     cdef Py_buffer meta_b, body_b
     cdef Py_ssize_t nbuf = len(sizes), nforks = len(forks), i, at, ndev = len(devices)
     cdef uint8_t* p
+    if not 0 <= slot <= MAX_SLOT:
+        raise bad_slot_number(slot)
     if ndev:
         if ndev != nbuf:
             raise bad_devices(devices, nbuf)
@@ -94,7 +97,7 @@ def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body, devi
             at = HEADER_SIZE + 8 * (nbuf + ndev) + 8 * FORK_INTS * nforks
             out = PyBytes_FromStringAndSize(NULL, at + meta_b.len + body_b.len)
             p = <uint8_t*>PyBytes_AS_STRING(out)
-            p[0], p[1], p[2], p[3] = MAGIC0, MAGIC1, VERSION, 0
+            p[0], p[1], p[2], p[3] = MAGIC0, MAGIC1, VERSION, <uint8_t>slot
             _put(p + 4, kind, 4)
             _put(p + 8, flags, 4)
             _put(p + 12, mid, 8)
@@ -127,10 +130,11 @@ def unpack_header(data, int64_t max_bytes):
     PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
     try:
         kind, flags, mid, sizes, forks, meta_at, body_at = _parse_header(<const uint8_t*>b.buf, b.len, max_bytes)
+        slot = (<const uint8_t*>b.buf)[3]
     finally:
         PyBuffer_Release(&b)
     view = memoryview(data)
-    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
+    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:], slot
 
 
 def unpack_devices(data):
@@ -226,11 +230,11 @@ cdef tuple _parse_header(const uint8_t* v, Py_ssize_t n, int64_t max_bytes):
     kind, flags, mid = <int32_t>_get(v + 4, 4), <int32_t>_get(v + 8, 4), <int64_t>_get(v + 12, 8)
     if v[2] != VERSION:
         raise bad_version(v[2], kind, flags, mid)
-    if v[3] != 0:
-        raise bad_reserved(v[3], kind, flags, mid)
     if kind < 0 or NUM_KINDS <= kind < USER_KIND_BASE:
         raise unknown_kind(kind, flags, mid)
     control = kind == K_STOP or kind == K_WAKE or kind == K_BATCH
+    if v[3] and (control or kind == K_RESPONSE):
+        raise bad_slot(v[3], kind, flags, mid)
     allowed = RESPONSE_FLAGS if kind == K_RESPONSE else (0 if control else REQUEST_FLAGS)
     if flags & ~allowed:
         raise bad_flags(kind, flags, mid)

@@ -3,8 +3,8 @@
 Twinned with ``core/_rpc_framing.pyx``. :mod:`distlab.rpc.framing` uses the active twin for every message it
 packs and parses; what it means is explained there. The header message is::
 
-    fixed header      HEADER (distlab._wire.RPC_HEADER_FORMAT): magic b"dR", wire version, reserved (0),
-                      kind, flags, message id, nbuf, nforks, nmeta
+    fixed header      HEADER (distlab._wire.RPC_HEADER_FORMAT): magic b"dR", wire version, reply slot (a
+                      request's, else 0), kind, flags, message id, nbuf, nforks, nmeta
     int64 * nbuf      byte size of each out-of-band buffer (they follow as MPI messages of their own)
     int64 * nbuf      only with FLAG_DEVICES: the device each buffer lands on at the receiver (HOST_DEVICE: host)
     int64 * 6 * nforks  RRef fork records (distlab._wire.RFD_TUPLE_SIZE ints each)
@@ -32,7 +32,7 @@ import struct
 from distlab._common import rpc_framing as shared
 from distlab._common.rpc_framing import (FLAG_DEVICES, FORK_RECORD_BYTES, FRAME_LEN, HEADER, HOST_DEVICE, K_BATCH,
                                          K_RESPONSE, K_STOP, K_WAKE, MAGIC, MAX_BUFFERS, MAX_DEVICES, MAX_FORKS,
-                                         MAX_PUT_DIGITS, NUM_KINDS,
+                                         MAX_PUT_DIGITS, MAX_SLOT, NUM_KINDS,
                                          OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1, OP_FIXED2,
                                          OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_NEXT_BUFFER,
                                          OP_PLAIN, OP_PUT4, OP_PUT_LINE, OP_STOP, REQUEST_FLAGS, RESPONSE_FLAGS,
@@ -47,13 +47,17 @@ _FIXED = {OP_FIXED1: 1, OP_FIXED2: 2, OP_FIXED4: 4, OP_FIXED8: 8}
 _COUNT_WIDTH = {OP_COUNT1: 1, OP_COUNT4: 4, OP_COUNT8: 8, OP_FRAME: 8}
 
 
-def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body, devices=()) -> bytes:
+def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body, devices=(), slot: int = 0) -> bytes:
     """The header message: fixed header, buffer sizes, device records, fork records, metadata bytes, body.
 
     ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body
     (a tuple that is not ``RFD_TUPLE_SIZE`` ints is a ValueError); ``devices``, when not empty, one device index
-    per buffer (where the receiver rebuilds it; ``HOST_DEVICE`` for host memory): it sets ``FLAG_DEVICES``.
+    per buffer (where the receiver rebuilds it; ``HOST_DEVICE`` for host memory): it sets ``FLAG_DEVICES``;
+    ``slot``, a request's reply slot (0 to 255; 0: the reply goes to the caller's listener, else to the thread
+    that waits for it, on its own tag).
     """
+    if not 0 <= slot <= MAX_SLOT:
+        raise shared.bad_slot_number(slot)
     for fork in forks:
         if len(fork) != RFD_TUPLE_SIZE:
             raise shared.bad_fork_record(fork)
@@ -61,7 +65,7 @@ def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body
         if len(devices) != len(sizes):
             raise shared.bad_devices(devices, len(sizes))
         flags |= FLAG_DEVICES  # mirrors tensorpipe's message descriptor: each tensor names its target device
-    fixed = HEADER.pack(MAGIC, VERSION, 0, kind, flags, mid, len(sizes), len(forks), len(meta))
+    fixed = HEADER.pack(MAGIC, VERSION, slot, kind, flags, mid, len(sizes), len(forks), len(meta))
     sizes_bytes = struct.pack(f"<{len(sizes)}q", *sizes)
     if devices:
         sizes_bytes += struct.pack(f"<{len(devices)}q", *devices)
@@ -70,11 +74,11 @@ def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body
 
 
 def unpack_header(data, max_bytes: int) -> tuple:
-    """Parse and check a header message; return ``(kind, flags, mid, sizes, forks, meta, body)``.
+    """Parse and check a header message; return ``(kind, flags, mid, sizes, forks, meta, body, slot)``.
 
     ``meta`` and ``body`` are memoryviews into ``data``, still pickled: nothing is unpickled here, and the checks
     come first, in this order (PyTorch's utils.cpp ``deserializeRequest`` too decides the message type before it
-    deserializes anything): wire version, reserved byte, kind, the flags that kind may carry, counts, lengths,
+    deserializes anything): wire version, kind, the reply slot (a request's only), the flags that kind may carry, counts, lengths,
     buffer sizes (``max_bytes`` bounds them together), then the walk of the metadata and of the body
     (:func:`check_pickle`): each exactly one pickle, the metadata taking no out-of-band buffer and the body
     exactly ``nbuf``. stop, wake and batch messages carry no buffers, forks, metadata or flags (stop and wake no
@@ -86,16 +90,16 @@ def unpack_header(data, max_bytes: int) -> tuple:
     n = len(view)
     if n < HEADER.size:
         raise shared.short_message(n)
-    magic, version, reserved, kind, flags, mid, nbuf, nforks, nmeta = HEADER.unpack_from(view, 0)
+    magic, version, slot, kind, flags, mid, nbuf, nforks, nmeta = HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise shared.bad_magic(magic)
     if version != VERSION:
         raise shared.bad_version(version, kind, flags, mid)
-    if reserved != 0:
-        raise shared.bad_reserved(reserved, kind, flags, mid)
     if kind < 0 or NUM_KINDS <= kind < USER_KIND_BASE:
         raise shared.unknown_kind(kind, flags, mid)
     control = kind == K_STOP or kind == K_WAKE or kind == K_BATCH
+    if slot and (control or kind == K_RESPONSE):
+        raise shared.bad_slot(slot, kind, flags, mid)
     allowed = RESPONSE_FLAGS if kind == K_RESPONSE else (0 if control else REQUEST_FLAGS)
     if flags & ~allowed:
         raise shared.bad_flags(kind, flags, mid)
@@ -129,7 +133,7 @@ def unpack_header(data, max_bytes: int) -> tuple:
                 raise shared.with_sizes(shared.buffer_count(part, taken, expected, kind, flags, mid), sizes)
     flat = struct.unpack_from(f"<{RFD_TUPLE_SIZE * nforks}q", view, forks_at)
     forks = [flat[i:i + RFD_TUPLE_SIZE] for i in range(0, len(flat), RFD_TUPLE_SIZE)]
-    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:]
+    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:], slot
 
 
 def unpack_devices(data) -> tuple:
@@ -141,7 +145,7 @@ def unpack_devices(data) -> tuple:
     view = memoryview(data)
     if len(view) < HEADER.size:
         raise shared.short_message(len(view))
-    _magic, _version, _reserved, kind, flags, mid, nbuf, _nforks, _nmeta = HEADER.unpack_from(view, 0)
+    _magic, _version, _slot, kind, flags, mid, nbuf, _nforks, _nmeta = HEADER.unpack_from(view, 0)
     if not flags & FLAG_DEVICES:
         return ()
     if HEADER.size + 16 * nbuf > len(view):

@@ -598,8 +598,8 @@ def a_response_with_a_request_flag(m):
 
 
 @case("rpc_framing", RpcMessageError)
-def a_non_zero_reserved_byte(m):
-    m.unpack_header(_header()[:3] + b"\x01" + _header()[4:], LIMIT)
+def a_reply_slot_on_a_response(m):
+    m.unpack_header(_header(kind=0)[:3] + b"\x01" + _header(kind=0)[4:] + b"\x80\x05N.", LIMIT)
 
 
 @case("rpc_framing", RpcMessageError)
@@ -663,8 +663,25 @@ def a_fork_record_of_five_ints(m):
 
 
 @case("rpc_framing", ValueError)
+def a_reply_slot_beyond_the_last(m):
+    m.pack_header(1, 0, 7, [], [], b"", b"body", (), 256)
+
+
+@case("rpc_framing", ValueError)
 def device_records_not_one_per_buffer(m):
     m.pack_header(1, 0, 7, [8, 8], [], b"", b"body", (0,))
+
+
+@case("rpc_wait", ValueError)
+def a_waiter_polling_for_negative_seconds(m):
+    from mpi4py import MPI
+
+    m.Waiter(MPI.COMM_SELF, -1.0, 0.001)
+
+
+@case("rpc_wait", ValueError)
+def a_seat_taken_over_at_once(m):
+    m.Seat(0, 0.001)
 
 
 @case("rpc_framing", RpcMessageError)

@@ -126,7 +126,7 @@ def test_both_twins_write_and_read_the_device_records_alike():
                                              len(meta))
     assert data[HEADER.size:HEADER.size + 48] == struct.pack("<6q", 16, 8, 4, 0, -1, 3)
     for codec in CODECS.values():
-        kind, flags, mid, sizes, forks, got_meta, got_body = codec.unpack_header(data, 1 << 20)
+        kind, flags, mid, sizes, forks, got_meta, got_body, _slot = codec.unpack_header(data, 1 << 20)
         assert (sizes, bytes(got_meta), bytes(got_body)) == ((16, 8, 4), meta, body)
         assert codec.unpack_devices(data) == (0, HOST_DEVICE, 3)
         assert codec.unpack_devices(codec.pack_header(1, 0, 9, [16], [], b"", b"")) == ()

@@ -25,8 +25,8 @@ TERA_PICKLE = b"\x80\x05\x8e" + (1 << 40).to_bytes(8, "little") + b"."
 
 
 def header(kind=1, flags=0, mid=7, nbuf=0, nforks=0, nmeta=0, magic=RPC_WIRE_MAGIC, version=RPC_WIRE_VERSION,
-           reserved=0):
-    return HEADER.pack(magic, version, reserved, kind, flags, mid, nbuf, nforks, nmeta)
+           slot=0):
+    return HEADER.pack(magic, version, slot, kind, flags, mid, nbuf, nforks, nmeta)
 
 
 def out_of_band(*sizes) -> bytes:
@@ -48,9 +48,9 @@ def test_header_round_trip_with_meta_and_forks():
     body, buffers, forks = framing.dumps({"a": np.arange(1000, dtype=np.float64), "b": np.ones(3)})
     assert len(buffers) == 1 and buffers[0].nbytes == 8000   # the big array is out-of-band, the tiny one not
     assert len(body) < 1000                                 # ... and not copied into the pickle bytes
-    data = framing.pack_header(5, framing.FLAG_INLINE, 42, buffers, ("ctx", 7), [(0, 1, 2, 3, 4, 5)], body)
-    kind, flags, mid, sizes, meta, got_forks, got_body = framing.unpack_header(bytearray(data))
-    assert (kind, flags, mid, sizes) == (5, framing.FLAG_INLINE, 42, (8000,))
+    data = framing.pack_header(5, framing.FLAG_INLINE, 42, buffers, ("ctx", 7), [(0, 1, 2, 3, 4, 5)], body, 9)
+    kind, flags, mid, sizes, meta, got_forks, got_body, slot = framing.unpack_header(bytearray(data))
+    assert (kind, flags, mid, sizes, slot) == (5, framing.FLAG_INLINE, 42, (8000,), 9)
     assert framing.load_meta(meta, kind, flags, mid) == ("ctx", 7)   # unpacking unpickled nothing
     assert list(got_forks) == [(0, 1, 2, 3, 4, 5)]
     received = [bytearray(b) for b in buffers]
@@ -60,15 +60,15 @@ def test_header_round_trip_with_meta_and_forks():
 
 def test_twins_write_the_same_bytes_and_read_them_alike():
     meta_in, body_in = pickle.dumps("meta"), out_of_band(1, 0, 5)
-    args = (70, 6, -(2 ** 40), [1, 0, 2 ** 33], [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], meta_in, body_in)
+    args = (70, 6, -(2 ** 40), [1, 0, 2 ** 33], [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], meta_in, body_in, (), 255)
     outputs = {impl: codec.pack_header(*args) for impl, codec in CODECS.items()}
     assert len(set(outputs.values())) == 1
     data = next(iter(outputs.values()))
-    assert data[:HEADER.size] == header(70, 6, -(2 ** 40), 3, 2, len(meta_in))
+    assert data[:HEADER.size] == header(70, 6, -(2 ** 40), 3, 2, len(meta_in), slot=255)
     for codec in CODECS.values():
-        kind, flags, mid, sizes, forks, meta, body = codec.unpack_header(data, 1 << 40)
-        assert (kind, flags, mid, sizes, forks) == (70, 6, -(2 ** 40), (1, 0, 2 ** 33),
-                                                    [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)])
+        kind, flags, mid, sizes, forks, meta, body, slot = codec.unpack_header(data, 1 << 40)
+        assert (kind, flags, mid, sizes, forks, slot) == (70, 6, -(2 ** 40), (1, 0, 2 ** 33),
+                                                          [(0, 1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)], 255)
         assert bytes(meta) == meta_in and bytes(body) == body_in
         frames = [b"one", b"", b"three"]
         assert [bytes(f) for f in codec.split_batch(codec.pack_batch(frames))] == frames
@@ -96,7 +96,8 @@ def test_twins_write_the_same_bytes_and_read_them_alike():
     (header(kind=0, flags=RPC_FLAG_INLINE), "flags 0x2 on a response message .it may carry 0x9 at most"),
     (header(kind=RPC_KIND_CODES["batch"], flags=RPC_FLAG_INLINE), "flags 0x2 on a batch message"),
     (header(kind=70, flags=-1), "flags -0x1 on a request message"),
-    (header(reserved=1), "reserved header byte is 1"),
+    (header(kind=0, slot=1) + pickle.dumps(None), "a response message names reply slot 1 .only a request may"),
+    (header(kind=RPC_KIND_CODES["batch"], slot=3), "a batch message names reply slot 3"),
     (header(version=0, kind=-1), "wire version 0"),                      # the version is checked first
     # fields that disagree with the frame: buffers the body does not take, or takes without the header saying so
     (header(nbuf=1) + struct.pack("<q", 5) + pickle.dumps(None), "payload takes 0 out-of-band buffers but its "
@@ -148,7 +149,7 @@ def test_a_refused_message_runs_none_of_its_pickles(rpc_framing, tmp_path, monke
         assert not marker.exists(), (kind, flags, sizes)
     # a well-formed message of a registered kind (70 here) is unpacked without unpickling anything too: the
     # listener refuses a kind no handler takes before it calls load_meta
-    kind, flags, mid, sizes, got_meta, _forks, got_body = framing.unpack_header(
+    kind, flags, mid, sizes, got_meta, _forks, got_body, _slot = framing.unpack_header(
         rpc_framing.pack_header(70, 0, 9, (), [], meta, body))
     assert not marker.exists()
     framing.load_meta(got_meta, kind, flags, mid).close()   # the trust model: a well-formed pickle runs
@@ -291,7 +292,7 @@ def test_fuzzed_messages_only_raise_message_errors_and_allocate_little(obj, meta
         _, peak = _outcomes(lambda codec: codec.check_pickle(pickled))
         try:  # what the facade does with a message: the codec's checks, then pickle (meta and body)
             tracemalloc.start()
-            kind, flags, mid, sizes, meta_out, _forks, got_body = framing.unpack_header(data)
+            kind, flags, mid, sizes, meta_out, _forks, got_body, _slot = framing.unpack_header(data)
             framing.load_meta(meta_out, kind, flags, mid)
             framing.loads(got_body, [bytearray(s) for s in sizes], checked=True)
         except DistlabError:
@@ -342,12 +343,13 @@ DELTA = mostly(0, -2, -1, 1, 2)
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(obj=objects, kind=KINDS, flags=FLAGS, version=mostly(RPC_WIRE_VERSION, 0, RPC_WIRE_VERSION + 1, 255),
-       reserved=mostly(0, 1, 255), sizes=st.lists(mostly(8, -3, 0, LIMIT // 2), max_size=3), nforks=st.integers(0, 2),
+       slot=mostly(0, 1, 255), sizes=st.lists(mostly(8, -3, 0, LIMIT // 2), max_size=3), nforks=st.integers(0, 2),
        deltas=st.tuples(DELTA, DELTA, DELTA), taken=mostly(0, -1, 1), with_meta=st.booleans(),
        with_body=mostly(True, False))
-def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind, flags, version, reserved, sizes,
+def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind, flags, version, slot, sizes,
                                                                       nforks, deltas, taken, with_meta, with_body):
-    """Headers whose kind is unknown, whose flags the kind does not take, whose version or reserved byte is wrong,
+    """Headers whose kind is unknown, whose flags the kind does not take, whose version is wrong, that name a reply
+    slot on a message other than a request,
     whose counts (buffers, forks, metadata bytes) disagree with the frame, whose sizes are negative or too large,
     or whose body takes another number of out-of-band buffers than announced: both twins give the same outcome,
     only RpcMessageError, exactly the sound messages pass, and a refused message has none of its pickles loaded
@@ -357,7 +359,7 @@ def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind
     body = pickle.dumps([obj, Runs("body")] + [pickle.PickleBuffer(bytearray(1)) for _ in range(nbody)],
                         protocol=5, buffer_callback=lambda b: False) if with_body else b""
     dbuf, dforks, dmeta = deltas
-    data = (HEADER.pack(RPC_WIRE_MAGIC, version, reserved, kind, flags, 3, len(sizes) + dbuf, nforks + dforks,
+    data = (HEADER.pack(RPC_WIRE_MAGIC, version, slot, kind, flags, 3, len(sizes) + dbuf, nforks + dforks,
                         len(meta) + dmeta)
             + struct.pack(f"<{len(sizes)}q", *sizes)
             + (struct.pack(f"<{len(sizes)}q", *[-1] * len(sizes)) if flags & RPC_FLAG_DEVICES else b"")
@@ -366,7 +368,8 @@ def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind
     control = kind in (RPC_KIND_CODES["stop"], RPC_KIND_CODES["wake"], RPC_KIND_CODES["batch"])
     allowed = (0 if control else RPC_FLAG_DEVICES) | (RPC_FLAG_ERROR if kind == 0 else
                                                      (0 if control else RPC_FLAG_INLINE | 4))
-    sound = (version == RPC_WIRE_VERSION and reserved == 0 and (0 <= kind < len(RPC_KINDS) or kind >= 64)
+    sound = (version == RPC_WIRE_VERSION and (slot == 0 or not (control or kind == 0))
+             and (0 <= kind < len(RPC_KINDS) or kind >= 64)
              and not flags & ~allowed and min(sizes, default=0) >= 0 and sum(sizes) <= LIMIT)
     if control:   # no buffers, forks or metadata; stop and wake no body (a batch's body is its frames)
         agrees = not (sizes or nforks or meta or (body and kind != RPC_KIND_CODES["batch"]))
@@ -377,7 +380,7 @@ def test_fuzzed_header_fields_agree_and_a_refused_message_runs_nothing(obj, kind
         previous, framing._codec = framing._codec, codec
         RAN.clear()
         try:
-            kind_, flags_, mid_, sizes_, meta_, _forks, body_ = framing.unpack_header(data)
+            kind_, flags_, mid_, sizes_, meta_, _forks, body_, _slot = framing.unpack_header(data)
         except RpcMessageError:
             assert RAN == [], RAN   # refused: not one of its pickles was loaded
             continue

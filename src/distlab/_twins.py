@@ -21,4 +21,5 @@ TWINS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "autograd_container": (("autograd_context", "autograd_container"), "autograd_container", "_autograd_container"),
     "negotiation": (("messages", "response_cache", "coordinator", "negotiation"), "negotiation", "_negotiation"),
     "rpc_framing": (("rpc_framing",), "rpc_framing", "_rpc_framing"),
+    "rpc_wait": (("rpc_wait",), "rpc_wait", "_rpc_wait"),
 }

@@ -7,7 +7,7 @@ __all__ = ["COLLECTIVE_OPS", "REDUCE_OPS", "REDUCE_OP_CODES", "FINGERPRINT_WORDS
            "FINGERPRINT_VERSION", "RPC_KINDS", "RPC_KIND_CODES", "RPC_USER_KIND_BASE", "RPC_WIRE_MAGIC",
            "RPC_WIRE_VERSION", "RPC_HEADER_FORMAT", "RPC_FLAG_ERROR", "RPC_FLAG_INLINE", "RPC_FLAG_NOREPLY",
            "RPC_FLAG_DEVICES", "RPC_HOST_DEVICE",
-           "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
+           "RPC_TAG_HEADER", "RPC_TAG_BUFFER", "RPC_TAG_REPLY_BASE", "RPC_REPLY_SLOTS", "RFD_TUPLE_SIZE", "RREF_WORKER_ID_BITS",
            "RREF_LOCAL_ID_BITS", "NEGOTIATION_WIRE_VERSION", "REQUEST_MAGIC", "RESPONSE_MAGIC", "FLAG_SHUTDOWN",
            "LIST_FLAGS", "GLOBAL_PROCESS_SET_ID", "NO_GROUP", "VERSION_OFFSET", "LIST_HEADER", "REQUEST_HEAD",
            "RESPONSE_HEAD", "RequestType", "ResponseType", "REQUEST_TYPE_NAMES", "RESPONSE_TYPE_NAMES",
@@ -51,12 +51,13 @@ RPC_KINDS = (
 RPC_KIND_CODES = {name: code for code, name in enumerate(RPC_KINDS)}
 RPC_USER_KIND_BASE = 64
 
-#: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, a reserved byte (0),
-#: kind, flags, message id, number of out-of-band buffers, number of RRef fork records, length of the pickled
-#: metadata. Bump the version whenever the layout changes: a worker refuses messages of another version with a
-#: clear error. Version 3 added the device records (``RPC_FLAG_DEVICES``).
+#: An RPC message (distlab.rpc.framing) starts with this fixed header: magic, wire version, the reply slot (a
+#: request's; 0 on every other message), kind, flags, message id, number of out-of-band buffers, number of RRef
+#: fork records, length of the pickled metadata. Bump the version whenever the layout changes: a worker refuses
+#: messages of another version with a clear error. Version 3 added the device records (``RPC_FLAG_DEVICES``),
+#: version 4 the reply slot (the byte was reserved before).
 RPC_WIRE_MAGIC = b"dR"
-RPC_WIRE_VERSION = 3
+RPC_WIRE_VERSION = 4
 RPC_HEADER_FORMAT = "<2sBBiiqiii"
 RPC_FLAG_ERROR = 1      # response: the body is a remote exception description
 RPC_FLAG_INLINE = 2     # request: cheap, run on the listener thread
@@ -68,6 +69,10 @@ RPC_HOST_DEVICE = -1
 #: MPI tags on the agent's own communicator: header messages, then each out-of-band buffer.
 RPC_TAG_HEADER = 17
 RPC_TAG_BUFFER = 18
+#: A request whose reply slot is ``s`` (1 to RPC_REPLY_SLOTS) is answered on tag ``RPC_TAG_REPLY_BASE + s``, header and
+#: buffers, straight to the thread of the caller that waits for it; slot 0: on RPC_TAG_HEADER, to the listener.
+RPC_TAG_REPLY_BASE = 256
+RPC_REPLY_SLOTS = 255
 
 #: RRef fork data tuple layout (mirrors rref_impl.h RRefForkData, RFD_TUPLE_SIZE):
 #: (owner, rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id, parent)

@@ -32,7 +32,7 @@ try:
 except RpcError as exc:
     assert "already called" in str(exc)
 assert rpc.rpc_sync((rank + 1) % world, add, (rank, 1)) == rank + 1
-# With no traffic the listener leaves MPICH's busy-polling probe (adaptive wait) and costs (almost) no CPU.
+# With no traffic the listener sleeps between its polls and costs (almost) no CPU.
 agent = rpc.get_agent()
 deadline = time.monotonic() + 10
 while not agent._idle:

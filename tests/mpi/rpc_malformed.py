@@ -55,7 +55,7 @@ def errors():
 
 
 def short_buffer_wait(seconds):
-    rpc.get_agent()._transport.buffer_timeout = seconds  # the test does not wait 20 s for a buffer that never comes
+    rpc.get_agent()._messenger.buffer_timeout = seconds  # the test does not wait 20 s for a buffer that never comes
 
 
 def answer_badly(src, payload, meta):

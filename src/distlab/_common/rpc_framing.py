@@ -23,19 +23,20 @@ import pickletools
 import struct
 
 from distlab._wire import (RFD_TUPLE_SIZE, RPC_FLAG_DEVICES, RPC_FLAG_ERROR, RPC_FLAG_INLINE, RPC_FLAG_NOREPLY,
-                           RPC_HEADER_FORMAT, RPC_HOST_DEVICE, RPC_KIND_CODES, RPC_KINDS, RPC_USER_KIND_BASE,
+                           RPC_HEADER_FORMAT, RPC_HOST_DEVICE, RPC_KIND_CODES, RPC_KINDS, RPC_REPLY_SLOTS,
+                           RPC_USER_KIND_BASE,
                            RPC_WIRE_MAGIC, RPC_WIRE_VERSION)
 from distlab.errors import RpcMessageError
 
 __all__ = [
-    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS", "MAX_DEVICES",
+    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS", "MAX_DEVICES", "MAX_SLOT", "bad_slot_number",
     "FLAG_DEVICES", "HOST_DEVICE", "bad_devices", "bad_device",
     "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "NUM_KINDS", "USER_KIND_BASE", "K_RESPONSE", "K_STOP",
     "K_WAKE", "K_BATCH", "RESPONSE_FLAGS", "REQUEST_FLAGS", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
     "OP_FIXED1", "OP_FIXED2", "OP_FIXED4", "OP_FIXED8", "OP_COUNT1", "OP_COUNT4", "OP_COUNT8", "OP_LINE",
     "OP_LINE2", "OP_PUT_LINE", "OP_PUT4", "OP_FRAME", "OP_NEXT_BUFFER", "MAX_PUT_DIGITS", "OPENINGS",
     "bad_opening", "short_message",
-    "bad_magic", "bad_version", "bad_reserved", "unknown_kind", "bad_flags", "bad_counts", "too_short",
+    "bad_magic", "bad_version", "bad_slot", "unknown_kind", "bad_flags", "bad_counts", "too_short",
     "bad_buffer_size", "bad_control", "bad_batch", "bad_pickle", "buffer_count", "with_sizes",
 ]
 
@@ -47,6 +48,7 @@ FRAME_LEN = struct.Struct("<I")          # a batch is frames, each a little-endi
 MAX_BUFFERS = 1 << 16
 MAX_FORKS = 1 << 16
 MAX_DEVICES = 1 << 16
+MAX_SLOT = RPC_REPLY_SLOTS        # a request's reply slot is 0 (through the listener) or 1 to MAX_SLOT
 FLAG_DEVICES = RPC_FLAG_DEVICES  # the header carries one device record per out-of-band buffer
 HOST_DEVICE = RPC_HOST_DEVICE
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 34
@@ -153,9 +155,16 @@ def bad_version(version, kind, flags, mid) -> RpcMessageError:
         f"must run the same distlab", kind=kind, flags=flags, mid=mid)
 
 
-def bad_reserved(value, kind, flags, mid) -> RpcMessageError:
-    return RpcMessageError(f"malformed RPC message: its reserved header byte is {value}, not 0", kind=kind,
-                           flags=flags, mid=mid)
+def bad_slot_number(slot) -> ValueError:
+    """A reply slot handed to ``pack_header`` outside 0 to MAX_SLOT (a caller's bug, not a message's)."""
+    return ValueError(f"pack_header: a reply slot is 0 to {MAX_SLOT}, got {slot!r}")
+
+
+def bad_slot(value, kind, flags, mid) -> RpcMessageError:
+    """A reply slot on a message that is no request (only a request names where its reply goes)."""
+    name = RPC_KINDS[kind] if 0 <= kind < NUM_KINDS else f"kind {kind}"
+    return RpcMessageError(f"malformed RPC message: a {name} message names reply slot {value} (only a request "
+                           "may; its other messages carry 0)", kind=kind, flags=flags, mid=mid)
 
 
 def unknown_kind(kind, flags, mid) -> RpcMessageError:

@@ -2,11 +2,12 @@
 
 ``init_rpc``/``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, ``RRef``, ``rref_debug_info``, ``get_worker_info``,
 ``get_worker_infos``, ``get_rpc_timeout``/``_set_rpc_timeout``, ``functions.async_execution`` (PyTorch's names); the agent
-(listener thread, thread pool, futures matched by message id) is :class:`distlab.rpc.agent.RpcAgent`, and the
-RRef protocol state is the active twin's ``RRefContext`` (``distlab._backend.load("rref")``).
+(threads taking turns at listening and running requests, callers receiving their own replies, futures matched by
+message id) is :class:`distlab.rpc.agent.RpcAgent`, and the RRef protocol state is the active twin's
+``RRefContext`` (``distlab._backend.load("rref")``).
 
-MPICH progress throttling: with a listener thread blocked in ``MPI_Mprobe`` and a caller thread in ``MPI_Send``,
-MPICH's progress engine polls from both threads. ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` lets one poll at a time.
+MPICH progress throttling: with several threads inside MPI at once (the listener's polls, a caller's polls for
+its reply, a send), MPICH's progress engine polls from each of them. ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` lets one poll at a time.
 On an idle machine it changes nothing; with another process busy on one of the cores, it made the rpc_sync no-op
 about 3x faster and doubled async throughput (docs/measurements.md, "RPC: MPICH progress throttling"). It must be in the environment before MPI is initialised,
 so importing ``distlab.rpc`` before ``mpi4py.MPI`` sets it (unless already set); launchers should export it.

@@ -3,12 +3,14 @@
 It puts together the pieces, one job per module:
 
 - :mod:`distlab.rpc.workers`: names and ids (:class:`WorkerInfo`), the thread-level check;
-- :mod:`distlab.rpc.transport`: MPI sends and the listener thread (adaptive wait, batching);
-- :mod:`distlab.rpc.dispatch`: handlers by message kind, the thread pool, replies and remote errors;
+- :mod:`distlab.rpc.messenger`: MPI sends, the listener's loop (batching), the replies a caller receives itself;
+- :mod:`distlab.rpc.dispatch`: handlers by message kind, the agent's threads, replies and remote errors;
 - :mod:`distlab.rpc.deadlines`: the timeout thread;
 - :mod:`distlab.rpc.framing`: the bytes of a message.
 
 and keeps what belongs to the caller's side: the requests in flight, matched to their responses by message id.
+A blocking call (:meth:`RpcAgent.call_sync`) receives its reply on its own thread, on that thread's reply slot;
+an asynchronous one (:meth:`RpcAgent.send`) is answered to the listener, which completes its future.
 
 Extension points (for distributed autograd and others): ``send(dst, kind, payload, meta=...)`` attaches any
 picklable metadata to a request; ``register_handler(kind, fn, inline=False)`` adds message kinds
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from typing import Callable
 
-from distlab.errors import DistTimeoutError, RpcError
+from distlab.errors import DistTimeoutError, RpcError, RpcMessageError
 from distlab.futures import Future, default_timeout
 
 from . import framing
@@ -31,7 +34,7 @@ from .deadlines import DeadlineWatcher
 from .devices import Placement
 from .dispatch import CallInfo, Dispatcher, current_call
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
-from .transport import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Transport
+from .messenger import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Messenger
 from .workers import WorkerInfo, WorkerRegistry, check_name, check_thread_level
 
 __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_level", "TAG_HEADER", "TAG_BUFFER"]
@@ -45,7 +48,8 @@ BUFFER_TIMEOUT_MAX = 30.0
 
 
 class RpcAgent:
-    """Listener thread + thread pool + response futures over a dedicated communicator.
+    """Threads that take turns at listening and running requests, and the requests in flight, over a dedicated
+    communicator.
 
     Parameters
     ----------
@@ -56,7 +60,7 @@ class RpcAgent:
     rpc_timeout : float
         Default timeout of requests, in seconds.
     num_threads : int
-        Threads running requests that are not marked cheap.
+        Threads running requests that are not marked cheap (besides the thread that listens).
     names : list of str, optional
         Every worker's name by id, when already known (``init_rpc`` learns them while it makes ``comm``);
         otherwise gathered over ``comm``.
@@ -91,30 +95,30 @@ class RpcAgent:
         # The listener waits at most this long for a message's buffers after its header (they are sent right
         # after it, so only a broken or stalled sender makes it wait at all).
         buffer_timeout = min(self.rpc_timeout or default_timeout(), BUFFER_TIMEOUT_MAX)
-        self._transport = Transport(comm, name, self._deliver, self._has_pending, self._record_error,
-                                    self._on_malformed, self._handles, buffer_timeout)
-        self._dispatch = Dispatcher(self.info, self._transport.transmit, self._record_error, num_threads,
+        self._messenger = Messenger(comm, name, self._deliver, self._record_error, self._on_malformed, self._handles,
+                                    buffer_timeout)
+        self._seat = self._messenger.seat
+        self._dispatch = Dispatcher(self.info, self._messenger, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of, next(_GENERATIONS))
-        self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid,
-                                        self._transport.waiting.idle_interval,
-                                        self._transport.waiting.maybe_go_idle)
-        self._transport.waiting.on_leave_idle = self._watcher.notify
-        self._transport.device_count = device_count
+        self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid)
+        self._messenger.device_count = device_count
         self.placement = placement
         self._dispatch.place = self._place
-        self.wait_mode = self._transport.waiting.mode
+        #: how the agent's threads wait for messages: "libmpi" (the core twin calls MPI_Improbe itself, GIL
+        #: released) or "mpi4py (...)", saying why (see distlab.reference.rpc_wait)
+        self.wait_path = self._messenger.path
         self.running = True
 
     def start(self) -> None:
-        """Start the listener and the timeout watcher. Register the handlers first: a peer may already have
-        sent requests (MPI holds them until the listener receives them)."""
-        self._transport.start()
+        """Start the agent's threads and the timeout watcher. Register the handlers first: a peer may already
+        have sent requests (MPI holds them until the listener receives them)."""
+        self._dispatch.pool.start()
         self._watcher.start()
 
     @property
     def _idle(self) -> bool:
-        """The listener polls with pauses (adaptive wait, no traffic)."""
-        return self._transport.waiting.idle
+        """The listener sleeps between polls (no traffic for a while)."""
+        return self._messenger.listener.idle
 
     # The RRef layer's hooks into the framing (set by distlab.rpc.rref when it attaches).
     @property
@@ -200,58 +204,104 @@ class RpcAgent:
         if self._tl_on:
             self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
         try:
-            self._transport.transmit(dst, kind, flags, mid, buffers, meta, forks, body)
+            self._messenger.transmit(dst, kind, flags, mid, buffers, meta, forks, body)
         except BaseException:
             self._pending.pop(mid, None)
             raise
-        self._transport.waiting.after_send()
+        if not noreply:
+            self._messenger.after_send()
         return fut
 
     def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
-        """``send`` then wait for the result; the wait is bounded by ``timeout`` (default ``rpc_timeout``)."""
+        """Send a request and wait for its result, bounded by ``timeout`` (default ``rpc_timeout``; 0: none).
+
+        The reply comes to this thread's reply slot and this thread receives it: no other thread wakes up for it,
+        and nothing is handed between threads. When every slot is taken, the reply comes through the listener.
+        """
         timeout = self.rpc_timeout if timeout is None else timeout
-        if self._transport.on_listener():
+        if self._seat.listening():
             raise RpcError(
                 "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
                 f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
-                "(only the listener could receive the answer); drop @cheap or use rpc_async")
-        ident = self._transport.waiting.sync_begin()
+                "(the worker would listen to nobody meanwhile); drop @cheap or use rpc_async")
+        slot = self._messenger.slot()
+        if slot is None:
+            return self._call_through_listener(dst, kind, payload, meta, timeout, inline)
+        if not self.running:
+            raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
+        dst = self._registry.id_of(dst)
+        for hook in self._send_hooks:
+            meta = hook(dst, kind, meta)
+        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._place(dst, "request"))
+        mid = next(self._mids)
+        start = self._now_us() if self._tl_on else 0.0
+        self._pending[mid] = (None, dst, kind, start)  # answered on this thread (wait_idle counts it)
         try:
-            fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
-            try:
-                return fut.wait(timeout if timeout and timeout > 0 else 1e9)
-            except DistTimeoutError:
-                if fut.done():
-                    return fut.value()
-                self._expire(fut, timeout)
-                return fut.value()
+            if self._tl_on:
+                self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
+            self._messenger.transmit(dst, kind, FLAG_INLINE if inline else 0, mid, buffers, meta, forks, body,
+                                     slot.number)
+            deadline = time.monotonic() + timeout if timeout and timeout > 0 else math.inf
+            reply = self._messenger.await_reply(slot, dst, mid, deadline)
+        except RpcMessageError:
+            raise
+        except RpcError:
+            if self.running:
+                raise
+            raise self._shut_down(mid, dst, kind) from None
         finally:
-            self._transport.waiting.sync_end(ident)
+            self._pending.pop(mid, None)
+        if reply is None:
+            raise self._timeout_error(mid, dst, kind, timeout)
+        flags, rmeta, rforks, rbody, rbuffers = reply
+        self._answered(dst, mid, kind, start, flags, rmeta)
+        if flags & FLAG_ERROR:
+            raise self._dispatch.remote_error(rbody)
+        if not rforks:
+            return framing.loads(rbody, rbuffers, None, checked=True)  # walked by the codec
+        fut = Future(description=f"RRefs in the response to rpc {self._dispatch.label(kind)} #{mid}")
+        self._dispatch.with_forks(rforks, lambda resolved: fut.set_result(
+            framing.loads(rbody, rbuffers, resolved, checked=True)), fut.set_exception, run_in_pool=False)
+        return fut.wait(timeout if timeout and timeout > 0 else None)
+
+    def _call_through_listener(self, dst, kind, payload, meta, timeout, inline):
+        """``call_sync`` with the reply through the listener (this thread found no free reply slot)."""
+        fut = self.send(dst, kind, payload, meta=meta, inline=inline, _track_timeout=False)
+        try:
+            return fut.wait(timeout if timeout and timeout > 0 else 1e9)
+        except DistTimeoutError:
+            if fut.done():
+                return fut.value()
+            self._expire(fut, timeout)
+            return fut.value()
 
     # -- receiving (listener thread) --------------------------------------------------------------------------
-    def _deliver(self, src, kind, flags, mid, meta, forks, body, buffers) -> None:
+    def _deliver(self, src, kind, flags, mid, meta, forks, body, buffers, slot, here) -> None:
         if kind == K_RESPONSE:
             self._on_response(src, flags, mid, forks, body, buffers, meta)
         else:
-            self._dispatch.on_request(src, kind, flags, mid, meta, forks, body, buffers)
+            self._dispatch.on_request(src, kind, flags, mid, meta, forks, body, buffers, slot, here)
 
     def _handles(self, kind) -> bool:
         """A message of ``kind`` is taken here: a response, or a request kind with a registered handler."""
         return kind == K_RESPONSE or self._dispatch.handles(kind)
 
-    def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
-        if self._tl_on:
-            self._dispatch.trace_message(False, "response", src, "rpc response", mid)
-        entry = self._pending.pop(mid, None)
-        if entry is None:
-            return  # the request timed out (or was failed at shutdown): drop its late response
-        fut = entry[0]
+    def _answered(self, src, mid, kind, start, flags, meta) -> None:
+        """A response arrived: its metadata to the response hooks, and its span on the timeline."""
         if meta is not None:
             for hook in self._response_hooks:
-                hook(src, mid, entry[2], meta)
+                hook(src, mid, kind, meta)
         if self._tl_on:
-            self._timeline.complete(f"rpc {self._dispatch.label(entry[2])} -> {self.workers[src].name}", entry[3],
+            self._dispatch.trace_message(False, "response", src, "rpc response", mid)
+            self._timeline.complete(f"rpc {self._dispatch.label(kind)} -> {self.workers[src].name}", start,
                                     self._now_us(), lane="rpc", args={"mid": mid, "error": bool(flags & FLAG_ERROR)})
+
+    def _on_response(self, src, flags, mid, forks, body, buffers, meta=None) -> None:
+        entry = self._pending.pop(mid, None)
+        if entry is None or entry[0] is None:
+            return  # the request timed out (or was failed at shutdown): drop its late response
+        fut = entry[0]
+        self._answered(src, mid, entry[2], entry[3], flags, meta)
         if flags & FLAG_ERROR:
             fut.set_exception(self._dispatch.remote_error(body))
             return
@@ -259,22 +309,20 @@ class RpcAgent:
             forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved, checked=True)),
             fut.set_exception, run_in_pool=False)
 
-    def _on_malformed(self, src, exc) -> None:
+    def _on_malformed(self, src, exc, slot=0) -> None:
         """A message from ``src`` was refused: log it, and fail whoever waits for it. A malformed response fails
-        the request it answers here; a malformed request is answered with the error, so its sender learns why
-        instead of waiting for its timeout."""
+        the request it answers here; a malformed request is answered with the error (to its reply ``slot``), so
+        its sender learns why instead of waiting for its timeout."""
         self._record_error(f"refused a message from worker {src}: {exc}")
         if exc.mid is None or exc.kind in (K_STOP, K_WAKE, K_BATCH):
             return
         if exc.kind == K_RESPONSE:
-            entry = self._pending.pop(exc.mid, None)
-            if entry is not None:
+            entry = self._pending.get(exc.mid)
+            if entry is not None and entry[0] is not None:
+                self._pending.pop(exc.mid, None)
                 entry[0].set_exception(exc)
         elif not exc.flags & FLAG_NOREPLY:
-            self._dispatch.reply_error(src, exc.mid, exc.flags, exc)
-
-    def _has_pending(self) -> bool:
-        return bool(self._pending)
+            self._dispatch.reply_error(src, exc.mid, exc.flags, exc, slot)
 
     def _record_error(self, text: str) -> None:
         log.error("distlab.rpc worker %s: %s", self.info.name, text)
@@ -295,14 +343,20 @@ class RpcAgent:
         entry = self._pending.pop(mid, None) if mid is not None else None
         if entry is None:
             return
-        dst, kind = entry[1], entry[2]
         try:
-            fut.set_exception(DistTimeoutError(
-                f"rpc {self._dispatch.label(kind)} #{mid} from worker {self.info.name!r} to worker "
-                f"{self.workers[dst].name!r} got no response within {timeout:g} s",
-                op=f"rpc {self._dispatch.label(kind)}", timeout=timeout, missing_ranks=[dst]))
+            fut.set_exception(self._timeout_error(mid, entry[1], entry[2], timeout))
         except RuntimeError:
             pass  # completed concurrently
+
+    def _timeout_error(self, mid, dst, kind, timeout) -> DistTimeoutError:
+        return DistTimeoutError(
+            f"rpc {self._dispatch.label(kind)} #{mid} from worker {self.info.name!r} to worker "
+            f"{self.workers[dst].name!r} got no response within {timeout:g} s",
+            op=f"rpc {self._dispatch.label(kind)}", timeout=timeout, missing_ranks=[dst])
+
+    def _shut_down(self, mid, dst, kind) -> RpcError:
+        return RpcError(f"rpc {self._dispatch.label(kind)} #{mid} to worker {self.workers[dst].name!r}: the RPC "
+                        "agent was shut down before the response arrived")
 
     # -- shutdown ---------------------------------------------------------------------------------------------
     def pending_count(self) -> int:
@@ -337,26 +391,27 @@ class RpcAgent:
             delay = min(delay * 2, 0.005)
 
     def stop(self, graceful: bool = True, timeout: float = 60.0) -> None:
-        """Stop the listener and the pool; fail unanswered requests. ``graceful`` frees the communicator."""
+        """Stop listening and the threads; fail unanswered requests. ``graceful`` frees the communicator and
+        lets the threads finish the requests they run."""
         if not self.running:
             return
         self.running = False
         self._dispatch.running = False
-        self._transport.running = self._transport.waiting.running = False  # first: no more wake-ups sent
         self._watcher.stop()
-        stopped = self._transport.stop(timeout)
+        self._messenger.stop()  # the listener and every thread awaiting its reply return
+        stopped = self._messenger.wait_listeners(timeout)
         if not stopped:
             self._record_error("the listener thread did not stop within the timeout")
         for mid, (fut, dst, kind, _start) in list(self._pending.items()):
+            if fut is None:
+                continue  # a blocking call: its thread raises on its own
             self._pending.pop(mid, None)
             try:
-                fut.set_exception(RpcError(
-                    f"rpc {self._dispatch.label(kind)} #{mid} to worker {self.workers[dst].name!r}: the RPC agent "
-                    "was shut down before the response arrived"))
+                fut.set_exception(self._shut_down(mid, dst, kind))
             except RuntimeError:
                 pass
         self._dispatch.pool.shutdown(wait=graceful, timeout=timeout)
-        left = self._transport.complete_sends(timeout)
+        left = self._messenger.complete_sends(timeout)
         if left:
             self._record_error(f"{left} sends did not complete at shutdown")
         if graceful and stopped:

@@ -1,12 +1,14 @@
 """The RPC agent's timeout thread: fails requests whose deadline passed (shared plumbing, not twinned).
 
-One thread per agent sleeps on a condition variable until the earliest deadline of the requests in flight.
-Between deadlines it also wakes every ``idle_interval()`` seconds so the transport can notice that traffic
-stopped and leave MPICH's busy-polling probe (see :mod:`distlab.rpc.transport`, the adaptive wait).
+One thread per agent sleeps until the earliest deadline of the requests in flight. Requests made with the same
+timeout come in deadline order, so each timeout value has a first-in first-out queue of ``(deadline, message
+id)``: adding a request is an append, answered requests are dropped from the heads, and the thread looks only at
+the heads (a heap of every request would cost each call a logarithmic insertion under a condition variable).
 """
 from __future__ import annotations
 
-import heapq
+import collections
+import math
 import threading
 import time
 from typing import Callable
@@ -15,30 +17,25 @@ __all__ = ["DeadlineWatcher"]
 
 
 class DeadlineWatcher:
-    """A heap of ``(deadline, message id, timeout)`` watched by one thread.
+    """Requests in flight with their deadlines, watched by one thread.
 
     Parameters
     ----------
     name : str
         The worker's name (names the thread).
     is_pending : callable
-        ``is_pending(mid) -> bool``: the request still awaits its response (answered ones are pruned).
+        ``is_pending(mid) -> bool``: the request still awaits its response (answered ones are dropped).
     on_expire : callable
         ``on_expire(mid, timeout)``: fail request ``mid`` with a timeout error (called outside the lock).
-    idle_interval : callable
-        ``idle_interval() -> float or None``: how long to sleep at most between idleness checks (None: no check).
-    on_idle_check : callable
-        ``on_idle_check()``: called after each wake-up, under the lock (it must not block).
     """
 
-    def __init__(self, name: str, is_pending: Callable, on_expire: Callable, idle_interval: Callable,
-                 on_idle_check: Callable):
-        self._heap: list = []
-        self.cond = threading.Condition()
+    def __init__(self, name: str, is_pending: Callable, on_expire: Callable):
+        self._queues: dict[float, collections.deque] = {}   # timeout -> deque of (deadline, mid), in order
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._wake_at = math.inf    # when the thread looks next
         self._is_pending = is_pending
         self._on_expire = on_expire
-        self._idle_interval = idle_interval
-        self._on_idle_check = on_idle_check
         self.running = True
         self._thread = threading.Thread(target=self._run, name=f"distlab-rpc-timeouts-{name}", daemon=True)
 
@@ -47,46 +44,42 @@ class DeadlineWatcher:
 
     def add(self, deadline: float, mid: int, timeout: float) -> None:
         """Watch request ``mid``: expire it at ``deadline`` (monotonic seconds) unless it was answered."""
-        with self.cond:
-            heap = self._heap
-            # Prune answered requests from the top: with the usual single timeout, deadlines come in order, so
-            # the heap stays about as large as the number of requests in flight (not calls/s x timeout).
-            while heap and not self._is_pending(heap[0][1]):
-                heapq.heappop(heap)
-            first = not heap or deadline < heap[0][0]
-            heapq.heappush(heap, (deadline, mid, timeout))
-            if first:
-                self.cond.notify()
-
-    def notify(self) -> None:
-        """Wake the thread (the transport left idle mode: idleness checks resume)."""
-        with self.cond:
-            self.cond.notify()
+        is_pending = self._is_pending
+        with self._lock:
+            queue = self._queues.get(timeout)
+            if queue is None:
+                queue = self._queues[timeout] = collections.deque()
+            while queue and not is_pending(queue[0][1]):
+                queue.popleft()   # answered: the queue stays about as long as the requests in flight
+            queue.append((deadline, mid))
+            if deadline < self._wake_at:
+                self._wake_at = deadline
+                self._cond.notify()
 
     def stop(self) -> None:
-        with self.cond:
+        with self._lock:
             self.running = False
-            self.cond.notify_all()
+            self._cond.notify_all()
 
     def _run(self) -> None:
-        cond = self.cond
-        heap = self._heap
+        is_pending = self._is_pending
         while True:
-            with cond:
-                while self.running and (not heap or heap[0][0] > time.monotonic()):
-                    wait = None if not heap else heap[0][0] - time.monotonic()
-                    interval = self._idle_interval()
-                    if interval is not None:
-                        wait = interval if wait is None else min(wait, interval)
-                    cond.wait(wait)
-                    if self.running:
-                        self._on_idle_check()
+            expired = []
+            with self._lock:
                 if not self.running:
                     return
                 now = time.monotonic()
-                expired = []
-                while heap and heap[0][0] <= now:
-                    expired.append(heapq.heappop(heap))
-            for _deadline, mid, timeout in expired:
-                if self._is_pending(mid):
-                    self._on_expire(mid, timeout)
+                wake_at = math.inf
+                for timeout, queue in self._queues.items():
+                    while queue and (queue[0][0] <= now or not is_pending(queue[0][1])):
+                        deadline, mid = queue.popleft()
+                        if deadline <= now and is_pending(mid):
+                            expired.append((mid, timeout))
+                    if queue:
+                        wake_at = min(wake_at, queue[0][0])
+                self._wake_at = wake_at
+                if not expired:
+                    self._cond.wait(None if wake_at == math.inf else wake_at - now)
+                    continue
+            for mid, timeout in expired:
+                self._on_expire(mid, timeout)

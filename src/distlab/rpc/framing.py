@@ -318,22 +318,23 @@ def place_buffers(buffers, records) -> list:
     return [b if device == HOST_DEVICE else _devices.DeviceBuffer(b, device) for b, device in zip(buffers, records)]
 
 
-def pack_header(kind, flags, mid, buffers, meta, forks, body) -> bytes:
-    """Build the header message bytes (see the module docstring)."""
+def pack_header(kind, flags, mid, buffers, meta, forks, body, slot=0) -> bytes:
+    """Build the header message bytes (see the module docstring); ``slot``: a request's reply slot."""
     meta_bytes = pickle.dumps(meta, protocol=5) if meta is not None else b""
-    return _codec.pack_header(kind, flags, mid, [b.nbytes for b in buffers], forks, meta_bytes, body,
-                              buffer_devices(buffers))
+    return _codec.pack_header(kind, flags, mid, [b.nbytes for b in buffers] if buffers else (), forks, meta_bytes,
+                              body, buffer_devices(buffers) if buffers else (), slot)
 
 
 def unpack_header(data) -> tuple:
-    """Parse and check header message bytes: ``(kind, flags, mid, sizes, meta, forks, body)``; nothing unpickled.
+    """Parse and check header message bytes: ``(kind, flags, mid, sizes, meta, forks, body, slot)``; nothing
+    unpickled (``slot``: a request's reply slot).
 
     ``meta`` and ``body`` are views, still pickled (both walked by the codec: :func:`load_meta` and
     ``loads(body, ..., checked=True)`` unpickle them). Raises RpcMessageError (with the message's kind, flags and
     id when its header could be read, and its buffer sizes once they were checked).
     """
-    kind, flags, mid, sizes, forks, meta, body = _codec.unpack_header(data, MAX_MESSAGE_BYTES)
-    return kind, flags, mid, sizes, meta, forks, body
+    kind, flags, mid, sizes, forks, meta, body, slot = _codec.unpack_header(data, MAX_MESSAGE_BYTES)
+    return kind, flags, mid, sizes, meta, forks, body, slot
 
 
 def load_meta(meta, kind, flags, mid):
