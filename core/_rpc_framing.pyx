@@ -59,6 +59,7 @@ cdef enum:
 # The C constants above must be the shared ones (they describe bytes that travel between ranks).
 # Sizes are read from the shared module (the header layout is the struct there); the codes are asserted equal.
 cdef Py_ssize_t HEADER_SIZE = _shared.HEADER.size
+cdef Py_ssize_t COPY_MAX = _shared.COPY_MAX
 cdef Py_ssize_t FORK_INTS = RFD_TUPLE_SIZE
 assert (VERSION, MAX_BUFFERS, MAX_FORKS, MAX_PUT_DIGITS, MAX_DEVICES, FLAG_DEVICES, HOST_DEVICE, MAX_SLOT) == (
     _shared.VERSION, _shared.MAX_BUFFERS, _shared.MAX_FORKS, _shared.MAX_PUT_DIGITS, _shared.MAX_DEVICES,
@@ -127,14 +128,22 @@ def pack_header(int kind, int flags, int64_t mid, sizes, forks, meta, body, devi
 def unpack_header(data, int64_t max_bytes):
     """See :func:`distlab.reference.rpc_framing.unpack_header`."""
     cdef Py_buffer b
+    cdef Py_ssize_t n
     PyObject_GetBuffer(data, &b, PyBUF_SIMPLE)
     try:
         kind, flags, mid, sizes, forks, meta_at, body_at = _parse_header(<const uint8_t*>b.buf, b.len, max_bytes)
         slot = (<const uint8_t*>b.buf)[3]
+        n = b.len
+        if n - <Py_ssize_t>body_at <= COPY_MAX:
+            body = PyBytes_FromStringAndSize(<const char*>b.buf + <Py_ssize_t>body_at, n - <Py_ssize_t>body_at)
+        else:
+            body = None
     finally:
         PyBuffer_Release(&b)
-    view = memoryview(data)
-    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:], slot
+    meta = memoryview(data)[meta_at:body_at] if body_at > meta_at else b""
+    if body is None:
+        body = memoryview(data)[body_at:]
+    return kind, flags, mid, sizes, forks, meta, body, slot
 
 
 def unpack_devices(data):

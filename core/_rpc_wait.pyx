@@ -204,7 +204,8 @@ cdef class Seat:
                         break
             if not due:
                 return False
-            if self._away_since >= 0:   # still away, now that this thread holds the GIL: take the seat
+            away = self._away_since
+            if away >= 0 and _now() - away >= self.takeover:   # still away, now that this thread holds the GIL
                 self._holder = PyThread_get_thread_ident()
                 self._held = True
                 self._away_since = -1.0

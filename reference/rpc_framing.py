@@ -30,9 +30,9 @@ from __future__ import annotations
 import struct
 
 from distlab._common import rpc_framing as shared
-from distlab._common.rpc_framing import (FLAG_DEVICES, FORK_RECORD_BYTES, FRAME_LEN, HEADER, HOST_DEVICE, K_BATCH,
-                                         K_RESPONSE, K_STOP, K_WAKE, MAGIC, MAX_BUFFERS, MAX_DEVICES, MAX_FORKS,
-                                         MAX_PUT_DIGITS, MAX_SLOT, NUM_KINDS,
+from distlab._common.rpc_framing import (COPY_MAX, FLAG_DEVICES, FORK_RECORD_BYTES, FRAME_LEN, HEADER,
+                                         HOST_DEVICE, K_BATCH, K_RESPONSE, K_STOP, K_WAKE, MAGIC, MAX_BUFFERS,
+                                         MAX_DEVICES, MAX_FORKS, MAX_PUT_DIGITS, MAX_SLOT, NUM_KINDS,
                                          OP_CLASSES, OP_COUNT1, OP_COUNT4, OP_COUNT8, OP_FIXED1, OP_FIXED2,
                                          OP_FIXED4, OP_FIXED8, OP_FRAME, OP_LINE, OP_LINE2, OP_NEXT_BUFFER,
                                          OP_PLAIN, OP_PUT4, OP_PUT_LINE, OP_STOP, REQUEST_FLAGS, RESPONSE_FLAGS,
@@ -47,7 +47,8 @@ _FIXED = {OP_FIXED1: 1, OP_FIXED2: 2, OP_FIXED4: 4, OP_FIXED8: 8}
 _COUNT_WIDTH = {OP_COUNT1: 1, OP_COUNT4: 4, OP_COUNT8: 8, OP_FRAME: 8}
 
 
-def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body, devices=(), slot: int = 0) -> bytes:
+def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body, devices=(),
+                slot: int = 0) -> bytes:
     """The header message: fixed header, buffer sizes, device records, fork records, metadata bytes, body.
 
     ``sizes`` are the out-of-band buffers' byte sizes; ``forks`` the fork data tuples of the RRefs in the body
@@ -76,10 +77,11 @@ def pack_header(kind: int, flags: int, mid: int, sizes, forks, meta: bytes, body
 def unpack_header(data, max_bytes: int) -> tuple:
     """Parse and check a header message; return ``(kind, flags, mid, sizes, forks, meta, body, slot)``.
 
-    ``meta`` and ``body`` are memoryviews into ``data``, still pickled: nothing is unpickled here, and the checks
-    come first, in this order (PyTorch's utils.cpp ``deserializeRequest`` too decides the message type before it
-    deserializes anything): wire version, kind, the reply slot (a request's only), the flags that kind may carry, counts, lengths,
-    buffer sizes (``max_bytes`` bounds them together), then the walk of the metadata and of the body
+    ``meta`` and ``body`` are still pickled (``meta`` is ``b""`` when there is none; ``body`` a copy when it has at
+    most ``COPY_MAX`` bytes, else a memoryview into ``data``): nothing is unpickled here, and the checks come
+    first, in this order (PyTorch's utils.cpp ``deserializeRequest`` too decides the message type before it
+    deserializes anything): wire version, kind, the reply slot (a request's only), the flags that kind may carry,
+    counts, lengths, buffer sizes (``max_bytes`` bounds them together), then the walk of the metadata and of the body
     (:func:`check_pickle`): each exactly one pickle, the metadata taking no out-of-band buffer and the body
     exactly ``nbuf``. stop, wake and batch messages carry no buffers, forks, metadata or flags (stop and wake no
     body either). Raises RpcMessageError, which carries kind, flags and message id once the magic and the version
@@ -133,7 +135,9 @@ def unpack_header(data, max_bytes: int) -> tuple:
                 raise shared.with_sizes(shared.buffer_count(part, taken, expected, kind, flags, mid), sizes)
     flat = struct.unpack_from(f"<{RFD_TUPLE_SIZE * nforks}q", view, forks_at)
     forks = [flat[i:i + RFD_TUPLE_SIZE] for i in range(0, len(flat), RFD_TUPLE_SIZE)]
-    return kind, flags, mid, sizes, forks, view[meta_at:body_at], view[body_at:], slot
+    meta = view[meta_at:body_at] if nmeta else b""
+    body = bytes(view[body_at:]) if n - body_at <= COPY_MAX else view[body_at:]
+    return kind, flags, mid, sizes, forks, meta, body, slot
 
 
 def unpack_devices(data) -> tuple:

@@ -181,7 +181,8 @@ class Seat:
             away = self.away_since
             if away is not None and time.monotonic() - away >= self.takeover:
                 with self._lock:
-                    if self.away_since is not None:
+                    away = self.away_since   # still away that long (not away again since)?
+                    if away is not None and time.monotonic() - away >= self.takeover:
                         self.holder = threading.get_ident()
                         self.away_since = None
                         return True

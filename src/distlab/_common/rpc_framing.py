@@ -29,7 +29,7 @@ from distlab._wire import (RFD_TUPLE_SIZE, RPC_FLAG_DEVICES, RPC_FLAG_ERROR, RPC
 from distlab.errors import RpcMessageError
 
 __all__ = [
-    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS", "MAX_DEVICES", "MAX_SLOT", "bad_slot_number",
+    "HEADER", "MAGIC", "VERSION", "FORK_RECORD_BYTES", "FRAME_LEN", "MAX_BUFFERS", "MAX_FORKS", "MAX_DEVICES", "MAX_SLOT", "COPY_MAX", "bad_slot_number",
     "FLAG_DEVICES", "HOST_DEVICE", "bad_devices", "bad_device",
     "DEFAULT_MAX_MESSAGE_BYTES", "max_message_bytes", "NUM_KINDS", "USER_KIND_BASE", "K_RESPONSE", "K_STOP",
     "K_WAKE", "K_BATCH", "RESPONSE_FLAGS", "REQUEST_FLAGS", "OP_CLASSES", "OP_UNKNOWN", "OP_PLAIN", "OP_STOP",
@@ -49,6 +49,9 @@ MAX_BUFFERS = 1 << 16
 MAX_FORKS = 1 << 16
 MAX_DEVICES = 1 << 16
 MAX_SLOT = RPC_REPLY_SLOTS        # a request's reply slot is 0 (through the listener) or 1 to MAX_SLOT
+#: ``unpack_header`` returns a body of at most this many bytes as a copy (``bytes``), a larger one as a view into the
+#: message: copying a small body costs less than making a view, and a copy may outlive the receive buffer.
+COPY_MAX = 1 << 16
 FLAG_DEVICES = RPC_FLAG_DEVICES  # the header carries one device record per out-of-band buffer
 HOST_DEVICE = RPC_HOST_DEVICE
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 34

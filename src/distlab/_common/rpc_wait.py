@@ -34,8 +34,9 @@ REPLY_SLEEP_MAX = 5e-4
 #: The longest sleep between polls of an idle listener (how long a message to an idle worker waits at most).
 LISTEN_SLEEP_MAX = 2e-3
 #: A handler that ran this long on the listener's thread has its seat taken by the standby thread, which then
-#: listens in its place (a handler that blocks never leaves its worker deaf for longer).
-TAKEOVER = 1e-3
+#: listens in its place (a handler that blocks never leaves its worker deaf for much longer). A busy host that
+#: stalls a short handler this long only moves the seat to another thread.
+TAKEOVER = 2e-3
 #: How often the standby thread looks at the seat.
 STANDBY_POLL = 1e-3
 #: The tag of the message the core twin sends itself to check its call of ``MPI_Improbe``.

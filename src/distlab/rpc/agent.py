@@ -3,7 +3,8 @@
 It puts together the pieces, one job per module:
 
 - :mod:`distlab.rpc.workers`: names and ids (:class:`WorkerInfo`), the thread-level check;
-- :mod:`distlab.rpc.messenger`: MPI sends, the listener's loop (batching), the replies a caller receives itself;
+- :mod:`distlab.rpc.messenger`: MPI sends, the listener's loop (batching);
+- :mod:`distlab.rpc.replies`: the replies a blocking caller receives on its own thread (reply slots);
 - :mod:`distlab.rpc.dispatch`: handlers by message kind, the agent's threads, replies and remote errors;
 - :mod:`distlab.rpc.deadlines`: the timeout thread;
 - :mod:`distlab.rpc.framing`: the bytes of a message.
@@ -20,6 +21,7 @@ every request and response (rpc_sync, rpc_async and remote included) without cha
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -34,7 +36,8 @@ from .deadlines import DeadlineWatcher
 from .devices import Placement
 from .dispatch import CallInfo, Dispatcher, current_call
 from .framing import FLAG_ERROR, FLAG_INLINE, FLAG_NOREPLY
-from .messenger import K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Messenger
+from .messenger import CORK_AFTER, K_BATCH, K_RESPONSE, K_STOP, K_WAKE, TAG_BUFFER, TAG_HEADER, Messenger
+from .replies import ReplySlots
 from .workers import WorkerInfo, WorkerRegistry, check_name, check_thread_level
 
 __all__ = ["WorkerInfo", "CallInfo", "RpcAgent", "current_call", "check_thread_level", "TAG_HEADER", "TAG_BUFFER"]
@@ -95,15 +98,22 @@ class RpcAgent:
         # The listener waits at most this long for a message's buffers after its header (they are sent right
         # after it, so only a broken or stalled sender makes it wait at all).
         buffer_timeout = min(self.rpc_timeout or default_timeout(), BUFFER_TIMEOUT_MAX)
-        self._messenger = Messenger(comm, name, self._deliver, self._record_error, self._on_malformed, self._handles,
-                                    buffer_timeout)
+        handlers: dict = {}  # request kind -> (handler, inline): filled by register_handler, read by the messenger
+        self._messenger = Messenger(comm, name, handlers, self._record_error, self._on_malformed, buffer_timeout)
         self._seat = self._messenger.seat
-        self._dispatch = Dispatcher(self.info, self._messenger, self._record_error, num_threads,
+        self._dispatch = Dispatcher(self.info, self._messenger, handlers, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of, next(_GENERATIONS))
+        self._messenger.attach(self._dispatch.on_request, self._on_response)
+        self._replies = ReplySlots(self._messenger, self._record_error)
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid)
         self._messenger.device_count = device_count
+        if placement is None:  # no device maps: device arrays are refused, saying what to set
+            placement = Placement(self.info.name, [w.name for w in self.workers], {}, {})
         self.placement = placement
-        self._dispatch.place = self._place
+        self._places = {mode: [functools.partial(placement.target, dst, mode) for dst in range(self.size)]
+                        for mode in ("request", "reply", "either")}
+        self._descriptions: dict[tuple, str] = {}
+        self._dispatch.places = self._places
         #: how the agent's threads wait for messages: "libmpi" (the core twin calls MPI_Improbe itself, GIL
         #: released) or "mpi4py (...)", saying why (see distlab.reference.rpc_wait)
         self.wait_path = self._messenger.path
@@ -168,13 +178,6 @@ class RpcAgent:
         return self._registry.resolve(to)
 
     # -- sending ----------------------------------------------------------------------------------------------
-    def _place(self, dst: int, mode: str):
-        """``place(device) -> device at dst`` for the framing (see :meth:`distlab.rpc.devices.Placement.target`)."""
-        placement = self.placement
-        if placement is None:
-            placement = self.placement = Placement(self.info.name, [w.name for w in self.workers], {}, {})
-        return lambda device: placement.target(dst, mode, device)
-
     def send(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline: bool = False,
              noreply: bool = False, _track_timeout: bool = True, device_map: str = "request") -> Future:
         """Send a request; return a Future completed with the handler's result (or a RemoteError).
@@ -187,12 +190,17 @@ class RpcAgent:
         """
         if not self.running:
             raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
-        dst = self._registry.id_of(dst)
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._registry.id_of(dst)
         for hook in self._send_hooks:
             meta = hook(dst, kind, meta)
-        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._place(dst, device_map))
+        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._places[device_map][dst])
         mid = next(self._mids)
-        fut = Future(description=f"rpc {self._dispatch.label(kind)} #{mid} to {self.workers[dst].name}")
+        words = self._descriptions.get((kind, dst))
+        if words is None:  # ("rpc call #", " to w1"): made once per kind and destination
+            words = self._descriptions[(kind, dst)] = (f"rpc {self._dispatch.label(kind)} #",
+                                                       f" to {self.workers[dst].name}")
+        fut = Future(description=f"{words[0]}{mid}{words[1]}")
         flags = (FLAG_INLINE if inline else 0) | (FLAG_NOREPLY if noreply else 0)
         if noreply:
             fut.set_result(None)
@@ -204,7 +212,8 @@ class RpcAgent:
         if self._tl_on:
             self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
         try:
-            self._messenger.transmit(dst, kind, flags, mid, buffers, meta, forks, body)
+            self._messenger.transmit(dst, kind, flags, mid, buffers, meta, forks, body,
+                                     cork=len(self._pending) > CORK_AFTER)
         except BaseException:
             self._pending.pop(mid, None)
             raise
@@ -218,21 +227,23 @@ class RpcAgent:
         The reply comes to this thread's reply slot and this thread receives it: no other thread wakes up for it,
         and nothing is handed between threads. When every slot is taken, the reply comes through the listener.
         """
-        timeout = self.rpc_timeout if timeout is None else timeout
+        if timeout is None:
+            timeout = self.rpc_timeout
         if self._seat.listening():
             raise RpcError(
                 "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
                 f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
                 "(the worker would listen to nobody meanwhile); drop @cheap or use rpc_async")
-        slot = self._messenger.slot()
+        slot = self._replies.slot()
         if slot is None:
             return self._call_through_listener(dst, kind, payload, meta, timeout, inline)
         if not self.running:
             raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
-        dst = self._registry.id_of(dst)
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._registry.id_of(dst)
         for hook in self._send_hooks:
             meta = hook(dst, kind, meta)
-        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._place(dst, "request"))
+        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._places["request"][dst])
         mid = next(self._mids)
         start = self._now_us() if self._tl_on else 0.0
         self._pending[mid] = (None, dst, kind, start)  # answered on this thread (wait_idle counts it)
@@ -242,7 +253,7 @@ class RpcAgent:
             self._messenger.transmit(dst, kind, FLAG_INLINE if inline else 0, mid, buffers, meta, forks, body,
                                      slot.number)
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else math.inf
-            reply = self._messenger.await_reply(slot, dst, mid, deadline)
+            reply = self._replies.await_reply(slot, dst, mid, deadline)
         except RpcMessageError:
             raise
         except RpcError:
@@ -276,16 +287,6 @@ class RpcAgent:
             return fut.value()
 
     # -- receiving (listener thread) --------------------------------------------------------------------------
-    def _deliver(self, src, kind, flags, mid, meta, forks, body, buffers, slot, here) -> None:
-        if kind == K_RESPONSE:
-            self._on_response(src, flags, mid, forks, body, buffers, meta)
-        else:
-            self._dispatch.on_request(src, kind, flags, mid, meta, forks, body, buffers, slot, here)
-
-    def _handles(self, kind) -> bool:
-        """A message of ``kind`` is taken here: a response, or a request kind with a registered handler."""
-        return kind == K_RESPONSE or self._dispatch.handles(kind)
-
     def _answered(self, src, mid, kind, start, flags, meta) -> None:
         """A response arrived: its metadata to the response hooks, and its span on the timeline."""
         if meta is not None:
@@ -398,7 +399,9 @@ class RpcAgent:
         self.running = False
         self._dispatch.running = False
         self._watcher.stop()
+        self._dispatch.pool.running = False  # no thread takes the seat again
         self._messenger.stop()  # the listener and every thread awaiting its reply return
+        self._replies.stop()
         stopped = self._messenger.wait_listeners(timeout)
         if not stopped:
             self._record_error("the listener thread did not stop within the timeout")

@@ -18,6 +18,7 @@ from . import devices as _devices
 from .agent import RpcAgent, WorkerInfo, check_thread_level
 from .calls import K_CALL, cheap, get_agent, is_initialized, rpc_async, rpc_sync
 from .devices import RpcBackendOptions
+from .framing import resolve_ref
 from .functions import is_async_execution
 from .workers import check_name, join_workers
 
@@ -30,6 +31,8 @@ _atexit_registered = False
 
 def _handle_call(src, payload, meta):
     func, args, kwargs = payload
+    if type(func) is str or type(func) is tuple:
+        func = resolve_ref(func)  # a function sent by name
     result = func(*args, **kwargs) if kwargs else func(*args)
     if isinstance(result, Future) or is_async_execution(func):  # a Future answers later, with @async_execution only
         return functions.check_result(func, result, Future)

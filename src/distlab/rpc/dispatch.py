@@ -146,6 +146,8 @@ class Dispatcher:
         This worker (named in remote errors).
     messenger : distlab.rpc.messenger.Messenger
         Sends the replies (``transmit``); its seat and listener loop drive the agent's threads.
+    handlers : dict
+        The registry of request kinds, filled by :meth:`register_handler`: kind -> (handler, inline).
     record_error : callable
         ``record_error(text)``: log a failure nobody waits for (a one-way request that raised).
     num_threads : int
@@ -159,7 +161,7 @@ class Dispatcher:
         the timeline's flow ids include it.
     """
 
-    def __init__(self, info, messenger, record_error: Callable, num_threads: int, timeline,
+    def __init__(self, info, messenger, handlers: dict, record_error: Callable, num_threads: int, timeline,
                  worker_name: Callable, generation: int = 0):
         from distlab.timeline import now_us
 
@@ -167,7 +169,7 @@ class Dispatcher:
         self._transmit = messenger.transmit
         self._seat = messenger.seat
         self._record_error = record_error
-        self._handlers: dict[int, tuple[Callable, bool]] = {}
+        self._handlers: dict[int, tuple[Callable, bool]] = handlers
         self._kind_labels: dict[int, str | None] = {}  # timeline labels of registered kinds (a handler's name)
         self._generation = generation
         self._reply_hooks: list[Callable] = []
@@ -180,8 +182,9 @@ class Dispatcher:
         #: set by the RRef layer: fork_hook(rref) -> fork data; fork_receiver(forks) -> (resolved, futures)
         self.fork_hook: Callable | None = None
         self.fork_receiver: Callable | None = None
-        #: set by the agent: place(dst, mode) -> where device arrays land at dst (a reply follows mode "reply")
-        self.place: Callable | None = None
+        #: set by the agent: places[mode][dst](device) -> where a device array lands at dst (a reply follows
+        #: mode "reply"; see distlab.rpc.devices.Placement.target)
+        self.places: dict | None = None
 
     # -- registry ---------------------------------------------------------------------------------------------
     def register_handler(self, kind: int, fn: Callable, inline: bool, internal: bool) -> None:
@@ -215,16 +218,23 @@ class Dispatcher:
             self.trace_message(False, self.label(kind), src, "rpc", mid)
         fn, inline = self._handlers[kind]  # the listener refused kinds without a handler (Messenger._check_kind)
         if inline or flags & FLAG_INLINE:
-            self._run(fn, src, kind, flags, mid, meta, forks, body, buffers, slot, None)
+            seat = None
         elif here and self.pool.standby:
             seat = self._seat
             seat.leave()
-            try:
-                self._run(fn, src, kind, flags, mid, meta, forks, body, buffers, slot, seat)
-            finally:
-                seat.come_back()
         else:
             self.pool.submit(self._run, fn, src, kind, flags, mid, meta, forks, body, buffers, slot, False)
+            return
+        try:
+            if forks:
+                self._run(fn, src, kind, flags, mid, meta, forks, body, buffers, slot, seat)
+            else:
+                self._execute(fn, src, kind, flags, mid, meta, body, buffers, slot, seat, None)
+        except BaseException as exc:  # noqa: BLE001 - answered to the caller
+            self._fail(src, kind, flags, mid, slot, exc)
+        finally:
+            if seat is not None:
+                seat.come_back()
 
     def _run(self, fn, src, kind, flags, mid, meta, forks, body, buffers, slot, seat) -> None:
         """Run a request (``seat``: None on the seat, the seat when away from it, False on the pool)."""
@@ -303,7 +313,9 @@ class Dispatcher:
         label = self._kind_labels.get(kind) if kind >= RPC_USER_KIND_BASE else None
         label = label or kind_name(kind)
         if kind == K_CALL and type(payload) is tuple and payload:
-            name = getattr(payload[0], "__name__", None) or getattr(payload[0], "name", None)
+            ref = payload[0]  # framing.function_ref: "module:qualname", (name, bytes), or a callable
+            name = (ref.rpartition(":")[2].rpartition(".")[2] if type(ref) is str else ref[0] if type(ref) is tuple
+                    else getattr(ref, "__name__", None) or getattr(ref, "name", None))
             label = f"call {name.lstrip('_')}" if isinstance(name, str) else label
         return label
 
@@ -329,8 +341,7 @@ class Dispatcher:
         if not self.running and dst != self.info.id:
             return
         try:
-            body, buffers, forks = framing.dumps(value, self.fork_hook,
-                                                 self.place(dst, "reply") if self.place else None)
+            body, buffers, forks = framing.dumps(value, self.fork_hook, self.places["reply"][dst])
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self.reply_error(dst, mid, 0, exc, slot)
             return

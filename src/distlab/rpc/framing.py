@@ -40,9 +40,12 @@ from __future__ import annotations
 import collections.abc
 import copyreg
 import functools
+import importlib
 import io
 import pickle
+import sys
 import threading
+import types
 import weakref
 
 import cloudpickle
@@ -58,7 +61,8 @@ from . import devices as _devices
 __all__ = [
     "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX", "MAX_BUFFERS", "MAX_FORKS",
     "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "load_meta", "pack_batch", "split_batch",
-    "by_value", "call_payload", "current_forks", "buffer_devices", "device_records", "place_buffers",
+    "by_value", "call_payload", "function_ref", "resolve_ref", "current_forks", "buffer_devices", "device_records", "place_buffers", "codec",
+    "NONE_BODY",
 ]
 
 FLAG_ERROR = RPC_FLAG_ERROR      # response: the body is a remote exception description
@@ -70,14 +74,19 @@ FLAG_NOREPLY = RPC_FLAG_NOREPLY  # request: no response expected
 INBAND_MAX = 4096
 #: ``DISTLAB_RPC_MAX_MESSAGE_BYTES`` when distlab.rpc was imported.
 MAX_MESSAGE_BYTES = max_message_bytes()
+#: The pickle of None (what :func:`dumps` returns for it without pickling, and :func:`loads` reads back as None).
+NONE_BODY = pickle.dumps(None, protocol=5)
 
 _codec = _backend.load("rpc_framing")
+#: the active twin of the wire codec (:mod:`distlab.reference.rpc_framing` or its core twin)
+codec = _codec
 _local = threading.local()
 
 
 def current_forks():
     """The fork list being filled by :func:`dumps` on this thread (None outside a dumps call)."""
-    return getattr(_local, "forks", None)
+    dumping = getattr(_local, "dumping", None)
+    return dumping[0] if dumping is not None else None
 
 
 def _fork_placeholder(index):
@@ -110,8 +119,6 @@ _by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _resolve_main(name, data):
-    import sys
-
     fn = getattr(sys.modules.get("__main__"), name, None) if name else None
     if fn is not None:
         return fn
@@ -169,7 +176,7 @@ def by_value(fn):
 
 def rref_reduce(fork_data):
     """What an RRef's ``__reduce__`` returns after forking: a placeholder for ``fork_data`` (see module doc)."""
-    forks = getattr(_local, "forks", None)
+    forks = current_forks()
     if forks is None:
         raise pickle.PicklingError(
             "an RRef can only be pickled by distlab.rpc while sending it (rpc_sync/rpc_async/remote arguments "
@@ -180,7 +187,7 @@ def rref_reduce(fork_data):
 
 def _reduce_device_array(kind, array):
     """Pickle a device array as a host buffer (out of band) whose device record says where it lands."""
-    place, pending = _local.device  # those of the running dumps
+    place, pending = _local.dumping[2]  # those of the running dumps
     if place is None:
         raise RpcDeviceError(f"a {kind.name} device array can only travel as an RPC argument or result")
     target = place(kind.device_of(array))  # RpcDeviceError when no device map covers it
@@ -221,6 +228,8 @@ def dumps(obj, fork_hook=None, place=None):
     covers it; without ``place`` a device array is refused); ``forks`` holds the fork data of every RRef in
     ``obj`` (``fork_hook(rref)`` made each).
     """
+    if obj is None:
+        return NONE_BODY, [], []  # the commonest answer: no pickler at all
     buffers = []
     pending = {}  # id(PickleBuffer) -> (PickleBuffer, target device) of the device arrays being pickled
 
@@ -236,14 +245,9 @@ def dumps(obj, fork_hook=None, place=None):
         return False
 
     kinds = _devices.device_kinds()  # none unless cupy or a stand-in is in use: then nothing more is done
-    if kinds:
-        outer_device = getattr(_local, "device", None)
-        _local.device = (place, pending)
-
-    outer_forks = getattr(_local, "forks", None)
-    outer_hook = getattr(_local, "hook", None)
-    _local.forks = forks = []
-    _local.hook = fork_hook
+    forks = []
+    outer = getattr(_local, "dumping", None)
+    _local.dumping = (forks, fork_hook, (place, pending) if kinds else None)
     try:
         try:
             body = (_pickle(pickle, obj, callback, kinds) if kinds else
@@ -254,16 +258,14 @@ def dumps(obj, fork_hook=None, place=None):
             buffers.clear()
             body = _pickle(cloudpickle, obj, callback, kinds)
     finally:
-        _local.forks = outer_forks
-        _local.hook = outer_hook
-        if kinds:
-            _local.device = outer_device
+        _local.dumping = outer
     return body, buffers, forks
 
 
 def fork_hook():
     """The fork hook of the running :func:`dumps` (what an RRef's ``__reduce__`` calls)."""
-    return getattr(_local, "hook", None)
+    dumping = getattr(_local, "dumping", None)
+    return dumping[1] if dumping is not None else None
 
 
 def loads(body, buffers=(), resolved=None, checked=False):
@@ -275,21 +277,79 @@ def loads(body, buffers=(), resolved=None, checked=False):
     """
     if not checked:
         _codec.check_pickle(body)
+    if body == NONE_BODY:
+        return None
     previous = getattr(_local, "resolved", None)
-    _local.resolved = resolved
+    if previous is not resolved:
+        _local.resolved = resolved
     try:
         return pickle.loads(body, buffers=buffers)
     except Exception as exc:  # noqa: BLE001 - a payload that cannot be rebuilt here is a message error
         raise RpcMessageError(f"could not unpickle the RPC payload: {type(exc).__name__}: {exc}") from exc
     finally:
-        _local.resolved = previous
+        if previous is not resolved:
+            _local.resolved = previous
 
 
 def call_payload(func, args, kwargs) -> tuple:
-    """The payload of a call: ``(func, args, kwargs)`` with ``func`` made sendable (:func:`by_value`)."""
-    if not callable(func):
-        raise TypeError(f"rpc: func must be callable, got {type(func).__name__}")
-    return (by_value(func), tuple(args), dict(kwargs) if kwargs else None)
+    """The payload of a call: ``(ref, args, kwargs)``, ``ref`` what travels for ``func`` (:func:`function_ref`)."""
+    ref = _refs.get(func) if type(func) is types.FunctionType else None
+    if ref is None:
+        if not callable(func):
+            raise TypeError(f"rpc: func must be callable, got {type(func).__name__}")
+        ref = function_ref(func)
+    return (ref, args if type(args) is tuple else tuple(args), dict(kwargs) if kwargs else None)
+
+
+_refs: dict = {}  # function -> its reference (module-level functions only: they live as long as their module)
+
+
+def function_ref(func):
+    """What travels for ``func``: its name, when the receiver can find it by name, else ``func`` made sendable.
+
+    A module-level function of an importable module travels as ``"module:qualname"``, a top-level ``__main__``
+    function as ``(name, its cloudpickle bytes or None)``: the receiver finds each by name (:func:`resolve_ref`,
+    through a cache), with no global for the pickler to look up on either side (that lookup is most of the cost of
+    pickling a call). Anything else travels as :func:`by_value` makes it (lambdas and local functions by value,
+    methods, builtins and other callables as pickle pickles them).
+    """
+    if type(func) is types.FunctionType and "<" not in func.__qualname__:
+        module, qualname = func.__module__, func.__qualname__
+        if module == "__main__":
+            if "." not in qualname:
+                ref = _refs[func] = (qualname, by_value(func).data)
+                return ref
+        elif module and _named(module, qualname) is func:
+            ref = _refs[func] = f"{module}:{qualname}"
+            return ref
+    return by_value(func)
+
+
+def _named(module: str, qualname: str):
+    target = sys.modules.get(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target
+
+
+_resolved: dict = {}  # "module:qualname" -> the function (what resolve_ref found)
+
+
+def resolve_ref(ref):
+    """The function a call's ``ref`` names (:func:`function_ref`); a callable is returned as it is."""
+    if type(ref) is str:
+        fn = _resolved.get(ref)
+        if fn is None:
+            module, _, qualname = ref.partition(":")
+            importlib.import_module(module)  # as the unpickler would (the trust model of RPC: the workers of a job)
+            fn = _named(module, qualname)
+            if not callable(fn):
+                raise RpcMessageError(f"a call names {ref!r}, which is not a function on this worker")
+            _resolved[ref] = fn
+        return fn
+    if type(ref) is tuple:
+        return _resolve_main(*ref)
+    return ref
 
 
 def buffer_devices(buffers) -> tuple:

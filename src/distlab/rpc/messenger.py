@@ -8,13 +8,12 @@ Sends: a header message, then its out-of-band buffers, under a per-destination l
 never interleave. A request goes on ``TAG_HEADER``, its buffers on ``TAG_BUFFER``. Its reply goes where the
 request's *reply slot* says: slot 0 (``rpc_async``, ``remote``, RRef control messages) on ``TAG_HEADER`` to the
 caller's listener; slot ``s`` (``rpc_sync``, ``to_here``) on tag ``TAG_REPLY_BASE + s``, header and buffers, to
-the caller's own thread, which waits for it there (:meth:`Messenger.await_reply`): no other thread wakes up, and
-nothing is handed from one thread to another. Each thread that makes blocking calls has a slot of its own, for the
-agent's life (:meth:`Messenger.slot`); a reply that comes after its call timed out is recognised by its source and
-message id and dropped. Small messages go out with a blocking ``MPI_Send`` (eager), large ones with ``MPI_Isend``
+the caller's own thread, which waits for it there (:mod:`distlab.rpc.replies`): no other thread wakes up, and
+nothing is handed from one thread to another. Small messages go out with a blocking ``MPI_Send`` (eager), large ones with ``MPI_Isend``
 kept alive until complete; every send to one's own rank is an ``Isend`` (a blocking one completes only once
 received). Small messages the listener sends while more are queued for it wait in a per-destination outbox and
-leave as one ``batch`` message. A message the listener sends to its own rank is delivered locally.
+leave as one ``batch`` message; so do small requests other threads send while many are in flight (``CORK_AFTER``),
+in a corked box the listener empties whenever it has nothing else to do. A message the listener sends to its own rank is delivered locally.
 
 Receives: the thread that holds the seat listens (:meth:`Messenger.listen`). Nothing a message claims is trusted
 (see :mod:`distlab.rpc.framing`), and nothing is unpickled before every check passed: the codec checks the
@@ -30,31 +29,35 @@ import collections
 import threading
 import time
 import traceback
-import weakref
 from typing import Callable
 
 from distlab import _backend
 from distlab._common.rpc_framing import FRAME_LEN, with_sizes
-from distlab._common.rpc_wait import LISTEN_SLEEP_MAX, LISTEN_SPIN, REPLY_SLEEP_MAX, REPLY_SPIN, STANDBY_POLL, TAKEOVER
-from distlab._wire import (RPC_FLAG_DEVICES, RPC_KIND_CODES, RPC_KINDS, RPC_REPLY_SLOTS, RPC_TAG_BUFFER,
-                           RPC_TAG_HEADER, RPC_TAG_REPLY_BASE)
-from distlab.errors import RpcError, RpcMessageError
+from distlab._common.rpc_wait import LISTEN_SLEEP_MAX, LISTEN_SPIN, STANDBY_POLL, TAKEOVER
+from distlab._wire import RPC_FLAG_DEVICES, RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
+from distlab.errors import RpcMessageError
 
 from . import framing
 from .devices import DeviceBuffer
 
-__all__ = ["Messenger", "TAG_HEADER", "TAG_BUFFER", "kind_name"]
+__all__ = ["Messenger", "TAG_HEADER", "TAG_BUFFER", "K_RESPONSE", "CORK_AFTER", "kind_name", "unpack_header"]
 
 TAG_HEADER = RPC_TAG_HEADER
 TAG_BUFFER = RPC_TAG_BUFFER
 EAGER_MAX = 16 * 1024  # bytes sent with a blocking MPI_Send (below MPICH's eager limits)
 BATCH_MAX_FRAMES = 64
+#: With at least this many requests in flight, a worker's small requests wait in corked boxes (``transmit(cork=)``):
+#: their answers are not awaited one by one, so they may leave in batches (one MPI message, one probe, for many).
+CORK_AFTER = 8
 #: How long the listener polls for a message's buffers without pausing. The sender sends them right after the
 #: header, so they are matched within microseconds; a pause (``time.sleep`` sleeps far longer) cost the 1 MiB
 #: echo a third of its round trip (docs/measurements.md, "RPC: in-band buffers and the buffer spin").
 BUFFER_SPIN = 0.002
 #: The longest a waiting thread stays in one probe before it looks at its deadline and at its agent again.
 SLICE = 0.25
+
+_pack_header = framing.codec.pack_header      # the active codec twin's, called straight on the hot paths
+unpack_header = framing.codec.unpack_header  # (kind, flags, mid, sizes, forks, meta, body, slot)
 
 K_RESPONSE = RPC_KIND_CODES["response"]
 K_STOP = RPC_KIND_CODES["stop"]
@@ -72,21 +75,6 @@ def _data(buf):
     return buf.data if type(buf) is DeviceBuffer else buf
 
 
-class _Slot:
-    """A thread's reply slot: its number, its tag, and the waiter that receives its replies."""
-
-    __slots__ = ("number", "tag", "waiter", "_free", "__weakref__")
-
-    def __init__(self, number: int, waiter, free: Callable):
-        self.number = number
-        self.tag = RPC_TAG_REPLY_BASE + number
-        self.waiter = waiter
-        self._free = free
-
-    def __del__(self):  # its thread ended: the number serves another thread
-        self._free(self.number)
-
-
 class Messenger:
     """Sends and receives RPC messages on the agent's communicator.
 
@@ -96,24 +84,22 @@ class Messenger:
         The agent's own communicator.
     name : str
         This worker's name (in the errors it reports).
-    deliver : callable
-        ``deliver(src, kind, flags, mid, meta, forks, body, buffers, slot, here)``, called on the listening thread
-        for every message received (batches already split); ``here``: a message of its own (not from a batch),
-        whose request the listening thread may run itself.
+    handlers : dict
+        The request kinds this worker handles (keys); a message of another kind (not a response) is refused
+        before its metadata is unpickled. The agent's registry, read here.
     record_error : callable
         ``record_error(text)``: log a problem the listener survived.
     on_malformed : callable
         ``on_malformed(src, error, slot)``: a message from ``src`` was refused (an RpcMessageError); the agent logs
         it and, when the header could be read, answers the sender's request with the error (on reply slot ``slot``).
-    handles : callable
-        ``handles(kind) -> bool``: a message of ``kind`` (a response, or a request) has a handler on this worker;
-        any other is refused before its metadata is unpickled.
     buffer_timeout : float
         How long a receiver waits for a message's out-of-band buffers after its header (seconds).
+
+    What the listening thread does with a message it received is given by :meth:`attach`.
     """
 
-    def __init__(self, comm, name: str, deliver: Callable, record_error: Callable, on_malformed: Callable,
-                 handles: Callable, buffer_timeout: float):
+    def __init__(self, comm, name: str, handlers: dict, record_error: Callable, on_malformed: Callable,
+                 buffer_timeout: float):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -121,8 +107,8 @@ class Messenger:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.name = name
-        self._deliver = deliver
-        self._handles = handles
+        self._handlers = handlers
+        self._on_request = self._on_response = None
         self._record_error = record_error
         self._on_malformed = on_malformed
         self.buffer_timeout = buffer_timeout
@@ -138,21 +124,36 @@ class Messenger:
         # messages are already queued for it, and go out together as one "batch" MPI message.
         self._outbox: dict[int, list] = {}
         self._outbox_bytes: dict[int, int] = {}
-        self._local = collections.deque()  # messages the listener sent to its own worker: (header, buffers)
-        self._free_slots = list(range(RPC_REPLY_SLOTS, 0, -1))
-        self._slot_lock = threading.Lock()
-        self._thread_slot = threading.local()
-        self._slots: weakref.WeakSet = weakref.WeakSet()
+        self._local = collections.deque()  # what the listener handles before MPI's next: (src, header or frames, buffers)
+        # Requests other threads send while many are in flight (rpc_async in a loop) wait in a corked box per
+        # destination and leave as one batch: when the box is full, or when the listener has nothing else to do.
+        self._corked: dict[int, list] = {}
+        self._corked_bytes: dict[int, int] = {}
+        self._cork_lock = threading.Lock()
+        self._lock = threading.Lock()
         #: the devices this worker sees (set by the agent; None: no device arrays can be received)
         self.device_count = None
         self.running = True
         self._listening = 0  # threads inside listen() (one, or none; briefly two when the seat changes hands)
 
+    def attach(self, on_request: Callable, on_response: Callable) -> None:
+        """Where received messages go, called on the listening thread (batches already split):
+        ``on_request(src, kind, flags, mid, meta, forks, body, buffers, slot, here)`` (``here``: the message came on
+        its own, not in a batch, so the listening thread may run it itself) and
+        ``on_response(src, flags, mid, forks, body, buffers, meta)``."""
+        self._on_request = on_request
+        self._on_response = on_response
+
     # -- sending ----------------------------------------------------------------------------------------------
-    def transmit(self, dst, kind, flags, mid, buffers, meta, forks, body, slot=0, tag=TAG_HEADER) -> None:
+    def transmit(self, dst, kind, flags, mid, buffers, meta, forks, body, slot=0, tag=TAG_HEADER,
+                 cork=False) -> None:
         """Send one message (header, then its out-of-band buffers); ``slot``: a request's reply slot; ``tag``: the
-        header's tag (a reply to slot ``s`` goes on its tag, buffers included)."""
-        header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body, slot)
+        header's tag (a reply to slot ``s`` goes on its tag, buffers included); ``cork``: a small message may wait
+        in ``dst``'s corked box and leave in a batch (the sender has many requests in flight)."""
+        if buffers or meta is not None:
+            header = framing.pack_header(kind, flags, mid, buffers, meta, forks, body, slot)
+        else:
+            header = _pack_header(kind, flags, mid, (), forks, b"", body, (), slot)
         MPI = self._MPI
         comm = self.comm
         listening = self.seat.listening()
@@ -160,7 +161,7 @@ class Messenger:
             if listening and tag == TAG_HEADER:
                 # A send to one's own rank completes only when it is received, so from the listener it would
                 # never complete: deliver it after the current message, as the same bytes (buffers copied).
-                self._local.append((header, [bytearray(_data(b)) for b in buffers]))
+                self._local.append((dst, header, [bytearray(_data(b)) for b in buffers]))
                 return
             requests = [comm.Isend([header, MPI.BYTE], dst, tag)]
             requests += [comm.Isend([_data(b), MPI.BYTE], dst, TAG_BUFFER if tag == TAG_HEADER else tag)
@@ -170,6 +171,9 @@ class Messenger:
         if not buffers and len(header) <= EAGER_MAX:
             if listening and tag == TAG_HEADER:
                 self._queue_frame(dst, header)
+                return
+            if cork:
+                self._cork(dst, header)
                 return
             comm.Send([header, MPI.BYTE], dst, tag)
             return
@@ -209,42 +213,73 @@ class Messenger:
     def _flush_to(self, dst) -> None:
         box = self._outbox.pop(dst, None)
         self._outbox_bytes.pop(dst, None)
-        if not box:
-            return
-        data = box[0] if len(box) == 1 else framing.pack_header(K_BATCH, 0, 0, [], None, (), framing.pack_batch(box))
-        self.comm.Send([data, self._MPI.BYTE], dst, TAG_HEADER)
+        if box:
+            self._send_batch(dst, box)
 
     def _flush_outbox(self) -> None:
         for dst in list(self._outbox):
             self._flush_to(dst)
+        if self._corked:
+            self.flush_corked()
+
+    def _cork(self, dst, header) -> None:
+        """Any thread: hold a small request for ``dst`` in its corked box (sent at once when the box is full)."""
+        full = None
+        with self._cork_lock:
+            box = self._corked.get(dst)
+            if box is None:
+                box = self._corked[dst] = []
+                self._corked_bytes[dst] = 0
+            box.append(header)
+            self._corked_bytes[dst] += len(header) + FRAME_LEN.size
+            if len(box) >= BATCH_MAX_FRAMES or self._corked_bytes[dst] > EAGER_MAX - 64:
+                full = self._corked.pop(dst)
+                del self._corked_bytes[dst]
+        if full is not None:
+            self._send_batch(dst, full)
+
+    def flush_corked(self) -> None:
+        """Send every corked box now (the listener, when it has nothing else to do)."""
+        with self._cork_lock:
+            boxes, self._corked, self._corked_bytes = self._corked, {}, {}
+        for dst, box in boxes.items():
+            self._send_batch(dst, box)
+
+    def _send_batch(self, dst, frames) -> None:
+        data = frames[0] if len(frames) == 1 else framing.pack_header(K_BATCH, 0, 0, [], None, (),
+                                                                       framing.pack_batch(frames))
+        self.comm.Send([data, self._MPI.BYTE], dst, TAG_HEADER)
 
     # -- the listener -----------------------------------------------------------------------------------------
     def listen(self) -> None:
         """Receive and handle messages while this thread holds the seat; return when it lost it, or at stop."""
-        with self._slot_lock:
+        with self._lock:
             self._listening += 1
         try:
             self._listen()
         finally:
-            with self._slot_lock:
+            with self._lock:
                 self._listening -= 1
 
     def _listen(self) -> None:
-        ANY_SOURCE, BYTE = self._MPI.ANY_SOURCE, self._MPI.BYTE
+        ANY_SOURCE = self._MPI.ANY_SOURCE
         waiter, seat = self.listener, self.seat
         status = waiter.status
         handled = 0
         while self.running:
             try:
                 if self._local:
-                    header, buffers = self._local.popleft()
-                    self._handle(self.rank, header, buffers, True)
+                    src, header, buffers = self._local.popleft()
+                    if buffers is None:
+                        self._on_frames(src, header)  # the rest of a batch another listener left
+                    else:
+                        self._handle(src, header, buffers, True)
                 else:
-                    if self._outbox and handled >= BATCH_MAX_FRAMES // 4:
+                    if (self._outbox or self._corked) and handled >= BATCH_MAX_FRAMES // 4:
                         # Bound how long a held message waits while traffic from other workers keeps coming.
                         self._flush_outbox()
                         handled = 0
-                    if self._outbox:
+                    if self._outbox or self._corked:
                         # More work already queued? Handle it first; else send what the outbox holds.
                         if not waiter.probe(ANY_SOURCE, TAG_HEADER, 0.0):
                             self._flush_outbox()
@@ -252,7 +287,7 @@ class Messenger:
                             continue
                     elif not waiter.probe(ANY_SOURCE, TAG_HEADER, SLICE):
                         continue
-                    data = self._receive(waiter, status, BYTE)
+                    data = self.receive(waiter)
                     if data is not None:
                         self._handle(status.Get_source(), data, None, True)
                     handled += 1
@@ -262,9 +297,10 @@ class Messenger:
                 return
         self._flush_outbox()
 
-    def _receive(self, waiter, status, BYTE):
-        """The matched message's bytes (None: larger than the limit, dropped and reported)."""
-        count = status.Get_count(BYTE)
+    def receive(self, waiter):
+        """The bytes of the message ``waiter`` matched (None: larger than the limit, dropped and reported)."""
+        status = waiter.status
+        count = status.Get_count(self._MPI.BYTE)
         if count > self._max_bytes:
             self._drop(waiter.message)
             self._on_malformed(status.Get_source(), RpcMessageError(
@@ -272,7 +308,7 @@ class Messenger:
                 f"({self._max_bytes})"), 0)
             return None
         data = bytearray(count)
-        waiter.message.Recv([data, BYTE])
+        waiter.message.Recv([data, self._MPI.BYTE])
         return data
 
     def _handle(self, src, data, buffers, here) -> None:
@@ -283,30 +319,35 @@ class Messenger:
         listener goes on with the next one.
         """
         try:
-            kind, flags, mid, sizes, meta, forks, body, slot = framing.unpack_header(data)
+            kind, flags, mid, sizes, forks, meta, body, slot = unpack_header(data, self._max_bytes)
             if kind == K_STOP or kind == K_WAKE:
                 raise RpcMessageError(f"refused a {kind_name(kind)} message from worker {src}: only a worker's "
                                       "own listener sends those", kind=kind, flags=flags, mid=mid)
-            self._check_kind(src, kind, flags, mid, sizes)
-            records = self._device_records(data, kind, flags, mid, sizes) if flags & RPC_FLAG_DEVICES else ()
-            if buffers is None:
-                buffers = self._receive_buffers(src, sizes, kind, flags, mid, TAG_BUFFER) if sizes else []
-            if records:  # device arrays: each buffer names the device it is rebuilt on
-                buffers = framing.place_buffers(buffers, records)
-            meta = framing.load_meta(meta, kind, flags, mid)
+            if kind != K_RESPONSE and kind not in self._handlers:
+                self._check_kind(src, kind, flags, mid, sizes)
+            if flags & RPC_FLAG_DEVICES:
+                records = self._device_records(data, kind, flags, mid, sizes)
+                if buffers is None:
+                    buffers = self.receive_buffers(src, sizes, kind, flags, mid, TAG_BUFFER)
+                buffers = framing.place_buffers(buffers, records)  # each buffer names the device it lands on
+            elif buffers is None:
+                buffers = self.receive_buffers(src, sizes, kind, flags, mid, TAG_BUFFER) if sizes else []
+            meta = framing.load_meta(meta, kind, flags, mid) if meta else None
         except RpcMessageError as exc:
             if exc.sizes and buffers is None:
-                self._drain(src, exc, TAG_BUFFER)
+                self.drain(src, exc, TAG_BUFFER)
             self._on_malformed(src, exc, data[3] if exc.mid is not None else 0)
             return
-        if kind == K_BATCH:
+        if kind == K_RESPONSE:
+            self._on_response(src, flags, mid, forks, body, buffers, meta)
+        elif kind == K_BATCH:
             self._on_batch(src, body)
         else:
-            self._deliver(src, kind, flags, mid, meta, forks, body, buffers, slot, here)
+            self._on_request(src, kind, flags, mid, meta, forks, body, buffers, slot, here)
 
     def _check_kind(self, src, kind, flags, mid, sizes) -> None:
         """RpcMessageError unless a message of ``kind`` has a handler here (a batch is split by the listener)."""
-        if kind != K_BATCH and not self._handles(kind):
+        if kind != K_BATCH and kind != K_RESPONSE and kind not in self._handlers:
             raise with_sizes(RpcMessageError(
                 f"refused message #{mid} ({kind_name(kind)}) from worker {src}: worker {self.name} has no handler "
                 f"for message kind {kind}", kind=kind, flags=flags, mid=mid), sizes)
@@ -318,7 +359,7 @@ class Messenger:
         except RpcMessageError as exc:
             raise with_sizes(exc, sizes) from None
 
-    def _receive_buffers(self, src, sizes, kind, flags, mid, tag, keep=True) -> list:
+    def receive_buffers(self, src, sizes, kind, flags, mid, tag, keep=True) -> list:
         """Receive a message's out-of-band buffers from ``src`` on ``tag``: each one matched by a probe
         (``Improbe``), checked against the size its header announced, then received (``Mrecv``; into nothing
         unless ``keep``); all within ``buffer_timeout``. A buffer that does not come, or has another size, is an
@@ -358,10 +399,10 @@ class Messenger:
             buffers.append(buf)
         return buffers
 
-    def _drain(self, src, exc, tag) -> None:
+    def drain(self, src, exc, tag) -> None:
         """Receive into nothing the buffers a refused message announced (bounded like any buffer wait)."""
         try:
-            self._receive_buffers(src, exc.sizes, exc.kind, exc.flags, exc.mid, tag, keep=False)
+            self.receive_buffers(src, exc.sizes, exc.kind, exc.flags, exc.mid, tag, keep=False)
         except RpcMessageError as missing:
             self._record_error(f"refused message from worker {src}: {missing}")
 
@@ -373,91 +414,45 @@ class Messenger:
             pass
 
     def _on_batch(self, src, data) -> None:
-        """Dispatch each small message of a batch, in order (their requests run on the pool, not here)."""
+        """Dispatch each small message of a batch, in order."""
         try:
             frames = framing.split_batch(data)
         except RpcMessageError as exc:
             self._on_malformed(src, exc, 0)
             return
-        for frame in frames:
+        self._on_frames(src, frames)
+
+    def _on_frames(self, src, frames) -> None:
+        """The frames of a batch, in order. Should this thread lose the seat while it runs one's request, the
+        listener that took it handles the rest."""
+        seat = self.seat
+        for index, frame in enumerate(frames):
+            if not seat.listening():
+                self._local.appendleft((src, frames[index:], None))
+                self.listener.wake()
+                return
             try:
-                kind, flags, mid, sizes, meta, forks, body, slot = framing.unpack_header(frame)
+                kind, flags, mid, sizes, forks, meta, body, slot = unpack_header(frame, self._max_bytes)
                 if sizes or kind in (K_BATCH, K_STOP, K_WAKE):
                     raise RpcMessageError(f"a message of kind {kind_name(kind)} with {len(sizes)} out-of-band "
                                           "buffers cannot travel in a batch", kind=kind, flags=flags, mid=mid)
-                self._check_kind(src, kind, flags, mid, ())
-                meta = framing.load_meta(meta, kind, flags, mid)
+                if kind != K_RESPONSE and kind not in self._handlers:
+                    self._check_kind(src, kind, flags, mid, ())
+                meta = framing.load_meta(meta, kind, flags, mid) if meta else None
             except RpcMessageError as exc:
                 self._on_malformed(src, exc, frame[3] if exc.mid is not None else 0)
             else:
-                self._deliver(src, kind, flags, mid, meta, forks, body, [], slot, False)
-
-    # -- replies the caller receives itself -------------------------------------------------------------------
-    def slot(self):
-        """This thread's reply slot (made at its first blocking call); None when every slot is taken (the reply
-        then comes through the listener)."""
-        slot = getattr(self._thread_slot, "slot", None)
-        if slot is None:
-            with self._slot_lock:
-                if not self._free_slots:
-                    return None
-                number = self._free_slots.pop()
-            slot = _Slot(number, self._wait.Waiter(self.comm, REPLY_SPIN, REPLY_SLEEP_MAX), self._free_slot)
-            self._thread_slot.slot = slot
-            self._slots.add(slot)
-        return slot
-
-    def _free_slot(self, number: int) -> None:
-        with self._slot_lock:
-            self._free_slots.append(number)
-
-    def await_reply(self, slot, dst: int, mid: int, deadline: float):
-        """Receive the reply to request ``mid`` sent to ``dst`` with ``slot``, on this thread, by ``deadline``
-        (monotonic seconds). Returns ``(flags, meta, forks, body, buffers)``, or None when the time is up.
-
-        A reply to an earlier request of this slot (one that timed out) is received and dropped. A malformed
-        reply to this request raises its RpcMessageError; RpcError when the agent stops meanwhile.
-        """
-        ANY_SOURCE, BYTE = self._MPI.ANY_SOURCE, self._MPI.BYTE
-        waiter, tag = slot.waiter, slot.tag
-        status = waiter.status
-        waiter.touch()  # the request just left: poll for the answer
-        while True:
-            if not self.running:
-                raise RpcError("the RPC agent was shut down before the response arrived")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if not waiter.probe(ANY_SOURCE, tag, min(left, SLICE)):
-                continue
-            src = status.Get_source()
-            data = self._receive(waiter, status, BYTE)
-            if data is None:
-                continue
-            try:
-                kind, flags, rmid, sizes, meta, forks, body, _slot = framing.unpack_header(data)
-                buffers = self._receive_buffers(src, sizes, kind, flags, rmid, tag) if sizes else []
-                if src != dst or rmid != mid or kind != K_RESPONSE:
-                    continue  # the late answer to an earlier request of this slot
-                if flags & RPC_FLAG_DEVICES:
-                    buffers = framing.place_buffers(buffers, framing.device_records(
-                        data, self.device_count, kind, flags, mid))
-                return flags, framing.load_meta(meta, kind, flags, mid), forks, body, buffers
-            except RpcMessageError as exc:
-                if exc.sizes:
-                    self._drain(src, exc, tag)
-                if src == dst and exc.mid in (None, mid):
-                    raise
-                self._record_error(f"refused a late reply from worker {src}: {exc}")
+                if kind == K_RESPONSE:
+                    self._on_response(src, flags, mid, forks, body, [], meta)
+                else:
+                    self._on_request(src, kind, flags, mid, meta, forks, body, [], slot, True)
 
     # -- stopping ---------------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop listening and waiting: the listener and every thread in :meth:`await_reply` return."""
+        """Stop listening: the listener returns (and :class:`~distlab.rpc.replies.ReplySlots` waits no more)."""
         self.running = False
         self.seat.stop()
         self.listener.wake()
-        for slot in list(self._slots):
-            slot.waiter.wake()
 
     def wait_listeners(self, timeout: float) -> bool:
         """After :meth:`stop`: wait (bounded) until no thread listens any more (none is inside MPI's probe)."""

@@ -265,6 +265,7 @@ def _handle_remote(src, payload, meta):
     rid, fid, func, args, kwargs = payload
     owner = _ctx.handle_remote_call(_gid(rid), _gid(fid))
     try:
+        func = framing.resolve_ref(func)
         value = func(*args, **kwargs) if kwargs else func(*args)
         if isinstance(value, Future) or is_async_execution(func):  # @async_execution: the value comes later
             functions.check_result(func, value, Future).add_done_callback(lambda f: _set_owner_value(owner, f))
