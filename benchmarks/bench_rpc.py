@@ -1,29 +1,49 @@
-"""distlab.rpc: round-trip latency, async throughput and RRef rates, reference vs core twin, against raw mpi4py.
+"""distlab.rpc: latency, async throughput and RRef rates of each twin, beside the MPI floor and PyTorch RPC.
 
-Run: ``python benchmarks/bench_rpc.py``. It launches itself on 2 ranks once per twin (the twin is chosen per
-process by ``DISTLAB_IMPL``); each job also measures a raw mpi4py ``Send``/``Recv`` ping-pong of the same
-payloads on its own communicator, so every ratio compares numbers from one launch. Rank 0 calls, rank 1 serves.
-Prints a table and writes ``benchmarks/results/bench_rpc.json``.
+Run: ``python -P benchmarks/bench_rpc.py``. It launches itself on 2 ranks once per twin (the twin is chosen per
+process by ``DISTLAB_IMPL``); each job also measures a raw mpi4py ``Send``/``Recv`` ping-pong of the same payloads
+on its own communicator (the floor), so every ratio compares numbers from one launch. Rank 0 calls, rank 1 serves.
+With ``--torch-python PATH`` (an interpreter with torch installed, e.g. a scratch venv: ``pip install
+torch==2.13.0``), or when torch imports here, it also runs the same calls over PyTorch RPC (TensorPipe) on 2
+processes of that interpreter. Prints a table, each figure beside its floor and torch's, and writes
+``benchmarks/results/bench_rpc.json``.
 
-Anchor figures (PyTorch RPC over TensorPipe, measured on this 2-core machine): 393 us rpc_sync round trip,
-6,000 async calls/s, 171 us per remote RRef create+delete. Targets for the core: < 100 us, >= 25,000 calls/s,
-< 40 us.
+The calls are written as a user writes them: a plain ``for`` loop of ``rpc.rpc_sync(1, noop)`` with ``noop``
+defined in the script (``__main__``), default settings. Timed rows are the median of 10 batches, with the best
+batch beside it (on a shared machine other jobs' load moves medians by up to 10x from one minute to the next;
+the best batch is what the code costs when it gets the cores). The in-process rows need no MPI and no second
+process, so load barely moves them: two agents on a fake communicator, pumped on one thread, measure the agent's
+own work per call (both sides), and ``--in-process sync|async --calls N`` runs just that loop, for an
+instruction count::
+
+    valgrind --tool=callgrind python -P benchmarks/bench_rpc.py --in-process sync --calls 1000
+    valgrind --tool=callgrind python -P benchmarks/bench_rpc.py --in-process sync --calls 3000
+
+(the difference of the two totals, over 2,000, is the instructions per call).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WINDOW = 1000  # rpc_async: calls in flight
 
 
 def noop():
     return None
+
+
+def one():
+    return 1
 
 
 def echo(x):
@@ -36,23 +56,16 @@ def _cheap():
     return rpc.cheap(noop), rpc.cheap(echo)
 
 
-def worker(out_path: str, quick: bool) -> None:
+def _median_best(samples) -> tuple:
+    return statistics.median(samples), min(samples)
+
+
+def _raw_floor(raw, rank, results, payloads, scale) -> None:
+    """The floor: a raw mpi4py Send/Recv ping-pong of each payload (rank 1 echoes)."""
     import numpy as np
-    from mpi4py import MPI
 
-    import distlab
-    import distlab.rpc as rpc
-
-    raw = MPI.COMM_WORLD.Dup()
-    rank = raw.Get_rank()
-    scale = 0.3 if quick else 1.0
-    payloads = {"8 B": np.zeros(1, np.float64), "small array (100 f64)": np.zeros(100),
-                "1 MiB array": np.zeros(1 << 17)}
-    results = {}
-
-    # -- raw mpi4py ping-pong (same payloads, blocking Send/Recv, rank 1 echoes)
     for label, arr in payloads.items():
-        n = int((2000 if arr.nbytes < 1 << 16 else 200) * scale) // 10
+        n = max(int((2000 if arr.nbytes < 1 << 16 else 200) * scale) // 10, 1)
         buf = np.empty_like(arr)
         samples = []
         for _ in range(10):
@@ -65,96 +78,324 @@ def worker(out_path: str, quick: bool) -> None:
                 else:
                     raw.Recv(buf, 0, 5)
                     raw.Send(buf, 0, 5)
-            samples.append((time.perf_counter() - t0) / n)
-        results[f"raw ping-pong {label}"] = statistics.median(samples) * 1e6
-        results[f"raw ping-pong {label}, best batch"] = min(samples) * 1e6
+            samples.append((time.perf_counter() - t0) / n * 1e6)
+        results[f"raw MPI round trip, {label}"] = _median_best(samples)
+
+
+def worker(out_path: str, quick: bool) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    import distlab
+    import distlab.rpc as rpc
+
+    raw = MPI.COMM_WORLD.Dup()
+    rank = raw.Get_rank()
+    scale = 0.3 if quick else 1.0
+    payloads = {"8 B": np.zeros(1), "100 f64": np.zeros(100), "1 MiB": np.zeros(1 << 17)}
+    results = {}
+    _raw_floor(raw, rank, results, payloads, scale)
     rpc.init_rpc(f"w{rank}")
     cheap_noop, cheap_echo = _cheap()
 
-    def timed(label, n, fn):
-        # 10 batches: the median, and the best batch (what the code costs when it gets the cores: on this
-        # shared 2-core machine other jobs' load moves the median by up to 10x from one minute to the next).
-        fn()  # warm-up
+    def batches(label, n, body):
+        body(max(n // 20, 1))  # warm-up
         samples = []
         per_batch = max(n // 10, 1)
         for _ in range(10):
             t0 = time.perf_counter()
-            for _ in range(per_batch):
-                fn()
-            samples.append((time.perf_counter() - t0) / per_batch)
-        results[label] = statistics.median(samples) * 1e6
-        results[label + ", best batch"] = min(samples) * 1e6
+            body(per_batch)
+            samples.append((time.perf_counter() - t0) / per_batch * 1e6)
+        results[label] = _median_best(samples)
+
+    def plain_loop(n):  # as a user writes it
+        for _ in range(n):
+            rpc.rpc_sync(1, noop)
+
+    def cheap_loop(n):
+        for _ in range(n):
+            rpc.rpc_sync(1, cheap_noop)
+
+    def burst(total, fn):
+        futs = []
+        for _ in range(total):
+            futs.append(rpc.rpc_async(1, fn))
+            if len(futs) >= WINDOW:
+                for f in futs[: WINDOW // 2]:
+                    f.wait(60)
+                del futs[: WINDOW // 2]
+        for f in futs:
+            f.wait(60)
+
+    def remote_to_here(n):
+        for _ in range(n):
+            r = rpc.remote(1, one)
+            r.to_here()
+            del r
+
+    def create_delete(n):
+        for _ in range(n):
+            r = rpc.remote(1, cheap_noop)
+            del r
+        deadline = time.monotonic() + 60
+        while rpc.rpc_sync(1, rpc.rref_debug_info)["num_owner_rrefs"] or rpc.rref_debug_info()["num_pending_users"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"RRefs were not deleted: {rpc.rref_debug_info()}")
+            time.sleep(0.0005)
 
     if rank == 0:
         n = int(2000 * scale)
-        timed("rpc_sync no-op (cheap, inline on the listener)", n, lambda: rpc.rpc_sync(1, cheap_noop))
-        timed("rpc_sync no-op (thread pool)", n, lambda: rpc.rpc_sync(1, noop))
-        small = payloads["small array (100 f64)"]
-        timed("rpc_sync echo small array (100 f64)", n, lambda: rpc.rpc_sync(1, cheap_echo, (small,)))
-        big = payloads["1 MiB array"]
-        timed("rpc_sync echo 1 MiB array", int(200 * scale), lambda: rpc.rpc_sync(1, cheap_echo, (big,)))
-
-        def burst(total=int(20000 * scale), window=1000, fn=cheap_noop):
-            futs = []
-            for i in range(total):
-                futs.append(rpc.rpc_async(1, fn))
-                if len(futs) >= window:
-                    for f in futs[: window // 2]:
-                        f.wait(60)
-                    del futs[: window // 2]
-            for f in futs:
-                f.wait(60)
-
-        for label, fn in (("rpc_async calls/s, 1000 in flight (cheap)", cheap_noop),
-                          ("rpc_async calls/s, 1000 in flight (thread pool)", noop)):
-            burst(2000, fn=fn)
+        batches("rpc_sync no-op, plain loop (thread pool)", n, plain_loop)
+        batches("rpc_sync no-op, cheap (inline on the listener)", n, cheap_loop)
+        small, big = payloads["100 f64"], payloads["1 MiB"]
+        batches("rpc_sync echo 100 f64 (cheap)", n, lambda k: [rpc.rpc_sync(1, cheap_echo, (small,)) for _ in range(k)])
+        batches("rpc_sync echo 1 MiB (cheap)", int(200 * scale),
+                lambda k: [rpc.rpc_sync(1, cheap_echo, (big,)) for _ in range(k)])
+        for label, fn in (("rpc_async calls/s, 1000 in flight (thread pool)", noop),
+                          ("rpc_async calls/s, 1000 in flight (cheap)", cheap_noop)):
+            burst(2000, fn)
             rates = []
             total = int(10000 * scale)
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
-                burst(total, fn=fn)
+                burst(total, fn)
                 rates.append(total / (time.perf_counter() - t0))
-            results[label] = statistics.median(rates)
-            results[label + ", best of 3"] = max(rates)
-        timed("remote + to_here (cheap)", int(1000 * scale), lambda: rpc.remote(1, cheap_noop).to_here())
-
-        def create_delete(n):
-            for _ in range(n):
-                r = rpc.remote(1, cheap_noop)
-                del r
-            deadline = time.monotonic() + 60
-            while rpc.rpc_sync(1, rpc.rref_debug_info)["num_owner_rrefs"] or \
-                    rpc.rref_debug_info()["num_pending_users"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"RRefs were not deleted: {rpc.rref_debug_info()}")
-                time.sleep(0.0005)
-
+            results[label] = (statistics.median(rates), max(rates))
+        batches("remote + to_here + delete, 2000 RRefs (us each)", 2000, remote_to_here)
         create_delete(500)
-        n = int(5000 * scale)
         pers = []
-        for _ in range(3):
+        for _ in range(5):
+            k = int(5000 * scale)
             t0 = time.perf_counter()
-            create_delete(n)
-            pers.append((time.perf_counter() - t0) / n)
-        results["remote RRef create+delete (us each, pipelined)"] = statistics.median(pers) * 1e6
-        results["remote RRef create+delete (us each, pipelined), best of 3"] = min(pers) * 1e6
-        results["RRef create+delete per second"] = 1.0 / statistics.median(pers)
-        local = [time.perf_counter()]
-        for _ in range(int(2000 * scale)):
-            r = rpc.RRef(1)
-            del r
-        results["local RRef(value) create+delete (us)"] = (time.perf_counter() - local[0]) / int(2000 * scale) * 1e6
-    # CPU burnt by an idle worker (its listener waiting for messages), per second of wall time
+            create_delete(k)
+            pers.append((time.perf_counter() - t0) / k * 1e6)
+        results["remote RRef create + delete, pipelined (us each)"] = _median_best(pers)
+    # CPU burnt by an idle worker (its threads waiting for messages), per second of wall time
     raw.Barrier()
-    time.sleep(0.2)
+    time.sleep(0.3)
     c0 = time.process_time()
     time.sleep(1.0)
     idle = raw.gather(time.process_time() - c0, root=0)
     if rank == 0:
-        results["idle worker CPU (s per s, max over ranks)"] = max(idle)
+        results["idle worker CPU (s per s, the busier rank)"] = (max(idle), max(idle))
+        results["wait path"] = rpc.get_agent().wait_path
     rpc.shutdown()
     if rank == 0:
         Path(out_path).write_text(json.dumps({"impl": distlab.IMPL, "results": results}))
+
+
+# -- PyTorch RPC (TensorPipe), run by an interpreter that has torch -----------------------------------------------
+def torch_worker(rank: int, port: int, out_path: str, quick: bool) -> None:
+    import torch.distributed.rpc as trpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    trpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    results = {}
+    scale = 0.3 if quick else 1.0
+    if rank == 0:
+        def batches(label, n, body):
+            body(max(n // 20, 1))
+            samples = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                body(max(n // 10, 1))
+                samples.append((time.perf_counter() - t0) / max(n // 10, 1) * 1e6)
+            results[label] = _median_best(samples)
+
+        def plain_loop(k):
+            for _ in range(k):
+                trpc.rpc_sync("w1", noop)
+
+        def remote_to_here(k):
+            for _ in range(k):
+                r = trpc.remote("w1", one)
+                r.to_here()
+                del r
+
+        def burst(total):
+            futs = []
+            for _ in range(total):
+                futs.append(trpc.rpc_async("w1", noop))
+                if len(futs) >= WINDOW:
+                    for f in futs[: WINDOW // 2]:
+                        f.wait()
+                    del futs[: WINDOW // 2]
+            for f in futs:
+                f.wait()
+
+        batches("rpc_sync no-op, plain loop (thread pool)", int(1000 * scale), plain_loop)
+        burst(1000)
+        rates = []
+        for _ in range(3):
+            total = int(4000 * scale)
+            t0 = time.perf_counter()
+            burst(total)
+            rates.append(total / (time.perf_counter() - t0))
+        results["rpc_async calls/s, 1000 in flight (thread pool)"] = (statistics.median(rates), max(rates))
+        batches("remote + to_here + delete, 2000 RRefs (us each)", 1000, remote_to_here)
+        pers = []
+        for _ in range(3):
+            k = int(2000 * scale)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                r = trpc.remote("w1", noop)
+                del r
+            pers.append((time.perf_counter() - t0) / k * 1e6)
+        results["remote RRef create + delete, pipelined (us each)"] = _median_best(pers)
+    trpc.shutdown()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+
+
+def run_torch(python: str, quick: bool) -> dict | None:
+    """PyTorch RPC's figures, from 2 processes of ``python``; None when it fails (said on stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = RESULTS / "bench_rpc.torch.json"
+    args = [python, __file__, "--torch-worker", "RANK", "--port", str(port), "--out", str(out)] + (
+        ["--quick"] if quick else [])
+    procs = [subprocess.Popen([a if a != "RANK" else str(r) for a in args]) for r in (1, 0)]
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        codes = [-1]
+    if any(codes) or not out.exists():
+        print(f"bench_rpc: the PyTorch RPC run failed (exit codes {codes}); no torch column", file=sys.stderr)
+        return None
+    data = json.loads(out.read_text())
+    out.unlink()
+    return data
+
+
+# -- in process: the agent's own work per call (no MPI, no second process) ------------------------------------
+class _FakeMessage:
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+    def Recv(self, spec):
+        spec[0][:] = self.data
+
+
+class _FakeWorld:
+    """Two agents joined by a fake communicator: a message for a listener waits in its inbox until ``pump`` hands
+    it over (on this thread); a reply to a slot waits until its caller probes, which pumps first."""
+
+    def __init__(self, impl: str):
+        os.environ["DISTLAB_IMPL"] = impl
+        os.environ["DISTLAB_RPC_WAIT"] = "mpi4py"   # the fake communicator has no C handle to probe
+        from distlab.rpc import api, calls
+        from distlab.rpc.agent import RpcAgent
+
+        self.inbox = {0: collections.deque(), 1: collections.deque()}
+        self.tagged = collections.defaultdict(collections.deque)
+        self.agents = {}
+        for r in (0, 1):
+            agent = self.agents[r] = RpcAgent(f"w{r}", _FakeComm(self, r), names=["w0", "w1"], num_threads=1)
+            agent.register_handler(calls.K_CALL, api._handle_call, _internal=True)
+            agent._dispatch.pool.standby = True   # a standby watches: the listener runs requests itself
+            assert agent._seat.take()
+        self.agents[0]._seat.leave()   # this thread calls from worker 0 (not from its listener)
+        calls.set_agent(self.agents[0])
+
+    def pump(self) -> None:
+        seat0 = self.agents[0]._seat
+        seat0.come_back()   # this thread is worker 0's listener while it pumps
+        try:
+            progress = True
+            while progress:
+                progress = False
+                for r in (1, 0):
+                    messenger, box = self.agents[r]._messenger, self.inbox[r]
+                    while box:
+                        src, data = box.popleft()
+                        messenger._handle(src, data, None, True)
+                        progress = True
+                    if messenger._outbox or messenger._corked:
+                        messenger._flush_outbox()
+                        progress = True
+        finally:
+            seat0.leave()
+
+
+class _FakeComm:
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return 2
+
+    def Send(self, spec, dst, tag):
+        world = self.world
+        (world.inbox[dst] if tag == 17 else world.tagged[(dst, tag)]).append((self.rank, bytearray(spec[0])))
+
+    def Improbe(self, source, tag, status):
+        from mpi4py import MPI
+
+        queue = self.world.tagged[(self.rank, tag)]
+        if not queue:
+            self.world.pump()
+            if not queue:
+                return None
+        src, data = queue.popleft()
+        status.source, status.tag = src, tag
+        status.Set_elements(MPI.BYTE, len(data))
+        return _FakeMessage(data)
+
+    def Free(self):
+        pass
+
+
+def in_process_calls(world, what: str, n: int) -> None:
+    import distlab.rpc as rpc
+
+    if what == "sync":
+        for _ in range(n):
+            rpc.rpc_sync(1, noop)
+        return
+    futs = []
+    for _ in range(n):
+        futs.append(rpc.rpc_async(1, noop))
+        if len(futs) >= WINDOW:
+            world.pump()
+            for f in futs:
+                f.wait(10)
+            futs = []
+    world.pump()
+    for f in futs:
+        f.wait(10)
+
+
+def in_process_cpu(quick: bool) -> dict:
+    """CPU microseconds of the agents' own work per no-op call, both sides (best of 5 runs), in this process."""
+    world = _FakeWorld(os.environ.get("DISTLAB_IMPL", "core"))
+    out = {}
+    for what, n in (("sync", int(20000 * (0.3 if quick else 1))), ("async", int(40000 * (0.3 if quick else 1)))):
+        in_process_calls(world, what, 200)
+        best = []
+        for _ in range(5):
+            t0 = time.process_time()
+            in_process_calls(world, what, n // 5)
+            best.append((time.process_time() - t0) / (n // 5) * 1e6)
+        out[what] = min(best)
+    return out
+
+
+def in_process(impl: str, quick: bool) -> dict:
+    """:func:`in_process_cpu` of the ``impl`` twin, in a process of its own (as a user's script: ``__main__``)."""
+    command = [sys.executable, "-P", __file__, "--in-process-cpu"] + (["--quick"] if quick else [])
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, DISTLAB_IMPL=impl),
+                          timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"the in-process run of the {impl} twin failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def protocol_cpu(impl: str, n: int = 20000) -> float:
@@ -187,25 +428,52 @@ def codec_cpu(impl: str, n: int = 20000) -> float:
     from distlab.rpc import framing
 
     codec = _backend.load("rpc_framing", impl)
-    body = framing.dumps((framing.by_value(noop), (), None))[0]
+    body = framing.dumps(framing.call_payload(noop, (), None))[0]
     limit = framing.MAX_MESSAGE_BYTES
     t0 = time.process_time()
     for _ in range(n):
-        data = codec.pack_header(1, 0, 7, (), (), b"", body)
+        data = codec.pack_header(1, 0, 7, (), (), b"", body, (), 1)
         codec.unpack_header(data, limit)   # the checks, the pickle walks included
     return (time.process_time() - t0) / n * 1e6
 
 
-def table(runs: dict) -> str:
-    metrics = list(next(iter(runs.values())).keys())
+# -- the table ----------------------------------------------------------------------------------------------------
+FLOORS = {"rpc_sync no-op": "raw MPI round trip, 8 B", "rpc_sync echo 100 f64": "raw MPI round trip, 100 f64",
+          "rpc_sync echo 1 MiB": "raw MPI round trip, 1 MiB"}
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    median, best = value if isinstance(value, (list, tuple)) else (value, None)
+    text = f"{median:,.0f}" if abs(median) >= 1000 else (f"{median:.1f}" if abs(median) >= 10 else f"{median:.3g}")
+    if best is not None and best != median:
+        text += f" ({best:,.0f})" if abs(best) >= 1000 else (f" ({best:.1f})" if abs(best) >= 10 else f" ({best:.3g})")
+    return text
+
+
+def table(runs: dict, torch: dict | None) -> str:
     impls = list(runs)
-    head = f"{'metric':<66}" + "".join(f"{i:>12}" for i in impls)
+    core = runs.get("core") or next(iter(runs.values()))
+    metrics = [m for m in core if not m.startswith("raw MPI") and m != "wait path"]
+    head = f"{'metric':<58}{'floor (raw MPI)':>17}" + "".join(f"{i:>18}" for i in impls) + f"{'torch':>18}"
     lines = [head, "-" * len(head)]
     for m in metrics:
-        unit = "/s" if ("per second" in m or "calls/s" in m) else ("s/s" if "idle" in m else "us")
-        cells = "".join(f"{v:>12.2f}" if abs(v) < 10 else f"{v:>12.1f}"
-                        for v in (runs[i].get(m, float("nan")) for i in impls))
-        lines.append(f"{m + ' [' + unit + ']':<66}" + cells)
+        floor = next((core.get(f) for prefix, f in FLOORS.items() if m.startswith(prefix)), None)
+        cells = "".join(f"{_cell(runs[i].get(m)):>18}" for i in impls)
+        lines.append(f"{m:<58}{_cell(floor):>17}{cells}{_cell((torch or {}).get(m)):>18}")
+    above = {i: runs[i]["remote + to_here + delete, 2000 RRefs (us each)"][0]
+             - runs[i]["rpc_sync no-op, plain loop (thread pool)"][0] for i in impls
+             if "remote + to_here + delete, 2000 RRefs (us each)" in runs[i]}
+    if above:
+        lines.append(f"{'remote + to_here + delete, above an rpc_sync (us each)':<58}{'':>17}"
+                     + "".join(f"{_cell(above.get(i)):>18}" for i in impls))
+    lines.append("")
+    lines.append("floor: the same job's raw mpi4py Send/Recv round trip of the same payload; figures are medians of "
+                 "10 batches (best batch in brackets); calls/s rows: median of 5 bursts (best)")
+    lines.append("wait path: " + ", ".join(f"{i}: {runs[i].get('wait path')}" for i in impls))
     return "\n".join(lines)
 
 
@@ -213,14 +481,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", nargs="+", default=["reference", "core"])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
-    parser.add_argument("--throttle", choices=["0", "1"], default="1",
-                        help="MPIR_CVAR_CH4_PROGRESS_THROTTLE for the job (default 1, see distlab.rpc)")
-    parser.add_argument("--wait", choices=["adaptive", "block"], default=None,
-                        help="DISTLAB_RPC_WAIT for the job (default: the agent's default)")
+    parser.add_argument("--torch-python", help="an interpreter with torch: adds PyTorch RPC's column")
+    parser.add_argument("--in-process", choices=["sync", "async"], help="run only N in-process calls (for callgrind)")
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--in-process-cpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--torch-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         worker(options.worker, options.quick)
+        return
+    if options.torch_worker is not None:
+        torch_worker(options.torch_worker, options.port, options.out, options.quick)
+        return
+    if options.in_process:
+        in_process_calls(_FakeWorld(os.environ.get("DISTLAB_IMPL", "core")), options.in_process, options.calls)
+        return
+    if options.in_process_cpu:
+        print(json.dumps(in_process_cpu(options.quick)))
         return
     from distlab.launch import launch_script
 
@@ -229,27 +509,29 @@ def main() -> None:
     for impl in options.impl:
         part = RESULTS / f"bench_rpc.{impl}.json"
         args = ["--worker", str(part)] + (["--quick"] if options.quick else [])
-        env = {"DISTLAB_IMPL": impl, "MPIR_CVAR_CH4_PROGRESS_THROTTLE": options.throttle}
-        if options.wait:
-            env["DISTLAB_RPC_WAIT"] = options.wait
-        job = launch_script(__file__, np=2, args=args, timeout=600, env=env)
+        job = launch_script(__file__, np=2, args=args, timeout=900, env={"DISTLAB_IMPL": impl})
         if job.returncode != 0:
             sys.exit(f"bench_rpc with the {impl} twin failed (exit {job.returncode})")
-        data = json.loads(part.read_text())
+        runs[impl] = json.loads(part.read_text())["results"]
         part.unlink()
-        runs[impl] = data["results"]
-        runs[impl]["RRef protocol bookkeeping, CPU per lifecycle (in process)"] = protocol_cpu(impl)
-        runs[impl]["wire codec, CPU per no-op call, encode+decode (in process)"] = codec_cpu(impl)
-    report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
-              "ranks": 2, "throttle": options.throttle,
-              "wait": options.wait or os.environ.get("DISTLAB_RPC_WAIT", "adaptive"),
-              "load_average": os.getloadavg(), "runs": runs,
-              "anchor_pytorch_tensorpipe": {"rpc_sync_us": 393, "async_calls_per_s": 6000,
-                                            "remote_create_delete_us": 171}}
+        cpu = in_process(impl, options.quick)
+        runs[impl]["agent CPU per rpc_sync no-op, both sides, in process (us)"] = cpu["sync"]
+        runs[impl]["agent CPU per rpc_async no-op, both sides, in process (us)"] = cpu["async"]
+        runs[impl]["RRef protocol bookkeeping, CPU per lifecycle, in process (us)"] = protocol_cpu(impl)
+        runs[impl]["wire codec, CPU per no-op call, encode + decode, in process (us)"] = codec_cpu(impl)
+    torch_python = options.torch_python
+    if torch_python is None:
+        try:
+            import torch.distributed.rpc  # noqa: F401
+            torch_python = sys.executable
+        except ImportError:
+            pass
+    torch = run_torch(torch_python, options.quick) if torch_python else None
+    report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(), "ranks": 2,
+              "load_average": os.getloadavg(), "runs": runs, "torch_tensorpipe": torch}
     (RESULTS / "bench_rpc.json").write_text(json.dumps(report, indent=1))
-    print(table(runs))
-    print("\nraw ping-pong rows: each job's own mpi4py Send/Recv round trip (same launch as its twin's rows)")
-    print(f"written to {RESULTS / 'bench_rpc.json'}")
+    print(table(runs, torch))
+    print(f"\nwritten to {RESULTS / 'bench_rpc.json'}")
 
 
 if __name__ == "__main__":

@@ -335,23 +335,27 @@ cdef double SLEEP_FIRST_C = SLEEP_FIRST
 
 
 cdef object _self_test(Waiter w, MPI):
-    """None if probing through libmpi finds a message this rank sent itself with mpi4py, else what went wrong."""
-    comm = w.comm
-    rank = comm.Get_rank()
+    """None if probing through libmpi finds a message this process sent itself with mpi4py, else what went wrong.
+
+    The message goes on ``MPI.COMM_SELF`` (not on the waiter's communicator: nothing of it reaches another rank,
+    so both twins send the same messages), probed with the waiter's own code and objects."""
+    handle, comm_is_pointer = w._comm, w._comm_is_pointer
+    w._comm, w._comm_is_pointer = comm_handle(MPI.COMM_SELF)
     sent = bytearray(b"\x2a")
-    request = comm.Isend([sent, MPI.BYTE], rank, SELF_TEST_TAG)
+    request = MPI.COMM_SELF.Isend([sent, MPI.BYTE], 0, SELF_TEST_TAG)
     try:
-        if not w.probe(rank, SELF_TEST_TAG, 5.0):
+        if not w.probe(0, SELF_TEST_TAG, 5.0):
             return "no message matched within 5 s"
         got = (w.status.Get_source(), w.status.Get_tag(), w.status.Get_count(MPI.BYTE))
         received = bytearray(max(got[2], 1) if got[2] < 1 << 20 else 1)
         w.message.Recv([received, MPI.BYTE])
-        if got != (rank, SELF_TEST_TAG, 1):
-            return f"matched (source, tag, bytes) {got}, expected {(rank, SELF_TEST_TAG, 1)}"
+        if got != (0, SELF_TEST_TAG, 1):
+            return f"matched (source, tag, bytes) {got}, expected {(0, SELF_TEST_TAG, 1)}"
         if received != sent:
             return f"received {bytes(received)!r}, sent {bytes(sent)!r}"
         return None
     finally:
+        w._comm, w._comm_is_pointer = handle, comm_is_pointer
         if not request.Test():
             request.Cancel()
             request.Wait()

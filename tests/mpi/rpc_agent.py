@@ -46,6 +46,31 @@ def echo_meta(src, payload, meta):
     return (src, payload, meta, rpc.current_call().meta)
 
 
+_released = threading.Event()
+
+
+def wait_for_release():
+    """Blocks until release() runs here: it can only if this worker listens while this handler blocks (the
+    standby takes the seat of the thread that runs it)."""
+    return "released" if _released.wait(15) else "never released"
+
+
+def release():
+    _released.set()
+
+
+def ping(n, a, b):
+    """a -> b -> a -> ...: each level blocks in rpc_sync while the next runs on the other worker."""
+    me = rpc.get_worker_info().id
+    return [me] if n == 0 else [me] + rpc.rpc_sync(b if me == a else a, ping, (n - 1, a, b))
+
+
+def slow_or_not(i):
+    if i == 37:
+        time.sleep(0.05)   # longer than the takeover: the rest of its batch goes on on another thread
+    return i * i
+
+
 info = rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_timeout=20)
 assert info == rpc.get_worker_info() == rpc.WorkerInfo(f"worker{rank}", rank)
 rpc.get_agent().register_handler(64, echo_meta)
@@ -81,6 +106,42 @@ if rank == 0:
         raise AssertionError("async timeout not raised")
     except DistTimeoutError:
         pass
+    # The reply to a call that timed out comes later to this thread's reply slot: dropped, never taken for the
+    # answer of the next call.
+    try:
+        rpc.rpc_sync(peer, time.sleep, (0.3,), timeout=0.05)
+        raise AssertionError("timeout not raised")
+    except DistTimeoutError:
+        pass
+    time.sleep(0.5)
+    assert rpc.rpc_sync(peer, add, (20, 3)) == 23
+    # A handler that blocks leaves its worker listening: release() reaches the worker while wait_for_release()
+    # blocks there (it would wait 15 s, and say so, if the worker were deaf meanwhile).
+    blocked = []
+    waiter_thread = threading.Thread(target=lambda: blocked.append(rpc.rpc_sync(peer, wait_for_release)))
+    waiter_thread.start()
+    time.sleep(0.1)
+    rpc.rpc_sync(peer, release)
+    waiter_thread.join(30)
+    assert blocked == ["released"], blocked
+    # calls that call back, each level blocking its worker's handler while the next one runs
+    assert rpc.rpc_sync(peer, ping, (5, 0, peer)) == [peer, 0, peer, 0, peer, 0]
+    # many in flight: sent in batches, run by the listener; one handler stays away past the takeover, and the
+    # rest of its batch still runs, in order of arrival
+    assert [f.wait(20) for f in [rpc.rpc_async(peer, slow_or_not, (i,)) for i in range(200)]] == [
+        i * i for i in range(200)]
+    # every reply slot taken: a blocking call's reply comes through the listener instead
+    agent = rpc.get_agent()
+    saved, agent._replies._free_slots = agent._replies._free_slots, []
+    through_listener = []
+    helper = threading.Thread(target=lambda: through_listener.append(rpc.rpc_sync(peer, add, (4, 4))))
+    helper.start()
+    helper.join(30)
+    agent._replies._free_slots = saved + agent._replies._free_slots
+    assert through_listener == [8], through_listener
+    # how the agent's threads wait: the core twin calls libmpi (the mpich wheel's), the reference mpi4py
+    assert agent.wait_path == ("mpi4py" if os.environ.get("DISTLAB_IMPL") == "reference" else "libmpi"), \
+        agent.wait_path
     for bad in ("nobody", world, -1):
         try:
             rpc.rpc_sync(bad, add, (1, 2))

@@ -39,7 +39,7 @@ LISTEN_SLEEP_MAX = 2e-3
 TAKEOVER = 2e-3
 #: How often the standby thread looks at the seat.
 STANDBY_POLL = 1e-3
-#: The tag of the message the core twin sends itself to check its call of ``MPI_Improbe``.
+#: The tag of the message the core twin sends itself (on ``MPI.COMM_SELF``) to check its call of ``MPI_Improbe``.
 SELF_TEST_TAG = 31_000
 
 _found: tuple | None = None
