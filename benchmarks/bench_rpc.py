@@ -421,23 +421,61 @@ def protocol_cpu(impl: str, n: int = 20000) -> float:
     return per
 
 
-def codec_cpu(impl: str, n: int = 20000) -> float:
-    """CPU microseconds to encode and decode one no-op call message with the ``impl`` twin of the wire codec
-    (header, checks, the pickle walk; pickling itself excluded), in process: robust to machine load."""
+def where_cpu(impl: str, n: int = 20000) -> dict:
+    """Where the agents' CPU per ``rpc_sync`` no-op goes (both sides, in process, microseconds): the pieces a call
+    makes, each timed alone (best of 5), for the ``impl`` twin of the codec. What the in-process total has beyond
+    their sum is the agent's own Python: its frames per message (sending, listening, dispatching, replying,
+    waiting for the reply) and their bookkeeping."""
+    from mpi4py import MPI
+
     from distlab import _backend
     from distlab.rpc import framing
 
     codec = _backend.load("rpc_framing", impl)
-    body = framing.dumps(framing.call_payload(noop, (), None))[0]
+    payload = framing.call_payload(noop, (), None)
+    body = framing.dumps(payload)[0]
+    header = codec.pack_header(1, 0, 7, (), (), b"", body, (), 1)
     limit = framing.MAX_MESSAGE_BYTES
-    t0 = time.process_time()
-    for _ in range(n):
-        data = codec.pack_header(1, 0, 7, (), (), b"", body, (), 1)
-        codec.unpack_header(data, limit)   # the checks, the pickle walks included
-    return (time.process_time() - t0) / n * 1e6
+    comm, status = MPI.COMM_SELF, MPI.Status()
+
+    def message():  # what a message costs in mpi4py calls: send, match, size, receive
+        request = comm.Isend([header, MPI.BYTE], 0, 5)
+        matched = comm.Improbe(0, 5, status)
+        data = bytearray(status.Get_count(MPI.BYTE))
+        matched.Recv([data, MPI.BYTE])
+        request.Wait()
+
+    pieces = {
+        "pickling: the call's payload, and the reply": lambda: (framing.dumps(payload), framing.dumps(None)),
+        "unpickling: the call's payload, and the reply": lambda: (framing.loads(body, [], None, checked=True),
+                                                                  framing.loads(framing.NONE_BODY, checked=True)),
+        "wire codec: two headers packed and checked": lambda: (codec.pack_header(1, 0, 7, (), (), b"", body, (), 1),
+                                                              codec.unpack_header(header, limit),
+                                                              codec.pack_header(0, 0, 7, (), (), b"", b"", (), 0),
+                                                              codec.unpack_header(header, limit)),
+        "mpi4py calls of two messages (on COMM_SELF)": lambda: (message(), message()),
+    }
+    out = {}
+    for label, piece in pieces.items():
+        best = []
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(n // 5):
+                piece()
+            best.append((time.process_time() - t0) / (n // 5) * 1e6)
+        out[label] = min(best)
+    return out
 
 
 # -- the table ----------------------------------------------------------------------------------------------------
+#: What each figure aims at (the physical limit, not the anchors): printed beside it.
+TARGETS = {"rpc_sync no-op, plain loop (thread pool)": "<= 15 us",
+           "rpc_sync no-op, cheap (inline on the listener)": "<= pool's",
+           "rpc_async calls/s, 1000 in flight (thread pool)": ">= 150,000",
+           "rpc_async calls/s, 1000 in flight (cheap)": ">= 150,000",
+           "remote RRef create + delete, pipelined (us each)": "<= 10 us",
+           "remote + to_here + delete, above an rpc_sync (us each)": "<= 10 us",
+           "idle worker CPU (s per s, the busier rank)": "<= 0.05"}
 FLOORS = {"rpc_sync no-op": "raw MPI round trip, 8 B", "rpc_sync echo 100 f64": "raw MPI round trip, 100 f64",
           "rpc_sync echo 1 MiB": "raw MPI round trip, 1 MiB"}
 
@@ -454,27 +492,70 @@ def _cell(value) -> str:
     return text
 
 
-def table(runs: dict, torch: dict | None) -> str:
+ABOVE = "remote + to_here + delete, above an rpc_sync (us each)"
+WHERE = "  of which "   # the rows of where_cpu, under the in-process total they split
+
+
+def rows(runs: dict, torch: dict | None) -> list:
+    """The table's rows: ``[metric, target, floor, one cell per twin..., torch]``, as printed."""
     impls = list(runs)
     core = runs.get("core") or next(iter(runs.values()))
     metrics = [m for m in core if not m.startswith("raw MPI") and m != "wait path"]
-    head = f"{'metric':<58}{'floor (raw MPI)':>17}" + "".join(f"{i:>18}" for i in impls) + f"{'torch':>18}"
-    lines = [head, "-" * len(head)]
+    out = []
     for m in metrics:
         floor = next((core.get(f) for prefix, f in FLOORS.items() if m.startswith(prefix)), None)
-        cells = "".join(f"{_cell(runs[i].get(m)):>18}" for i in impls)
-        lines.append(f"{m:<58}{_cell(floor):>17}{cells}{_cell((torch or {}).get(m)):>18}")
-    above = {i: runs[i]["remote + to_here + delete, 2000 RRefs (us each)"][0]
-             - runs[i]["rpc_sync no-op, plain loop (thread pool)"][0] for i in impls
-             if "remote + to_here + delete, 2000 RRefs (us each)" in runs[i]}
-    if above:
-        lines.append(f"{'remote + to_here + delete, above an rpc_sync (us each)':<58}{'':>17}"
-                     + "".join(f"{_cell(above.get(i)):>18}" for i in impls))
+        out.append([m, TARGETS.get(m, ""), _cell(floor)] + [_cell(runs[i].get(m)) for i in impls]
+                   + [_cell((torch or {}).get(m))])
+    return out
+
+
+def table(runs: dict, torch: dict | None) -> str:
+    impls = list(runs)
+    head = (f"{'metric':<62}{'target':>11}{'floor (raw MPI)':>17}" + "".join(f"{i:>18}" for i in impls)
+            + f"{'torch':>18}")
+    lines = [head, "-" * len(head)]
+    for metric, target, floor, *cells in rows(runs, torch):
+        lines.append(f"{metric:<62}{target:>11}{floor:>17}" + "".join(f"{c:>18}" for c in cells))
     lines.append("")
     lines.append("floor: the same job's raw mpi4py Send/Recv round trip of the same payload; figures are medians of "
-                 "10 batches (best batch in brackets); calls/s rows: median of 5 bursts (best)")
+                 "10 batches (best batch in brackets); calls/s rows: median of 5 bursts (best); 'of which' rows: "
+                 "the pieces of the in-process CPU per rpc_sync, each timed alone")
     lines.append("wait path: " + ", ".join(f"{i}: {runs[i].get('wait path')}" for i in impls))
     return "\n".join(lines)
+
+
+def record(report: dict, path: Path) -> None:
+    """Write the run as the docs' record (``docs/_data/bench/rpc.json``: table ``t1``, figures, the source), keeping
+    the record's ``before`` table (the figures before the change the page describes)."""
+    runs, torch = report["runs"], report["torch_tensorpipe"]
+    old = json.loads(path.read_text()) if path.exists() else {}
+    unit = {"us": " us", "s/s": " s/s"}
+
+    def with_unit(metric, cell):
+        if cell in ("", "-") or "calls/s" in metric:
+            return cell
+        return cell + (unit["s/s"] if "CPU (s per s" in metric else unit["us"])
+
+    table_rows = [[m.strip(), t, with_unit(m, f)] + [with_unit(m, c) for c in cells]
+                  for m, t, f, *cells in rows(runs, torch)]
+    core = runs.get("core", {})
+    data = {
+        "what": "RPC and RRef figures on 2 ranks of one host, each beside its target, the same job's raw mpi4py "
+                "ping-pong (the floor) and PyTorch RPC over TensorPipe in the same sitting; medians of 10 batches "
+                "(best batch in parentheses); the in-process rows are CPU time of the agents' own work per call",
+        "tables": {"t1": {"columns": ["metric", "target", "floor (raw MPI)"] + list(runs) + ["torch"],
+                          "rows": table_rows}},
+        "figures": {"wait_path": core.get("wait path", ""),
+                    "load_average": f"{report['load_average'][0]:.1f}"},
+        "command": report["command"],
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{report['host_cores']}-core development machine shared with other jobs, load average "
+                   f"{report['load_average'][0]:.1f} at the end of the run",
+    }
+    if "before" in old.get("tables", {}):
+        data["tables"]["before"] = old["tables"]["before"]
+        data["figures"]["before_source"] = old.get("figures", {}).get("before_source", "")
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main() -> None:
@@ -484,6 +565,7 @@ def main() -> None:
     parser.add_argument("--torch-python", help="an interpreter with torch: adds PyTorch RPC's column")
     parser.add_argument("--in-process", choices=["sync", "async"], help="run only N in-process calls (for callgrind)")
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--record", help="also write the run as the docs' record (docs/_data/bench/rpc.json)")
     parser.add_argument("--in-process-cpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--torch-worker", type=int, help=argparse.SUPPRESS)
@@ -515,10 +597,16 @@ def main() -> None:
         runs[impl] = json.loads(part.read_text())["results"]
         part.unlink()
         cpu = in_process(impl, options.quick)
-        runs[impl]["agent CPU per rpc_sync no-op, both sides, in process (us)"] = cpu["sync"]
+        sync = runs[impl]["agent CPU per rpc_sync no-op, both sides, in process (us)"] = cpu["sync"]
+        where = where_cpu(impl)
+        for label, value in where.items():
+            runs[impl][WHERE + label] = value
+        runs[impl][WHERE + "the agent's own Python frames (the rest)"] = sync - sum(where.values())
         runs[impl]["agent CPU per rpc_async no-op, both sides, in process (us)"] = cpu["async"]
         runs[impl]["RRef protocol bookkeeping, CPU per lifecycle, in process (us)"] = protocol_cpu(impl)
-        runs[impl]["wire codec, CPU per no-op call, encode + decode, in process (us)"] = codec_cpu(impl)
+        if "remote + to_here + delete, 2000 RRefs (us each)" in runs[impl]:
+            runs[impl][ABOVE] = (runs[impl]["remote + to_here + delete, 2000 RRefs (us each)"][0]
+                                 - runs[impl]["rpc_sync no-op, plain loop (thread pool)"][0])
     torch_python = options.torch_python
     if torch_python is None:
         try:
@@ -527,10 +615,19 @@ def main() -> None:
         except ImportError:
             pass
     torch = run_torch(torch_python, options.quick) if torch_python else None
-    report = {"benchmark": "bench_rpc", "command": " ".join(sys.argv), "host_cores": os.cpu_count(), "ranks": 2,
+    if torch and "remote + to_here + delete, 2000 RRefs (us each)" in torch:
+        torch[ABOVE] = (torch["remote + to_here + delete, 2000 RRefs (us each)"][0]
+                        - torch["rpc_sync no-op, plain loop (thread pool)"][0])
+    # the command as a reader reruns it (a scratch interpreter's path is this machine's, not the project's)
+    argv = [a if a != options.torch_python else "PYTHON_WITH_TORCH" for a in sys.argv[1:]]
+    command = " ".join(["python -P benchmarks/bench_rpc.py"] + argv)
+    report = {"benchmark": "bench_rpc", "command": command, "host_cores": os.cpu_count(), "ranks": 2,
               "load_average": os.getloadavg(), "runs": runs, "torch_tensorpipe": torch}
     (RESULTS / "bench_rpc.json").write_text(json.dumps(report, indent=1))
     print(table(runs, torch))
+    if options.record:
+        record(report, Path(options.record))
+        print(f"docs record written to {options.record}")
     print(f"\nwritten to {RESULTS / 'bench_rpc.json'}")
 
 

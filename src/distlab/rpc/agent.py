@@ -234,7 +234,7 @@ class RpcAgent:
                 "a blocking RPC (rpc_sync, to_here) was called on the listener thread of worker "
                 f"{self.info.name!r}: functions marked cheap run there and must not wait for other workers "
                 "(the worker would listen to nobody meanwhile); drop @cheap or use rpc_async")
-        slot = self._replies.slot()
+        slot = self._replies.slot()  # this thread's, made at its first call
         if slot is None:
             return self._call_through_listener(dst, kind, payload, meta, timeout, inline)
         if not self.running:
@@ -265,10 +265,13 @@ class RpcAgent:
         if reply is None:
             raise self._timeout_error(mid, dst, kind, timeout)
         flags, rmeta, rforks, rbody, rbuffers = reply
-        self._answered(dst, mid, kind, start, flags, rmeta)
+        if rmeta is not None or self._tl_on:
+            self._answered(dst, mid, kind, start, flags, rmeta)
         if flags & FLAG_ERROR:
             raise self._dispatch.remote_error(rbody)
         if not rforks:
+            if rbody == framing.NONE_BODY:
+                return None  # the commonest answer: no unpickler
             return framing.loads(rbody, rbuffers, None, checked=True)  # walked by the codec
         fut = Future(description=f"RRefs in the response to rpc {self._dispatch.label(kind)} #{mid}")
         self._dispatch.with_forks(rforks, lambda resolved: fut.set_result(

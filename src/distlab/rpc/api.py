@@ -19,7 +19,6 @@ from .agent import RpcAgent, WorkerInfo, check_thread_level
 from .calls import K_CALL, cheap, get_agent, is_initialized, rpc_async, rpc_sync
 from .devices import RpcBackendOptions
 from .framing import resolve_ref
-from .functions import is_async_execution
 from .workers import check_name, join_workers
 
 __all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
@@ -34,7 +33,8 @@ def _handle_call(src, payload, meta):
     if type(func) is str or type(func) is tuple:
         func = resolve_ref(func)  # a function sent by name
     result = func(*args, **kwargs) if kwargs else func(*args)
-    if isinstance(result, Future) or is_async_execution(func):  # a Future answers later, with @async_execution only
+    # a Future answers later, with @async_execution only (is_async_execution, without its frame per call)
+    if isinstance(result, Future) or hasattr(func, "_wrapped_async_rpc_function"):
         return functions.check_result(func, result, Future)
     return result
 

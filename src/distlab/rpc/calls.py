@@ -53,7 +53,9 @@ def cheap(fn):
 
 def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (RemoteError if it raised)."""
-    agent = get_agent()
+    agent = _agent
+    if agent is None or not agent.running:
+        agent = get_agent()  # raises, saying why
     wrapped = wrappers.registered and wrappers.wrap_for(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)
@@ -65,7 +67,9 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
 
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
     """Like :func:`rpc_sync` but return a Future at once."""
-    agent = get_agent()
+    agent = _agent
+    if agent is None or not agent.running:
+        agent = get_agent()  # raises, saying why
     wrapped = wrappers.registered and wrappers.wrap_for(agent, to, func, args, kwargs)
     if wrapped:
         inline = getattr(func, "__distlab_rpc_cheap__", False)

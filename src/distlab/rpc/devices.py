@@ -165,17 +165,18 @@ class DeviceKind:
             return 0
 
 
+_REGISTERED = device_array_types()  # a live, read-only view: its length grows as device array types register
 _kinds_cache: list = [None, []]  # [(registered types, cupy imported), the kinds]: dumps asks for every message
 
 
 def device_kinds() -> list:
     """The kinds of device array this process knows: those registered with
     :func:`distlab.autograd.register_device_array` (the stand-in on import), and cupy's once cupy is imported."""
-    registered = device_array_types()
     cupy = sys.modules.get("cupy")
-    key = (len(registered), cupy is not None)
+    key = (len(_REGISTERED), cupy is not None)  # _REGISTERED: device_array_types()'s live view, read per message
     if key == _kinds_cache[0]:
         return _kinds_cache[1]
+    registered = device_array_types()
     found = {module.__name__: DeviceKind(module.__name__, array_type, module)
              for array_type, module in list(registered.items())}
     if cupy is not None and "cupy" not in found:

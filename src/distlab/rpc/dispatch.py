@@ -50,6 +50,8 @@ class CallInfo(NamedTuple):
 
 
 _call_local = threading.local()
+_new_tuple = tuple.__new__
+_NONE_REPLY = (framing.NONE_BODY, (), ())
 
 
 def current_call() -> CallInfo | None:
@@ -252,7 +254,7 @@ class Dispatcher:
     def _execute(self, fn, src, kind, flags, mid, meta, body, buffers, slot, seat, resolved) -> None:
         payload = framing.loads(body, buffers, resolved, checked=True)  # walked by the codec
         previous = getattr(_call_local, "info", None)
-        _call_local.info = info = CallInfo(src, kind, mid, meta)
+        _call_local.info = info = _new_tuple(CallInfo, (src, kind, mid, meta))  # CallInfo(...), no Python frame
         start = self._now_us() if self._tl_on else 0.0
         rmeta = None
         try:
@@ -341,13 +343,15 @@ class Dispatcher:
         if not self.running and dst != self.info.id:
             return
         try:
-            body, buffers, forks = framing.dumps(value, self.fork_hook, self.places["reply"][dst])
+            body, buffers, forks = (framing.dumps(value, self.fork_hook, self.places["reply"][dst])
+                                    if value is not None else _NONE_REPLY)  # None: what dumps returns for it
         except BaseException as exc:  # noqa: BLE001 - an unpicklable result becomes the caller's error
             self.reply_error(dst, mid, 0, exc, slot)
             return
         if self._tl_on:
             self.trace_message(True, "response", dst, "rpc response", mid)
-        self._transmit(dst, K_RESPONSE, 0, mid, buffers, meta, forks, body, 0, reply_tag(slot))
+        self._transmit(dst, K_RESPONSE, 0, mid, buffers, meta, forks, body, 0,
+                       RPC_TAG_REPLY_BASE + slot if slot else RPC_TAG_HEADER)  # reply_tag(slot)
 
     def reply_error(self, dst, mid, flags, exc, slot=0) -> None:
         """Send ``exc`` back as the (error) response to request ``mid`` of worker ``dst`` (to its reply ``slot``)."""
