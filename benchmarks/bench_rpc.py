@@ -385,7 +385,26 @@ def in_process_cpu(quick: bool) -> dict:
             in_process_calls(world, what, n // 5)
             best.append((time.process_time() - t0) / (n // 5) * 1e6)
         out[what] = min(best)
+    out["frames"] = python_frames(world)
     return out
+
+
+def python_frames(world, n: int = 100) -> float:
+    """distlab's Python frames per ``rpc_sync`` no-op, both sides (the fake communicator's and the benchmark's own
+    functions not counted): what the interpreter runs per call."""
+    frames = [0]
+    here = os.path.abspath(__file__)
+
+    def count(frame, event, _arg):
+        if event == "call" and "distlab" in frame.f_code.co_filename and frame.f_code.co_filename != here:
+            frames[0] += 1
+
+    sys.setprofile(count)
+    try:
+        in_process_calls(world, "sync", n)
+    finally:
+        sys.setprofile(None)
+    return frames[0] / n
 
 
 def in_process(impl: str, quick: bool) -> dict:
@@ -493,6 +512,13 @@ def _cell(value) -> str:
 
 
 ABOVE = "remote + to_here + delete, above an rpc_sync (us each)"
+def _above(run: dict) -> float:
+    """What a remote + to_here + delete costs above an rpc_sync: best batch against best batch (a difference of
+    medians taken minutes apart on a loaded machine can even come out negative)."""
+    return run["remote + to_here + delete, 2000 RRefs (us each)"][1] - run["rpc_sync no-op, plain loop (thread pool)"][1]
+
+
+FRAMES = "distlab's Python functions run per rpc_sync no-op, both sides (count)"
 WHERE = "  of which "   # the rows of where_cpu, under the in-process total they split
 
 
@@ -518,8 +544,8 @@ def table(runs: dict, torch: dict | None) -> str:
         lines.append(f"{metric:<62}{target:>11}{floor:>17}" + "".join(f"{c:>18}" for c in cells))
     lines.append("")
     lines.append("floor: the same job's raw mpi4py Send/Recv round trip of the same payload; figures are medians of "
-                 "10 batches (best batch in brackets); calls/s rows: median of 5 bursts (best); 'of which' rows: "
-                 "the pieces of the in-process CPU per rpc_sync, each timed alone")
+                 "10 batches (best batch in brackets); calls/s rows: median of 5 bursts (best); 'above an rpc_sync': "
+                 "best batches; 'of which' rows: the pieces of the in-process CPU per rpc_sync, each timed alone")
     lines.append("wait path: " + ", ".join(f"{i}: {runs[i].get('wait path')}" for i in impls))
     return "\n".join(lines)
 
@@ -532,7 +558,7 @@ def record(report: dict, path: Path) -> None:
     unit = {"us": " us", "s/s": " s/s"}
 
     def with_unit(metric, cell):
-        if cell in ("", "-") or "calls/s" in metric:
+        if cell in ("", "-") or "calls/s" in metric or metric == FRAMES:
             return cell
         return cell + (unit["s/s"] if "CPU (s per s" in metric else unit["us"])
 
@@ -602,11 +628,11 @@ def main() -> None:
         for label, value in where.items():
             runs[impl][WHERE + label] = value
         runs[impl][WHERE + "the agent's own Python frames (the rest)"] = sync - sum(where.values())
+        runs[impl][FRAMES] = cpu["frames"]
         runs[impl]["agent CPU per rpc_async no-op, both sides, in process (us)"] = cpu["async"]
         runs[impl]["RRef protocol bookkeeping, CPU per lifecycle, in process (us)"] = protocol_cpu(impl)
         if "remote + to_here + delete, 2000 RRefs (us each)" in runs[impl]:
-            runs[impl][ABOVE] = (runs[impl]["remote + to_here + delete, 2000 RRefs (us each)"][0]
-                                 - runs[impl]["rpc_sync no-op, plain loop (thread pool)"][0])
+            runs[impl][ABOVE] = _above(runs[impl])
     torch_python = options.torch_python
     if torch_python is None:
         try:
@@ -616,8 +642,7 @@ def main() -> None:
             pass
     torch = run_torch(torch_python, options.quick) if torch_python else None
     if torch and "remote + to_here + delete, 2000 RRefs (us each)" in torch:
-        torch[ABOVE] = (torch["remote + to_here + delete, 2000 RRefs (us each)"][0]
-                        - torch["rpc_sync no-op, plain loop (thread pool)"][0])
+        torch[ABOVE] = _above(torch)
     # the command as a reader reruns it (a scratch interpreter's path is this machine's, not the project's)
     argv = [a if a != options.torch_python else "PYTHON_WITH_TORCH" for a in sys.argv[1:]]
     command = " ".join(["python -P benchmarks/bench_rpc.py"] + argv)

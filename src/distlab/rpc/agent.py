@@ -101,6 +101,7 @@ class RpcAgent:
         handlers: dict = {}  # request kind -> (handler, inline): filled by register_handler, read by the messenger
         self._messenger = Messenger(comm, name, handlers, self._record_error, self._on_malformed, buffer_timeout)
         self._seat = self._messenger.seat
+        self._listener = self._messenger.listener
         self._dispatch = Dispatcher(self.info, self._messenger, handlers, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of, next(_GENERATIONS))
         self._messenger.attach(self._dispatch.on_request, self._on_response)
@@ -218,7 +219,7 @@ class RpcAgent:
             self._pending.pop(mid, None)
             raise
         if not noreply:
-            self._messenger.after_send()
+            self._listener.touch()  # its answer comes to the listener: it polls for it
         return fut
 
     def call_sync(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline=False):
@@ -305,9 +306,18 @@ class RpcAgent:
         if entry is None or entry[0] is None:
             return  # the request timed out (or was failed at shutdown): drop its late response
         fut = entry[0]
-        self._answered(src, mid, entry[2], entry[3], flags, meta)
+        if meta is not None or self._tl_on:
+            self._answered(src, mid, entry[2], entry[3], flags, meta)
         if flags & FLAG_ERROR:
             fut.set_exception(self._dispatch.remote_error(body))
+            return
+        if not forks:  # no RRef to receive first: complete it here (with_forks' path, without its frames)
+            try:
+                value = None if body == framing.NONE_BODY else framing.loads(body, buffers, None, checked=True)
+            except BaseException as exc:  # noqa: BLE001 - the caller gets the error
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
             return
         self._dispatch.with_forks(  # the body was walked by the codec (framing.unpack_header)
             forks, lambda resolved: fut.set_result(framing.loads(body, buffers, resolved, checked=True)),

@@ -195,10 +195,6 @@ class Messenger:
             if len(self._isends) > 8:
                 self._isends = [entry for entry in self._isends if not self._MPI.Request.Testall(entry[0])]
 
-    def after_send(self) -> None:
-        """This worker sent a request whose answer comes to its listener: the listener polls for it."""
-        self.listener.touch()
-
     def _queue_frame(self, dst, header) -> None:
         """Listening thread only: hold a small message for ``dst`` until the listener runs out of work."""
         box = self._outbox.get(dst)
