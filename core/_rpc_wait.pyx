@@ -245,11 +245,28 @@ cdef inline timespec _at(double when) noexcept nogil:
     return ts
 
 
+cdef double _sleep_on(Waiter w, double when, int sleeping, double delay) noexcept nogil:
+    """Sleep until ``when`` unless touched or woken meanwhile; the next sleep's length (``SLEEP_FIRST`` after a
+    touch, else twice ``delay`` up to ``sleep_max``). ``sleeping``: what ``idle`` says meanwhile."""
+    cdef timespec until = _at(when)
+    pthread_mutex_lock(&w._mutex)
+    if not (w._touched or w._woken):
+        w._sleeping = sleeping
+        pthread_cond_timedwait(&w._cond, &w._mutex, &until)
+        w._sleeping = 0
+    if w._touched:
+        w._touched = 0
+        delay = SLEEP_FIRST_C
+    else:
+        delay = min(delay * 2, w.sleep_max)
+    pthread_mutex_unlock(&w._mutex)
+    return delay
+
+
 cdef int _probe_libmpi(Waiter w, int source, int tag, double timeout) noexcept nogil:
     """Waiter.probe through libmpi, GIL released: 1 matched, 0 time up or woken, -code for an MPI error."""
     cdef int flag = 0, rc, found
     cdef double now, start = _now(), deadline = start + timeout, delay = SLEEP_FIRST_C
-    cdef timespec until
     cdef unsigned long slack = 0
     cdef bint slack_set = False
     while True:
@@ -280,18 +297,7 @@ cdef int _probe_libmpi(Waiter w, int source, int tag, double timeout) noexcept n
             slack = <unsigned long>prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
             prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
             slack_set = True
-        until = _at(min(now + delay, deadline))
-        pthread_mutex_lock(&w._mutex)
-        if not (w._touched or w._woken):
-            w._sleeping = 1
-            pthread_cond_timedwait(&w._cond, &w._mutex, &until)
-            w._sleeping = 0
-        if w._touched:
-            w._touched = 0
-            delay = SLEEP_FIRST_C
-        else:
-            delay = min(delay * 2, w.sleep_max)
-        pthread_mutex_unlock(&w._mutex)
+        delay = _sleep_on(w, min(now + delay, deadline), 1, delay)
     if slack_set:
         prctl(PR_SET_TIMERSLACK, slack, 0, 0, 0)
     return found
@@ -300,7 +306,6 @@ cdef int _probe_libmpi(Waiter w, int source, int tag, double timeout) noexcept n
 cdef object _probe_mpi4py(Waiter w, int source, int tag, double timeout):
     """Waiter.probe through mpi4py (the reference's loop: it sleeps where the libmpi path yields)."""
     cdef double now, deadline = _now() + timeout, delay = SLEEP_FIRST_C
-    cdef timespec until
     comm, status = w.comm, w.status
     while True:
         message = comm.Improbe(source, tag, status)
@@ -316,19 +321,8 @@ cdef object _probe_mpi4py(Waiter w, int source, int tag, double timeout):
             return False
         if now - w._last < w.spin:
             delay = SLEEP_FIRST_C
-        until = _at(min(now + delay, deadline))
         with nogil:
-            pthread_mutex_lock(&w._mutex)
-            if not (w._touched or w._woken):
-                w._sleeping = now - w._last >= w.spin
-                pthread_cond_timedwait(&w._cond, &w._mutex, &until)
-                w._sleeping = 0
-            if w._touched:
-                w._touched = 0
-                delay = SLEEP_FIRST_C
-            else:
-                delay = min(delay * 2, w.sleep_max)
-            pthread_mutex_unlock(&w._mutex)
+            delay = _sleep_on(w, min(now + delay, deadline), now - w._last >= w.spin, delay)
 
 
 cdef double SLEEP_FIRST_C = SLEEP_FIRST

@@ -179,6 +179,17 @@ class RpcAgent:
         return self._registry.resolve(to)
 
     # -- sending ----------------------------------------------------------------------------------------------
+    def _encode(self, dst, kind, payload, meta, device_map):
+        """A request's parts: ``(dst as an id, meta after the send hooks, body, buffers, forks, a new mid)``."""
+        if not self.running:
+            raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._registry.id_of(dst)
+        for hook in self._send_hooks:
+            meta = hook(dst, kind, meta)
+        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._places[device_map][dst])
+        return dst, meta, body, buffers, forks, next(self._mids)
+
     def send(self, dst, kind: int, payload, *, meta=None, timeout: float | None = None, inline: bool = False,
              noreply: bool = False, _track_timeout: bool = True, device_map: str = "request") -> Future:
         """Send a request; return a Future completed with the handler's result (or a RemoteError).
@@ -189,14 +200,7 @@ class RpcAgent:
         ``"reply"`` the inverse of ``dst``'s map to this worker, ``"either"`` the own map if set, else the
         inverse (see :class:`distlab.rpc.devices.Placement`).
         """
-        if not self.running:
-            raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
-        if type(dst) is not int or not 0 <= dst < self.size:
-            dst = self._registry.id_of(dst)
-        for hook in self._send_hooks:
-            meta = hook(dst, kind, meta)
-        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._places[device_map][dst])
-        mid = next(self._mids)
+        dst, meta, body, buffers, forks, mid = self._encode(dst, kind, payload, meta, device_map)
         words = self._descriptions.get((kind, dst))
         if words is None:  # ("rpc call #", " to w1"): made once per kind and destination
             words = self._descriptions[(kind, dst)] = (f"rpc {self._dispatch.label(kind)} #",
@@ -238,14 +242,7 @@ class RpcAgent:
         slot = self._replies.slot()  # this thread's, made at its first call
         if slot is None:
             return self._call_through_listener(dst, kind, payload, meta, timeout, inline)
-        if not self.running:
-            raise RpcError("the RPC agent is not running (call distlab.rpc.init_rpc first, or it was shut down)")
-        if type(dst) is not int or not 0 <= dst < self.size:
-            dst = self._registry.id_of(dst)
-        for hook in self._send_hooks:
-            meta = hook(dst, kind, meta)
-        body, buffers, forks = framing.dumps(payload, self._dispatch.fork_hook, self._places["request"][dst])
-        mid = next(self._mids)
+        dst, meta, body, buffers, forks, mid = self._encode(dst, kind, payload, meta, "request")
         start = self._now_us() if self._tl_on else 0.0
         self._pending[mid] = (None, dst, kind, start)  # answered on this thread (wait_idle counts it)
         try:
