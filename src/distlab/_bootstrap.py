@@ -416,6 +416,23 @@ def main(argv: list[str]) -> None:
         summary, trace = user_traceback(exc)
         fail(1, rank, summary, trace)
     finish_rank(rank)
+    _leave_after_a_failure()
+
+
+def _leave_after_a_failure() -> None:
+    """A survivor of a process failure (fault tolerance over ULFM) leaves without ``MPI_Finalize``: Open MPI
+    5.0.11's may never return after a failure (both survivors done, the job still running minutes later)."""
+    ulfm = sys.modules.get("distlab.comm.ulfm")
+    if ulfm is None or not ulfm.failure_seen():
+        return
+    try:
+        from .timeline import flush_now
+
+        flush_now()
+    except Exception:  # noqa: BLE001 - leaving matters more than the trace
+        pass
+    _flush_stdio()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from ..futures import resolve_timeout
 from . import ulfm
 from .group import ProcessGroup, set_world, world
 
-__all__ = ["Rebuilt", "rebuild", "world_ranks"]
+__all__ = ["Rebuilt", "rebuild", "world_ranks", "parent"]
 
 
 @dataclass
@@ -53,6 +53,16 @@ class Rebuilt:
     failed_ranks: list = field(default_factory=list)
     ranks: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+
+
+_survivors = None  # the communicator of the world rebuild() made last (None: the job lost no process)
+
+
+def parent():
+    """The communicator a new group of the whole job is made from: None (``COMM_WORLD``, what
+    :class:`~distlab.comm.ProcessGroup` takes by default) until :func:`rebuild` shrank the world, then the new
+    world's (the collectives engine, started again after a failure, runs over it)."""
+    return _survivors
 
 
 def world_ranks(comm) -> list[int]:
@@ -114,6 +124,8 @@ def rebuild(groups=(), timeout=None, old: ProcessGroup | None = None, revoke=())
     finally:
         shrunk.Free()
     set_world(new_world)
+    global _survivors
+    _survivors = new_world.comm
     for group in (*[g for g in revoke if g is not None], old):
         group.destroy()
     seconds["world"] = _lap(start, seconds)

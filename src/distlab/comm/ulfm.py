@@ -33,7 +33,7 @@ from mpi4py import MPI
 from ..errors import DistTimeoutError, FaultToleranceUnsupportedError, ProcessFailedError
 
 __all__ = ["FT_VAR", "Support", "support", "enabled", "require", "prepare", "is_failure", "failed_ranks",
-           "failure_error", "translating", "revoke", "agree", "shrink"]
+           "failure_error", "failure_seen", "process_failure", "as_failure", "chain", "translating", "revoke", "agree", "shrink"]
 
 #: Set to 1 for every rank by ``distlab run --fault-tolerance``: distlab's communicators return errors.
 FT_VAR = "DISTLAB_FAULT_TOLERANCE"
@@ -158,6 +158,8 @@ def failure_error(exc, comm, op: str, group: str | None = None) -> ProcessFailed
     Names the failed ranks this rank knows of; after a revoke by a peer that saw the failure first, this rank may
     not know them yet, so it waits up to :data:`NAMING_WAIT` seconds for the news (it spreads in milliseconds).
     """
+    global _seen
+    _seen = True
     error_class = exc.Get_error_class() if isinstance(exc, MPI.Exception) else None
     revoked = error_class == getattr(MPI, "ERR_REVOKED", None) or _is_revoked(comm)
     in_comm, in_world = failed_ranks(comm)
@@ -177,6 +179,49 @@ def failure_error(exc, comm, op: str, group: str | None = None) -> ProcessFailed
                f"(distlab.comm.recovery.rebuild) or end the job.")
     return ProcessFailedError(message, failed_ranks=in_world, group_ranks=in_comm, group=label, op=op,
                               revoked=revoked, error_class=error_class)
+
+
+_seen = False  # whether this process was told of a failed process
+
+
+def failure_seen() -> bool:
+    """Whether this process met a failed process (one was named in a :class:`ProcessFailedError` here)."""
+    return _seen
+
+
+def process_failure(exc: BaseException, comm, op: str = "a step",
+                    group: str | None = None) -> ProcessFailedError | None:
+    """The :class:`~distlab.errors.ProcessFailedError` behind ``exc``, or None when a failed process did not cause it.
+
+    Walks ``exc`` and the errors it was raised from (``__cause__``, ``__context__``): a ProcessFailedError is
+    returned as it is; MPI's own report of a failure (error class 75, 77, or Open MPI 5.0's ``MPI_ERR_OTHER`` of a
+    nonblocking collective started after a peer died) is translated against ``comm`` (the communicator the step
+    ran on: the world group's, for the elastic loop; None: only a ProcessFailedError counts). What the elastic
+    loop asks of any error a training step raised, wherever the MPI call was made
+    (a DDP bucket's wait inside backward, a negotiated collective, a Join).
+    """
+    for link in chain(exc):
+        if isinstance(link, ProcessFailedError):
+            return link
+        if isinstance(link, MPI.Exception) and enabled() and comm is not None:
+            if is_failure(link) or _failed_meanwhile(link, comm):
+                return failure_error(link, comm, op, group)
+    return None
+
+
+def chain(exc: BaseException | None):
+    """``exc``, then the errors it was raised from or while handling (``__cause__``, ``__context__``), once each."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def as_failure(exc: BaseException, comm, op: str, group: str | None = None) -> BaseException:
+    """``exc`` as a :class:`~distlab.errors.ProcessFailedError` when a failed process caused it, else ``exc``:
+    what comm's waits raise in place of MPI's own error (:mod:`distlab.comm.work`)."""
+    return process_failure(exc, comm, op, group) or exc
 
 
 def _progress() -> None:
@@ -208,10 +253,15 @@ def translating(comm, op: str, group: str | None = None):
         raise failure_error(exc, comm, op, group) from exc
 
 
+_VAGUE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_OTHER", "ERR_IN_STATUS", "ERR_PENDING")
+                       if hasattr(MPI, name))
+
+
 def _failed_meanwhile(exc, comm) -> bool:
-    """An ``MPI_ERR_OTHER`` from an operation started after a peer died: Open MPI 5.0's nonblocking collectives
-    (libnbc, "Error in NBC_Start_round()") report the failure so; it is one when a failed peer becomes known."""
-    if not enabled() or exc.Get_error_class() != MPI.ERR_OTHER:
+    """An error that does not say what failed, from an operation that met a dead peer: Open MPI 5.0's nonblocking
+    collectives (libnbc, "Error in NBC_Start_round()") report ``MPI_ERR_OTHER``, a ``Testall`` over several
+    requests ``MPI_ERR_IN_STATUS``; it is a failure when a failed peer becomes known."""
+    if not enabled() or exc.Get_error_class() not in _VAGUE_CLASSES:
         return False
     give_up = time.monotonic() + NAMING_WAIT
     while time.monotonic() < give_up:

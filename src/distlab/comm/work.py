@@ -19,9 +19,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import DistTimeoutError
+from mpi4py import MPI
+
+from ..errors import DistTimeoutError, ProcessFailedError
 from ..futures import Future, resolve_timeout
 from .missing import ask_lead, listen_all, raise_timeout
+from .ulfm import as_failure
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -175,8 +178,10 @@ class Work:
                             spin(group, request.Test, deadline, timeout, self.op, self.seq, self.name,
                                  self.nbytes, self.peer)
                         self._request_done()
-                except DistTimeoutError as exc:
+                except (DistTimeoutError, ProcessFailedError) as exc:
                     self._complete(exc)
+                except MPI.Exception as exc:  # a failed process, under fault tolerance: ProcessFailedError
+                    self._complete(as_failure(exc, group.comm, self.op, group.name))
                 finally:
                     self._waited = False
         if self._exception is not None:
@@ -284,6 +289,11 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
                     progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
+    except MPI.Exception as exc:  # a failed process, under fault tolerance: ProcessFailedError naming it
+        failure = as_failure(exc, group.comm, op, group.name)
+        if failure is exc:
+            raise
+        raise failure from exc
     finally:
         side.waiting_seq = 0
 
