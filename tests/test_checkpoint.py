@@ -275,3 +275,80 @@ def test_object_state_commits_and_restores(tmp_path, monkeypatch):
 
     assert train(state) == 2 and calls == [2]  # resumed from the commit: the reset callbacks ran
     assert elastic.recovery_for(RuntimeError("x")) is None  # no in-process recovery: the launcher restarts
+
+
+def _model_state(tmp_path, **options):
+    import distlab
+    from distlab import nn, optim
+
+    distlab.manual_seed(5)
+    model = nn.Linear(4, 3)
+    opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = ElasticSampler(20, shuffle=True, seed=2, num_replicas=1, rank=0)
+    state = elastic.ModelState(model, opt, sampler=sampler, group=G, steps=0, losses=[], **options)
+    return state, model, opt, sampler
+
+
+def _train_step(state, model, opt, sampler) -> None:
+    import distlab
+
+    opt.zero_grad()
+    (model(distlab.tensor(np.random.rand(2, 4).astype(np.float32))) ** 2).sum().backward()
+    opt.step()
+    state.steps += 1
+    state.losses.append(state.steps)
+    sampler.record_batch(state.steps, 2)
+
+
+def test_a_commit_is_kept_in_memory_and_restored_bit_for_bit(tmp_path):
+    # What the survivors of a failure roll back to in process: the parameters, the optimizer's momentum, the
+    # counters, the sampler's position and the generators, as they were at the commit; the copy stays intact for
+    # a second rollback (the restored objects do not share its arrays).
+    state, model, opt, sampler = _model_state(tmp_path, checkpoint_dir=tmp_path)
+    for _ in range(2):
+        _train_step(state, model, opt, sampler)
+    state.commit()
+    committed = (pickle.dumps(checkpoint.get_state_dict(model, opt)), state.steps, list(state.losses),
+                 sampler.state_dict(), np.random.rand())
+    for attempt in range(2):
+        for _ in range(3):
+            _train_step(state, model, opt, sampler)
+        import shutil
+
+        assert (tmp_path / "commit").exists() == (attempt == 0)
+        shutil.rmtree(tmp_path / "commit", ignore_errors=True)  # gone: the restore must come from memory
+        assert state.restore() is True
+        got = (pickle.dumps(checkpoint.get_state_dict(model, opt)), state.steps, list(state.losses),
+               sampler.state_dict(), np.random.rand())
+        assert got == committed, attempt
+
+
+def test_under_fault_tolerance_a_commit_with_no_place_stays_in_memory(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTLAB_RUN_DIR", raising=False)
+    monkeypatch.setenv("DISTLAB_FAULT_TOLERANCE", "1")
+    state = elastic.ObjectState(group=G, epoch=1, batch=2)
+    state.commit()
+    state.epoch, state.batch = 5, 6
+    assert state.restore() is True and (state.epoch, state.batch) == (1, 2)
+    assert not state.has_commit() and list(tmp_path.iterdir()) == []
+
+
+def test_only_a_failed_process_is_claimed_by_the_shrink_recovery(monkeypatch):
+    from distlab.comm import ulfm
+    from distlab.errors import ProcessFailedError
+
+    failure = ProcessFailedError("allreduce failed", failed_ranks=[2], group_ranks=[2], group="world",
+                                 op="allreduce", revoked=False, error_class=75)
+    try:
+        try:
+            raise failure
+        except ProcessFailedError as exc:
+            raise RuntimeError("a DDP bucket failed") from exc
+    except RuntimeError as wrapped:
+        assert ulfm.process_failure(wrapped, None) is failure  # found behind the error the step raised
+    assert ulfm.process_failure(RuntimeError("a bug"), None) is None
+    monkeypatch.delenv("DISTLAB_FAULT_TOLERANCE", raising=False)
+    assert elastic.recovery_for(failure) is None  # without fault tolerance: the launcher restarts
+    monkeypatch.setenv("DISTLAB_FAULT_TOLERANCE", "1")
+    assert isinstance(elastic.recovery_for(failure), elastic.ShrinkRecovery)
+    assert elastic.recovery_for(RuntimeError("a bug")) is None

@@ -98,6 +98,9 @@ class DistributedDataParallel(HostJoinable, Module):
                  gradient_as_bucket_view=False, static_graph=False, broadcast_buffers=True, reduce_dtype=None,
                  impl=None):
         super().__init__()
+        self._arguments = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                               gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                               broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype, impl=impl)
         self.module = module
         self.process_group = process_group if process_group is not None else comm.world()
         self.find_unused_parameters = find_unused_parameters
@@ -137,6 +140,18 @@ class DistributedDataParallel(HostJoinable, Module):
             reduce_dtype)
         if static_graph:
             self._set_static_graph()
+
+    def rebuilt_on(self, process_group) -> "DistributedDataParallel":
+        """A fresh DDP of the same module, with the same arguments, over ``process_group``; this one lets go of the
+        parameters (its reducer's hooks are removed) and must not be used again.
+
+        What the survivors of a failure do once they shrank the world (:mod:`distlab.collectives.elastic`): the
+        reducer, its buckets and their collectives start anew on the new group; the bucket layout comes back with
+        the state they roll back to (:meth:`load_bucket_state_dict`). A communication hook is not carried over:
+        register it again in a reset callback.
+        """
+        self.reducer.remove_hooks()
+        return DistributedDataParallel(self.module, process_group=process_group, **self._arguments)
 
     # -- construction ---------------------------------------------------------------------------------------
     def _parameters_to_reduce(self):

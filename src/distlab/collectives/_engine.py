@@ -20,7 +20,7 @@ from .._common.negotiation import dtype_code, group_id_of
 from .._types import ReduceOp
 from ..autograd._array import array_module
 from .._wire import CPU_DEVICE_ID, GLOBAL_PROCESS_SET_ID, JOIN_TENSOR_NAME, REDUCE_OP_CODES, RequestType
-from ..errors import DistlabError, DuplicateNameError, NotInitializedError, StallShutdownError
+from ..errors import DistlabError, DuplicateNameError, NotInitializedError, ProcessFailedError, StallShutdownError
 from ..futures import Future
 from ..timeline import get_timeline, now_us
 from ._execute import check_reduction, execute
@@ -153,6 +153,7 @@ class Engine:
         from mpi4py import MPI
 
         from .. import comm
+        from ..comm import recovery
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise DistlabError("distlab.collectives runs its cycle in a background thread and needs "
@@ -160,7 +161,8 @@ class Engine:
         self.settings = settings()
         self.module = _backend.load("negotiation")
         self.timeline = get_timeline()
-        group = comm.ProcessGroup(name="collectives")
+        # over the job's ranks: COMM_WORLD, or the survivors' world once a failure shrank it (comm.recovery)
+        group = comm.ProcessGroup(recovery.parent(), name="collectives")
         self.rank, self.size = group.rank, group.size
         self.notes = FailureNotes(group.comm, self.rank, self.size)
         self.node_keys = group.node_keys                # the node layout the comm layer asked MPI for (local_rank)
@@ -306,7 +308,8 @@ class Engine:
             self.error = stopped_by(failure)
         except BaseException as exc:  # noqa: BLE001 - every pending handle must learn about it
             self.error = exc
-            self.notes.announce(failure_reason(exc, self.rank))   # and every peer, within the cycle it is in
+            if not isinstance(exc, ProcessFailedError):  # a dead process: MPI tells every survivor itself (ULFM)
+                self.notes.announce(failure_reason(exc, self.rank))   # and every peer, within the cycle it is in
         finally:
             self._finish(reason)
 

@@ -1,12 +1,17 @@
-"""Horovod's elastic API over the launcher's restarts: ``run``, ``State``, ``ObjectState``, ``ModelState``,
-``ElasticSampler`` (mirrors horovod/common/elastic.py and horovod/torch/elastic/).
+"""Horovod's elastic API: ``run``, ``State``, ``ObjectState``, ``ModelState``, ``ElasticSampler``, over the
+launcher's restarts or in process over MPI's fault tolerance (mirrors horovod/common/elastic.py and
+horovod/torch/elastic/).
 
 Horovod's ``@hvd.elastic.run`` loops: sync the state, run the training function; when a collective fails
 (``HorovodInternalError``) roll the state back to the last ``commit()``, re-form the job without the failed host
 (a Gloo re-rendezvous: its MPI mode cannot), run the reset callbacks, and go on, in the same processes. distlab
-over MPI takes the other road torchrun takes: the launcher stops every rank and starts the job again
-(``python -m distlab run --max-restarts N``, on a virtual cluster without the hosts that died), and the new
-processes find the last commit on disk::
+does it two ways. Under ``python -m distlab run --fault-tolerance`` (Open MPI's ULFM) the survivors do what
+Horovod does, over MPI: the error a failed rank causes (:class:`~distlab.errors.ProcessFailedError`) is claimed
+by :class:`ShrinkRecovery`, which shrinks the world to the survivors (:func:`distlab.comm.recovery.rebuild`),
+rebuilds the state's DDP on it, and the loop rolls back to the last commit kept in memory, re-splits the
+sampler, runs the reset callbacks and goes on. Otherwise it takes the road torchrun takes: the launcher stops
+every rank and starts the job again (``--max-restarts N``, on a virtual cluster without the hosts that died), and
+the new processes find the last commit on disk::
 
     state = elastic.ModelState(ddp_model, optimizer, sampler=sampler, epoch=0, batch=0)
 
@@ -23,10 +28,16 @@ processes find the last commit on disk::
 
     train(state)
 
-``commit()`` saves the state as a checkpoint (:mod:`distlab.checkpoint`: whole or absent, resharded on load)
-in ``checkpoint_dir`` (default: ``$DISTLAB_RUN_DIR/elastic``, a directory the launcher keeps for the whole job,
-across its restarts). ``run`` restores the last commit when it starts (then runs the reset callbacks: the world
-may have changed), and a failure ends the process for the launcher to restart.
+``commit()`` keeps a copy of the state in memory (:mod:`distlab.checkpoint.memory`), what an in-process rollback
+restores, and saves it as a checkpoint (:mod:`distlab.checkpoint`: whole or absent, resharded on load) in
+``checkpoint_dir`` (default: ``$DISTLAB_RUN_DIR/elastic``, a directory the launcher keeps for the whole job, across
+its restarts; under fault tolerance with neither, the commit stays in memory only). ``run`` restores the last commit
+when it starts (then runs the reset callbacks: the world may have changed).
+
+A plain DDP loop gets the same through :func:`train` (a DDP over the state's model, rebuilt on the survivors)::
+
+    state = elastic.ModelState(DistributedDataParallel(model), optimizer, sampler=sampler, epoch=0, batch=0)
+    elastic.train(state, step, epochs=3, batch_size=32, commit_every=10)   # step(ddp, batch_indices)
 
 One place decides what a failure means: :func:`recovery_for`. With no :class:`Recovery` registered (the
 default), every failure is left to the launcher's restart; a recovery registered with :func:`register_recovery`
@@ -39,14 +50,24 @@ import functools
 import os
 from pathlib import Path
 
+import logging
+import time
+
+from mpi4py import MPI
+
 from .. import _restart
-from ..checkpoint import async_save, load, read_metadata, save
+from ..checkpoint import async_save, load, memory, read_metadata, save
 from ..checkpoint.stateful import TrainState
+from ..comm import recovery as comm_recovery
+from ..comm import ulfm
 from ..data import ElasticSampler
 from ..errors import CheckpointException
+from . import _engine, ops
 
-__all__ = ["run", "State", "ObjectState", "ModelState", "ElasticSampler", "HostsUpdatedInterrupt", "Recovery",
-           "register_recovery", "unregister_recovery", "recovery_for"]
+__all__ = ["run", "train", "State", "ObjectState", "ModelState", "ElasticSampler", "HostsUpdatedInterrupt",
+           "Recovery", "ShrinkRecovery", "register_recovery", "unregister_recovery", "recovery_for"]
+
+log = logging.getLogger("distlab.elastic")
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -87,11 +108,72 @@ def unregister_recovery(recovery: Recovery) -> None:
 
 def recovery_for(exc: BaseException):
     """The one decision: the :class:`Recovery` that repairs ``exc`` in process, or None: end the process and let
-    the launcher restart the job from the last commit."""
+    the launcher restart the job from the last commit. Under fault tolerance (``DISTLAB_FAULT_TOLERANCE=1``) a
+    :class:`ShrinkRecovery` is asked after the registered ones."""
     for recovery in _recoveries:
         if recovery.recovers(exc):
             return recovery
+    if ulfm.enabled() and _SHRINK.recovers(exc):
+        return _SHRINK
     return None
+
+
+class ShrinkRecovery(Recovery):
+    """Go on without the failed ranks, in the same processes, over MPI's ULFM (``distlab run --fault-tolerance``).
+
+    Claims an error caused by a failed process (:func:`distlab.comm.ulfm.process_failure`: a
+    :class:`~distlab.errors.ProcessFailedError`, or MPI's own report of one from wherever the step met it), and on
+    every survivor: shrinks the world to the survivors (:func:`distlab.comm.recovery.rebuild`: revoke, agree,
+    shrink), sets the launcher's ``RANK`` and ``WORLD_SIZE`` to this rank's place in the new world (what an
+    :class:`ElasticSampler` splits by), starts the collectives engine again on it if one runs (its process sets
+    other than the world are gone: add them again in a reset callback), and moves the state onto it (:meth:`State.regroup`: a DDP model is rebuilt
+    on the new group). :func:`run` then rolls back to the last commit and runs the reset callbacks.
+
+    ``history`` (and the state's ``recoveries``) lists what each recovery did on this rank: the failed ranks (of
+    the world the job started with), the new world size, the failed operation, when it began (``at``, the wall
+    clock) and each step's seconds.
+    """
+
+    def __init__(self, timeout: float | None = None):
+        self.timeout = timeout
+        self.history: list[dict] = []
+
+    def recovers(self, exc: BaseException) -> bool:
+        return _failure(exc) is not None
+
+    def recover(self, exc: BaseException, state: "State") -> None:
+        failure = _failure(exc)
+        noticed, start = time.time(), time.monotonic()
+        engine = _engine.current  # the collectives engine, if this job runs one: its groups are revoked too
+        engine_groups = [s.group for s in engine.sets.values() if s.group is not None] if engine else []
+        rebuilt = comm_recovery.rebuild(timeout=self.timeout, old=state.group, revoke=engine_groups)
+        new = rebuilt.world
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new.rank), str(new.size)
+        if engine is not None:  # started again on the survivors (process sets other than the world are gone)
+            ops.shutdown(self.timeout)
+            ops.init()
+        state.regroup(new)
+        seconds = dict(rebuilt.seconds, regroup=time.monotonic() - start - sum(rebuilt.seconds.values()))
+        record = {"failed_ranks": list(rebuilt.failed_ranks), "world_size": new.size, "at": noticed,
+                  "op": failure.op if failure is not None else None, "seconds": seconds}
+        self.history.append(record)
+        state.recoveries.append(record)
+        if new.rank == 0:
+            log.warning("elastic: %s; went on with the %d survivors in %.3f s (rolling back to commit %d)",
+                        str(failure).split(". Rebuild")[0], new.size, time.monotonic() - start, state.commits)
+
+
+_SHRINK = ShrinkRecovery()
+
+
+def _failure(exc: BaseException):
+    """The ProcessFailedError behind ``exc`` (MPI's own report translated against the world), or None."""
+    found = ulfm.process_failure(exc, None)
+    if found is None and ulfm.enabled() and any(isinstance(e, MPI.Exception) for e in ulfm.chain(exc)):
+        from .. import comm
+
+        found = ulfm.process_failure(exc, comm.world().comm)
+    return found
 
 
 class State:
@@ -116,7 +198,9 @@ class State:
         self._group = group
         self.async_commit = bool(async_commit)
         self._reset_callbacks: list = []
+        self._kept = None  # the last commit, in memory (checkpoint.memory.snapshot)
         self.commits = 0
+        self.recoveries: list[dict] = []  # what each in-process recovery did (ShrinkRecovery)
 
     # -- where and with whom ----------------------------------------------------------------------------------
     @property
@@ -133,14 +217,22 @@ class State:
     def group(self, group) -> None:
         self._group = group
 
+    def regroup(self, group) -> None:
+        """Carry on over ``group`` (the survivors' world, after a failure): commits, restores and syncs run over it.
+        Subclasses move what else uses the old group (:class:`ModelState` rebuilds its DDP)."""
+        self._group = group
+
     @property
     def commit_path(self) -> Path:
         """The checkpoint the commits go to (saving over it keeps the previous commit until the new one is whole)."""
-        base = self._checkpoint_dir or os.environ.get(_restart.RUN_DIR_VAR)
+        base = self._where()
         if not base:
             raise CheckpointException("elastic State: no place for commits: give State(checkpoint_dir=...) or run "
                                       "under `python -m distlab run`, which provides DISTLAB_RUN_DIR")
         return Path(base) / ("elastic" if not self._checkpoint_dir else "") / "commit"
+
+    def _where(self):
+        return self._checkpoint_dir or os.environ.get(_restart.RUN_DIR_VAR)
 
     def has_commit(self) -> bool:
         try:
@@ -169,12 +261,20 @@ class State:
         only between attempts, so there is nothing to check."""
 
     def save(self) -> None:
-        """Write the state to the commit checkpoint (collective)."""
-        (async_save if self.async_commit else save)({"state": self}, self.commit_path, group=self.group)
+        """Keep the state in memory and write it to the commit checkpoint (collective); under fault tolerance with
+        no place for checkpoints, in memory only."""
+        kept = memory.snapshot(self)
+        if self._where() or not ulfm.enabled():
+            (async_save if self.async_commit else save)({"state": self}, self.commit_path, group=self.group)
+        self._kept = kept
         self.commits += 1
 
     def restore(self) -> bool:
-        """Go back to the last commit (collective); False when there is none yet (the state is left as it is)."""
+        """Go back to the last commit (collective): the copy this process kept in memory, else the checkpoint (a
+        restarted job's new processes); False when there is none yet (the state is left as it is)."""
+        if self._kept is not None:
+            memory.restore(self, self._kept)
+            return True
         if not self.has_commit():
             return False
         load({"state": self}, self.commit_path, group=self.group)
@@ -225,6 +325,15 @@ class ModelState(TrainState, State):
         State.__init__(self, checkpoint_dir, group, async_commit)
         TrainState.__init__(self, model, optimizer, sampler=sampler, group=group, **counters)
 
+    def regroup(self, group) -> None:
+        """Carry on over ``group``: a DDP model is rebuilt on it (:meth:`DistributedDataParallel.rebuilt_on`: read
+        ``state.model`` again after a reset), the generators' gather runs over it."""
+        State.regroup(self, group)
+        if callable(getattr(self.model, "rebuilt_on", None)):
+            self.model = self.model.rebuilt_on(group)
+        if self.rng is not None:
+            self.rng.group = group
+
     def sync(self) -> None:
         """Every rank takes rank 0's parameters, buffers, counters and sampler position (the generators stay each
         rank's own; a sharded optimizer's state stays with its owners)."""
@@ -272,3 +381,35 @@ def run(func):
                 skip_sync = False
             reset = True
     return wrapper
+
+
+def train(state: ModelState, step, *, epochs: int, batch_size: int, commit_every: int = 1):
+    """A plain DDP loop, elastic: ``step(ddp, indices)`` for each batch of ``state.sampler``, ``epochs`` epochs.
+
+    The loop :func:`run` wraps: ``state.epoch`` and ``state.batch`` count where it is (give them to the
+    :class:`ModelState`), the sampler records each batch, the state is committed every ``commit_every`` batches
+    and at the end of each epoch. ``step`` gets the DDP model to run (``state.model``: after a failure, the one
+    rebuilt on the survivors) and this rank's sample indices; it runs forward, backward and the optimizer.
+    Returns the state.
+    """
+    if state.sampler is None:
+        raise ValueError("elastic.train needs a ModelState with a sampler (an ElasticSampler)")
+    if commit_every < 1:
+        raise ValueError(f"commit_every must be >= 1, got {commit_every}")
+
+    @run
+    def loop(state):
+        for epoch in range(state.epoch, epochs):
+            state.epoch = epoch
+            for indices in state.sampler.batches(batch_size):
+                step(state.model, indices)
+                state.batch += 1
+                state.sampler.record_batch(state.batch, batch_size)
+                if state.batch % commit_every == 0:
+                    state.commit()
+            state.epoch, state.batch = epoch + 1, 0
+            state.sampler.set_epoch(epoch + 1)
+            state.commit()
+        return state
+
+    return loop(state)
