@@ -21,7 +21,8 @@
 # 1. trains once without a failure and once with the kill, and compares the two loss curves;
 # 2. looks at a checkpoint's files and metadata;
 # 3. flips one byte of a checkpoint and watches every rank refuse it;
-# 4. loads the 2-rank checkpoint on one rank.
+# 4. loads the 2-rank checkpoint on one rank;
+# 5. shows the other recovery, without a restart: the survivors shrink the world and go on.
 #
 # The docs' "Checkpoints and restarts" page explains the file layout, what is atomic, and what a restart costs.
 
@@ -198,3 +199,34 @@ def load_on_one(directory):
 
 print(distlab.run(load_on_one, np=1, args=(str(workdir / "killed" / "step-12"),)))
 shutil.rmtree(workdir)
+
+# %% [markdown]
+# ## Without a restart: the survivors go on
+#
+# A restart costs the job's start-up again. Over Open MPI started with fault tolerance (`python -m distlab run
+# --fault-tolerance`, MPI's ULFM) the survivors need none: `distlab.collectives.elastic` catches the error a
+# dead rank causes, shrinks the world to the survivors, rebuilds DDP on them, rolls back to the last commit (kept
+# in memory) and goes on in the same processes. `examples/elastic_shrink.py` is such a loop, through
+# `elastic.train`: 3 ranks, the last one killed with SIGKILL in the middle of the backward pass of step 7, commits
+# every 4 steps, so the two survivors go back to step 4 and finish the epochs alone. On an MPI without ULFM
+# (MPICH, which this page was built with) the launcher refuses before any rank starts, naming the reason, and the
+# cell shows the output of a recorded run instead. The docs' "Fault tolerance" page compares the two ways.
+
+# %%
+import json
+
+from distlab.errors import FaultToleranceUnsupportedError
+from distlab.launch import launch_script
+
+checkout = next(folder for folder in Path(distlab.__file__).resolve().parents
+                if (folder / "examples" / "elastic_shrink.py").exists())
+example = str(checkout / "examples" / "elastic_shrink.py")
+try:
+    job = launch_script(example, np=3, fault_tolerance=True, capture=True, timeout=120)
+    print(job.stdout, "\n".join(job.summary), sep="\n")
+except FaultToleranceUnsupportedError as exc:
+    print(f"not here: {str(exc)[:160]}...\n")
+    runs = checkout / "docs" / "_data" / "runs"
+    record = json.loads((runs / "elastic_shrink.json").read_text())
+    print(f"recorded on {record['machine']} ({record['date']}):")
+    print(f"$ {record['command']}\n{record['output']}")
