@@ -5,8 +5,9 @@ Two failures in one job:
 1. the last rank kills itself *before* the others enter an allreduce of the world: every survivor's allreduce
    fails with ProcessFailedError naming it (its world and group rank); the survivors rebuild the world and two
    sub-groups on themselves (revoke, agree, shrink) and run collectives on all three;
-2. rank 1 of the rebuilt world kills itself *while* the others wait in an allreduce of it: the same again, on a
-   world that has already shrunk once, the error naming its original world rank.
+2. rank 1 of the rebuilt world kills itself *while* the others wait in an async allreduce of it: the same again
+   (from ``Work.wait`` itself, no ``translating`` around it), on a world that has already shrunk once, the error
+   naming its original world rank.
 
 Each survivor prints ``survivor <rank> OK`` at the end; the test checks that the victims were killed and every
 survivor finished.
@@ -33,12 +34,16 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def failed_allreduce(group, victim_world: int, victim_group: int, name: str) -> ProcessFailedError:
-    """Run an allreduce of ``group`` that must fail naming the victim; return the error."""
+def failed_allreduce(group, victim_world: int, victim_group: int, name: str, wait: bool = False) -> ProcessFailedError:
+    """Run an allreduce of ``group`` that must fail naming the victim; return the error. ``wait``: an async
+    allreduce whose ``Work.wait`` raises ProcessFailedError by itself (comm's waits translate MPI's error)."""
     data = np.ones(4)
     try:
-        with ulfm.translating(group.comm, "allreduce", group.name):
-            group.allreduce(data, name=name)
+        if wait:
+            group.allreduce(data, name=name, async_op=True).wait()
+        else:
+            with ulfm.translating(group.comm, "allreduce", group.name):
+                group.allreduce(data, name=name)
     except ProcessFailedError as exc:
         assert exc.failed_ranks == [victim_world], (ME, exc.failed_ranks, str(exc))
         assert exc.group_ranks == [victim_group], (ME, exc.group_ranks, str(exc))
@@ -89,7 +94,7 @@ def main() -> None:
     if world.rank == 1:
         time.sleep(0.3)
         die()
-    failed_allreduce(world, 1, 1, "while")
+    failed_allreduce(world, 1, 1, "while", wait=True)
     rebuilt = recovery.rebuild(groups=[[0, 1], list(range(world.size))], timeout=60)
     check_world(rebuilt, [1, victim])
     print(f"survivor {ME} OK", flush=True)

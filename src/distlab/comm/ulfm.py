@@ -189,7 +189,7 @@ def failure_seen() -> bool:
     return _seen
 
 
-def process_failure(exc: BaseException, comm, op: str = "a step",
+def process_failure(exc: BaseException, comm, op: str = "a training step",
                     group: str | None = None) -> ProcessFailedError | None:
     """The :class:`~distlab.errors.ProcessFailedError` behind ``exc``, or None when a failed process did not cause it.
 

@@ -115,9 +115,20 @@ class Work:
         if self._done:
             return True
         with self.group._lock:
-            while not self._done and self._request.Test():
-                self._request_done()
+            try:
+                while not self._done and self._request.Test():
+                    self._request_done()
+            except MPI.Exception as exc:
+                self._fail_or_raise(exc)
         return self._done
+
+    def _fail_or_raise(self, exc) -> None:
+        """Fail this work with ProcessFailedError when a failed process caused MPI's error ``exc`` (fault
+        tolerance: its own wait raises it, not the poll of another operation that drove it); else raise ``exc``."""
+        failure = as_failure(exc, self.group.comm, self.op, self.group.name)
+        if failure is exc:
+            raise exc
+        self._complete(failure)
 
     def advance(self) -> bool:
         """Run the stages whose requests completed, but leave completing the work (and its future's callbacks,
@@ -151,6 +162,8 @@ class Work:
         try:
             while not self._done and (complete or self._ended is None) and self._request.Test():
                 self._request_done(complete)
+        except MPI.Exception as exc:
+            self._fail_or_raise(exc)
         finally:
             lock.release()
 
