@@ -1,6 +1,7 @@
 """Elastic training that loses a rank and goes on in the same processes (Open MPI, ``--fault-tolerance``).
 argv: impl, mode, commit directory, fork directory, output prefix, buckets ("tiny": one parameter a bucket, each
-its own MPI allreduce; "auto": DDP's default, the whole model in one bucket reduced in the shared-memory arena).
+its own MPI allreduce; "auto": DDP's default, the whole model in one bucket reduced in the shared-memory arena),
+device ("cpu": numpy; "cuda": the strict device stand-in, distlab.fakegpu).
 
 - mode ``kill:RANK:STEP``: rank RANK is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
   kills it when its first gradient arrives, right after DDP's own hook); the survivors' step fails with ProcessFailedError,
@@ -28,9 +29,9 @@ import distlab
 from distlab import comm, nn, optim
 from distlab.collectives import elastic
 from distlab.ddp import DistributedDataParallel as DDP
-from scenario_checks import host, twin_of
+from scenario_checks import host, on, to_device, twin_of
 
-impl_arg, mode, commits, fork, prefix, buckets = sys.argv[1:7]
+impl_arg, mode, commits, fork, prefix, buckets, device = sys.argv[1:8]
 FIRST_RANK = int(os.environ["RANK"])
 N, FEATURES, BATCH, EPOCHS = 44, 6, 3, 2
 EYE = np.eye(N, dtype=np.float32)
@@ -50,6 +51,7 @@ class Net(nn.Module):
 distlab.manual_seed(11)
 model = Net()
 model.count.weight.data[...] = 0
+model = to_device(model, device)
 ddp = DDP(model, impl=twin_of(FIRST_RANK, impl_arg), **({"bucket_cap_mb": 1e-6} if buckets == "tiny" else {}))
 opt = optim.SGD(ddp.parameters(), lr=1.0)
 sampler = elastic.ElasticSampler(N, shuffle=True, seed=3)
@@ -83,7 +85,7 @@ def step(ddp, indices) -> None:
                 param.register_post_accumulate_grad_hook(die)
     size = ddp.process_group.size
     opt.zero_grad()
-    counted, features = ddp(distlab.tensor(EYE[indices]), distlab.tensor(X[indices]))
+    counted, features = ddp(on(device, distlab.tensor(EYE[indices])), on(device, distlab.tensor(X[indices])))
     error = features - 0.5
     (counted.sum() * (-float(size)) + (error * error).sum() * 0.01).backward()
     opt.step()
