@@ -352,3 +352,22 @@ def test_only_a_failed_process_is_claimed_by_the_shrink_recovery(monkeypatch):
     monkeypatch.setenv("DISTLAB_FAULT_TOLERANCE", "1")
     assert isinstance(elastic.recovery_for(failure), elastic.ShrinkRecovery)
     assert elastic.recovery_for(RuntimeError("a bug")) is None
+
+
+def test_elastic_train_refuses_a_state_without_a_sampler_and_a_bad_commit_interval(tmp_path):
+    state, *_ = _model_state(tmp_path, checkpoint_dir=tmp_path, epoch=0, batch=0)
+    with pytest.raises(ValueError, match="commit_every must be >= 1, got 0"):
+        elastic.train(state, lambda ddp, indices: None, epochs=1, batch_size=2, commit_every=0)
+    state.sampler = None
+    with pytest.raises(ValueError, match="needs a ModelState with a sampler"):
+        elastic.train(state, lambda ddp, indices: None, epochs=1, batch_size=2)
+    assert state.commits == 0
+
+
+def test_elastic_train_runs_each_sample_once_and_commits(tmp_path):
+    state, model, opt, sampler = _model_state(tmp_path, checkpoint_dir=tmp_path, epoch=0, batch=0)
+    seen = []
+    elastic.train(state, lambda ddp, indices: seen.extend(indices.tolist()), epochs=2, batch_size=3,
+                  commit_every=2)
+    assert sorted(seen) == sorted(list(range(20)) * 2) and state.epoch == 2 and state.batch == 0
+    assert state.commits == 2 * (7 // 2) + 2  # every second batch of the 7 per epoch, and each epoch's end

@@ -39,19 +39,19 @@ A plain DDP loop gets the same through :func:`train` (a DDP over the state's mod
     state = elastic.ModelState(DistributedDataParallel(model), optimizer, sampler=sampler, epoch=0, batch=0)
     elastic.train(state, step, epochs=3, batch_size=32, commit_every=10)   # step(ddp, batch_indices)
 
-One place decides what a failure means: :func:`recovery_for`. With no :class:`Recovery` registered (the
-default), every failure is left to the launcher's restart; a recovery registered with :func:`register_recovery`
-(an in-process shrink over a fault-tolerant MPI, say) claims the failures it can repair, rebuilds the world in
-place, and the loop then restores the last commit, runs the reset callbacks and goes on in the same process.
+One place decides what a failure means: :func:`recovery_for`. Without fault tolerance and with no
+:class:`Recovery` registered (the default), every failure is left to the launcher's restart; under fault
+tolerance a failed process is :class:`ShrinkRecovery`'s. A recovery registered with :func:`register_recovery`
+claims the failures it can repair (it is asked first), rebuilds the world in place, and the loop then restores
+the last commit, runs the reset callbacks and goes on in the same process.
 """
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
-
 import logging
+import os
 import time
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -126,8 +126,9 @@ class ShrinkRecovery(Recovery):
     every survivor: shrinks the world to the survivors (:func:`distlab.comm.recovery.rebuild`: revoke, agree,
     shrink), sets the launcher's ``RANK`` and ``WORLD_SIZE`` to this rank's place in the new world (what an
     :class:`ElasticSampler` splits by), starts the collectives engine again on it if one runs (its process sets
-    other than the world are gone: add them again in a reset callback), and moves the state onto it (:meth:`State.regroup`: a DDP model is rebuilt
-    on the new group). :func:`run` then rolls back to the last commit and runs the reset callbacks.
+    other than the world are gone: add them again in a reset callback), and moves the state onto it
+    (:meth:`State.regroup`: a DDP model is rebuilt on the new group). :func:`run` then rolls back to the last
+    commit and runs the reset callbacks.
 
     ``history`` (and the state's ``recoveries``) lists what each recovery did on this rank: the failed ranks (of
     the world the job started with), the new world size, the failed operation, when it began (``at``, the wall
@@ -159,7 +160,7 @@ class ShrinkRecovery(Recovery):
         self.history.append(record)
         state.recoveries.append(record)
         if new.rank == 0:
-            log.warning("elastic: %s; went on with the %d survivors in %.3f s (rolling back to commit %d)",
+            log.warning("elastic: %s; went on with the %d survivors in %.3f s (rolling back to commit #%d)",
                         str(failure).split(". Rebuild")[0], new.size, time.monotonic() - start, state.commits)
 
 
