@@ -5,7 +5,8 @@ and Horovod's elastic API over restarts (tests/mpi/ckpt_*.py).
 - ckpt_train.py: a rank SIGKILLed at a random step, the job restarted (``max_restarts``): parameters, optimizer
   state, losses and DDP's buckets equal the uninterrupted run's, bit for bit; a rank killed halfway through a
   save: that checkpoint is refused, the one before it used, and the result is still the uninterrupted run's.
-- ckpt_elastic.py: elastic.run resumes from the last commit on as many ranks, and on fewer (a 4-rank job that
+- ckpt_elastic.py: elastic.run resumes from the last commit on as many ranks (a job that also asked for fault
+  tolerance fails over to the restarts on MPICH), and on fewer (a 4-rank job that
   crashed continued on 2; on a virtual cluster, the job restarted without a lost host): every sample of each
   epoch applied exactly once.
 """
@@ -82,9 +83,12 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(mpirun, tmp_pat
     assert step6 == [".metadata", "__0_2.distcp", "__1_2.distcp"], step6
 
 
-def test_elastic_restart_resumes_from_the_last_commit(mpirun, tmp_path):
+def test_elastic_restart_resumes_from_the_last_commit_where_fault_tolerance_fails_over_to_it(mpirun, tmp_path):
+    # asked for fault tolerance too, on MPICH (no ULFM): the launcher says why and fails over to the restarts
     job = mpirun("ckpt_elastic.py", np=2, args=["mixed", "run-dir", "1:5", str(tmp_path / "out")], timeout=240,
-                 max_restarts=1)
+                 max_restarts=1, fault_tolerance=True)
+    assert "MPICH's ch4 device" in job.stderr and "failing over to the restart path (--max-restarts 1)" in \
+        job.stderr, job.stderr
     assert len(job.attempts) == 2
     assert [r["resets"] for r in load_ranks(str(tmp_path / "out"), 2)] == [[2], [2]]
 

@@ -85,7 +85,7 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="keep the other ranks running when one dies: their operations fail with "
                              "ProcessFailedError, and distlab.comm.recovery rebuilds the groups on the survivors "
                              "(MPI's ULFM: Open MPI's mpirun --with-ft ulfm; refused on MPICH, whose ch4 device "
-                             "lacks it)")
+                             "lacks it, or with --max-restarts the job fails over to restarts)")
     return parser
 
 
