@@ -305,8 +305,10 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     cluster, spelled_min = _restart.parse_hosts(cluster)
     cluster_job = _cluster_job(np, cluster, rate)
     output = _Output(prefix, capture, echo, job_dir)
-    if fault_tolerance and max_restarts:
-        fault_tolerance = _fault_tolerance_or_restarts(env, max_restarts, output)
+    if fault_tolerance and max_restarts and _mpi.detect(env).family != "openmpi":  # no ULFM: restarts only
+        output.write("stderr", f"distlab: --fault-tolerance needs MPI's ULFM, which {_mpi.detect(env).describe()} "
+                               f"lacks; failing over to the restart path (--max-restarts {max_restarts})")
+        fault_tolerance = False
 
     def run_one(np_, job, extra, limits, first):
         return _attempt(entry, np_, extra, timeline, limits, cwd, report, job_dir, job, output, monitor_interval,
@@ -318,19 +320,6 @@ def _launch(entry: list[str], np: int, *, timeline: str | None = None, timeout: 
     result.stdout, result.stderr = output.text("stdout"), output.text("stderr")
     result.mpiexec_lines = output.mpiexec_lines
     return result
-
-
-def _fault_tolerance_or_restarts(env, max_restarts: int, output) -> bool:
-    """Whether a job given both ``--fault-tolerance`` and ``--max-restarts`` can run with ULFM; if not, say why
-    and that it fails over to the restart path (False): a dead rank then ends the attempt, and the job restarts."""
-    try:
-        check_fault_tolerance(env)
-    except FaultToleranceUnsupportedError as exc:
-        reason = str(exc).split(". Restart the job")[0]
-        output.write("stderr", f"distlab: {reason}; failing over to the restart path (--max-restarts "
-                               f"{max_restarts}): a dead rank ends the attempt and the job starts again")
-        return False
-    return True
 
 
 def _attempt(entry, np, extra, timeline, limits, cwd, report, job_dir, cluster_job, output, monitor_interval,
