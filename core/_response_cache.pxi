@@ -148,7 +148,7 @@ cdef class ResponseCache:
             slot = self._lru.front()
             if self._print_warning:
                 warnings.warn(eviction_warning_text(self._capacity, self._pynames[slot], name), CacheEvictionWarning,
-                              stacklevel=3)
+                              stacklevel=1)  # Cython adds no frame: 1 is the caller of put()
                 self._print_warning = False
             self.evictions += 1
             bit = self._slot_bit[slot]

@@ -1,6 +1,7 @@
 """ResponseCache and CacheCoordinator alone (no MPI), on both twins, and their equivalence."""
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -84,6 +85,18 @@ def test_eviction_reuses_the_bit_and_warns_once_clearly(negotiation):
         put(m, cache, "d")                          # second eviction: no second warning
     assert cache.evictions == 2
     assert cache.peek_cache_bit("d") == 1
+
+
+def test_the_eviction_warning_points_at_the_code_that_put_the_entry(negotiation):
+    """The warning is attributed to the caller of ``put`` (where the capacity is exceeded), not to the cache's
+    own code or to an interpreter frame further up."""
+    m = negotiation
+    cache = m.ResponseCache(1)
+    cache.put(resp(m, ["a"]), {"a": req(m, "a")})
+    line = sys._getframe().f_lineno + 2   # the put below
+    with pytest.warns(CacheEvictionWarning) as record:
+        cache.put(resp(m, ["b"]), {"b": req(m, "b")})
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
 
 
 def test_erase_leaves_a_hole_then_update_compacts(negotiation):
