@@ -195,6 +195,22 @@ def test_sharded_map_and_concurrent_ids(ac):
     assert c.num_autograd_contexts() == 100
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 128])
+def test_any_power_of_two_of_shards_holds_every_context(ac, num_shards):
+    """A single shard (mask 0) and the default's many shards hold the same contexts, local and remote."""
+    c = ac.DistAutogradContainer(3, num_shards=num_shards)
+    made = []
+    for _ in range(5):
+        made.append(c.new_context().context_id)
+        c.clear_current_context_id()
+    remote = [c.get_or_create_context((5 << 48) | n).context_id for n in (1, 2, 255)]
+    assert c.context_ids() == sorted(made + remote) and c.num_autograd_contexts() == 8
+    for cid in made + remote:
+        assert c.retrieve_context(cid).context_id == cid
+    assert c.release_context(made[1]) == set() and c.release_context_if_present(remote[2]) == set()
+    assert c.context_ids() == sorted(made[:1] + made[2:] + remote[:2])
+
+
 # -- context contents -----------------------------------------------------------------------------------------
 def test_known_workers_and_functions(ac):
     ctx = ac.DistAutogradContext(42)
