@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distlab import _backend
-from distlab._wire import COLLECTIVE_OPS, FINGERPRINT_WORDS, REDUCE_OP_CODES
+from distlab._wire import COLLECTIVE_OPS, FINGERPRINT_MAX_DIMS, FINGERPRINT_WORDS, REDUCE_OP_CODES
 
 
 def test_layout_and_description(fingerprint):
@@ -43,6 +43,20 @@ def test_long_shapes_fold_their_tail(fingerprint):
     b = fingerprint.make_fingerprint(1, "allreduce", (1,) * 8 + (3, 2), np.float32)
     c = fingerprint.make_fingerprint(1, "allreduce", (1,) * 8 + (2, 4), np.float32)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_defaults_mean_no_root_and_no_reduce_op(fingerprint):
+    """A call that leaves root and reduce_op out matches one that spells out root=-1 and reduce_op="" (a rank
+    whose caller passes them matches a rank whose caller does not)."""
+    for args in ((2, "barrier"), (4, "allreduce", (3,), np.float32), (5, "allgather", (2, 2), "int64")):
+        spelled = args + (None,) * (4 - len(args)) + (-1, "")
+        assert np.array_equal(fingerprint.make_fingerprint(*args), fingerprint.make_fingerprint(*spelled))
+
+
+def test_shape_at_the_slot_limit_is_kept_as_is(fingerprint):
+    dims = tuple(range(2, 2 + FINGERPRINT_MAX_DIMS))
+    words = fingerprint.make_fingerprint(1, "allreduce", dims, np.float32)
+    assert fingerprint.describe_fingerprint(words) == f"#1 allreduce float32[{', '.join(map(str, dims))}]"
 
 
 def test_unknown_op_is_refused_with_the_same_message(fingerprint):
