@@ -193,6 +193,33 @@ def test_pickle_check_accepts_real_pickles(rpc_framing):
     assert rpc_framing.check_pickle(body) == len(buffers) == 2     # one per NEXT_BUFFER opcode
 
 
+@pytest.mark.parametrize("data,value", [
+    (b"\x80\x02I42\n.", 42),                                   # INT: one line of argument
+    (b"\x80\x02L12345678901234567890\n.", 12345678901234567890),   # LONG
+    (b"\x80\x02cbuiltins\nlen\nq\x00.", len),                  # GLOBAL: two lines, then a memo PUT
+    (b"\x80\x02(I1\nI2\ntp0\n.", (1, 2)),                        # PUT with a decimal line
+])
+def test_pickle_check_reads_opcodes_whose_argument_is_a_line(rpc_framing, data, value):
+    """Opcodes with newline-terminated arguments (what protocols 0 and 1 write, and still legal after PROTO 2):
+    the check steps past each line exactly, to the next opcode."""
+    assert rpc_framing.check_pickle(data) == 0
+    assert pickle.loads(data) == value
+
+
+def test_device_records_are_read_up_to_their_bounds(rpc_framing):
+    """unpack_devices: no record without FLAG_DEVICES; a header that ends right after its records is whole; an
+    index from HOST_DEVICE to MAX_DEVICES - 1 names a device, one outside is refused with its position."""
+    assert rpc_framing.unpack_devices(header(flags=0, nbuf=1) + struct.pack("<q", 8)) == ()
+    top = (1 << 16) - 1   # MAX_DEVICES - 1
+    exact = header(flags=RPC_FLAG_DEVICES, nbuf=2) + struct.pack("<4q", 8, 8, -1, top)
+    assert rpc_framing.unpack_devices(exact) == (-1, top)
+    with pytest.raises(RpcMessageError):
+        rpc_framing.unpack_devices(exact[:-1])
+    for bad in (top + 1, -2):
+        with pytest.raises(RpcMessageError, match=f"buffer 1.*{bad}"):
+            rpc_framing.unpack_devices(header(flags=RPC_FLAG_DEVICES, nbuf=2) + struct.pack("<4q", 8, 8, 0, bad))
+
+
 def test_loads_refuses_a_terabyte_pickle_and_wraps_unpickling_errors():
     with pytest.raises(RpcMessageError, match="claims 1099511627776 bytes"):
         framing.loads(TERA_PICKLE)
