@@ -176,6 +176,47 @@ def test_duplicate_and_retried_control_messages_are_idempotent(rref):
     assert owner_ctx.idle() and owner_ctx.check_leaks() is None
 
 
+@pytest.mark.parametrize("max_retries", [0, 2])
+def test_a_control_message_is_sent_max_retries_more_times_then_reported(rref, max_retries):
+    """Each lost acknowledgement (a timeout) re-sends the message, ``max_retries`` times at most; then the failure
+    is kept in ``errors``, naming the message and its destination."""
+    sent = []
+
+    def send(dst, kind, payload):
+        sent.append((dst, kind))
+        fut = Future()
+        fut.set_exception(DistTimeoutError("ack lost"))
+        return fut
+
+    ctx = rref.RRefContext(1, send, max_retries=max_retries)
+    user, _rid, _fid = ctx.create_remote(0)
+    ctx.finish_remote(user)
+    ctx.release_user(user)                              # the deletion notice, to the owner (worker 0)
+    assert sent == [(0, K_DEL)] * (1 + max_retries)
+    assert len(ctx.errors) == 1 and "ack lost" in str(ctx.errors[0])
+
+
+def test_idle_only_when_nothing_at_all_is_held(rref):
+    """Any one of an owner RRef, a pending user, a pending child or a confirmed user keeps a worker busy."""
+    net = Net(rref, 2)
+    owner_ctx, user_ctx = net.ctxs
+    assert owner_ctx.idle() and user_ctx.idle()
+    user, rid, fid = user_ctx.create_remote(0)          # a pending user alone
+    assert not user_ctx.idle() and user_ctx.debug_info()["num_pending_users"] == 1
+    owner_ctx.handle_remote_call(rid, fid)              # an owner RRef (and its fork) alone
+    assert not owner_ctx.idle() and owner_ctx.debug_info()["num_owner_rrefs"] == 1
+    user_ctx.finish_remote(user)                        # now a confirmed user alone
+    assert not user_ctx.idle() and user_ctx.debug_info() == {
+        "num_owner_rrefs": 0, "num_pending_futures": 0, "num_pending_users": 0, "num_forks": 0,
+        "num_pending_children": 0, "num_confirmed_users": 1}
+    fd = user_ctx.prepare_child_fork(user)              # and a pending child with it
+    user_ctx.release_user(user)                         # dropped while its child is pending: still busy (G2)
+    assert not user_ctx.idle() and user_ctx.debug_info()["num_pending_children"] == 1
+    owner_ctx.receive_fork(fd)
+    net.deliver_all()
+    assert user_ctx.idle() and owner_ctx.idle()
+
+
 def test_inconsistent_states_are_errors(rref):
     ctx = rref.RRefContext(1, lambda *a: Future())
     user, rid, fid = ctx.create_remote(0)
