@@ -158,6 +158,45 @@ def test_wrong_version_magic_trailing_and_utf8(negotiation):
         type(requests).from_bytes(bytes(raw))
 
 
+def test_response_fields_at_their_bounds_round_trip(negotiation):
+    """The host device (-1), many sizes with an empty error after them (nothing but the error's length follows
+    the sizes), sizes up to the int64 byte limit, and non-ASCII names come back as they were sent."""
+    response = negotiation.Response(ResponseType.ALLGATHER, ["grad.é", "€"], 7, "", [-1, 0, 2**31 - 1],
+                                    [0, 1, 2, 3, 4, 5, 6, 2**59 - 1])
+    message = negotiation.ResponseList([negotiation.Response(ResponseType.ALLREDUCE, ["b"], 7, devices=[-1],
+                                                             tensor_sizes=[3]), response])   # the last: no slack
+    back = type(message).from_bytes(message.to_bytes())
+    assert back == message
+    assert back.responses[1].devices == [-1, 0, 2**31 - 1]
+    assert back.responses[1].tensor_sizes == [0, 1, 2, 3, 4, 5, 6, 2**59 - 1]
+    for cut in range(len(message.to_bytes())):   # a cut inside a multi-byte name is a truncation, not bad UTF-8
+        with pytest.raises(MessageFormatError, match="truncated"):
+            type(message).from_bytes(message.to_bytes()[:cut])
+
+
+@pytest.mark.parametrize("field,value,words", [("devices", [-1, -2], "device 1 is -2, out of range"),
+                                               ("tensor_sizes", [4, -1], "tensor size 1 is -1, out of range")])
+def test_a_peer_sending_a_negative_device_or_size_is_refused(negotiation, field, value, words):
+    """Both twins write whatever a (buggy) peer put in its response; the reader refuses it and names the field."""
+    response = negotiation.Response(ResponseType.ALLREDUCE, ["a", "b"], 7, **{field: value})
+    data = negotiation.ResponseList([response]).to_bytes()
+    with pytest.raises(MessageFormatError, match=words):
+        negotiation.ResponseList.from_bytes(data)
+
+
+def test_defaults_and_equality(negotiation):
+    """A request built from its name alone is an allreduce by rank 0 on the host, with no reduce op, unit scale
+    factors and no group; lists equal only lists of their own kind."""
+    assert negotiation.Request("g") == negotiation.Request("g", RequestType.ALLREDUCE, 0, (), 0, 0, -1, 0, 1.0, 1.0,
+                                                           -1, 0)
+    assert negotiation.Response(ResponseType.ALLREDUCE, ["g"]) == negotiation.Response(
+        ResponseType.ALLREDUCE, ["g"], 0, "", [], [], 1.0, 1.0, 0, -1, -1)
+    requests, responses = negotiation.RequestList([]), negotiation.ResponseList([])
+    assert requests == negotiation.RequestList([]) and responses == negotiation.ResponseList([])
+    assert requests != responses and responses != requests
+    assert responses != [] and requests != None  # noqa: E711 - __eq__ against a foreign type
+
+
 def test_message_format_error_is_a_distlab_error():
     from distlab.errors import DistlabError
 
