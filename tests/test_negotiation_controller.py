@@ -3,6 +3,7 @@ invalidation, validation errors, join, fusion, stall reports, and twin equivalen
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import event, given, settings
@@ -158,6 +159,22 @@ def test_join_zero_contribution_and_last_joined_rank(negotiation):
     assert all(o == out[0] for o in out) and not any(c.joined for c in cs)
 
 
+def test_with_a_rank_joined_tensors_are_ready_in_the_order_their_last_request_came(negotiation):
+    """Once a rank has joined, a tensor is ready when every other rank sent it, at the request that completes it
+    (IncrementTensorCount), not later in the order the tensors were first seen."""
+    m = negotiation
+    world, cs, ts = make_world([m, m, m])
+    submit(m, cs[2], JOIN_TENSOR_NAME, kind=RequestType.JOIN)
+    run_cycle(cs, ts)
+    submit(m, cs[0], "a")
+    submit(m, cs[0], "b")
+    assert run_cycle(cs, ts)[0].responses == []       # rank 1 has sent neither yet
+    submit(m, cs[1], "b")
+    submit(m, cs[1], "a")
+    out = run_cycle(cs, ts)
+    assert names_of(out[0]) == [["b", "a"]] and all(o == out[0] for o in out)
+
+
 def test_cached_allgather_under_join_is_refused_not_held(negotiation):
     m = negotiation
     world, cs, ts = make_world([m, m])
@@ -202,7 +219,23 @@ def test_fuse_responses_threshold_lookahead_and_compatibility(negotiation):
     # look-ahead skips a non-fusable response while the skipped bytes fit
     fused = m.fuse_responses([r("a", 4), r("b", 2, dtype=F64), r("c", 4), r("e", 2)], 64)
     assert [x.tensor_names for x in fused] == [["a", "c", "e"], ["b"]]
+    # ... up to the threshold itself: 16 bytes taken, 48 skipped is exactly 64; one byte more stops the look-ahead
+    fused = m.fuse_responses([r("a", 4), r("b", 6, dtype=F64), r("c", 4)], 64)
+    assert [x.tensor_names for x in fused] == [["a", "c"], ["b"]]
+    fused = m.fuse_responses([r("a", 4), r("b", 6, dtype=F64), r("c", 4)], 63)
+    assert [x.tensor_names for x in fused] == [["a"], ["b"], ["c"]]
     assert responses[0].tensor_names == ["a"]          # inputs are not modified
+
+
+def test_a_cycle_called_without_arguments_keeps_the_job_running(negotiation):
+    """``compute_response_list(transport)``: shutting down is asked for, never the default."""
+    m = negotiation
+    world, cs, ts = make_world([m, m])
+    for c in cs:
+        submit(m, c, "w")
+    with ThreadPoolExecutor(2) as pool:
+        out = [f.result(timeout=30) for f in [pool.submit(c.compute_response_list, t) for c, t in zip(cs, ts)]]
+    assert names_of(out[0]) == [["w"]] and not any(o.shutdown or o.shutdown_reason for o in out)
 
 
 def test_stall_report_names_tensors_missing_ranks_and_waits(negotiation):
@@ -223,6 +256,8 @@ def test_stall_report_names_tensors_missing_ranks_and_waits(negotiation):
     with pytest.warns(StallWarning, match="Shutting down"):
         out = run_cycle(cs, ts)
     assert all(o.shutdown for o in out)
+    assert all(o.shutdown_reason == out[0].shutdown_reason for o in out)   # the stall is why, on every rank
+    assert "its stall inspector saw 'late' wait 40.0 s" in out[0].shutdown_reason
 
 
 def test_stalled_cached_tensor_goes_to_the_coordinator(negotiation):
