@@ -206,6 +206,20 @@ def test_pickle_check_reads_opcodes_whose_argument_is_a_line(rpc_framing, data, 
     assert pickle.loads(data) == value
 
 
+def test_counts_up_to_their_limits_and_bodiless_control_messages_pass_the_header_checks(rpc_framing):
+    """MAX_BUFFERS buffers and MAX_FORKS fork records are counts a header may give (such a frame is then only too
+    short); a stop or wake message is its header alone; a PUT of MAX_PUT_DIGITS digits is read as an index."""
+    for nbuf, nforks in ((MAX_BUFFERS, 0), (0, 1 << 16)):
+        data = header(nbuf=nbuf, nforks=nforks)
+        with pytest.raises(RpcMessageError, match="header needs"):
+            rpc_framing.unpack_header(data, LIMIT)
+    for kind in ("stop", "wake"):
+        assert rpc_framing.unpack_header(header(kind=RPC_KIND_CODES[kind]), LIMIT)[:5] == (
+            RPC_KIND_CODES[kind], 0, 7, (), [])
+    with pytest.raises(RpcMessageError, match="memo index 1{18} but only"):
+        rpc_framing.check_pickle(b"\x80\x02(lp" + b"1" * 18 + b"\n.")
+
+
 def test_device_records_are_read_up_to_their_bounds(rpc_framing):
     """unpack_devices: no record without FLAG_DEVICES; a header that ends right after its records is whole; an
     index from HOST_DEVICE to MAX_DEVICES - 1 names a device, one outside is refused with its position."""
@@ -213,7 +227,7 @@ def test_device_records_are_read_up_to_their_bounds(rpc_framing):
     top = (1 << 16) - 1   # MAX_DEVICES - 1
     exact = header(flags=RPC_FLAG_DEVICES, nbuf=2) + struct.pack("<4q", 8, 8, -1, top)
     assert rpc_framing.unpack_devices(exact) == (-1, top)
-    with pytest.raises(RpcMessageError):
+    with pytest.raises(RpcMessageError, match=f"header needs {len(exact)} bytes but the message has {len(exact) - 1}"):
         rpc_framing.unpack_devices(exact[:-1])
     for bad in (top + 1, -2):
         with pytest.raises(RpcMessageError, match=f"buffer 1.*{bad}"):
