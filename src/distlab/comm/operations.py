@@ -157,12 +157,12 @@ class GroupOperations(GroupSteps):
                 return transport.reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
             send, _ = mpi_buffer(input, "reduce_scatter")
             recv, copy_back = mpi_buffer(output, "reduce_scatter")
+        finish = averaging(output if copy_back is None else recv, self.size, copy_back) \
+            if reduce_op is ReduceOp.AVG else copy_back  # the array (staged: its host copy), not its bfloat16 bits
         send, recv = reduction_buffer(send), reduction_buffer(recv)
         seq = self._enter("reduce_scatter", name, input, reduce_op=reduce_op)
         start = self._start()
         request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
-        finish = averaging(output if copy_back is None else recv, self.size, copy_back) \
-            if reduce_op is ReduceOp.AVG else copy_back
         return self._issue("reduce_scatter", seq, name, input.nbytes, request, finish, output, async_op, None,
                            start)
 
