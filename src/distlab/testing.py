@@ -48,6 +48,10 @@ class RecordingGroup:
         self._record("allgather", name, array)
         return self._group.allgather(array, out=out, async_op=async_op, name=name)
 
+    def reduce_scatter(self, output, input, op="sum", async_op=False, name=None):  # noqa: A002 - comm's signature
+        self._record("reduce_scatter", name, input, str(op))
+        return self._group.reduce_scatter(output, input, op=op, async_op=async_op, name=name)
+
     def allgather_object(self, obj, async_op=False, name=None):
         self._record("allgather_object", name)
         return self._group.allgather_object(obj, async_op=async_op, name=name)
@@ -59,3 +63,12 @@ class RecordingGroup:
     def barrier(self, async_op=False, name=None):
         self._record("barrier", name)
         return self._group.barrier(async_op=async_op, name=name)
+
+    def new_group(self, ranks, name=None, timeout=None):
+        """A sub-group that records into this group's trace (one stream for a mesh's rows and columns)."""
+        group = self._group.new_group(ranks, name=name, timeout=timeout)
+        if group is None:
+            return None
+        child = RecordingGroup(group)
+        child.trace = self.trace
+        return child

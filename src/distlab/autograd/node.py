@@ -44,12 +44,19 @@ class RemovableHandle:
         self.remove()
 
 
-def add_hook(hooks: dict | None, fn) -> tuple[dict, RemovableHandle]:
-    """Add ``fn`` to ``hooks`` (created if None); return the dict and a handle. Dicts keep registration order."""
+def add_hook(hooks: dict | None, fn, prepend: bool = False) -> tuple[dict, RemovableHandle]:
+    """Add ``fn`` to ``hooks`` (created if None); return the dict and a handle. Dicts keep registration order;
+    ``prepend`` puts ``fn`` first (the dict stays the same object, so earlier handles still remove theirs)."""
     if hooks is None:
         hooks = {}
     handle = RemovableHandle(hooks)
-    hooks[handle.id] = fn
+    if prepend and hooks:
+        rest = dict(hooks)
+        hooks.clear()
+        hooks[handle.id] = fn
+        hooks.update(rest)
+    else:
+        hooks[handle.id] = fn
     return hooks, handle
 
 

@@ -238,15 +238,17 @@ class Module:
                     out = result
         return out
 
-    def register_forward_pre_hook(self, hook):
-        """``hook(module, args) -> None or new args``, run before ``forward``; returns a removable handle."""
-        hooks, handle = add_hook(self._forward_pre_hooks, hook)
+    def register_forward_pre_hook(self, hook, *, prepend: bool = False):
+        """``hook(module, args) -> None or new args``, run before ``forward``; returns a removable handle.
+
+        ``prepend=True`` runs it before the hooks already registered (torch's ``prepend``; FSDP's hooks use it)."""
+        hooks, handle = add_hook(self._forward_pre_hooks, hook, prepend)
         object.__setattr__(self, "_forward_pre_hooks", hooks)
         return handle
 
-    def register_forward_hook(self, hook):
-        """``hook(module, args, output) -> None or new output``, run after ``forward``."""
-        hooks, handle = add_hook(self._forward_hooks, hook)
+    def register_forward_hook(self, hook, *, prepend: bool = False):
+        """``hook(module, args, output) -> None or new output``, run after ``forward`` (first with ``prepend``)."""
+        hooks, handle = add_hook(self._forward_hooks, hook, prepend)
         object.__setattr__(self, "_forward_hooks", hooks)
         return handle
 
