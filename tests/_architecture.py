@@ -280,8 +280,8 @@ def import_cycles() -> list[list[str]]:
 
 
 #: The public facades: the modules a twin must never import (they load the twins, not the other way round).
-FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.metrics", "distlab.collectives",
-           "distlab.rpc", "distlab.distributed_autograd", "distlab.nn", "distlab.optim", "distlab.launch",
+FACADES = ("distlab.ddp", "distlab.ddp_comm_hooks", "distlab.join", "distlab.fsdp", "distlab.metrics",
+           "distlab.collectives", "distlab.rpc", "distlab.distributed_autograd", "distlab.nn", "distlab.optim", "distlab.launch",
            "distlab.cluster", "distlab.viz")
 #: Modules that import nothing from distlab (or only what is listed): the leaves everything else may use.
 LEAVES = {"distlab.errors": set(), "distlab._wire": set(), "distlab.timeline": set(), "distlab._env": set(),

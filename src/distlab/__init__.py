@@ -29,7 +29,7 @@ _mpi.check_installed()
 _SUBMODULES = (
     "autograd", "nn", "optim", "data",
     "comm", "futures", "errors", "timeline", "launch",
-    "ddp", "ddp_comm_hooks", "join", "metrics",
+    "ddp", "ddp_comm_hooks", "join", "metrics", "fsdp",
     "collectives", "rpc", "distributed_autograd",
     "cluster", "checkpoint",
 )
@@ -45,6 +45,7 @@ _ATTRIBUTES = {
     "enable_grad": "distlab.autograd",
     "manual_seed": "distlab.nn.init",
     "DistributedDataParallel": "distlab.ddp",
+    "fully_shard": "distlab.fsdp",
     "Join": "distlab.join",
     "Joinable": "distlab.join",
     "JoinHook": "distlab.join",

@@ -22,4 +22,5 @@ TWINS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "negotiation": (("messages", "response_cache", "coordinator", "negotiation"), "negotiation", "_negotiation"),
     "rpc_framing": (("rpc_framing",), "rpc_framing", "_rpc_framing"),
     "rpc_wait": (("rpc_wait",), "rpc_wait", "_rpc_wait"),
+    "fsdp": (("fsdp_param", "fsdp_collectives", "fsdp_param_group"), "fsdp_param_group", "_fsdp_param_group"),
 }
