@@ -780,3 +780,31 @@ def a_message_id_past_64_bits(m):
     context = container.new_context()
     container.clear_current_context_id()
     context.add_send_function(object(), 1 << 64)
+
+
+# ---------------------------------------------------------------------------------------------------------- fsdp
+def _fsdp_params(m, *dtypes):
+    from distlab._common.fsdp import MixedPrecisionPolicy
+    from distlab._common.fsdp_param import ParamModuleInfo
+
+    params = []
+    for dtype in dtypes:
+        layer = nn.Linear(3, 2)
+        layer.weight = nn.Parameter(np.ones((2, 3), dtype=dtype))
+        params.append(m.FSDPParam(layer.weight, ParamModuleInfo(layer, "weight"), 1, 0, 0, MixedPrecisionPolicy()))
+    return params
+
+
+@case("fsdp", AssertionError)
+def a_group_of_two_dtypes(m):
+    from distlab._common.fsdp import MixedPrecisionPolicy
+
+    m.FSDPParamGroup(_fsdp_params(m, np.float32, np.float64), (), m.MeshInfo(comm.world()), None,
+                     MixedPrecisionPolicy(), "block")
+
+
+@case("fsdp", AssertionError)
+def gradients_of_two_dtypes_in_one_reduce_scatter(m):
+    grads = [np.ones((2, 3), np.float32), np.ones((2, 3), np.float16)]
+    m.foreach_reduce(_fsdp_params(m, np.float32, np.float32), grads, comm.world(), np.dtype(np.float32), None, np,
+                     None, None, True, "block")

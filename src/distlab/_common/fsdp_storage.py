@@ -57,7 +57,8 @@ class UnshardedStorage:
             nbytes = max(self.numel * self.dtype.itemsize, 1)
             self.nbytes = -(-nbytes // _PAGE) * _PAGE
             if _CAN_RELEASE:
-                self._map = mmap.mmap(-1, self.nbytes)
+                # private: MADV_DONTNEED frees private anonymous pages (a shared mapping would keep them)
+                self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self.flat = np.frombuffer(self._map, dtype=self.dtype, count=self.numel)
             else:  # no madvise: ordinary memory, held for good
                 self.flat = np.empty(self.numel, dtype=self.dtype)

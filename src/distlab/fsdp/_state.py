@@ -61,9 +61,34 @@ class FSDPState:
         self._divide_override = False
         self._join_options: dict = {}  # set by the join hook: divide_by_initial_world_size, optimizer
         self._join_module = _backend.load("join", impl)
-        module = self._modules[0]
-        self._pre_forward_hook_handle = module.register_forward_pre_hook(self._pre_forward, prepend=True)
-        self._post_forward_hook_handle = module.register_forward_hook(self._post_forward)
+        self._modules_to_run_forward: set = set()
+        if len(self._modules) == 1:
+            module = self._modules[0]
+            self._pre_forward_hook_handle = module.register_forward_pre_hook(self._pre_forward, prepend=True)
+            self._post_forward_hook_handle = module.register_forward_hook(self._post_forward)
+        else:
+            self._register_group_forward_hooks()
+
+    def _register_group_forward_hooks(self) -> None:
+        """One group of several modules: its pre-forward runs before the first of them, its post-forward after the
+        last (``_register_group_forward_hooks``)."""
+        pending = self._modules_to_run_forward
+
+        def pre_hook(module, args):
+            if not pending:
+                pending.update(id(m) for m in self._modules)
+                return self._pre_forward(module, args)
+            return None
+
+        def post_hook_of(module):
+            def post_hook(mod, args, output):
+                pending.discard(id(module))
+                return self._post_forward(mod, args, output) if not pending else None
+            return post_hook
+
+        for module in self._modules:
+            module.register_forward_pre_hook(pre_hook, prepend=True)
+            module.register_forward_hook(post_hook_of(module))
 
     # -- lazy initialisation (once, at the root's first forward) ---------------------------------------------------
     def _root_pre_forward(self, module, args):
