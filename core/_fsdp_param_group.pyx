@@ -55,6 +55,7 @@ cdef class FSDPParamGroup:
     cdef public object modules, mesh_info, post_forward_group, mp_policy, _module_fqn, comm_ctx
     cdef public object _all_gather_result, _pending_reduce, _join_mask, gradient_divide_factor, storage
     cdef public object _orig_dtype, _reduce_dtype, xp, _storage_offsets
+    cdef public double _compute_start
     cdef public int _training_state, _sharded_state
     cdef public Py_ssize_t _post_backward_pending
     cdef public bint reduce_grads, all_reduce_grads, reshard_after_backward, unshard_async_op
@@ -75,6 +76,8 @@ cdef class FSDPParamGroup:
     is_unsharded = FSDPParamGroupBase.is_unsharded
     use_training_state = FSDPParamGroupBase.use_training_state
     _record = FSDPParamGroupBase._record
+    _compute_begins = FSDPParamGroupBase._compute_begins
+    _compute_ends = FSDPParamGroupBase._compute_ends
     _with_fqn = FSDPParamGroupBase._with_fqn
     describe = FSDPParamGroupBase.describe
 
@@ -131,11 +134,14 @@ cdef class FSDPParamGroup:
         self._training_state = _FORWARD
         self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
-        return self._register_post_backward_hook(args)
+        args = self._register_post_backward_hook(args)
+        self._compute_begins()
+        return args
 
     def post_forward(self, module, input, output):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.post_forward`."""
         _note(self, "post_forward", None)
+        self._compute_ends("forward")
         self.reshard()
         self._record_post_forward()
         self._training_state = _IDLE
@@ -157,10 +163,12 @@ cdef class FSDPParamGroup:
             if default_prefetch:
                 self._backward_prefetch()
             _comm.progress()
+            self._compute_begins()
 
     def post_backward(self):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.post_backward`."""
         _note(self, "post_backward", self._grad_mask())
+        self._compute_ends("backward")
         self._training_state = _POST_BACKWARD
         cdef FSDPParam p
         for p in self.fsdp_params:

@@ -116,11 +116,14 @@ class FSDPParamGroup(FSDPParamGroupBase):
         self._training_state = TrainingState.FORWARD
         self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
-        return self._register_post_backward_hook(args)
+        args = self._register_post_backward_hook(args)
+        self._compute_begins()
+        return args
 
     def post_forward(self, module, input, output):  # noqa: A002 - torch's signature
         """Reshard after the module's forward and note the forward order (``post_forward``)."""
         self._record("post_forward")
+        self._compute_ends("forward")
         self.reshard()
         self._record_post_forward()
         self._training_state = TrainingState.IDLE
@@ -143,11 +146,13 @@ class FSDPParamGroup(FSDPParamGroupBase):
         if default_prefetch:
             self._backward_prefetch()
         _comm.progress()  # in-flight collectives move only while someone calls into MPI
+        self._compute_begins()
 
     def post_backward(self):
         """Reshard and issue the group's reduce-scatter (``post_backward``); safe to call when the group was not
         used in backward (it does nothing then)."""
         self._record("post_backward", self._grad_mask())
+        self._compute_ends("backward")
         self._training_state = TrainingState.POST_BACKWARD
         for fsdp_param in self.fsdp_params:
             fsdp_param.accumulate_unsharded_grad_if_needed()

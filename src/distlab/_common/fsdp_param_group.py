@@ -12,7 +12,8 @@ import contextlib
 
 import numpy as np
 
-from .fsdp import BufferPool, ShardedState, TrainingState
+from ..timeline import get_timeline, now_us
+from .fsdp import FSDP_LANE, BufferPool, ShardedState, TrainingState
 from .fsdp_storage import UnshardedStorage
 
 __all__ = ["MeshInfo", "FSDPCommContext", "FSDPParamGroupBase"]
@@ -73,6 +74,7 @@ class FSDPParamGroupBase:
         self.gradient_divide_factor = None
         self.unshard_async_op = False
         self.storage = None
+        self._compute_start = 0.0
         dtypes = {np.dtype(p.orig_dtype) for p in self.fsdp_params}
         if len(dtypes) > 1:
             raise AssertionError(f"FSDP expects uniform original parameter dtype but got "
@@ -159,6 +161,17 @@ class FSDPParamGroupBase:
         ctx = self.comm_ctx
         if ctx.recording:
             ctx.program.append((self, event, argument))
+
+    def _compute_begins(self) -> None:
+        """The module's forward or backward computation starts now (for its span on the timeline)."""
+        self._compute_start = now_us() if get_timeline().enabled else 0.0
+
+    def _compute_ends(self, what: str) -> None:
+        """Put the module's forward or backward computation on the timeline (lane ``fsdp``)."""
+        if self._compute_start:
+            get_timeline().complete(f"{what} {self._module_fqn or '<root>'}", self._compute_start, now_us(),
+                                    lane=FSDP_LANE, args={"params": len(self.fsdp_params)})
+            self._compute_start = 0.0
 
     def _with_fqn(self, label: str) -> str:
         return f"{label} ({self._module_fqn})" if self._module_fqn else label
