@@ -6,7 +6,7 @@
 @cython.final
 cdef class FSDPParam:
     """See :class:`distlab.reference.fsdp_param.FSDPParam`."""
-    cdef public object xp, module_info, fqn, orig_size, orig_dtype, param_class, sharded_param, _orig_param
+    cdef public object xp, module_info, fqn, orig_size, orig_dtype, param_class, sharded_param
     cdef public object _sharded_param_data, _unsharded_param, all_gather_output, _sharded_post_forward_param_data
     cdef public object unsharded_accumulated_grad, param_dtype, reduce_dtype, unsharded_dtype, shard_group
     cdef public Py_ssize_t rows, row_numel, shard_size, shard_rank, chunk, shard_offset, shard_length

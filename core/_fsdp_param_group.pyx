@@ -163,6 +163,9 @@ cdef class FSDPParamGroup:
             if default_prefetch:
                 self._backward_prefetch()
             _comm.progress()
+            in_flight = self.comm_ctx.reduce_scatter_state
+            if in_flight is not None:
+                release_finished_input(in_flight)
             self._compute_begins()
 
     def post_backward(self):

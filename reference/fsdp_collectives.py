@@ -35,7 +35,7 @@ from distlab.timeline import get_timeline, now_us
 
 __all__ = ["AllGatherResult", "ReduceScatterState", "foreach_all_gather", "all_gather_copy_in",
            "foreach_all_gather_copy_out", "foreach_reduce", "foreach_reduce_scatter_copy_in",
-           "wait_reduce_scatter", "finish_reduce"]
+           "release_finished_input", "wait_reduce_scatter", "finish_reduce"]
 
 
 class ReduceScatterState:
@@ -153,6 +153,16 @@ def foreach_reduce_scatter_copy_in(fsdp_params, unsharded_grads, reduce_input) -
             block[full:] = 0
         offset += numel
     _span("reduce-scatter copy-in", start, reduce_input.nbytes)
+
+
+def release_finished_input(state) -> None:
+    """Free a reduce-scatter's input as soon as the collective is done with it (polled, not waited for), ahead
+    of :func:`wait_reduce_scatter`: the next group's gradients then never coexist with it. What follows the
+    reduce-scatter (the hybrid all-reduce, the gradients' delivery) keeps its place in the order of calls."""
+    if state.work is not None and state.work.is_completed():
+        state.work.wait()
+        state.work = None
+        state.reduce_input = None
 
 
 def wait_reduce_scatter(state) -> None:

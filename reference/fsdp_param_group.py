@@ -38,6 +38,7 @@ from distlab.reference.fsdp_collectives import (  # noqa: F401 - re-exported: th
     foreach_all_gather_copy_out,
     foreach_reduce,
     foreach_reduce_scatter_copy_in,
+    release_finished_input,
     wait_reduce_scatter,
 )
 from distlab.reference.fsdp_param import FSDPParam, ParamModuleInfo  # noqa: F401
@@ -146,6 +147,8 @@ class FSDPParamGroup(FSDPParamGroupBase):
         if default_prefetch:
             self._backward_prefetch()
         _comm.progress()  # in-flight collectives move only while someone calls into MPI
+        if self.comm_ctx.reduce_scatter_state is not None:  # the last group's packed gradients, if it is done
+            release_finished_input(self.comm_ctx.reduce_scatter_state)
         self._compute_begins()
 
     def post_backward(self):

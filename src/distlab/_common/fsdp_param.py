@@ -69,7 +69,6 @@ class FSDPParamBase:
         self.sharded_param.global_shape = self.orig_size
         self.sharded_param.offsets = (self.shard_offset,) + (0,) * (len(self.orig_size) - 1)
         self.sharded_param._fsdp_param = self
-        self._orig_param = param
         self._unsharded_param = None
         self.all_gather_output = None
         self._storage_generation = -1
