@@ -13,12 +13,15 @@ trace, so the test compares twins and devices bit for bit and trace for trace. C
 5. hybrid sharding (4 ranks, a 2 x 2 mesh) equals flat sharding;
 6. state dicts: shards with their global shape and offsets, a full state dict equal to DDP's, loading either;
 7. uneven inputs under Join equal DDP under Join (both divide factors);
-8. bad input raises the same error on every rank, and the ranks stay usable.
+8. bad input raises the same error on every rank, and the ranks stay usable;
+9. (2 ranks) torch's own fully_shard, recorded by tests/data/make_fsdp_torch.py: the same losses and parameters
+   within float32 rounding, and the same number of all-gathers and reduce-scatters per step.
 """
 import copy
 import pickle
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -305,6 +308,29 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
         fine = shard(build(device))  # the ranks are still in step: training works after the errors
         step(fine, optim.SGD(fine.parameters(), lr=0.1), *batch(0, rank, device))
     print(f"rank {rank} ({device}): errors on every rank", flush=True)
+
+    # -- 9. torch's fully_shard, recorded ------------------------------------------------------------------------------
+    if size == 2:
+        record = np.load(Path(__file__).resolve().parent.parent / "data" / "fsdp_torch.npz")
+        for config, raf in (("zero3", True), ("default", None), ("zero2", False)):
+            net = build(device)
+            for name, p in net.named_parameters():
+                p.data[...] = on(device, record[f"weights/{name}"])
+            recording = RecordingGroup(world)
+            model = shard(net, group=recording, reshard_after_forward=raf)
+            opt = optim.Adam(model.parameters(), lr=0.01)
+            for s in range(3):
+                rng = np.random.default_rng([7, s, rank])
+                x, y = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+                recording.trace.clear()
+                loss = step(model, opt, distlab.tensor(on(device, x)), distlab.tensor(on(device, y)))
+                assert np.isclose(loss, record[f"{config}/r{rank}/loss{s}"], rtol=1e-5), (config, s, loss)
+            for kind in ("allgather", "reduce_scatter"):
+                assert count(recording.trace, kind) == int(record[f"{config}/r{rank}/{kind}"]), (config, kind)
+            for name, value in full_params(model).items():
+                assert np.allclose(value, record[f"{config}/r{rank}/{name}"], rtol=1e-5, atol=1e-6), (config, name)
+        print(f"rank {rank} ({device}): torch's fully_shard (recorded, {record['torch_version']}) trains alike",
+              flush=True)
 
     assert staged_outside_comm(device) == {}, staged_outside_comm(device)
 
