@@ -45,8 +45,8 @@ def resolve(dotted: str):
 
 
 def test_the_page_has_its_tables():
-    # torch.distributed, DDP, rpc, dist autograd, horovod.torch, Horovod's settings
-    assert sum(line.startswith("|---") for line in PAGE.read_text().splitlines()) == 6
+    # torch.distributed, DDP, FSDP2, rpc, dist autograd, horovod.torch, Horovod's settings
+    assert sum(line.startswith("|---") for line in PAGE.read_text().splitlines()) == 7
     assert len(NAMES) > 100 and len(SETTINGS) >= 6
 
 

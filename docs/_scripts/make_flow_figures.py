@@ -197,6 +197,65 @@ def join_syncbn():
     mark(END)
 
 
+# -- fully sharded data parallel (docs/protocols/fsdp.md) -------------------------------------------------------
+
+def _fsdp_model():
+    """Two blocks, each one FSDP group, and the root (its head Linear)."""
+    import distlab
+    from distlab import nn
+    from distlab.fsdp import fully_shard
+
+    distlab.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                        nn.Linear(4, 1))
+    for block in (net[0], net[1]):
+        fully_shard(block)
+    return fully_shard(net)
+
+
+def _fsdp_step(model, opt, x):
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+
+
+def fsdp_step():
+    """One ZeRO-3 step: each group's all-gather before its forward and its backward, its reduce-scatter after."""
+    import numpy as np
+
+    import distlab
+    from distlab import optim
+
+    model = _fsdp_model()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    x = distlab.tensor(np.ones((2, 4), dtype=np.float32))
+    _fsdp_step(model, opt, x)          # the first step checks the model across ranks
+    _aligned()
+    _fsdp_step(model, opt, x)
+    mark(END)
+
+
+def fsdp_join():
+    """Rank 0 has 2 batches, rank 1 has 1: rank 1 replays its own iteration with zero gradients, then steps."""
+    import numpy as np
+
+    import distlab
+    from distlab import comm, optim
+
+    model = _fsdp_model()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    x = distlab.tensor(np.ones((2, 4), dtype=np.float32))
+    rank = comm.world().rank
+    with model.join(optimizer=opt):
+        for i in range(2 - rank):
+            if i == 1:
+                mark(BEGIN)            # rank 0's second iteration ...
+            _fsdp_step(model, opt, x)
+        if rank == 1:
+            mark(BEGIN)                # ... which rank 1, out of batches, shadows
+    mark(END)
+
+
 # -- RRefs (docs/protocols/rref.md) and distributed autograd (docs/protocols/dist_autograd.md) ---------------------
 
 def _value(x):
@@ -436,6 +495,12 @@ SCENARIOS = {
         fn=join_syncbn, np=2, notes=("join",), names={0: "rank 0 (2 batches)", 1: "rank 1 (1 batch)"},
         label=_with_group,
         title="SyncBatchNorm in the Join: its allreduces run on the layer's own communicator"),
+    "fsdp_step": dict(
+        fn=fsdp_step, np=2, title="One ZeRO-3 step of two blocks and a root: three groups, each gathered "
+                                  "twice and reduced once"),
+    "fsdp_join": dict(
+        fn=fsdp_join, np=2, notes=("join",), names={0: "rank 0 (2 batches)", 1: "rank 1 (1 batch)"},
+        title="FSDP under Join: rank 1 runs out and replays its own iteration"),
     "rref_remote": dict(
         fn=rref_remote_and_fork, np=3, window=(BEGIN, "fork begin"), ranks=[0, 1],
         names={0: "worker0 (user)", 1: "worker1 (owner)"},
