@@ -45,6 +45,8 @@ class FSDPCommContext:
     def __init__(self):
         self.all_gather_pool = BufferPool()
         self.post_forward_order: list = []
+        self.forward_order: list = []  # groups in the order their pre-forward ran, this iteration
+        self.forward_successor: dict = {}  # id(group) -> the group whose forward followed it last iteration
         self.reduce_scatter_state = None
         self.program: list = []  # (group, event, argument) of the iteration, in call order
         self.recording = True

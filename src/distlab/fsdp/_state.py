@@ -99,6 +99,7 @@ class FSDPState:
         if self._comm_ctx is not None:
             self._comm_ctx.program = []  # this iteration's record, for a rank that joins later
             self._comm_ctx.recording = True
+            self._comm_ctx.forward_order = []
         self._notify_join(module)
         return args
 
@@ -173,9 +174,13 @@ class FSDPState:
         group = self._fsdp_param_group
         if group is not None:
             args = group.pre_forward(module, args)
-        for state in self._states_to_forward_prefetch:
-            if state._fsdp_param_group is not None:
-                type(state._fsdp_param_group)._prefetch_unshard(state._fsdp_param_group, "forward")
+            self._comm_ctx.forward_order.append(group)
+        targets = [s._fsdp_param_group for s in self._states_to_forward_prefetch if s._fsdp_param_group is not None]
+        if not targets and group is not None:
+            following = self._comm_ctx.forward_successor.get(id(group))
+            targets = [] if following is None else [following]
+        for target in targets:
+            type(target)._prefetch_unshard(target, "forward")
         return args
 
     def _post_forward(self, module, args, output):
@@ -233,8 +238,20 @@ class FSDPState:
                     group.finalize_backward()
             if ctx.is_last_backward and self._comm_ctx is not None:
                 self._comm_ctx.post_forward_order.clear()
+                self._learn_forward_order()
         finally:
             ctx.post_backward_final_callback_queued = False
+
+    def _learn_forward_order(self) -> None:
+        """Remember which group ran forward after which this iteration: the next forward prefetches each group's
+        successor as it starts (the implicit forward prefetch: torch's GPU streams overlap the next group's
+        all-gather with this group's compute by running ahead; over MPI the all-gather must be issued early)."""
+        ctx = self._comm_ctx
+        successor: dict = {}
+        for current, following in zip(ctx.forward_order, ctx.forward_order[1:]):
+            successor.setdefault(id(current), following)
+        ctx.forward_successor = successor
+        ctx.forward_order = []
 
     # -- Join (a distlab addition: torch's FSDP has no Join support) ---------------------------------------------
     def _notify_join(self, module) -> None:
