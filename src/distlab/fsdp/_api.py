@@ -53,6 +53,14 @@ def fully_shard(module, *, group=None, reshard_after_forward=None, mp_policy=Mix
     -------
     FSDPModule
         ``module``, now an instance of ``FSDP<its class>``.
+
+    Notes
+    -----
+    The parameters the module then holds (``parameters()``, what the optimizer steps, so what its state is
+    shaped like) are each rank's unpadded rows of the originals, ``Parameter``s with two more attributes:
+    ``global_shape``, the whole parameter's shape, and ``offsets``, where the rows start in it (``(rank * chunk,
+    0, ...)``, clipped to the end): ``distlab.ShardedArray(p.data, p.global_shape, p.offsets)`` describes a shard,
+    or an optimizer state of its shape, without recomputing the chunk rule.
     """
     from ._module import FSDPModule
 
