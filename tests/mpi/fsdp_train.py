@@ -195,6 +195,23 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
         of.step()
     same(full_params(ddp), full_params(model), "accumulation", exact)
     results[f"{device}:accumulation"] = dict(params=full_params(model), losses=[], trace=list(recording.trace))
+    # microbatches that each reduce, the reductions waited for at the last backward only (set_is_last_backward)
+    ddp = DDP(build(device, dtype), impl=impl)
+    model = shard(build(device, dtype))
+    model.set_requires_gradient_sync(True)
+    od, of = optim.SGD(ddp.parameters(), lr=0.1), optim.SGD(model.parameters(), lr=0.1)
+    od.zero_grad()
+    of.zero_grad()
+    for micro in range(3):
+        x, y = batch(20 + micro, rank, device, dtype)
+        loss_fn(ddp(x), y).backward()
+        model.set_is_last_backward(micro == 2)
+        loss_fn(model(x), y).backward()
+    od.step()
+    of.step()
+    ours = full_params(model)  # DDP adds each averaged gradient in .grad before the next average: other rounding
+    for key, value in full_params(ddp).items():
+        assert np.allclose(value, ours[key], rtol=1e-5, atol=1e-7), ("set_is_last_backward", key)
     print(f"rank {rank} ({device}): set_requires_gradient_sync(False) equals no_sync", flush=True)
 
     # -- 4. mixed precision ------------------------------------------------------------------------------------------
