@@ -296,6 +296,15 @@ for device in DEVICES:  # numpy, then the strict device stand-in, in one launch
         results[f"{device}:join_{divide_by_initial}"] = dict(params=full_params(model), losses=[],
                                                              trace=list(recording.trace))
     print(f"rank {rank} ({device}): uneven inputs under Join equal DDP's", flush=True)
+    model = shard(build(device))  # the last rank has no input at all: nothing to replay, every rank says so
+    opt = optim.SGD(model.parameters(), lr=0.1)
+
+    def train_unevenly():
+        with model.join(optimizer=opt):
+            for s in range(0 if rank == size - 1 else 2):
+                step(model, opt, *batch(s, rank, device))
+
+    expect(RuntimeError, train_unevenly, f"ranks [{size - 1}] joined before training one iteration")
 
     # -- 8. errors, the same on every rank -----------------------------------------------------------------------------
     net = shard(build(device))

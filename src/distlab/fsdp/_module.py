@@ -14,7 +14,7 @@ from .._common.fsdp import TrainingState
 from .._common.join import JoinHook, Joinable
 from ..autograd.tensor import Tensor
 from ..nn.module import IncompatibleKeys, Module
-from ._state import JOIN_FLAGS_NAME
+from ._state import JOIN_FLAGS_NAME, check_replayable
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -210,14 +210,12 @@ class _FSDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         state = self.module._get_fsdp_state()
-        flags = np.zeros(2, dtype=np.int64)
-        state._mesh_info.full_group.allreduce(flags, name=JOIN_FLAGS_NAME)
+        ctx, group = state._comm_ctx, state._mesh_info.full_group
+        flags = np.zeros(2 + group.size, dtype=np.int64)
+        flags[2 + group.rank] = ctx is None or not ctx.program  # nothing to replay: every rank raises
+        group.allreduce(flags, name=JOIN_FLAGS_NAME)
+        check_replayable(flags)
         training, syncing = int(flags[0]), bool(flags[1])
-        ctx = state._comm_ctx
-        if ctx is None or not ctx.program:
-            raise RuntimeError(f"rank {state._mesh_info.full_group.rank} joined before it trained one iteration: an "
-                               "FSDP rank shadows the others by replaying its own last iteration, so each rank "
-                               "needs at least one input")
         groups = state.groups()
         saved = [(g.reduce_grads, g.gradient_divide_factor) for g in groups]
         for group in groups:

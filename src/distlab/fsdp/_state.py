@@ -24,7 +24,7 @@ from ..autograd import Tensor, is_grad_enabled, queue_callback
 from ..autograd.node import Node
 from ..autograd.ops import record
 
-__all__ = ["FSDPState", "FSDPStateContext", "JOIN_FLAGS_NAME"]
+__all__ = ["FSDPState", "FSDPStateContext", "JOIN_FLAGS_NAME", "check_replayable"]
 
 #: The name of the allreduce a root issues each iteration under Join: ranks still training, ranks syncing.
 JOIN_FLAGS_NAME = "fsdp: join flags"
@@ -92,15 +92,15 @@ class FSDPState:
 
     # -- lazy initialisation (once, at the root's first forward) ---------------------------------------------------
     def _root_pre_forward(self, module, args):
-        self._lazy_init()
-        if self._state_ctx.iter_forward_root is not None:
+        if self._is_root is False or self._state_ctx.iter_forward_root is not None:
             return args
         self._state_ctx.iter_forward_root = self
+        self._notify_join(module)  # first: a rank that joined answers it before anything else of the iteration
+        self._lazy_init()
         if self._comm_ctx is not None:
             self._comm_ctx.program = []  # this iteration's record, for a rank that joins later
             self._comm_ctx.recording = True
             self._comm_ctx.forward_order = []
-        self._notify_join(module)
         return args
 
     def _lazy_init(self) -> None:
@@ -255,26 +255,39 @@ class FSDPState:
 
     # -- Join (a distlab addition: torch's FSDP has no Join support) ---------------------------------------------
     def _notify_join(self, module) -> None:
-        """Under an enabled Join, tell joined ranks that this rank trains an iteration, whether it synchronises
-        gradients, and (``divide_by_initial_world_size=False``) divide by the ranks still training."""
+        """Under an enabled Join, tell joined ranks that this rank trains an iteration and whether it synchronises
+        gradients, learn whether a joined rank cannot shadow it, and (``divide_by_initial_world_size=False``)
+        divide by the ranks still training."""
         work = self._join_module.Join.notify_join_context(module)
-        groups = self.groups()
+        groups = [m.__dict__["_fsdp_state"]._fsdp_param_group for m in module.modules()
+                  if "_fsdp_state" in m.__dict__ and m.__dict__["_fsdp_state"]._fsdp_param_group is not None]
         if work is None:
             if self._divide_override:  # a Join ended: the divide factor the user set applies again
                 for group in groups:
                     group.gradient_divide_factor = getattr(group, "_user_divide_factor", None)
                 self._divide_override = False
             return
-        syncing = any(group.reduce_grads for group in groups)
-        flags = np.array([1, 1 if syncing else 0], dtype=np.int64)
-        self._mesh_info.full_group.allreduce(flags, name=JOIN_FLAGS_NAME)
+        group = self._mesh_info.full_group
+        flags = np.zeros(2 + group.size, dtype=np.int64)
+        flags[:2] = 1, any(g.reduce_grads for g in groups)
+        group.allreduce(flags, name=JOIN_FLAGS_NAME)
+        check_replayable(flags)
         if not self._join_options.get("divide_by_initial_world_size", True):
-            for group in groups:
+            for target in groups:
                 if not self._divide_override:
-                    group._user_divide_factor = group.gradient_divide_factor
-                group.gradient_divide_factor = float(flags[0])
+                    target._user_divide_factor = target.gradient_divide_factor
+                target.gradient_divide_factor = float(flags[0])
             self._divide_override = True
 
+
+def check_replayable(flags) -> None:
+    """Join's flags say which joined ranks have no iteration to replay (a rank with no input at all): every rank
+    raises the same error naming them, instead of waiting for collectives those ranks cannot issue."""
+    missing = [int(r) for r in np.flatnonzero(flags[2:])]
+    if missing:
+        raise RuntimeError(f"ranks {missing} joined before training one iteration: an FSDP rank that runs out of "
+                           "inputs shadows the others by replaying its own last iteration, so every rank needs at "
+                           "least one input (this iteration is abandoned on every rank)")
 
 def _tensors_in(value) -> list:
     if isinstance(value, Tensor):
