@@ -88,24 +88,34 @@ def _step(model, opt, x):
     opt.step()
 
 
-def _wire_bytes(trace, size: int) -> int:
-    """Bytes a rank sends for the recorded collectives, by the ring algorithm's cost."""
+def _wire_bytes(trace, size: int, replicas: int = 1) -> int:
+    """Bytes a rank sends for the recorded collectives, by the ring algorithm's cost; with ``replicas`` (hybrid
+    sharding) FSDP's all-gathers and reduce-scatters run over size / replicas ranks, its all-reduces over
+    ``replicas``."""
+    import numpy as np
+
     total = 0
-    for op, _, shape, dtype, _ in trace:
+    for op, name, shape, dtype, _ in trace:
         if shape is None:
             continue
-        import numpy as np
-
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if op == "allgather":
-            total += (size - 1) * nbytes
-        elif op == "reduce_scatter":
-            total += (size - 1) * nbytes // size
-        elif op == "allreduce":
-            total += 2 * (size - 1) * nbytes // size
-        elif op == "broadcast":
-            total += (size - 1) * nbytes // size
+        if replicas > 1 and str(name).startswith("fsdp"):
+            size_of = replicas if "all-reduce" in str(name) else size // replicas
+            total += _ring_bytes(op, nbytes, size_of)
+        else:
+            total += _ring_bytes(op, nbytes, size)
     return total
+
+
+def _ring_bytes(op: str, nbytes: int, size: int) -> int:
+    """What one rank sends for a collective of ``nbytes`` (its input) over ``size`` ranks, ring algorithm."""
+    if op == "allgather":
+        return (size - 1) * nbytes
+    if op in ("reduce_scatter", "broadcast"):
+        return (size - 1) * nbytes // size
+    if op == "allreduce":
+        return 2 * (size - 1) * nbytes // size
+    return 0
 
 
 def _link_bytes() -> int:
@@ -154,7 +164,7 @@ def worker(out: str, rounds: int, hosts: int) -> None:
         _step(model, opt, x)
         world.barrier()
         rows[name]["link bytes"] = _link_bytes() - sent
-        rows[name]["wire bytes"] = _wire_bytes(recording.trace, world.size)
+        rows[name]["wire bytes"] = _wire_bytes(recording.trace, world.size, 2 if name.startswith("hybrid") else 1)
         rows[name]["collectives"] = {op: sum(1 for t in recording.trace if t[0] == op)
                                      for op in ("allgather", "reduce_scatter", "allreduce", "broadcast")}
     # time: round robin

@@ -136,6 +136,7 @@ def one_step():
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
+    get_timeline().instant("step end", lane="scenario")
     return [tuple(p.shape) for p in model.parameters()]
 
 
@@ -154,7 +155,17 @@ from distlab.timeline import merge
 
 merge(trace_path)
 trace = viz.load_trace(trace_path)
-viz.plot_sequence(trace, window=("step", None), title="One ZeRO-3 step on two ranks")
+viz.plot_sequence(trace, window=("step", "step end"), title="One ZeRO-3 step on two ranks")
+plt.show()
+
+# %% [markdown]
+# The same step as a timeline: on the `fsdp` lane each group's forward and backward computation and the copies
+# in and out of the flat buffers; on the `comm` lanes the collectives, from issue to completion. A prefetched
+# all-gather (the next group's in forward, the previous group's in backward) and the reduce-scatter in flight are
+# drawn under the computation they overlap.
+
+# %%
+viz.plot_timeline(trace, ranks=[0], window=("step", "step end"), title="rank 0: one ZeRO-3 step")
 plt.show()
 
 # %% [markdown]
