@@ -259,6 +259,8 @@ class FSDPState:
         gradients, learn whether a joined rank cannot shadow it, and (``divide_by_initial_world_size=False``)
         divide by the ranks still training."""
         work = self._join_module.Join.notify_join_context(module)
+        if work is None and not self._divide_override:
+            return  # no Join (the common case): nothing to do, no walk over the modules
         groups = [m.__dict__["_fsdp_state"]._fsdp_param_group for m in module.modules()
                   if "_fsdp_state" in m.__dict__ and m.__dict__["_fsdp_state"]._fsdp_param_group is not None]
         if work is None:
