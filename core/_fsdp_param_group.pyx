@@ -159,13 +159,16 @@ cdef class FSDPParamGroup:
             _note(self, "pre_backward", default_prefetch)
             self._training_state = _PRE_BACKWARD
             self.unshard(self.unshard_async_op)
+            gathering = self._all_gather_result
+            if gathering is not None and gathering.all_gather_work is not None:
+                gathering.all_gather_work.wait()
+            in_flight = self.comm_ctx.reduce_scatter_state
+            if in_flight is not None:
+                release_finished_input(in_flight)
             self.wait_for_unshard()
             if default_prefetch:
                 self._backward_prefetch()
             _comm.progress()
-            in_flight = self.comm_ctx.reduce_scatter_state
-            if in_flight is not None:
-                release_finished_input(in_flight)
             self._compute_begins()
 
     def post_backward(self):
@@ -257,6 +260,8 @@ cdef class FSDPParamGroup:
         cdef Py_ssize_t target = indices.pop() - 1 if indices else -1
         if target >= 0:
             FSDPParamGroup._prefetch_unshard(self.comm_ctx.post_forward_order[target], "backward")
+        else:  # nothing follows in this backward: the pool's idle buffers are freed
+            self.comm_ctx.all_gather_pool.clear()
 
     @staticmethod
     def _prefetch_unshard(target, pass_type):

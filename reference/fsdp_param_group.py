@@ -143,12 +143,15 @@ class FSDPParamGroup(FSDPParamGroupBase):
         self._record("pre_backward", default_prefetch)
         self._training_state = TrainingState.PRE_BACKWARD
         self.unshard(self.unshard_async_op)
+        pending = self._all_gather_result
+        if pending is not None and pending.all_gather_work is not None:
+            pending.all_gather_work.wait()  # MPI completes the reduce-scatter issued before it on the way
+        if self.comm_ctx.reduce_scatter_state is not None:  # F4: its packed gradients freed before the copy-out
+            release_finished_input(self.comm_ctx.reduce_scatter_state)
         self.wait_for_unshard()
         if default_prefetch:
             self._backward_prefetch()
         _comm.progress()  # in-flight collectives move only while someone calls into MPI
-        if self.comm_ctx.reduce_scatter_state is not None:  # the last group's packed gradients, if it is done
-            release_finished_input(self.comm_ctx.reduce_scatter_state)
         self._compute_begins()
 
     def post_backward(self):
@@ -230,11 +233,12 @@ class FSDPParamGroup(FSDPParamGroupBase):
         self._pending_reduce = None
 
     def _backward_prefetch(self):
-        """Prefetch the group that ran forward just before this one (``_backward_prefetch``)."""
-        if not self._post_forward_indices:
-            return
-        target_index = self._post_forward_indices.pop() - 1
+        """Prefetch the group that ran forward just before this one (``_backward_prefetch``). The first group of
+        the forward has none: no all-gather follows it in this backward, so the idle flat buffers go back to the
+        allocator (the largest moment of a step is this group's backward)."""
+        target_index = self._post_forward_indices.pop() - 1 if self._post_forward_indices else -1
         if target_index < 0:
+            self.comm_ctx.all_gather_pool.clear()
             return
         self._prefetch_unshard(self.comm_ctx.post_forward_order[target_index], "backward")
 

@@ -167,7 +167,8 @@ class BufferPool:
     ``take(xp, dtype, numel)`` returns a 1-D view of ``numel`` elements of a free buffer of ``dtype`` large
     enough (the largest is grown when none is), and ``give_back(view)`` makes its buffer free again. One
     all-gather in flight needs one buffer: a group's all-gather output is given back after its copy-out, before
-    the next group's all-gather is issued.
+    the next group's all-gather is issued. When no all-gather follows (the first group's backward), ``clear()``
+    hands the idle buffers back to the allocator (which keeps freed memory for the next step: distlab._malloc).
     """
 
     def __init__(self):
