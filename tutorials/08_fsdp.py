@@ -46,7 +46,8 @@ def peak_memory():
 
     def model(kind):
         distlab.manual_seed(0)
-        net = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)])
+        blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)]
+        net = nn.Sequential(*blocks)
         if kind == "DDP":
             return DistributedDataParallel(net, bucket_cap_mb=25)
         for block in net:
@@ -91,7 +92,8 @@ import matplotlib.pyplot as plt
 
 kinds = list(runs[0]["peaks"])
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.bar(range(3), [runs[0]["peaks"][k] for k in kinds], color="#6a8caf", label="measured peak")
+ax.bar(range(3), [runs[0]["peaks"][k] for k in kinds], color="#6a8caf",
+       label="measured peak")
 ax.scatter(range(3), [formula[k] / 2**20 for k in kinds], color="black", zorder=3,
            label="ZeRO's formula")
 ax.set_xticks(range(3))
@@ -155,7 +157,8 @@ from distlab.timeline import merge
 
 merge(trace_path)
 trace = viz.load_trace(trace_path)
-viz.plot_sequence(trace, window=("step", "step end"), title="One ZeRO-3 step on two ranks")
+viz.plot_sequence(trace, window=("step", "step end"),
+                  title="One ZeRO-3 step on two ranks")
 plt.show()
 
 # %% [markdown]
@@ -165,7 +168,8 @@ plt.show()
 # drawn under the computation they overlap.
 
 # %%
-viz.plot_timeline(trace, ranks=[0], window=("step", "step end"), title="rank 0: one ZeRO-3 step")
+viz.plot_timeline(trace, ranks=[0], window=("step", "step end"),
+                  title="rank 0: one ZeRO-3 step")
 plt.show()
 
 # %% [markdown]
@@ -187,8 +191,8 @@ def counts():
     for reshard in (None, True, False):
         distlab.manual_seed(0)
         group = RecordingGroup(comm.world())
-        net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)],
-                            nn.Linear(4, 1))
+        blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
+        net = nn.Sequential(*blocks, nn.Linear(4, 1))
         for block in list(net)[:3]:
             fully_shard(block, group=group, reshard_after_forward=reshard)
         model = fully_shard(net, group=group, reshard_after_forward=reshard)
@@ -251,10 +255,12 @@ if os.geteuid() != 0:
 script = Path(distlab.__file__).resolve().parents[2] / "tests" / "mpi" / "fsdp_hybrid.py"
 env = {**os.environ, "DISTLAB_CLUSTER_NAME": "dltut08"}
 try:  # 4 ranks placed in blocks: ranks 0 and 1 on the first host, 2 and 3 on the second
-    job = subprocess.run([sys.executable, "-m", "distlab", "run", "-n", "4", "--cluster", "2",
-                          str(script), "core"], capture_output=True, text=True, env=env)
+    command = [sys.executable, "-m", "distlab", "run", "-n", "4", "--cluster", "2"]
+    job = subprocess.run(command + [str(script), "core"], capture_output=True, text=True,
+                         env=env)
 finally:
-    subprocess.run([sys.executable, "-m", "distlab", "cluster", "down", "--name", "dltut08"])
+    down = [sys.executable, "-m", "distlab", "cluster", "down", "--name", "dltut08"]
+    subprocess.run(down)
 print(job.stdout)
 
 # %% [markdown]
