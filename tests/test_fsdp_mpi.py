@@ -79,3 +79,11 @@ def test_hybrid_sharding_reduces_shards_among_replicas(runs):
     reduced = {name.split()[-1]: shape[0] for op, name, shape, _, _ in trace if op == "allreduce"}
     assert len(reduced) == 4 and reduced.keys() == scattered.keys()
     assert all(2 * reduced[group] == scattered[group] for group in reduced)
+
+
+def test_a_checkpoint_of_shards_saved_at_2_ranks_resumes_at_3(mpirun, tmp_path):
+    # fully_shard's state dicts (ShardedArrays, and the optimizer state shaped like the shards) through
+    # distlab.checkpoint: saved at 2 ranks, resharded and loaded at 3, the next step reaches the same parameters
+    mpirun("fsdp_checkpoint.py", np=2, args=[str(tmp_path), "save"], timeout=120)
+    job = mpirun("fsdp_checkpoint.py", np=3, args=[str(tmp_path), "load"], timeout=120)
+    assert job.stdout.count("continues alike") == 3
