@@ -342,3 +342,22 @@ def test_the_twin_registry_and_facade(fsdp):
     assert _backend.load("fsdp").__name__.endswith(("reference.fsdp_param_group", "core._fsdp_param_group"))
     assert set(fsdp.__all__) >= {"FSDPParam", "FSDPParamGroup", "foreach_all_gather", "foreach_reduce"}
     assert distlab.fully_shard is fully_shard
+
+
+def test_one_device_per_group_and_a_single_root(impl):
+    from distlab import fakegpu
+
+    layer = nn.Linear(3, 2)
+    layer.bias = nn.Parameter(fakegpu.asarray(np.zeros(2, np.float32)))  # the weight on the host, the bias not
+    with pytest.raises(AssertionError, match="one device"):
+        fully_shard(layer, impl=impl)
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    fully_shard([first, second], impl=impl)
+    with pytest.raises(RuntimeError, match="requires a single root module"):
+        first(distlab.tensor(np.ones((1, 2), np.float32)))
+    model = _net()
+    fully_shard(model[0], impl=impl)
+    fully_shard(model, impl=impl)
+    model[0](distlab.tensor(np.ones((1, 4), np.float32)))  # the block ran forward on its own first
+    with pytest.raises(RuntimeError, match="requires running forward through the root module first"):
+        model(distlab.tensor(np.ones((1, 4), np.float32)))
