@@ -6,9 +6,9 @@ import pytest
 
 pytestmark = pytest.mark.mpi
 
-#: (ranks, twin) of each launch: the twins side by side on 2 and 4 ranks, and the mixed world on 2, 3 and 4.
-WORLDS = [(2, "reference"), (2, "core"), (2, "mixed"), (3, "reference"), (3, "mixed"), (4, "reference"),
-          (4, "core"), (4, "mixed")]
+#: (ranks, twin) of each launch: the twins side by side on 2 and 4 ranks, and the mixed world (both twins in one
+#: job, each rank checking against DDP) on 2, 3 and 4.
+WORLDS = [(2, "reference"), (2, "core"), (2, "mixed"), (3, "mixed"), (4, "reference"), (4, "core"), (4, "mixed")]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_twins_are_bit_identical_with_identical_traces(runs, np_):
         _same_results(runs[np_, "reference"][rank], runs[np_, "core"][rank], f"rank {rank}")
 
 
-@pytest.mark.parametrize("np_", [2, 3, 4])
+@pytest.mark.parametrize("np_", [2, 4])
 def test_mixed_world_matches_the_reference(runs, np_):
     for rank in range(np_):
         _same_results(runs[np_, "reference"][rank], runs[np_, "mixed"][rank], f"rank {rank}")
@@ -62,7 +62,7 @@ def test_the_device_stand_in_trains_the_numpy_bits_with_the_numpy_trace(runs, np
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_every_rank_issues_the_same_collectives_and_gathers_the_same_model(runs, np_):
-    ranks = runs[np_, "reference"]
+    ranks = runs[np_, "mixed"]
     for config in ranks[0]:
         names = [[(op, name) for op, name, *_ in r[config]["trace"]] for r in ranks]
         assert all(n == names[0] for n in names), config  # shapes differ only where shards do (none here)
