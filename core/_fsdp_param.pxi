@@ -25,8 +25,9 @@ cdef class FSDPParam:
     sharded_size = FSDPParamBase.sharded_size
     padded_sharded_size = FSDPParamBase.padded_sharded_size
     sharded_array = FSDPParamBase.sharded_array
-    load_full = FSDPParamBase.load_full
-    load_sharded = FSDPParamBase.load_sharded
+    check_load = FSDPParamBase.check_load
+    load = FSDPParamBase.load
+    _check_sharded = FSDPParamBase._check_sharded
     _copy_into_shard = FSDPParamBase._copy_into_shard
     describe = FSDPParamBase.describe
 

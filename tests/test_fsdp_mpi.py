@@ -81,9 +81,31 @@ def test_hybrid_sharding_reduces_shards_among_replicas(runs):
     assert all(2 * reduced[group] == scattered[group] for group in reduced)
 
 
-def test_a_checkpoint_of_shards_saved_at_2_ranks_resumes_at_3(mpirun, tmp_path):
-    # fully_shard's state dicts (ShardedArrays, and the optimizer state shaped like the shards) through
-    # distlab.checkpoint: saved at 2 ranks, resharded and loaded at 3, the next step reaches the same parameters
-    mpirun("fsdp_checkpoint.py", np=2, args=[str(tmp_path), "save"], timeout=120)
-    job = mpirun("fsdp_checkpoint.py", np=3, args=[str(tmp_path), "load"], timeout=120)
-    assert job.stdout.count("continues alike") == 3
+def test_a_checkpoint_of_shards_saved_at_4_ranks_resumes_at_2_and_3(mpirun, tmp_path):
+    # fully_shard's state dicts (ShardedArrays of the live shards, and the optimizer state shaped like them) through
+    # distlab.checkpoint: an MLP and its Adam state saved at 4 ranks, resharded and loaded in place at 2 and at 3,
+    # the next step reaches the same parameters
+    mpirun("fsdp_checkpoint.py", np=4, args=[str(tmp_path), "save"], timeout=120)
+    for np_ in (2, 3):
+        job = mpirun("fsdp_checkpoint.py", np=np_, args=[str(tmp_path), "load"], timeout=120)
+        assert job.stdout.count("continues alike") == np_, job.stdout
+
+
+def test_a_missing_rank_bad_state_dicts_and_the_timeline(mpirun, tmp_path):
+    # a rank that skips a forward or a backward: the others' wait names the group's collective and the rank; bad
+    # state dicts refused on every rank, changing nothing; the step's lanes: each group's compute and copies on
+    # the fsdp lane, its all-gathers and reduce-scatters, named by group, on the comm lanes
+    import json
+
+    trace = tmp_path / "fsdp.json"
+    job = mpirun("fsdp_faults.py", np=3, args=["mixed"], timeout=120, timeline=str(trace))
+    for what in ("timeouts name the collective", "bad state dicts refused on every rank", "fsdp faults OK"):
+        assert job.stdout.count(what) == 3, (what, job.stdout)
+    events = json.load(open(trace))["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"fsdp", "comm world"} <= lanes, lanes
+    spans = {e["name"] for e in events if e["ph"] == "X"}
+    for name in ("forward 0", "backward 0", "forward <root>", "backward <root>", "copy-in", "copy-out",
+                 "reduce-scatter copy-in", "allgather fsdp all-gather 0", "allgather fsdp all-gather <root>",
+                 "reduce_scatter fsdp reduce-scatter 0", "reduce_scatter fsdp reduce-scatter <root>"):
+        assert name in spans, (name, sorted(spans))

@@ -109,17 +109,28 @@ class FSDPParamBase:
         param = self.sharded_param
         return ShardedArray(param.data, self.orig_size, param.offsets)
 
-    def load_full(self, value, key: str) -> None:
-        """Copy this rank's rows of a whole (unsharded) parameter ``value`` into the shard."""
+    def check_load(self, value, key: str) -> None:
+        """Raise if ``value`` (a whole parameter, or a ShardedArray block) cannot be loaded into this shard; a
+        state dict is checked whole before any parameter is loaded."""
+        if hasattr(value, "global_shape"):
+            self._check_sharded(value, key)
+            return
         value = value.data if isinstance(value, Tensor) else value
         if tuple(value.shape) != self.orig_size:
             raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, the "
                                f"shape in current model is {self.orig_size}")
-        rows = value[self.shard_offset:self.shard_offset + self.shard_length]
-        self._copy_into_shard(rows)
 
-    def load_sharded(self, value: ShardedArray, key: str) -> None:
-        """Copy ``value``'s block into the shard; it must be this rank's block (resharding is the checkpoint's)."""
+    def load(self, value, key: str) -> None:
+        """Copy this rank's rows of a whole parameter, or its own block (a ShardedArray), into the shard."""
+        self.check_load(value, key)
+        if hasattr(value, "global_shape"):
+            self._copy_into_shard(value.local)
+            return
+        value = value.data if isinstance(value, Tensor) else value
+        self._copy_into_shard(value[self.shard_offset:self.shard_offset + self.shard_length])
+
+    def _check_sharded(self, value: ShardedArray, key: str) -> None:
+        """``value``'s block must be this rank's block (resharding is the checkpoint's)."""
         if tuple(value.global_shape) != self.orig_size:
             raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.global_shape)}, "
                                f"the shape in current model is {self.orig_size}")
@@ -129,7 +140,6 @@ class FSDPParamBase:
                                f"{tuple(value.sizes)} is not this rank's block (offsets {mine[0]}, shape "
                                f"{mine[1]}); load a checkpoint saved on another number of ranks with "
                                "distlab.checkpoint, which reshards")
-        self._copy_into_shard(value.local)
 
     def _copy_into_shard(self, rows) -> None:
         xp = self.xp

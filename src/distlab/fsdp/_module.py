@@ -150,15 +150,16 @@ class FSDPModule:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
                                f"unexpected keys {unexpected}")
         managed = {key: param.__dict__.get("_fsdp_param") for key, param in _named_param_slots(self, "")}
+        for key, value in state_dict.items():  # every entry checked before any is loaded: a refusal changes nothing
+            if managed.get(key) is not None:
+                managed[key].check_load(value, key)
         plain = {}
         for key, value in state_dict.items():
             fsdp_param = managed.get(key)
             if fsdp_param is None:
                 plain[key] = value.local if hasattr(value, "global_shape") else value
-            elif hasattr(value, "global_shape"):
-                fsdp_param.load_sharded(value, key)
             else:
-                fsdp_param.load_full(value, key)
+                fsdp_param.load(value, key)
         if plain:
             Module.load_state_dict(self, plain, strict=False)
         return IncompatibleKeys(missing, unexpected)

@@ -62,6 +62,10 @@ def set_model_state_dict(model, model_state_dict: dict, *, options: StateDictOpt
     if options.broadcast_from_rank0:
         group = model._get_fsdp_state()._mesh_info.full_group
         own = model.state_dict()
+        problem = _whole_state_problem(own, model_state_dict) if group.rank == 0 else None
+        problem = group.broadcast_object(problem, src=0, name="fsdp: check rank 0's state dict")
+        if problem is not None:  # every rank raises it, before any array is sent or changed
+            raise RuntimeError(f"set_model_state_dict(broadcast_from_rank0=True): rank 0's state dict {problem}")
         received = {}
         for key, value in own.items():
             shape = value.global_shape if hasattr(value, "global_shape") else tuple(value.shape)
@@ -77,6 +81,23 @@ def set_model_state_dict(model, model_state_dict: dict, *, options: StateDictOpt
             received[key] = buf
         model_state_dict = received
     return model.load_state_dict(model_state_dict)
+
+
+def _whole_state_problem(own: dict, given: dict) -> str | None:
+    """What is wrong with the whole state dict ``given`` for a model whose own state dict is ``own`` (None when it
+    fits): a missing key, another shape, a key the model lacks (``load_state_dict``'s strict check)."""
+    for key, value in own.items():
+        if key not in given:
+            return f"lacks {key!r}"
+        shape = tuple(value.global_shape) if hasattr(value, "global_shape") else tuple(value.shape)
+        theirs = given[key]
+        theirs = tuple(getattr(theirs, "shape", ()))
+        if theirs != shape:
+            return f"has {key!r} of shape {theirs}, the model's is {shape}"
+    extra = sorted(set(given) - set(own))
+    if extra:
+        return f"has keys the model lacks: {extra}"
+    return None
 
 
 def _fsdp_param_of(model, key: str):
