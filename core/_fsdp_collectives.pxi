@@ -144,12 +144,11 @@ def foreach_reduce_scatter_copy_in(list fsdp_params, list unsharded_grads, reduc
     _span("reduce-scatter copy-in", start, world_size * total * itemsize if base != NULL else reduce_input.nbytes)
 
 
-def release_finished_input(ReduceScatterState state):
-    """See :func:`distlab.reference.fsdp_collectives.release_finished_input`."""
-    cdef object work = state.work
-    if work is not None and work.is_completed():
-        work.wait()
-        state.work = state.reduce_input = None
+def free_reduce_input(ReduceScatterState state):
+    """See :func:`distlab.reference.fsdp_collectives.free_reduce_input`."""
+    if state.work is not None:
+        state.work.wait()
+    state.work = state.reduce_input = None
 
 
 def wait_reduce_scatter(ReduceScatterState state):

@@ -164,7 +164,7 @@ cdef class FSDPParamGroup:
                 gathering.all_gather_work.wait()
             in_flight = self.comm_ctx.reduce_scatter_state
             if in_flight is not None:
-                release_finished_input(in_flight)
+                free_reduce_input(in_flight)
             self.wait_for_unshard()
             if default_prefetch:
                 self._backward_prefetch()

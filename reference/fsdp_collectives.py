@@ -35,7 +35,7 @@ from distlab.timeline import get_timeline, now_us
 
 __all__ = ["AllGatherResult", "ReduceScatterState", "foreach_all_gather", "all_gather_copy_in",
            "foreach_all_gather_copy_out", "foreach_reduce", "foreach_reduce_scatter_copy_in",
-           "release_finished_input", "wait_reduce_scatter", "finish_reduce"]
+           "free_reduce_input", "wait_reduce_scatter", "finish_reduce"]
 
 
 class ReduceScatterState:
@@ -155,14 +155,16 @@ def foreach_reduce_scatter_copy_in(fsdp_params, unsharded_grads, reduce_input) -
     _span("reduce-scatter copy-in", start, reduce_input.nbytes)
 
 
-def release_finished_input(state) -> None:
-    """Free a reduce-scatter's input as soon as the collective is done with it (polled, not waited for), ahead
-    of :func:`wait_reduce_scatter`: the next group's gradients then never coexist with it. What follows the
-    reduce-scatter (the hybrid all-reduce, the gradients' delivery) keeps its place in the order of calls."""
-    if state.work is not None and state.work.is_completed():
+def free_reduce_input(state) -> None:
+    """Complete the reduce-scatter's collective and free its input, ahead of :func:`wait_reduce_scatter`: the
+    next group's copy-out and gradients never coexist with it, whatever the schedule (torch frees it later, at the
+    next group's post-backward: its stream runs it behind the next backward; an MPI collective moves only inside
+    MPI calls, so completing it here costs no overlap). What follows the reduce-scatter (the hybrid all-reduce,
+    the gradients' delivery) keeps its place in the order of calls."""
+    if state.work is not None:
         state.work.wait()
         state.work = None
-        state.reduce_input = None
+    state.reduce_input = None
 
 
 def wait_reduce_scatter(state) -> None:

@@ -38,7 +38,7 @@ from distlab.reference.fsdp_collectives import (  # noqa: F401 - re-exported: th
     foreach_all_gather_copy_out,
     foreach_reduce,
     foreach_reduce_scatter_copy_in,
-    release_finished_input,
+    free_reduce_input,
     wait_reduce_scatter,
 )
 from distlab.reference.fsdp_param import FSDPParam, ParamModuleInfo  # noqa: F401
@@ -147,7 +147,7 @@ class FSDPParamGroup(FSDPParamGroupBase):
         if pending is not None and pending.all_gather_work is not None:
             pending.all_gather_work.wait()  # MPI completes the reduce-scatter issued before it on the way
         if self.comm_ctx.reduce_scatter_state is not None:  # F4: its packed gradients freed before the copy-out
-            release_finished_input(self.comm_ctx.reduce_scatter_state)
+            free_reduce_input(self.comm_ctx.reduce_scatter_state)
         self.wait_for_unshard()
         if default_prefetch:
             self._backward_prefetch()

@@ -21,7 +21,7 @@ __all__ = ["ShardedState", "TrainingState", "MixedPrecisionPolicy", "AllGatherRe
 #: What both twins export (``distlab.reference.fsdp_param_group`` and ``distlab.core._fsdp_param_group``).
 TWIN_NAMES = ("FSDPParam", "ParamModuleInfo", "FSDPParamGroup", "FSDPCommContext", "MeshInfo", "AllGatherResult",
               "ReduceScatterState", "foreach_all_gather", "all_gather_copy_in", "foreach_all_gather_copy_out",
-              "foreach_reduce", "foreach_reduce_scatter_copy_in", "release_finished_input", "wait_reduce_scatter",
+              "foreach_reduce", "foreach_reduce_scatter_copy_in", "free_reduce_input", "wait_reduce_scatter",
               "finish_reduce",
               "PostBackwardNode")
 
