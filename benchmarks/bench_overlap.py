@@ -256,7 +256,7 @@ def pieces_probe(out: str, rounds: int) -> None:
     import numpy as np
 
     from distlab import comm
-    from distlab.comm.pieces import PIECES_VAR, piece_bytes
+    from distlab.comm.pieces import PIECES_VAR
 
     pg = comm.world()
     buffer = np.ones(LAYERS * (WIDTH * WIDTH + WIDTH), dtype=np.float32)
@@ -285,7 +285,7 @@ def pieces_probe(out: str, rounds: int) -> None:
     gathered = pg.allgather_object(mine)
     if pg.rank == 0:
         row = {key: max(g[key] for g in gathered) for key in mine}
-        row["auto piece KiB"] = piece_bytes(groups["auto"], buffer.nbytes) / 1024
+        row["auto piece KiB"] = groups["auto"]._pieces.bytes_for(groups["auto"], buffer.nbytes) / 1024
         row["auto link"] = groups["auto"]._link if isinstance(groups["auto"]._link, tuple) else None
         row["megabytes"] = buffer.nbytes / 1e6
         Path(out).write_text(json.dumps(row))

@@ -120,7 +120,7 @@ def test_hosts_on_one_machine_share_its_cores(virtual_cluster):
         from distlab import comm
 
         group = comm.world()
-        return group.node_keys.tolist(), group._oversubscribed
+        return group.node_keys.tolist(), group._steps.oversubscribed
 
     cores = len(os.sched_getaffinity(0))
     for np_ in (2, 4):

@@ -40,12 +40,12 @@ def test_unmovable_dtypes_are_refused_before_the_collective(pg, dtype):
         "recv": lambda a: pg.recv(a, 0, name="w"),
     }
     for what, call in calls.items():
-        seq = pg._seq
+        seq = pg._steps.seq
         with pytest.raises(TypeError) as caught:
             call(_zeros(dtype))
         text = str(caught.value)
         assert text.startswith(f"{what} of 'w': ") and str(dtype) in text, text
-        assert pg._seq == seq  # no sequence number taken: the group stays in step with its peers
+        assert pg._steps.seq == seq  # no sequence number taken: the group stays in step with its peers
     pg.barrier()
 
 
@@ -55,12 +55,12 @@ def test_unmovable_dtypes_are_refused_before_the_collective(pg, dtype):
     (np.complex64, "bor", "needs an integer or bool"),
 ])
 def test_ops_a_dtype_cannot_take_are_refused(pg, dtype, op, words):
-    seq = pg._seq
+    seq = pg._steps.seq
     with pytest.raises(TypeError, match=words) as caught:
         pg.allreduce(_zeros(dtype), op=op, name="bucket0")
     assert str(caught.value).startswith(f"allreduce of 'bucket0': op '{op}'"), str(caught.value)
     assert str(np.dtype(dtype)) in str(caught.value)
-    assert pg._seq == seq
+    assert pg._steps.seq == seq
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,13 +68,13 @@ def test_ops_a_dtype_cannot_take_are_refused(pg, dtype, op, words):
 def test_allreduce_either_works_or_refuses_cleanly(pg, dtype, op):
     # One rank: the reduction of one contribution is the contribution (avg divides by 1).
     a = _zeros(dtype, 3)
-    seq = pg._seq
+    seq = pg._steps.seq
     try:
         out = pg.allreduce(a, op=op)
     except TypeError as exc:
-        assert pg._seq == seq and str(dtype) in str(exc)
+        assert pg._steps.seq == seq and str(dtype) in str(exc)
     else:
-        assert out is a and pg._seq == seq + 1
+        assert out is a and pg._steps.seq == seq + 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 0])
@@ -96,11 +96,11 @@ def test_fingerprint_checks_follow_the_variable_unless_the_group_says(pg, monkey
     monkeypatch.setenv("DISTLAB_DEBUG", "DETAIL")
     with comm.ProcessGroup(name="checked") as checked, \
             comm.ProcessGroup(name="unchecked", fingerprint_checks=False) as unchecked:
-        assert checked._detail and not unchecked._detail
+        assert checked._steps.detail and not unchecked._steps.detail
         assert unchecked.allreduce(np.ones(2)) is not None
     monkeypatch.setenv("DISTLAB_DEBUG", "OFF")
     with comm.ProcessGroup(name="asked", fingerprint_checks=True) as asked:
-        assert asked._detail
+        assert asked._steps.detail
     with pytest.raises(TypeError, match="fingerprint_checks"):
         comm.ProcessGroup(name="bad", fingerprint_checks="yes")
 
@@ -139,10 +139,10 @@ def test_spin_checks_the_deadline_on_every_poll():
             polls_after_deadline.append(1)
         return False
 
-    # the side channel knows nothing: the report (distlab.comm.missing.raise_timeout) names no rank
+    # the side channel knows nothing: the report (distlab.comm.missing.timeout_error) names no rank
     side = types.SimpleNamespace(remote=[], waiting_seq=0, describe=lambda seq, lead: ([], "no news"),
-                                 gave_up=lambda seq: None)
-    group = types.SimpleNamespace(_side=side, _oversubscribed=False, _broken=None, rank=0, size=1, name="fake",
+                                 gave_up=lambda seq: None, rank=0, size=1)
+    group = types.SimpleNamespace(side=side, oversubscribed=False, name="fake", mark_broken=lambda reason: None,
                                   interrupt=None)
     import time
 
@@ -212,7 +212,7 @@ def test_a_group_without_a_shared_board_file_still_works(monkeypatch):
     monkeypatch.setattr(board, "_create", lambda nbytes, kind, reserve: None)
     with comm.ProcessGroup(name="private", timeout=5) as group:
         group.allreduce(np.ones(2))
-        assert list(group._side.board.readable) == [0] and group._my_slot[0] == 1
+        assert list(group._steps.side.board.readable) == [0] and group._steps.side.board.my_slot[0] == 1
 
 
 def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_share():
@@ -241,7 +241,7 @@ def test_oversubscription_counts_the_ranks_of_a_machine_against_the_cores_they_s
 
 
 def test_allreduce_pieces_setting_and_size(monkeypatch):
-    from distlab.comm.pieces import PIECE_BYTES, PIECES_VAR, choose_piece, piece_bytes
+    from distlab.comm.pieces import PIECE_BYTES, PIECES_VAR, choose_piece
 
     # sqrt(bytes * overhead * bandwidth in pieces), a power of two within the bounds
     streamed = 1 / 192e6  # 2.5 Gbit/s on the virtual cluster
@@ -250,10 +250,10 @@ def test_allreduce_pieces_setting_and_size(monkeypatch):
     assert choose_piece(10**9, 1e-2, 1e-10) == PIECE_BYTES[1]
     assert choose_piece(3 << 20, 0.1, streamed) == 0  # less than two pieces
     with comm.ProcessGroup(name="one node") as group:  # one rank, one node: whole, no probe
-        assert piece_bytes(group, 64 << 20) == 0 and group._link is False
+        assert group._pieces.bytes_for(group, 64 << 20) == 0 and group._pieces.link is False
     monkeypatch.setenv(PIECES_VAR, "0.5")
     with comm.ProcessGroup(name="fixed") as group:
-        assert piece_bytes(group, 4 << 20) == 1 << 19 and piece_bytes(group, 1 << 19) == 0  # < 2 pieces: whole
+        assert group._pieces.bytes_for(group, 4 << 20) == 1 << 19 and group._pieces.bytes_for(group, 1 << 19) == 0  # < 2 pieces: whole
         a = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: 6 pieces, reduced alone (one rank), unchanged
         group.allreduce(a)
         assert np.array_equal(a, np.arange(3 << 18, dtype=np.float32))
@@ -261,4 +261,4 @@ def test_allreduce_pieces_setting_and_size(monkeypatch):
     with comm.ProcessGroup(name="bad") as group:
         with pytest.raises(ValueError, match="DISTLAB_ALLREDUCE_PIECES='lots'"):
             group.allreduce(np.zeros(1 << 20, dtype=np.float32))
-        assert group._link is None  # refused again next time
+        assert group._pieces.link is None  # refused again next time

@@ -185,7 +185,7 @@ except CollectiveMismatchError as exc:
     assert f"rank {last} sends 1 rows to rank 0, which expects 2" in str(exc), str(exc)
 # a rank a collective ahead meets the others at a monitored barrier: rank 0 compares the fingerprints
 if r == last:
-    pg._seq = pg._next_seq()  # as if it had run one collective more on this group
+    pg._steps.next_seq()  # as if it had run one collective more on this group
 try:
     pg.monitored_barrier(timeout=30)
     raise AssertionError("a sequence mismatch must raise")

@@ -26,7 +26,7 @@ LIMIT = 2.0
 cases = {k: comm.ProcessGroup(name=f"case{k}", timeout=LIMIT) for k in "ABC"}
 meet = {k: comm.ProcessGroup(name=f"meet{k}") for k in "ABC"}
 for group in cases.values():
-    assert sorted(group._side.remote) == sorted(set(range(n)) - {q for q in range(n) if q // per_node == r // per_node})
+    assert sorted(group._steps.side.remote) == sorted(set(range(n)) - {q for q in range(n) if q // per_node == r // per_node})
     group.barrier()  # seq 1: every rank's last entry is "#1 barrier"
 
 

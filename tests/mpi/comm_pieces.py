@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from distlab import comm
-from distlab.comm.pieces import PIECES_VAR, SPLIT_FROM_BYTES, piece_bytes
+from distlab.comm.pieces import PIECES_VAR, SPLIT_FROM_BYTES
 
 pg = comm.world()
 r, n = pg.rank, pg.size
@@ -39,19 +39,19 @@ def reduced(group, *, async_op=False):
 os.environ[PIECES_VAR] = "off"
 whole_group = comm.ProcessGroup(name="whole")
 whole = reduced(whole_group)
-assert whole_group._link is False
+assert whole_group._pieces.link is False
 os.environ[PIECES_VAR] = "auto"
 split_group = comm.ProcessGroup(name="split")
 split = reduced(split_group)
-link = split_group._link  # probed: (seconds per piece, per byte in pieces), the same on every rank
+link = split_group._pieces.link  # probed: (seconds per piece, per byte in pieces), the same on every rank
 assert len(link) == 2 and min(link) > 0, link
-piece = piece_bytes(split_group, 26 * 10**6)
+piece = split_group._pieces.bytes_for(split_group, 26 * 10**6)
 assert piece and piece & (piece - 1) == 0, piece
 assert pg.allgather_object((link, piece)) == [(link, piece)] * n
 os.environ[PIECES_VAR] = "0.25"  # a fixed piece: 20 pieces and a tail, started asynchronously
 fixed_group = comm.ProcessGroup(name="fixed")
 fixed = reduced(fixed_group, async_op=True)
-assert fixed_group._link == 1 << 18
+assert fixed_group._pieces.link == 1 << 18
 for kind in whole:
     for other in (split, fixed):
         assert whole[kind].tobytes() == other[kind].tobytes(), kind
@@ -66,5 +66,5 @@ for node in range(n // per_node if per_node > 1 else 0):
     if group is not None:
         big = np.ones(SPLIT_FROM_BYTES // 4, dtype=np.float32)
         group.allreduce(big)
-        assert group._link is False and big[0] == per_node
+        assert group._pieces.link is False and big[0] == per_node
 print(f"rank {r}: allreduce pieces OK (26 MB: {f'{piece >> 10} KiB pieces' if piece else 'whole'})", flush=True)

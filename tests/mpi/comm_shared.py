@@ -34,17 +34,17 @@ SHARED_OP = COLLECTIVE_OPS.index("shared_allreduce")
 small = arena.array(0, 16, np.float32)
 small[:] = 1
 pg.allreduce(small)
-assert pg._my_slot[1] != SHARED_OP and np.all(small == n)
+assert pg._steps.side.board.my_slot[1] != SHARED_OP and np.all(small == n)
 shared_module.SHARED_MIN_BYTES = 64  # the rest of this script reduces small regions in place
 pg.allreduce(small)
-assert pg._my_slot[1] == SHARED_OP and np.all(small == n * n)
+assert pg._steps.side.board.my_slot[1] == SHARED_OP and np.all(small == n * n)
 
 # Sum and average in place, equal to the MPI path's result (integer-valued data: every order sums exactly).
 for dtype in (np.float32, np.float64, np.int64):
     shared = arena.array(0, 300, dtype)
     shared[:] = np.arange(300) * (r + 1)
     private = shared.copy()
-    assert pg.allreduce(shared, name="shared sum") is shared and pg._my_slot[1] == SHARED_OP
+    assert pg.allreduce(shared, name="shared sum") is shared and pg._steps.side.board.my_slot[1] == SHARED_OP
     pg.allreduce(private, name="private sum")
     assert np.array_equal(shared, private) and shared[7] == 7 * n * (n + 1) // 2, (dtype, shared[:8])
 # A sum that overflows is inf on both paths, and no warning on either (numpy would warn, MPI does not).

@@ -21,22 +21,28 @@ Three promises hold for every call:
 * **Mismatches are named.** With ``DISTLAB_DEBUG=DETAIL`` every collective's fingerprint (sequence number, op,
   shape, dtype, root) is compared across ranks first; a mismatch raises the same
   :class:`~distlab.errors.CollectiveMismatchError` on every rank, naming who sent what.
-* **Arrays are never pickled.** numpy arrays go to MPI as buffers; cupy arrays go to MPI directly when the MPI
-  is CUDA-aware and through host memory otherwise (see :mod:`distlab.comm.device`).
+* **Arrays are never pickled.** numpy arrays go to MPI as buffers; cupy arrays go through the group's device
+  transport (:mod:`distlab.comm.transports`), or to MPI directly when the MPI is CUDA-aware and through host memory
+  otherwise (see :mod:`distlab.comm.device`).
 
 MPI nonblocking operations only progress inside MPI calls. A caller that overlaps communication with compute
 should call :func:`progress` (or ``work.is_completed()``) now and then; the reducer does so from every autograd
 hook.
 
 The package, one job per module: :mod:`~distlab.comm.group` (``ProcessGroup``, :func:`world`, :func:`new_group`),
-:mod:`~distlab.comm.operations` (the collectives), :mod:`~distlab.comm.rooted` (reduce, gather, scatter and
-their object variants), :mod:`~distlab.comm.exchange` (all_to_all_single with split sizes, object lists point to
-point, isend/irecv), :mod:`~distlab.comm.monitor` (monitored_barrier), :mod:`~distlab.comm.functions`
-(torch.distributed's module functions for these, with global ranks), :mod:`~distlab.comm.work` (``Work``, the poll loop,
-:func:`progress`), :mod:`~distlab.comm.reduce_ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device` (numpy and
-cupy buffers, CUDA-aware detection, staging), :mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the
-side channel naming missing ranks), :mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`,
-:func:`bounded_barrier`).
+:mod:`~distlab.comm.steps` (``GroupSteps``: what every call of a group takes, numbering, arrival, issue, wait,
+the one object the group and its device transport share; and the argument checks), the call families the group
+combines, :mod:`~distlab.comm.operations` (the collectives and point to point), :mod:`~distlab.comm.rooted`
+(reduce, gather, scatter and their object variants) and :mod:`~distlab.comm.exchange` (all_to_all_single with
+split sizes, object lists point to point, isend/irecv), :mod:`~distlab.comm.monitor` (monitored_barrier),
+:mod:`~distlab.comm.functions` (torch.distributed's module functions for these, with global ranks),
+:mod:`~distlab.comm.work` (``Work``, ``InFlight``, the one owner of every group's work in flight, the poll loop,
+:func:`progress`), :mod:`~distlab.comm.reduce_ops` (reduce ops and dtype checks), :mod:`~distlab.comm.device`
+(numpy and cupy buffers, CUDA-aware detection, staging), :mod:`~distlab.comm.transports` (the device transports
+behind one interface, ``Transport``, chosen per group), :mod:`~distlab.comm.shared` (shared-memory arenas),
+:mod:`~distlab.comm.pieces` (large allreduces across nodes in pieces, each group's ``PieceSize``),
+:mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the side channel naming missing ranks),
+:mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`, :func:`bounded_barrier`).
 """
 from __future__ import annotations
 

@@ -23,14 +23,14 @@ from .._wire import COMM_OBJECT_TAG
 from ..errors import CollectiveMismatchError
 from .monitor import monitored_barrier
 from .device import displacements, pickled
-from .steps import GroupSteps
+from .steps import Calls, movable
 
 __all__ = ["ExchangeOperations", "split_mismatches"]
 
 
-class ExchangeOperations(GroupSteps):
+class ExchangeOperations(Calls):
     """``all_to_all_single``, object lists point to point, ``isend``/``irecv`` and ``monitored_barrier`` of
-    :class:`~distlab.comm.ProcessGroup` (on the steps of :class:`~distlab.comm.steps.GroupSteps`, like
+    :class:`~distlab.comm.ProcessGroup` (taking the group's :class:`~distlab.comm.steps.GroupSteps`, like
     :class:`~distlab.comm.operations.GroupOperations`)."""
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
@@ -42,8 +42,8 @@ class ExchangeOperations(GroupSteps):
         ``async_op``).
         """
         label = f"all_to_all_single of {name!r}" if name else "all_to_all_single"
-        send, _ = self._movable(input, "all_to_all_single", name)
-        recv, copy_back = self._movable(output, "all_to_all_single", name)
+        send, _ = movable(input, "all_to_all_single", name)
+        recv, copy_back = movable(output, "all_to_all_single", name)
         if not input.shape or not output.shape:
             raise ValueError(f"{label}: input and output need at least one dimension (they are split along the "
                              f"first), got shapes {tuple(input.shape)} and {tuple(output.shape)}")
@@ -55,11 +55,11 @@ class ExchangeOperations(GroupSteps):
         row = int(np.prod(input.shape[1:], dtype=np.int64)) * (input.dtype.itemsize // send.dtype.itemsize)
         send_spec = [send, _counts_and_offsets(sends, row)]
         recv_spec = [recv, _counts_and_offsets(receives, row)]
-        seq = self._enter("all_to_all_single", name, _Rows(input))
-        start = self._start()
-        if not self._detail:
+        seq = self._steps.enter("all_to_all_single", name, _Rows(input))
+        start = self._steps.start()
+        if not self._steps.detail:
             request = self.comm.Ialltoallv(send_spec, recv_spec)
-            return self._issue("all_to_all_single", seq, name, input.nbytes, request, copy_back, output, async_op,
+            return self._steps.issue("all_to_all_single", seq, name, input.nbytes, request, copy_back, output, async_op,
                                None, start)
 
         def stages():
@@ -76,7 +76,7 @@ class ExchangeOperations(GroupSteps):
                 copy_back()
             return output
 
-        return self._staged("all_to_all_single", seq, name, input.nbytes, stages(), async_op)
+        return self._steps.run("all_to_all_single", seq, name, input.nbytes, stages(), async_op)
 
     def isend(self, array, dst: int, tag: int = 0, name=None):
         """Start sending ``array`` to rank ``dst``; returns its :class:`~distlab.comm.Work`."""
@@ -90,23 +90,23 @@ class ExchangeOperations(GroupSteps):
     def send_object_list(self, object_list, dst: int, async_op: bool = False, name=None):
         """Send the picklable objects of ``object_list`` to rank ``dst`` (its ``recv_object_list`` fills a list
         of the same length)."""
-        self._check_usable()
-        self._check_rank(dst, "send_object_list dst")
+        self._steps.check_usable()
+        self._steps.check_rank(dst, "send_object_list dst")
         if not isinstance(object_list, list):
             raise TypeError(f"send_object_list: object_list must be a list, got {type(object_list).__name__}")
         payloads = [pickled(obj) for obj in object_list]
         header = np.array([len(payloads)] + [p.size for p in payloads], dtype=np.int64).view(np.uint8)
         message = np.concatenate([header] + payloads)
-        start = self._start()
+        start = self._steps.start()
         request = self.comm.Isend(message, dest=dst, tag=COMM_OBJECT_TAG)
-        return self._issue("send_object_list", 0, name, message.nbytes, request, None, None, async_op, dst, start)
+        return self._steps.issue("send_object_list", 0, name, message.nbytes, request, None, None, async_op, dst, start)
 
     def recv_object_list(self, object_list, src=None, async_op: bool = False, name=None):
         """Receive objects sent by ``send_object_list`` from rank ``src`` (any rank when None) into
         ``object_list`` (in place, its length must be the number sent); returns the sender's rank."""
-        self._check_usable()
+        self._steps.check_usable()
         if src is not None:
-            self._check_rank(src, "recv_object_list src")
+            self._steps.check_rank(src, "recv_object_list src")
         if not isinstance(object_list, list):
             raise TypeError(f"recv_object_list: object_list must be a list, got {type(object_list).__name__}")
         probe = ProbeRequest(self.comm, MPI.ANY_SOURCE if src is None else src, COMM_OBJECT_TAG)
@@ -127,12 +127,12 @@ class ExchangeOperations(GroupSteps):
                 offset += size
             return sender
 
-        return self._staged("recv_object_list", 0, name, 0, stages(), async_op, peer=src)
+        return self._steps.run("recv_object_list", 0, name, 0, stages(), async_op, peer=src)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False, name=None) -> None:
         """A barrier whose rank 0 names the ranks that did not reach it within ``timeout`` (see
         :func:`distlab.comm.monitor.monitored_barrier`)."""
-        monitored_barrier(self, timeout, wait_all_ranks, name)
+        monitored_barrier(self._steps, timeout, wait_all_ranks, name)
 
     # -- argument checks --------------------------------------------------------------------------------------
     def _split_sizes(self, sizes, rows: int, argument: str, which: str, label: str) -> list[int]:

@@ -13,9 +13,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .._types import ReduceOp
-from .group import world
-from .operations import _check_tag
+from .group import check_usable, world
 from .reduce_ops import check_movable
+from .steps import check_rank, check_tag
 
 __all__ = ["reduce", "gather", "scatter", "gather_object", "scatter_object_list", "send_object_list",
            "recv_object_list", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier",
@@ -130,7 +130,7 @@ def batch_isend_irecv(p2p_op_list) -> list:
     if not all(p2p_op.group is group for p2p_op in p2p_op_list):
         raise ValueError("batch_isend_irecv: all ops need to use the same group")
     pg = _group(group)
-    pg._check_usable()
+    check_usable(pg)
     peers = []
     for index, p2p_op in enumerate(p2p_op_list):
         what = f"batch_isend_irecv op {index} ({'isend' if p2p_op.op is isend else 'irecv'})"
@@ -138,8 +138,8 @@ def batch_isend_irecv(p2p_op_list) -> list:
             raise ValueError(f"{what}: peer must be specified")
         peer = None if p2p_op.peer is None else _local(pg, group, p2p_op.peer, f"{what} peer")
         if peer is not None:
-            pg._check_rank(peer, f"{what} peer")
-        _check_tag(p2p_op.tag, what)
+            check_rank(peer, pg.size, pg.name, f"{what} peer")
+        check_tag(p2p_op.tag, what)
         check_movable(p2p_op.tensor.dtype, what)
         peers.append(peer)
     return [pg.isend(p2p_op.tensor, peer, p2p_op.tag) if p2p_op.op is isend else

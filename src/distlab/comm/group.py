@@ -1,8 +1,10 @@
 """``ProcessGroup``: a group of ranks and its collectives, and the default group (:func:`world`, :func:`new_group`).
 
-A group owns one MPI communicator (a duplicate of the one it was given) and its node's arrival board. Its calls
-(the call families it inherits, on :class:`~distlab.comm.steps.GroupSteps`) number themselves (the sequence
-number), post arrival on the board, check their arguments before either, and hand MPI the array's own buffer.
+A group owns one MPI communicator (a duplicate of the one it was given), its node's arrival board, the
+:class:`~distlab.comm.steps.GroupSteps` its calls take (numbering, arrival, issue, wait), and its device
+transport (:mod:`distlab.comm.transports`), which it made with those steps. Its calls (the call families it
+inherits) check their arguments, then take the steps: number themselves (the sequence number), post arrival on the
+board, and hand MPI the array's own buffer, or hand device arrays to the transport.
 """
 from __future__ import annotations
 
@@ -16,27 +18,19 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _backend
-from .._env import choice
-from ..errors import ProcessGroupBrokenError
 from ..futures import resolve_timeout
-from ..timeline import get_timeline
 from .board import ArrivalBoard, node_keys
-from .missing import SideChannel
 from .exchange import ExchangeOperations
 from .operations import GroupOperations
+from .pieces import PieceSize
 from .rooted import RootedOperations
 from .setup import barrier_within, bounded_wait, dup_within, free_deferred, release_comm
 from .shared import create_arena, layout
+from .steps import GroupSteps, debug_level
 from .transports import select as select_transport
 from .ulfm import prepare as prepare_fault_tolerance
-from .work import Work, _busy
 
-__all__ = ["ProcessGroup", "world", "new_group", "debug_level", "set_world"]
-
-
-def debug_level() -> str:
-    """``DISTLAB_DEBUG``: ``OFF`` (default), ``INFO`` (log each collective) or ``DETAIL`` (check fingerprints)."""
-    return choice("DISTLAB_DEBUG", "OFF", ("OFF", "INFO", "DETAIL"), upper=True)
+__all__ = ["ProcessGroup", "world", "new_group", "debug_level", "check_usable", "set_world"]
 
 
 class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
@@ -86,13 +80,11 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         comm = dup_within(parent, f"ProcessGroup {name or 'world'!r} setup", timeout)
         # Every group over COMM_WORLD has the same node layout: asked of MPI once (all ranks took part).
-        self._setup(comm, timeout, name, _world_node if parent == MPI.COMM_WORLD else None)
-        if fingerprint_checks is not None:
-            self._detail = fingerprint_checks
+        self._setup(comm, timeout, name, _world_node if parent == MPI.COMM_WORLD else None, fingerprint_checks)
         if parent == MPI.COMM_WORLD:
-            _remember_world_node((self._node_keys, self._oversubscribed))
+            _remember_world_node((self._steps.node_keys, self._steps.oversubscribed))
 
-    def _setup(self, comm, timeout: float, name, node=None) -> None:
+    def _setup(self, comm, timeout: float, name, node=None, fingerprint_checks=None) -> None:
         """Adopt ``comm`` (freed with the group): open the arrival board; ``node`` = a parent's node layout."""
         self.comm = comm
         self.name = name or "world"
@@ -104,48 +96,41 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
             def wait(request, step: str) -> None:
                 bounded_wait(request, f"ProcessGroup {self.name!r} setup ({step})", comm, timeout, deadline)
 
-            self._node_keys, self._oversubscribed = node if node is not None else node_keys(comm, wait)
-            board = ArrivalBoard(comm, self._node_keys, wait)
+            keys, oversubscribed = node if node is not None else node_keys(comm, wait)
+            board = ArrivalBoard(comm, keys, wait)
         except BaseException:
             comm.Free()
             raise
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._my_slot = board.my_slot
-        self._side = SideChannel(comm, board)
-        self._start_numbering()
-        self._lock = threading.RLock()
-        self._broken: str | None = None
-        self.interrupt = None
-        self._pending: dict[Work, None] = {}  # async work not yet seen complete, in issue order (progress())
-        self._arenas: list = []  # shared-memory arenas whose arrays allreduce reduces in place
-        self._timeline = get_timeline()
-        self._timeline_on = self._timeline.enabled
-        self._detail = debug_level() == "DETAIL"
-        self._info = debug_level() == "INFO"
-        if self._info:
+        steps = self._steps = GroupSteps(comm, self.name, timeout, keys, oversubscribed, board,
+                                         _backend.load("fingerprint"), fingerprint_checks)
+        self._arenas = []  # shared-memory arenas whose arrays allreduce reduces in place
+        self._pieces = PieceSize()
+        if steps.info:
             _log_to_stderr(comm.Get_rank())
-        self._fingerprint = _backend.load("fingerprint")
         try:
             self._transport, self.device_comm, why = select_transport(
-                self, lambda request, step: bounded_wait(request, f"ProcessGroup {self.name!r} setup ({step})",
-                                                         comm, timeout, time.monotonic() + timeout))
+                steps, lambda request, step: bounded_wait(request, f"ProcessGroup {self.name!r} setup ({step})",
+                                                          comm, timeout, time.monotonic() + timeout))
         except BaseException:
             comm.Free()
             raise
-        if self._timeline_on:
-            self._timeline.instant(f"device transport {self.device_comm}", cat="comm", lane=f"comm {self.name}",
+        if steps.timeline_on:
+            steps.timeline.instant(f"device transport {self.device_comm}", cat="comm", lane=f"comm {self.name}",
                                    args={"transport": self.device_comm, "why": why})
-        # Released when the group is collected or destroyed; must not hold the group itself (a transport's own
-        # release, such as its NCCL communicator's, holds only what it frees).
-        self._release = weakref.finalize(self, _release, comm, self._side, getattr(self._transport, "release", None))
+        # Released when the group's steps are collected (the group dropped, and its work in flight completed) or
+        # the group is destroyed; must hold neither (a transport's own release, such as its NCCL communicator's,
+        # holds only what it frees).
+        release = self._transport.releaser() if self._transport is not None else None
+        self._release = weakref.finalize(steps, _release, comm, steps.side, release)
 
     @property
     def node_keys(self):
         """Every member's node, by group rank, as an int64 array: a node's key is the smallest world rank on it
         (MPI's shared-memory split; ``DISTLAB_RANKS_PER_NODE`` simulates nodes). Read-only; Horovod's
         ``local_rank`` and ``cross_rank`` are computed from it."""
-        keys = self._node_keys.view()
+        keys = self._steps.node_keys.view()
         keys.flags.writeable = False
         return keys
 
@@ -181,8 +166,19 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         Returns ``(memory, arrays)`` (keep ``memory`` as long as the arrays), or None on every rank when the
         group's device collectives do not go through the ipc transport or the ranks ask for different sizes.
         """
-        make = getattr(self._transport, "shared_arrays", None)
-        return make(specs) if make is not None else None
+        return self._transport.shared_arrays(specs) if self._transport is not None else None
+
+    @property
+    def interrupt(self):
+        """What every wait on this group calls between its polls once past its spin phase (None: nothing); it
+        is kept by the group's steps, which every wait reads."""
+        return self._steps.interrupt
+
+    @interrupt.setter
+    def interrupt(self, check) -> None:
+        if check is not None and not callable(check):
+            raise TypeError(f"ProcessGroup.interrupt: a callable or None, got {check!r}")
+        self._steps.interrupt = check
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def new_group(self, ranks, name=None, timeout=None):
@@ -196,7 +192,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
             raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group {self.name!r} "
                              f"(size {self.size})")
-        self._check_usable()
+        self._steps.check_usable()
         timeout = resolve_timeout(timeout, "new_group(timeout)", self.timeout)
         what = f"new_group({ranks}) of group {self.name!r}"
         checks = barrier_within(self.comm, what, timeout, check=zlib.crc32(np.asarray(ranks, np.int64)))
@@ -210,7 +206,8 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         if not member:
             return None
         group = ProcessGroup.__new__(ProcessGroup)  # adopts sub (every rank is here: no second dup needed)
-        group._setup(sub, timeout, name or f"{self.name}{ranks}", (self._node_keys[ranks], self._oversubscribed))
+        steps = self._steps
+        group._setup(sub, timeout, name or f"{self.name}{ranks}", (steps.node_keys[ranks], steps.oversubscribed))
         return group
 
     def destroy(self) -> None:
@@ -222,13 +219,7 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
         """
         if not self._release.alive:
             return
-        self._broken = "it was destroyed"
-        for work in list(self._pending):
-            _abandoned.append(work)  # MPI may still write into its buffers
-            work._complete(ProcessGroupBrokenError(
-                f"{work.op} #{work.seq} on process group {self.name!r} was still in flight when the group was "
-                f"destroyed"))
-        _busy.discard(self)
+        self._steps.abandon("it was destroyed")
         self._release()
 
     def __enter__(self) -> "ProcessGroup":
@@ -239,9 +230,6 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank}/{self.size} device {self.device_comm}>"
-
-
-_abandoned: list = []  # work in flight when its group was destroyed
 
 
 def _release(comm, side, transport_release=None) -> None:
@@ -307,3 +295,9 @@ def set_world(group: ProcessGroup) -> None:
 def new_group(ranks, name=None, timeout=None):
     """Sub-group of the world group (``torch.distributed.new_group``); every rank calls it, None on non-members."""
     return world().new_group(ranks, name=name, timeout=timeout)
+
+
+def check_usable(group: ProcessGroup) -> None:
+    """Raise ProcessGroupBrokenError when ``group`` timed out or was destroyed (what its every call checks first:
+    for a caller that checks several calls before starting any, as ``batch_isend_irecv`` does)."""
+    group._steps.check_usable()

@@ -25,11 +25,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import DistTimeoutError
-
 from .._wire import (COLLECTIVE_OPS, COMM_NOTE_HEADER, COMM_NOTE_KINDS, COMM_NOTE_STATES, COMM_NOTE_TAG,
                      COMM_NOTE_VERSION)
 
-__all__ = ["SideChannel", "ask_lead", "listen_all", "raise_timeout"]
+__all__ = ["SideChannel", "ask_lead", "listen_all", "operation_label", "timeout_error"]
 
 _ASK, _ANSWER = (COMM_NOTE_KINDS.index(k) for k in ("ask", "answer"))
 _ELSEWHERE, _WAITING, _GAVE_UP = (COMM_NOTE_STATES.index(s) for s in ("elsewhere", "waiting", "gave_up"))
@@ -42,25 +41,29 @@ def ask_lead(timeout: float) -> float:
     return min(1.0, 0.25 * timeout)
 
 
-def raise_timeout(group, timeout: float, op: str, seq: int, name, nbytes: int, peer) -> None:
-    """Raise the DistTimeoutError of ``group``'s operation ``op`` #``seq``, naming the ranks that never posted it
-    (its ``peer``, or what the side channel learnt), and mark the group broken (the operation may still be in
-    flight inside MPI)."""
+def operation_label(op: str, seq: int, name, nbytes: int = 0) -> str:
+    """``allreduce #7 of 'bucket0' (4096 bytes)``: how errors name an operation."""
     label = f"{op} #{seq}" if seq else op
     if name:
         label += f" of {name!r}"
-    label += f" ({nbytes} bytes)" if nbytes else ""
+    return label + (f" ({nbytes} bytes)" if nbytes else "")
+
+
+def timeout_error(side: "SideChannel", group_name: str, timeout: float, op: str, seq: int, name, nbytes: int,
+                  peer) -> DistTimeoutError:
+    """The DistTimeoutError of operation ``op`` #``seq`` of the group ``side`` serves, naming the ranks that never
+    posted it (its ``peer``, or what the side channel learnt); tells the other nodes this rank gave up."""
+    label = operation_label(op, seq, name, nbytes)
     if peer is not None:
         missing, detail = [peer], f"its peer, rank {peer}, never posted the matching call"
     elif seq:
-        missing, detail = group._side.describe(seq, ask_lead(timeout))
-        group._side.gave_up(seq)
+        missing, detail = side.describe(seq, ask_lead(timeout))
+        side.gave_up(seq)
     else:
         missing, detail = [], "no rank posted a matching call"
-    group._broken = f"{label} timed out and may still be in flight"
-    raise DistTimeoutError(
-        f"{label} timed out after {timeout:g} s on rank {group.rank} of group {group.name!r} "
-        f"(size {group.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
+    return DistTimeoutError(
+        f"{label} timed out after {timeout:g} s on rank {side.rank} of group {group_name!r} "
+        f"(size {side.size}): {detail}. Raise DISTLAB_TIMEOUT to wait longer; DISTLAB_DEBUG=DETAIL checks "
         f"that every rank calls the same collectives.",
         op=op, seq=seq, name=name, missing_ranks=missing, timeout=timeout)
 

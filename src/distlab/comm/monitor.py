@@ -29,7 +29,7 @@ from .._wire import COMM_MONITOR_TAG, COMM_MONITOR_VERDICTS, FINGERPRINT_WORDS
 from ..errors import CollectiveMismatchError, DistTimeoutError
 from ..futures import resolve_timeout
 from .missing import ask_lead
-from .work import record, spin
+from .work import spin
 
 __all__ = ["monitored_barrier"]
 
@@ -38,13 +38,13 @@ _OP = "monitored_barrier"
 _left_in_flight: list = []  # (requests, buffers) of messages to or from ranks that never came: MPI may still use them
 
 
-def monitored_barrier(group, timeout=None, wait_all_ranks: bool = False, name=None) -> None:
-    """Wait until every rank of ``group`` reached this barrier; rank 0 names the ones that did not in time.
+def monitored_barrier(steps, timeout=None, wait_all_ranks: bool = False, name=None) -> None:
+    """Wait until every rank of a group reached this barrier; rank 0 names the ones that did not in time.
 
     Parameters
     ----------
-    group : ProcessGroup
-        Every rank of it calls this.
+    steps : distlab.comm.steps.GroupSteps
+        The steps of the group (every rank of it calls this).
     timeout : float or datetime.timedelta, optional
         How long rank 0 waits for the others; default the group's timeout.
     wait_all_ranks : bool, optional
@@ -61,25 +61,25 @@ def monitored_barrier(group, timeout=None, wait_all_ranks: bool = False, name=No
         ``DISTLAB_DEBUG=DETAIL``: on every rank, when some rank's fingerprint differs (it called another
         collective, or is behind).
     """
-    timeout = resolve_timeout(timeout, "monitored_barrier(timeout)", group.timeout)
+    timeout = resolve_timeout(timeout, "monitored_barrier(timeout)", steps.timeout)
     if not isinstance(wait_all_ranks, bool):
         raise TypeError(f"monitored_barrier: wait_all_ranks must be True or False, got {wait_all_ranks!r}")
-    group._check_usable()
-    seq = group._enter(_OP, name, check=False)
-    start = group._start()
-    words = group._fingerprint.make_fingerprint(seq, _OP)
-    if group.size > 1:
-        if group.rank == 0:
-            _monitor(group, seq, words, timeout, wait_all_ranks, name)
+    steps.check_usable()
+    seq = steps.enter(_OP, name, check=False)
+    start = steps.start()
+    words = steps.fingerprint.make_fingerprint(seq, _OP)
+    if steps.size > 1:
+        if steps.rank == 0:
+            _monitor(steps, seq, words, timeout, wait_all_ranks, name)
         else:
-            _report(group, seq, words, timeout, name)
+            _report(steps, seq, words, timeout, name)
     if start:
-        record(group, _OP, name, seq, 0, start)
+        steps.record(_OP, name, seq, 0, start)
 
 
-def _monitor(group, seq: int, words, timeout: float, wait_all_ranks: bool, name) -> None:
+def _monitor(steps, seq: int, words, timeout: float, wait_all_ranks: bool, name) -> None:
     """Rank 0: take every arrival until ``timeout``, then send the verdict to every rank."""
-    size, comm = group.size, group.comm
+    size, comm = steps.size, steps.comm
     verdict = np.zeros(2 + size + size * FINGERPRINT_WORDS, dtype=np.int64)
     table = verdict[2 + size:].reshape(size, FINGERPRINT_WORDS)
     table[0] = words
@@ -93,7 +93,7 @@ def _monitor(group, seq: int, words, timeout: float, wait_all_ranks: bool, name)
                 pending.discard(rank)
         return not pending or time.monotonic() >= deadline
 
-    _poll(group, arrived, seq, name, timeout)
+    _poll(steps, arrived, seq, name, timeout)
     missing = sorted(pending)
     named = missing if wait_all_ranks else missing[:1]
     mismatch = None
@@ -101,82 +101,82 @@ def _monitor(group, seq: int, words, timeout: float, wait_all_ranks: bool, name)
         verdict[0] = _TIMED_OUT
         verdict[1] = len(named)
         verdict[2:2 + len(named)] = named
-    elif group._detail:
-        mismatch = group._fingerprint.find_mismatch(table)
+    elif steps.detail:
+        mismatch = steps.fingerprint.find_mismatch(table)
         verdict[0] = _MISMATCH if mismatch is not None else _PASSED
     answers = {rank: comm.Isend(verdict, dest=rank, tag=COMM_MONITOR_TAG) for rank in range(1, size)}
     sent = [answers[rank] for rank in answers if rank not in pending]
-    spin(group, lambda: all(request.Test() for request in sent), time.monotonic() + group.timeout, group.timeout,
+    spin(steps, lambda: all(request.Test() for request in sent), time.monotonic() + steps.timeout, steps.timeout,
          _OP, seq, name, 0, None)
     if missing:
         _left_in_flight.append(([arrivals[r] for r in missing] + [answers[r] for r in missing], verdict))
-        detail = _board(group, seq, timeout)
-        _fail(group, seq, name, timeout, named, f"[Rank 0]: {_ranks(named)} failed to pass {_label(seq, name)} of "
-              f"group {group.name!r} (size {size}) in {_ms(timeout)} ms{detail}")
+        detail = _board(steps, seq, timeout)
+        _fail(steps, seq, name, timeout, named, f"[Rank 0]: {_ranks(named)} failed to pass {_label(seq, name)} of "
+              f"group {steps.name!r} (size {size}) in {_ms(timeout)} ms{detail}")
     if mismatch is not None:
-        _mismatch(group, seq, name, table, mismatch)
+        _mismatch(steps, seq, name, table, mismatch)
 
 
-def _report(group, seq: int, words, timeout: float, name) -> None:
+def _report(steps, seq: int, words, timeout: float, name) -> None:
     """Any other rank: tell rank 0 it arrived, and wait for rank 0's verdict."""
-    size, comm = group.size, group.comm
+    size, comm = steps.size, steps.comm
     verdict = np.zeros(2 + size + size * FINGERPRINT_WORDS, dtype=np.int64)
     arrival = comm.Isend(words, dest=0, tag=COMM_MONITOR_TAG)
     release = comm.Irecv(verdict, source=0, tag=COMM_MONITOR_TAG)
     deadline = time.monotonic() + timeout
     extended = False
     while True:
-        _poll(group, lambda: release.Test() or time.monotonic() >= deadline, seq, name, timeout)
+        _poll(steps, lambda: release.Test() or time.monotonic() >= deadline, seq, name, timeout)
         if release.Test():
             break
-        if not extended and _entered(group, seq, 0, timeout):
+        if not extended and _entered(steps, seq, 0, timeout):
             deadline, extended = time.monotonic() + timeout, True  # rank 0 decides within its own timeout
             continue
         _left_in_flight.append(([arrival, release], (words, verdict)))
         where = "entered it but sent no verdict in time" if extended else \
-            f"has not entered it{_board(group, seq, timeout)}"
-        _fail(group, seq, name, timeout, [0], f"rank {group.rank} reached {_label(seq, name)} of group "
-              f"{group.name!r} (size {size}), but rank 0, which monitors it, {where}")
-    spin(group, arrival.Test, time.monotonic() + group.timeout, group.timeout, _OP, seq, name, 0, 0)
+            f"has not entered it{_board(steps, seq, timeout)}"
+        _fail(steps, seq, name, timeout, [0], f"rank {steps.rank} reached {_label(seq, name)} of group "
+              f"{steps.name!r} (size {size}), but rank 0, which monitors it, {where}")
+    spin(steps, arrival.Test, time.monotonic() + steps.timeout, steps.timeout, _OP, seq, name, 0, 0)
     code, count = int(verdict[0]), int(verdict[1])
     if code == _TIMED_OUT:
         named = verdict[2:2 + count].tolist()
-        _fail(group, seq, name, timeout, named, f"rank {group.rank} reached {_label(seq, name)} of group "
-              f"{group.name!r}, but rank 0 reports: {_ranks(named)} failed to pass it in time")
+        _fail(steps, seq, name, timeout, named, f"rank {steps.rank} reached {_label(seq, name)} of group "
+              f"{steps.name!r}, but rank 0 reports: {_ranks(named)} failed to pass it in time")
     if code == _MISMATCH:
         table = verdict[2 + size:].reshape(size, FINGERPRINT_WORDS)
-        _mismatch(group, seq, name, table, group._fingerprint.find_mismatch(table))
+        _mismatch(steps, seq, name, table, steps.fingerprint.find_mismatch(table))
 
 
-def _poll(group, test, seq: int, name, timeout: float) -> None:
+def _poll(steps, test, seq: int, name, timeout: float) -> None:
     """Drive MPI until ``test()`` (which ends at its own deadline); the poll loop's deadline never fires."""
-    spin(group, test, math.inf, timeout, _OP, seq, name, 0, None)
+    spin(steps, test, math.inf, timeout, _OP, seq, name, 0, None)
 
 
-def _entered(group, seq: int, rank: int, timeout: float) -> bool:
+def _entered(steps, seq: int, rank: int, timeout: float) -> bool:
     """Whether ``rank`` has entered collective ``seq`` (its node's board, asked across nodes if needed)."""
-    known = group._side.status(seq, ask_lead(timeout))
+    known = steps.side.status(seq, ask_lead(timeout))
     return rank in known and known[rank][0] >= seq
 
 
-def _board(group, seq: int, timeout: float) -> str:
+def _board(steps, seq: int, timeout: float) -> str:
     """What the arrival board (and the other nodes) say of the ranks behind: ``: ranks [2] have not entered
     it (rank 2 last entered #4 allreduce)``."""
-    _, detail = group._side.describe(seq, ask_lead(timeout))
+    _, detail = steps.side.describe(seq, ask_lead(timeout))
     return f": {detail}"
 
 
-def _fail(group, seq: int, name, timeout: float, missing, message: str) -> None:
-    group._side.gave_up(seq)
-    group._broken = f"{_label(seq, name)} timed out and may still be in flight"
+def _fail(steps, seq: int, name, timeout: float, missing, message: str) -> None:
+    steps.side.gave_up(seq)
+    steps.mark_broken(f"{_label(seq, name)} timed out and may still be in flight")
     raise DistTimeoutError(f"{message}. Raise the timeout to wait longer.", op=_OP, seq=seq, name=name,
                            missing_ranks=missing, timeout=timeout)
 
 
-def _mismatch(group, seq: int, name, table, message: str) -> None:
+def _mismatch(steps, seq: int, name, table, message: str) -> None:
     where = f" ({name!r})" if name else ""
-    raise CollectiveMismatchError(f"rank {group.rank}{where}: {message}", seq=seq,
-                                  groups=group._fingerprint.fingerprint_groups(table))
+    raise CollectiveMismatchError(f"rank {steps.rank}{where}: {message}", seq=seq,
+                                  groups=steps.fingerprint.fingerprint_groups(table))
 
 
 def _label(seq: int, name) -> str:

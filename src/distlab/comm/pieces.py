@@ -41,7 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["PIECES_VAR", "SPLIT_FROM_BYTES", "PIECE_BYTES", "PROBE_BYTES", "PROBE_PIECE", "MIN_OVERHEAD",
-           "piece_bytes", "choose_piece", "start_pieces", "in_turn"]
+           "PieceSize", "choose_piece", "start_pieces", "in_turn"]
 
 PIECES_VAR = "DISTLAB_ALLREDUCE_PIECES"
 MiB = 1 << 20
@@ -57,25 +57,81 @@ MIN_OVERHEAD = 1e-5
 _PROBING = "probing"
 
 
-def piece_bytes(group, nbytes: int) -> int:
-    """The piece size for an allreduce of ``nbytes`` in ``group``, or 0 to leave it whole.
+class PieceSize:
+    """What one group knows of its link, and so how its large allreduces are cut: its own state machine.
 
-    Collective the first time it is asked for a group spanning nodes (see the module docstring); the same answer
-    on every rank.
+    ``link`` is None until the group's first large allreduce asks (:meth:`bytes_for`), then "probing" while the
+    probe's own allreduces run (they stay whole), then False (never split: one node, or ``off``), a fixed piece in
+    bytes (a setting in MiB), or the probed ``(seconds per piece, seconds per byte in pieces)``. A setting that is
+    refused leaves it None, so it is refused again next time.
     """
-    link = group.__dict__.get("_link")
-    if link is None:
-        group._link = _PROBING  # the probe's own allreduces stay whole
+
+    __slots__ = ("link",)
+
+    def __init__(self):
+        self.link = None
+
+    def bytes_for(self, group, nbytes: int) -> int:
+        """The piece size for an allreduce of ``nbytes`` in ``group``, or 0 to leave it whole.
+
+        Collective the first time it is asked for a group spanning nodes (see the module docstring); the same
+        answer on every rank.
+        """
+        link = self.link
+        if link is None:
+            self.link = _PROBING  # the probe's own allreduces stay whole
+            try:
+                link = self.link = self._link_for(group)
+            except BaseException:
+                self.link = None  # a bad setting is refused again next time
+                raise
+        if link is _PROBING or link is False:
+            return 0
+        if isinstance(link, int):
+            return link if 2 * link <= nbytes else 0
+        return choose_piece(nbytes, *link)
+
+    def _link_for(self, group):
+        """False (never split), a fixed piece in bytes, or the probed ``(overhead, streamed)``."""
+        setting = os.environ.get(PIECES_VAR, "auto").strip().lower() or "auto"
+        if setting in ("off", "0"):
+            return False
+        if setting != "auto":
+            try:
+                mib = float(setting)
+            except ValueError:
+                mib = -1.0
+            if not mib > 0:
+                raise ValueError(f"{PIECES_VAR}={setting!r}: expected auto, off, or a piece size in MiB")
+            return int(mib * MiB)
+        if group.size < 2 or len(set(group.node_keys.tolist())) < 2:
+            return False  # one node: shared memory is faster whole
+        return self._probe(group)
+
+    def _probe(self, group) -> tuple[float, float]:
+        """``(seconds per piece, seconds per byte in pieces)``, from a :data:`PROBE_BYTES` allreduce in 1 MiB
+        pieces and in :data:`PROBE_PIECE` pieces (best of 2 each, the worst over ranks)."""
+        probe = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
+
+        def best(piece: int, what: str) -> float:
+            self.link = piece
+            times = []
+            for _ in range(2):
+                group.barrier(name=f"allreduce pieces: {what}")
+                start = time.perf_counter()
+                group.allreduce(probe, name=f"allreduce pieces: {what}")
+                times.append(time.perf_counter() - start)
+            return min(times)
+
         try:
-            link = group._link = _link_for(group)
-        except BaseException:
-            group._link = None  # a bad setting is refused again next time
-            raise
-    if link is _PROBING or link is False:
-        return 0
-    if isinstance(link, int):
-        return link if 2 * link <= nbytes else 0
-    return choose_piece(nbytes, *link)
+            measured = np.array([best(MiB, "1 MiB pieces"), best(PROBE_PIECE, "small pieces")])
+        finally:
+            self.link = _PROBING
+        group.allreduce(measured, op="max", name="allreduce pieces: measurements")
+        large, small = (float(x) for x in measured)
+        few, many = PROBE_BYTES // MiB, PROBE_BYTES // PROBE_PIECE
+        overhead = max((small - large) / (many - few), MIN_OVERHEAD)
+        return overhead, max(large - few * overhead, 0.5 * large) / PROBE_BYTES
 
 
 def choose_piece(nbytes: int, overhead: float, streamed: float) -> int:
@@ -87,50 +143,6 @@ def choose_piece(nbytes: int, overhead: float, streamed: float) -> int:
     best = math.sqrt(max(nbytes * overhead / streamed, 1.0))
     piece = int(np.clip(2 ** round(math.log2(best)), *PIECE_BYTES))
     return piece if 2 * piece <= nbytes else 0
-
-
-def _link_for(group):
-    """False (never split), a fixed piece in bytes, or the probed ``(overhead, streamed)``."""
-    setting = os.environ.get(PIECES_VAR, "auto").strip().lower() or "auto"
-    if setting in ("off", "0"):
-        return False
-    if setting != "auto":
-        try:
-            mib = float(setting)
-        except ValueError:
-            mib = -1.0
-        if not mib > 0:
-            raise ValueError(f"{PIECES_VAR}={setting!r}: expected auto, off, or a piece size in MiB")
-        return int(mib * MiB)
-    if group.size < 2 or len(set(group.node_keys.tolist())) < 2:
-        return False  # one node: shared memory is faster whole
-    return _probe(group)
-
-
-def _probe(group) -> tuple[float, float]:
-    """``(seconds per piece, seconds per byte in pieces)``, from a :data:`PROBE_BYTES` allreduce in 1 MiB pieces
-    and in :data:`PROBE_PIECE` pieces (best of 2 each, the worst over ranks)."""
-    probe = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
-
-    def best(piece: int, what: str) -> float:
-        group._link = piece
-        times = []
-        for _ in range(2):
-            group.barrier(name=f"allreduce pieces: {what}")
-            start = time.perf_counter()
-            group.allreduce(probe, name=f"allreduce pieces: {what}")
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    try:
-        measured = np.array([best(MiB, "1 MiB pieces"), best(PROBE_PIECE, "small pieces")])
-    finally:
-        group._link = _PROBING
-    group.allreduce(measured, op="max", name="allreduce pieces: measurements")
-    large, small = (float(x) for x in measured)
-    few, many = PROBE_BYTES // MiB, PROBE_BYTES // PROBE_PIECE
-    overhead = max((small - large) / (many - few), MIN_OVERHEAD)
-    return overhead, max(large - few * overhead, 0.5 * large) / PROBE_BYTES
 
 
 def start_pieces(comm, buf, piece: int, mpi_op, bits=None) -> list:

@@ -22,13 +22,13 @@ from mpi4py import MPI
 from .._types import ReduceOp
 from .device import backend_for, displacements, mpi_buffer, pickled
 from .reduce_ops import as_bits, averaging, mpi_reduction, parse_op, reduction_buffer
-from .steps import GroupSteps
+from .steps import Calls, movable
 
 __all__ = ["RootedOperations", "to_host", "pickled"]
 
 
-class RootedOperations(GroupSteps):
-    """The rooted calls of :class:`~distlab.comm.ProcessGroup` (on the steps of
+class RootedOperations(Calls):
+    """The rooted calls of :class:`~distlab.comm.ProcessGroup` (taking the group's
     :class:`~distlab.comm.steps.GroupSteps`, like :class:`~distlab.comm.operations.GroupOperations`)."""
 
     def reduce(self, array, dst: int = 0, op="sum", async_op: bool = False, name=None):
@@ -38,32 +38,32 @@ class RootedOperations(GroupSteps):
         ``async_op``).
         """
         reduce_op = parse_op(op)
-        self._check_rank(dst, "reduce dst")
+        self._steps.check_rank(dst, "reduce dst")
         mpi_op = mpi_reduction(array.dtype, reduce_op, "reduce", name) if hasattr(array, "dtype") else None
         buf, copy_back = mpi_buffer(array, "reduce")
         root = self.rank == dst
-        seq = self._enter("reduce", name, array, root=dst, reduce_op=reduce_op)
-        start = self._start()
+        seq = self._steps.enter("reduce", name, array, root=dst, reduce_op=reduce_op)
+        start = self._steps.start()
         spec = reduction_buffer(buf)
         request = self.comm.Ireduce(MPI.IN_PLACE if root else spec, spec if root else None, mpi_op, root=dst)
         finish = None
         if root:
             finish = averaging(buf, self.size, copy_back) if reduce_op is ReduceOp.AVG else copy_back
-        return self._issue("reduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
+        return self._steps.issue("reduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
 
     def gather(self, array, gather_list=None, dst: int = 0, async_op: bool = False, name=None):
         """Gather every rank's ``array`` into rank ``dst``'s ``gather_list`` (one array per rank, in rank order).
 
         Returns ``gather_list`` on ``dst`` and None elsewhere (a Work when ``async_op``).
         """
-        self._check_rank(dst, "gather dst")
-        send, _ = self._movable(array, "gather", name)
+        self._steps.check_rank(dst, "gather dst")
+        send, _ = movable(array, "gather", name)
         targets = self._root_list(gather_list, array, dst, "gather", "gather_list", "destination", name)
-        seq = self._enter("gather", name, array, root=dst)
-        start = self._start()
+        seq = self._steps.enter("gather", name, array, root=dst)
+        start = self._steps.start()
         if targets is None:
             request = self.comm.Igather(send, None, root=dst)
-            return self._issue("gather", seq, name, array.nbytes, request, None, None, async_op, None, start)
+            return self._steps.issue("gather", seq, name, array.nbytes, request, None, None, async_op, None, start)
         table = np.empty((self.size,) + tuple(array.shape), dtype=array.dtype)
         request = self.comm.Igather(send, as_bits(table), root=dst)
 
@@ -71,25 +71,25 @@ class RootedOperations(GroupSteps):
             for target, row in zip(targets, table):
                 _write(target, row)
 
-        return self._issue("gather", seq, name, array.nbytes, request, finish, gather_list, async_op, None, start)
+        return self._steps.issue("gather", seq, name, array.nbytes, request, finish, gather_list, async_op, None, start)
 
     def scatter(self, array, scatter_list=None, src: int = 0, async_op: bool = False, name=None):
         """Rank ``src`` sends ``scatter_list[r]`` to rank ``r``, which receives it into ``array`` (in place).
 
         Returns ``array`` (a Work when ``async_op``).
         """
-        self._check_rank(src, "scatter src")
-        recv, copy_back = self._movable(array, "scatter", name)
+        self._steps.check_rank(src, "scatter src")
+        recv, copy_back = movable(array, "scatter", name)
         sources = self._root_list(scatter_list, array, src, "scatter", "scatter_list", "source", name)
         table = None
         if sources is not None:
             table = np.empty((self.size,) + tuple(array.shape), dtype=array.dtype)
             for row, source in zip(table, sources):
                 row[...] = to_host(source)
-        seq = self._enter("scatter", name, array, root=src)
-        start = self._start()
+        seq = self._steps.enter("scatter", name, array, root=src)
+        start = self._steps.start()
         request = self.comm.Iscatter(None if table is None else as_bits(table), recv, root=src)
-        return self._issue("scatter", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
+        return self._steps.issue("scatter", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
 
     def gather_object(self, obj, object_gather_list=None, dst: int = 0, async_op: bool = False, name=None):
         """Gather any picklable ``obj`` from every rank into rank ``dst``'s ``object_gather_list`` (in place).
@@ -97,11 +97,11 @@ class RootedOperations(GroupSteps):
         ``object_gather_list`` must be a list of ``size`` entries on ``dst``, and None elsewhere. Returns it on
         ``dst`` and None elsewhere (a Work when ``async_op``).
         """
-        self._check_rank(dst, "gather_object dst")
+        self._steps.check_rank(dst, "gather_object dst")
         self._object_list(object_gather_list, dst, "gather_object", "object_gather_list", "destination")
         payload = pickled(obj)
         root = self.rank == dst
-        seq = self._enter("gather_object", name, root=dst)
+        seq = self._steps.enter("gather_object", name, root=dst)
 
         def stages():
             sizes = np.zeros(self.size, dtype=np.int64)
@@ -116,7 +116,7 @@ class RootedOperations(GroupSteps):
                 object_gather_list[index] = pickle.loads(data[offset:offset + size].tobytes())
             return object_gather_list
 
-        return self._staged("gather_object", seq, name, payload.nbytes, stages(), async_op)
+        return self._steps.run("gather_object", seq, name, payload.nbytes, stages(), async_op)
 
     def scatter_object_list(self, scatter_object_output_list, scatter_object_input_list=None, src: int = 0,
                             async_op: bool = False, name=None):
@@ -126,7 +126,7 @@ class RootedOperations(GroupSteps):
         ``scatter_object_input_list`` is a list of ``size`` picklable objects on ``src``, ignored elsewhere.
         Returns the object received (a Work when ``async_op``).
         """
-        self._check_rank(src, "scatter_object_list src")
+        self._steps.check_rank(src, "scatter_object_list src")
         if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
             raise ValueError("scatter_object_list: expected argument scatter_object_output_list to be a list of "
                              f"size at least 1, got {scatter_object_output_list!r}")
@@ -136,7 +136,7 @@ class RootedOperations(GroupSteps):
             self._object_list(scatter_object_input_list, src, "scatter_object_list", "scatter_object_input_list",
                               "source", forbid_elsewhere=False)
             payloads = [pickled(obj) for obj in scatter_object_input_list]
-        seq = self._enter("scatter_object_list", name, root=src)
+        seq = self._steps.enter("scatter_object_list", name, root=src)
 
         def stages():
             size = np.zeros(1, dtype=np.int64)
@@ -152,7 +152,7 @@ class RootedOperations(GroupSteps):
             scatter_object_output_list[0] = pickle.loads(data.tobytes())
             return scatter_object_output_list[0]
 
-        return self._staged("scatter_object_list", seq, name, 0, stages(), async_op)
+        return self._steps.run("scatter_object_list", seq, name, 0, stages(), async_op)
 
     # -- argument checks --------------------------------------------------------------------------------------
     def _root_list(self, arrays, array, root: int, what: str, argument: str, role: str, name):

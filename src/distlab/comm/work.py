@@ -1,4 +1,5 @@
-"""Operations in flight: :class:`Work`, the poll loop every wait runs, and :func:`progress`.
+"""Operations in flight: :class:`Work`, their one owner :class:`InFlight`, the poll loop every wait runs, and
+:func:`progress`.
 
 MPI moves a nonblocking operation only while some MPI call runs on the rank, so distlab never sleeps inside one
 blocking ``MPI_Wait`` (which could not time out either): it polls the request. The loop (:func:`spin`) spins
@@ -11,6 +12,10 @@ machine, not MPI's node, because virtual hosts on one kernel share its cores (:f
 Past its spin phase a waiting rank reads the side channel's notes between sleeps (:mod:`distlab.comm.missing`)
 and calls the group's ``interrupt`` (if its owner set one: it raises to end the wait), and near its deadline it
 asks the other nodes where their ranks are.
+
+A Work belongs to a group's :class:`~distlab.comm.steps.GroupSteps` (``work.steps``), which it reads (the lock,
+the timeout, the side channel) and tells when a timeout breaks the group; the async work of every group is kept by
+one :class:`InFlight` (:data:`IN_FLIGHT`), the only object that adds or removes it.
 """
 from __future__ import annotations
 
@@ -23,18 +28,16 @@ from mpi4py import MPI
 
 from ..errors import DistTimeoutError, ProcessFailedError
 from ..futures import Future, resolve_timeout
-from .missing import ask_lead, listen_all, raise_timeout
+from .missing import ask_lead, listen_all, operation_label, timeout_error
 from .ulfm import as_failure
 
 if TYPE_CHECKING:
-    from .group import ProcessGroup
+    from .steps import GroupSteps
 
-__all__ = ["Work", "spin", "progress", "record", "StatusRequest"]
+__all__ = ["Work", "InFlight", "IN_FLIGHT", "spin", "progress", "StatusRequest"]
 
 SPIN_SECONDS = 0.01  # busy-poll this long before backing off (large transfers need every progress call)
 YIELD_EVERY = 3  # oversubscribed: yield the core every 4th poll (a mask: measured best of 1, 4 and 16)
-_busy: "set[ProcessGroup]" = set()  # groups with async work in flight: progress() drives them, and they stay
-# alive until it completes even if the user dropped them (MPI is still writing into their buffers)
 
 
 class Work:
@@ -46,12 +49,12 @@ class Work:
     ``wait`` and ``is_completed`` push the operation forward.
     """
 
-    __slots__ = ("group", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_finish_step", "_done",
+    __slots__ = ("steps", "op", "seq", "name", "nbytes", "peer", "_stages", "_request", "_finish_step", "_done",
                  "_exception", "_result", "_future", "_start_us", "_ended", "_waited", "__weakref__")
 
-    def __init__(self, group: "ProcessGroup", op: str, seq: int, name, nbytes: int, request=None, finish=None,
+    def __init__(self, steps: "GroupSteps", op: str, seq: int, name, nbytes: int, request=None, finish=None,
                  result=None, peer=None, stages=None, start_us: float = 0.0):
-        self.group = group
+        self.steps = steps
         self.op = op
         self.seq = seq
         self.name = name
@@ -93,12 +96,9 @@ class Work:
 
     def _complete(self, exception) -> None:
         self._done, self._exception, self._request = True, exception, None
-        group = self.group
-        group._pending.pop(self, None)
-        if not group._pending:
-            _busy.discard(group)
+        IN_FLIGHT.done(self)
         if self._start_us:
-            record(group, self.op, self.name, self.seq, self.nbytes, self._start_us)
+            self.steps.record(self.op, self.name, self.seq, self.nbytes, self._start_us)
         if self._future is not None:
             self._complete_future()
 
@@ -114,7 +114,7 @@ class Work:
         """Test the current request and move on while requests complete. True when done."""
         if self._done:
             return True
-        with self.group._lock:
+        with self.steps.lock:
             try:
                 while not self._done and self._request.Test():
                     self._request_done()
@@ -125,7 +125,7 @@ class Work:
     def _fail_or_raise(self, exc) -> None:
         """Fail this work with ProcessFailedError when a failed process caused MPI's error ``exc`` (fault
         tolerance: its own wait raises it, not the poll of another operation that drove it); else raise ``exc``."""
-        failure = as_failure(exc, self.group.comm, self.op, self.group.name)
+        failure = as_failure(exc, self.steps.comm, self.op, self.steps.name)
         if failure is exc:
             raise exc
         self._complete(failure)
@@ -156,7 +156,7 @@ class Work:
     def _drive_unless_locked(self, complete: bool) -> None:
         """Move on while requests complete, unless another thread holds the group's lock (``complete``: as
         :meth:`_request_done` takes it)."""
-        lock = self.group._lock
+        lock = self.steps.lock
         if not lock.acquire(blocking=False):
             return
         try:
@@ -177,24 +177,24 @@ class Work:
         A timeout fails the operation (and its future) with that error: the group is broken from then on.
         """
         if not self._done:
-            group = self.group
-            timeout = resolve_timeout(timeout, "Work.wait(timeout)", group.timeout)
+            steps = self.steps
+            timeout = resolve_timeout(timeout, "Work.wait(timeout)", steps.timeout)
             deadline = time.monotonic() + timeout
             # Hold the group's lock for the whole wait and poll the MPI request itself: no lock round trip per
             # poll (another thread's progress() simply finds this work done afterwards).
-            with group._lock:
+            with steps.lock:
                 self._waited = True
                 try:
                     while not self._done:
                         request = self._request
                         if not request.Test():
-                            spin(group, request.Test, deadline, timeout, self.op, self.seq, self.name,
+                            spin(steps, request.Test, deadline, timeout, self.op, self.seq, self.name,
                                  self.nbytes, self.peer)
                         self._request_done()
                 except (DistTimeoutError, ProcessFailedError) as exc:
                     self._complete(exc)
                 except MPI.Exception as exc:  # a failed process, under fault tolerance: ProcessFailedError
-                    self._complete(as_failure(exc, group.comm, self.op, group.name))
+                    self._complete(as_failure(exc, steps.comm, self.op, steps.name))
                 finally:
                     self._waited = False
         if self._exception is not None:
@@ -256,13 +256,70 @@ class StatusRequest:
         return self.request.Test(self.status)
 
 
-def record(group: "ProcessGroup", op: str, name, seq: int, nbytes: int, start_us: float) -> None:
-    """Put a completed operation of ``group`` on the timeline (from ``start_us`` to now)."""
-    group._timeline.complete(f"{op} {name}" if name else op, start_us, cat="comm", lane=f"comm {group.name}",
-                             args={"seq": seq, "bytes": nbytes, "op": op})
+class InFlight:
+    """Every group's async work not yet seen complete, in issue order: the one object that owns work in flight.
+
+    :meth:`GroupSteps.issue <distlab.comm.steps.GroupSteps.issue>` and ``run`` add a group's async work, a Work
+    removes itself when it completes, and :meth:`progress` drives what is left. A group with work here stays alive
+    until it completes, even if the user dropped the group: MPI is still writing into its buffers.
+    """
+
+    __slots__ = ("_works", "_abandoned")
+
+    def __init__(self):
+        self._works: dict = {}  # GroupSteps -> {Work: None}, in issue order
+        self._abandoned: list = []  # work in flight when its group was destroyed (MPI may still use its buffers)
+
+    def __bool__(self) -> bool:
+        return bool(self._works)
+
+    def add(self, work: Work) -> None:
+        """Keep ``work`` until it completes (unless its stages already ran to the end)."""
+        if not work._done:
+            self._works.setdefault(work.steps, {})[work] = None
+
+    def done(self, work: Work) -> None:
+        """``work`` completed: forget it (and its group, once it has nothing left in flight)."""
+        works = self._works.get(work.steps)
+        if works is not None:
+            works.pop(work, None)
+            if not works:
+                self._works.pop(work.steps, None)
+
+    def of(self, steps: "GroupSteps") -> list:
+        """``steps``' work in flight, in issue order."""
+        return list(self._works.get(steps, ()))
+
+    def abandon(self, steps: "GroupSteps", error_for) -> None:
+        """Fail ``steps``' work in flight with ``error_for(work)`` (its group was destroyed); keep the buffers."""
+        for work in self.of(steps):
+            self._abandoned.append(work)
+            work._complete(error_for(work))
+        self._works.pop(steps, None)
+
+    def progress(self, skip=None) -> int:
+        """See :func:`progress`."""
+        pending = 0
+        for steps in list(self._works):
+            if steps is skip:  # its multi-step work moves on, completed only by the group's own polls (advance)
+                for work in self.of(steps):
+                    work.advance()
+                continue
+            works = self.of(steps)
+            for index, work in enumerate(works):
+                if not (work._poll() if skip is None else work._try_poll()):
+                    # Operations of one group finish in the order they were issued, as a rule: the first one still
+                    # running says the rest are too (testing them all was measurably slower per DDP gradient hook).
+                    pending += len(works) - index
+                    break
+        return pending
 
 
-def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, seq: int, name, nbytes: int,
+#: The work in flight of every group of this process.
+IN_FLIGHT = InFlight()
+
+
+def spin(steps: "GroupSteps", test, deadline: float, timeout: float, op: str, seq: int, name, nbytes: int,
          peer) -> None:
     """Poll ``test()`` until True (MPI progresses only inside MPI calls); past ``deadline`` raise the timeout.
 
@@ -271,22 +328,25 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
     it costs less per poll than ``Request.Test`` itself, and a collective that completes on its first test (most
     small ones) never enters this loop (docs/measurements.md, "Collectives: the poll loop"). Past
     the spin phase the loop reads the side channel's notes between sleeps; ``ask_lead`` before the deadline it
-    asks the other nodes.
+    asks the other nodes. A timeout breaks the group (the operation may still be in flight inside MPI).
     """
-    side = group._side
+    side = steps.side
     now = time.monotonic()
     spin_until = now + SPIN_SECONDS
     ask_at = deadline - ask_lead(timeout) if side.remote else math.inf
     next_event = min(ask_at, deadline)  # one comparison per poll for both
     pause = 0.0
     polls = 0
-    oversubscribed = group._oversubscribed
+    oversubscribed = steps.oversubscribed
     try:
         while not test():
             now = time.monotonic()
             if now >= next_event:
                 if now >= deadline:
-                    raise_timeout(group, timeout, op, seq, name, nbytes, peer)
+                    error = timeout_error(side, steps.name, timeout, op, seq, name, nbytes, peer)
+                    steps.mark_broken(f"{operation_label(op, seq, name, nbytes)} timed out and may still be in "
+                                      "flight")
+                    raise error
                 next_event = deadline
                 side.waiting_seq = seq
                 side.ask(seq)
@@ -296,14 +356,14 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
             if now > spin_until:
                 side.waiting_seq = seq
                 listen_all()
-                if group.interrupt is not None:
-                    _interrupt(group, op, seq, name)
-                if _busy:
-                    progress(skip=group)  # other groups' multi-step work (a device transport's) needs driving
+                if steps.interrupt is not None:
+                    _interrupt(steps, op, seq, name)
+                if IN_FLIGHT:
+                    IN_FLIGHT.progress(skip=steps)  # other groups' multi-step work (a device transport's) needs driving
                 pause = min(max(pause * 2, 2e-5), 2e-4)
                 time.sleep(pause)
     except MPI.Exception as exc:  # a failed process, under fault tolerance: ProcessFailedError naming it
-        failure = as_failure(exc, group.comm, op, group.name)
+        failure = as_failure(exc, steps.comm, op, steps.name)
         if failure is exc:
             raise
         raise failure from exc
@@ -311,19 +371,18 @@ def spin(group: "ProcessGroup", test, deadline: float, timeout: float, op: str, 
         side.waiting_seq = 0
 
 
-def _interrupt(group: "ProcessGroup", op: str, seq: int, name) -> None:
+def _interrupt(steps: "GroupSteps", op: str, seq: int, name) -> None:
     """Call the group's ``interrupt``; if it raises, the wait ends with its error and the group is broken."""
     try:
-        group.interrupt()
+        steps.interrupt()
     except BaseException:
-        label = (f"{op} #{seq}" if seq else op) + (f" of {name!r}" if name else "")
-        group._broken = f"{label} was interrupted and may still be in flight"
+        steps.mark_broken(f"{operation_label(op, seq, name)} was interrupted and may still be in flight")
         raise
 
 
 def progress(skip=None) -> int:
     """Drive the outstanding async operations of every group; returns how many may still be pending. ``skip``'s
-    (the group a wait is on) only move on (:meth:`Work.advance`), completed by the group's own polls.
+    (the steps of the group a wait is on) only move on (:meth:`Work.advance`), completed by the group's own polls.
 
     A wait past its spin phase calls it for the other groups: an operation of several steps (a device
     transport's arrive, reduce, done) moves only when polled, and a peer may be waiting on it to reach the
@@ -333,17 +392,4 @@ def progress(skip=None) -> int:
     test moves all of MPI's traffic; the later ones are looked at once the earlier ones are done, or by their
     own ``wait``).
     """
-    pending = 0
-    for group in list(_busy):
-        if group is skip:  # its multi-step work moves on, completed only by the group's own polls (advance)
-            for work in list(group._pending):
-                work.advance()
-            continue
-        works = list(group._pending)
-        for index, work in enumerate(works):
-            if not (work._poll() if skip is None else work._try_poll()):
-                # Operations of one group finish in the order they were issued, as a rule: the first one still
-                # running says the rest are too (testing them all was measurably slower per DDP gradient hook).
-                pending += len(works) - index
-                break
-    return pending
+    return IN_FLIGHT.progress(skip)

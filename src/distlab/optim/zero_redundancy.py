@@ -237,7 +237,9 @@ class ZeroRedundancyOptimizer(Optimizer, HostJoinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state on rank ``to`` (call on every rank; one broadcast per rank, as torch)."""
-        self.process_group._check_rank(to, "consolidate_state_dict(to=...)")
+        from ..comm.steps import check_rank  # here: importing distlab.optim starts no MPI
+
+        check_rank(to, self.process_group.size, self.process_group.name, "consolidate_state_dict(to=...)")
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         states = []
         for rank in range(self.world_size):

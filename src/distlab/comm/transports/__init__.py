@@ -4,7 +4,9 @@ MPI stays the control plane (sequence numbers, arrival, fingerprints, timeouts n
 moves the bytes of the four collectives device arrays meet most (allreduce, broadcast, allgather,
 reduce_scatter). The other calls (alltoall, send/recv, objects) stay on :func:`~distlab.comm.device.mpi_buffer`.
 
-Each rank posts its placement (:func:`local_placement`: node, device identity, which peer devices it can reach,
+Every transport implements :class:`~.base.Transport` (the interface the group calls: ``takes`` and the four
+collectives, given the group's :class:`~distlab.comm.steps.GroupSteps`, never the group). Each rank posts its
+placement (:func:`local_placement`: node, device identity, which peer devices it can reach,
 whether NCCL and a CUDA-aware MPI are at hand, and its ``DISTLAB_DEVICE_COMM``), the group gathers them, and the
 pure function :func:`choose` maps the table to one transport, the same on every rank:
 
@@ -52,8 +54,9 @@ import numpy as np
 from ..._env import choice
 from ...autograd._array import device_array_types
 from ..device import cuda_aware
+from .base import Transport
 
-__all__ = ["Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS",
+__all__ = ["Transport", "Placement", "choose", "local_placement", "select", "DEVICE_COMM_VAR", "SETTINGS", "PLACEMENT_WORDS",
            "NCCL_NET_VAR", "HIERARCHICAL_VAR"]
 
 DEVICE_COMM_VAR = "DISTLAB_DEVICE_COMM"
@@ -281,29 +284,30 @@ def _nccl_version(xp) -> int:
         return 0
 
 
-def select(group, wait):
-    """Collective: gather the placements of ``group``'s ranks and return its transport (None: ``mpi``, the
-    plain path) and the name shown in its repr; ``wait(request, what)`` completes a request under the set-up
+def select(steps, wait):
+    """Collective: gather the placements of the ranks of the group whose :class:`~distlab.comm.steps.GroupSteps`
+    ``steps`` is, and return its transport (None: ``mpi``, the plain path) made with those steps, the name shown in
+    the group's repr, and why it was chosen; ``wait(request, what)`` completes a request under the set-up
     deadline."""
-    mine = local_placement(int(group._node_keys[group.rank])).row()
-    table = np.empty((group.size, PLACEMENT_WORDS), dtype=np.int64)
-    wait(group.comm.Iallgather(mine, table), "device placements")
+    mine = local_placement(int(steps.node_keys[steps.rank])).row()
+    table = np.empty((steps.size, PLACEMENT_WORDS), dtype=np.int64)
+    wait(steps.comm.Iallgather(mine, table), "device placements")
     placements = [Placement.from_row(row) for row in table]
     name, why = choose(placements)
     if name == "ipc":
         from .ipc import IpcTransport
 
-        return IpcTransport(group, reducer_mode(placements), _device_module()), name, why
+        return IpcTransport(steps, reducer_mode(placements), _device_module()), name, why
     if name == "staged":
         from .staged import StagedTransport
 
-        return StagedTransport(group), name, why
+        return StagedTransport(steps), name, why
     if name == "nccl":
         from .nccl import NcclTransport
 
-        return NcclTransport(group, _device_module(), wait), name, why
+        return NcclTransport(steps, _device_module(), wait), name, why
     if name == "hierarchical":
         from .hierarchical import HierarchicalTransport
 
-        return HierarchicalTransport(group, _device_module(), wait), name, why
+        return HierarchicalTransport(steps, _device_module(), wait), name, why
     return None, name, why

@@ -45,8 +45,9 @@ from ..._types import ReduceOp
 from ..device import device_array
 from ..setup import barrier_within, release_comm
 from ._streams import Streams
-from .nccl import (_UNIQUE_ID_BYTES, _Communicator, _close, _device_buffer, _finish, _make, nccl_module,
-                   nccl_reduction)
+from .base import Transport
+from .nccl import (UNIQUE_ID_BYTES, Communicator, close_communicator, device_buffer, finish_on_stream,
+                   make_communicator, nccl_module, nccl_reduction)
 from .staged import StagedTransport, allreduce_call
 
 __all__ = ["HierarchicalTransport"]
@@ -78,52 +79,55 @@ class _Turn:
             if other is self.op:
                 return True
             if other.phase < self.phase and other.work is not None:
-                other.work._poll()
-            if other.phase < self.phase and not (other.work is not None and other.work._done):
+                other.work.is_completed()  # polls it: moves it forward
+            if other.phase < self.phase and not (other.work is not None and other.work.is_completed()):
                 return False
         return True
 
 
-def _release(scatter: _Communicator, gather: _Communicator, cross) -> None:
-    _close(scatter)
-    _close(gather)
+def _release(scatter: Communicator, gather: Communicator, cross) -> None:
+    close_communicator(scatter)
+    close_communicator(gather)
     release_comm(cross)
 
 
-class HierarchicalTransport:
+class HierarchicalTransport(Transport):
     """Allreduce of one group's device arrays through NCCL inside each node and host MPI across them."""
 
     name = "hierarchical"
 
-    @staticmethod
-    def takes(array, what: str, name) -> bool:
+    def takes(self, what: str, name, *arrays) -> bool:
         """Every array of an allreduce (every local rank must issue the same NCCL calls, a joined rank's host
         zeros too); the other collectives as the staged path takes them."""
         if what == "allreduce":
-            return device_array(array, what, name, host_too=True)
-        return StagedTransport.takes(array, what, name)
+            return all(device_array(array, what, name, host_too=True) for array in arrays)
+        return self._staged.takes(what, name, *arrays)
 
-    def __init__(self, group, module, wait):
-        self.group = group
+    def __init__(self, steps, module, wait):
+        super().__init__(steps)
         self._xp = module
         lib = self._lib = nccl_module(module)
-        keys = [int(key) for key in group._node_keys]
-        local = [k for k, key in enumerate(keys) if key == keys[group.rank]]
-        self.local_rank, self.local_size = local.index(group.rank), len(local)
-        ids = np.zeros((2, _UNIQUE_ID_BYTES), np.uint8)
+        keys = [int(key) for key in steps.node_keys]
+        local = [k for k, key in enumerate(keys) if key == keys[steps.rank]]
+        self.local_rank, self.local_size = local.index(steps.rank), len(local)
+        ids = np.zeros((2, UNIQUE_ID_BYTES), np.uint8)
         if self.local_rank == 0:  # each node's first rank makes its node's two ids
             ids[:] = [np.frombuffer(lib.get_unique_id(), np.uint8) for _ in range(2)]
-        table = np.empty((group.size, 2, _UNIQUE_ID_BYTES), np.uint8)
-        barrier_within(group.comm, f"hierarchical transport of group {group.name!r} set-up", group.timeout)
-        wait(group.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")  # every rank came: completes now
-        self._scatter, self._gather = (_make(lib, self.local_size, table[local[0], k], self.local_rank)
+        table = np.empty((steps.size, 2, UNIQUE_ID_BYTES), np.uint8)
+        barrier_within(steps.comm, f"hierarchical transport of group {steps.name!r} set-up", steps.timeout)
+        wait(steps.comm.Iallgather(ids, table), "hierarchical NCCL unique ids")  # every rank came: completes now
+        self._scatter, self._gather = (make_communicator(lib, self.local_size, table[local[0], k], self.local_rank)
                                        for k in range(2))
-        self._cross = group.comm.Split(self.local_rank, group.rank)  # every rank passed the barrier above
-        self.release = weakref.finalize(self, _release, self._scatter, self._gather, self._cross)
+        self._cross = steps.comm.Split(self.local_rank, steps.rank)  # every rank passed the barrier above
+        self._release = weakref.finalize(self, _release, self._scatter, self._gather, self._cross)
         self._streams = Streams(module)
-        self._staged = StagedTransport(group)
+        self._staged = StagedTransport(steps)
         self._ops: list[_Op] = []
         self.fallbacks = 0  # allreduces NCCL has no reduction for, sent through the staged path
+
+    def releaser(self):
+        """Destroys (or aborts) the node's two NCCL communicators and frees the cross-node communicator."""
+        return self._release
 
     @property
     def communicators(self) -> tuple:
@@ -137,17 +141,14 @@ class HierarchicalTransport:
         if plan is None:
             self.fallbacks += 1
             return self._staged.allreduce(array, reduce_op, mpi_op, async_op, name)
-        group = self.group
-        seq = group._enter("allreduce", name, array, reduce_op=reduce_op)
+        steps = self.steps
+        seq = steps.enter("allreduce", name, array, reduce_op=reduce_op)
         op = _Op()
         self._ops.append(op)
         stages = self._stages(op, array, plan, allreduce_call(self._cross, array.dtype, mpi_op),
                               reduce_op is ReduceOp.AVG)
-        work = op.work = group._staged("allreduce", seq, name, array.nbytes, stages, True)
-        if async_op:
-            return work
-        work.wait()
-        return work._result
+        work = op.work = steps.run("allreduce", seq, name, array.nbytes, stages, True)
+        return work if async_op else work.result()
 
     def broadcast(self, array, src: int, async_op: bool, name):
         return self._staged.broadcast(array, src, async_op, name)
@@ -160,13 +161,13 @@ class HierarchicalTransport:
 
     def _stages(self, op: _Op, array, plan, cross_call, average: bool):
         """The allreduce's phases (see the module docstring); yields what each waits on."""
-        xp, streams, size = self._xp, self._streams, self.group.size
+        xp, streams, size = self._xp, self._streams, self.steps.size
         datatype, nccl_op, per_element = plan
         scatter, gather, last = self._scatter, self._gather, self.local_size - 1
         stream, later = streams.down, streams.up  # the node's reductions; its all-gathers (see the docstring)
         try:
             caller = streams.after_caller()
-            buffer = _device_buffer(xp, array, stream)  # a joined rank's host zeros: a device buffer for NCCL
+            buffer = device_buffer(xp, array, stream)  # a joined rank's host zeros: a device buffer for NCCL
             flat, ptr, itemsize = buffer.reshape(-1), buffer.data.ptr, buffer.itemsize
             shard, rest = divmod(flat.size, self.local_size)
             mine = ptr + shard * itemsize * self.local_rank
@@ -201,7 +202,7 @@ class HierarchicalTransport:
                     gather.nccl.bcast(remainder, rest * per_element, datatype, last, later.ptr)
             op.phase = 2
             yield from gather.completed(streams, later)
-            _finish(later, buffer, size if average else 0, [(buffer, array)])
+            finish_on_stream(later, buffer, size if average else 0, [(buffer, array)])
             streams.release_to(caller)
             return array
         finally:

@@ -43,6 +43,7 @@ from ..device import device_array
 from ..setup import bounded_dup, bounded_wait, release_comm
 from ..shared import layout, shared_memory_enabled
 from ._streams import Streams
+from .base import Transport
 
 __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
 
@@ -58,7 +59,7 @@ _OPS = {None: 0, **{op: k + 1 for k, op in enumerate(_COMBINE)}}
 
 def slot_bytes(on_gpu: bool) -> int:
     """``DISTLAB_IPC_SLOT_BYTES``, else 64 MiB on a GPU (a 64 MiB allreduce in one chunk), 1 MiB on the stand-in
-    (whose slots are host memory, one per rank of every ipc group)."""
+    (whose slots are host memory, one per rank of every ipc steps)."""
     value = os.environ.get(SLOT_BYTES_VAR, "").strip()
     if value and (not value.isdigit() or int(value) < 64):
         raise ValueError(f"{SLOT_BYTES_VAR}={value!r}: expected a number of bytes, 64 or more")
@@ -70,31 +71,31 @@ class CudaSlots:
     same calls on cupy and on the stand-in). Collective: a rank that cannot allocate its slot or open a peer's,
     or ranks that disagree on the slot size, make every rank raise the same error, naming the ranks."""
 
-    def __init__(self, group, xp, nbytes: int):
+    def __init__(self, steps, xp, nbytes: int):
         runtime = xp.cuda.runtime
-        self._xp, self._rank = xp, group.rank
+        self._xp, self._rank = xp, steps.rank
         self.nbytes = nbytes
         # the opened handles: the owner of every peer's memory here, closed once the last memory over them goes
         # (held by no one else, so dropping the slots closes them at once, without waiting for a cyclic GC)
         self._handles = _Handles()
         weakref.finalize(self._handles, _close_handles, runtime, self._handles.pointers)
-        self._memories = [None] * group.size
+        self._memories = [None] * steps.size
         failure, mine = None, np.zeros(_HANDLE_BYTES + 8, dtype=np.uint8)  # no handle: no slot
         mine[_HANDLE_BYTES:] = np.array([nbytes], dtype=np.int64).view(np.uint8)
         try:
-            self._memories[group.rank] = xp.cuda.Memory(nbytes)
-            mine[:_HANDLE_BYTES] = np.frombuffer(runtime.ipcGetMemHandle(self._memories[group.rank].ptr), np.uint8)
+            self._memories[steps.rank] = xp.cuda.Memory(nbytes)
+            mine[:_HANDLE_BYTES] = np.frombuffer(runtime.ipcGetMemHandle(self._memories[steps.rank].ptr), np.uint8)
         except (RuntimeError, MemoryError, OSError) as exc:  # cupy's CUDARuntimeError and OutOfMemoryError
             failure = f"allocating its {nbytes}-byte slot: {type(exc).__name__}: {exc}"
-        table = _gather(group, mine, "handles")
+        table = _gather(steps, mine, "handles")
         sizes = table[:, _HANDLE_BYTES:].copy().view(np.int64)[:, 0]
         if np.any(sizes != nbytes):
             described = "; ".join(f"ranks {np.flatnonzero(sizes == size).tolist()}: {size} bytes"
                                   for size in dict.fromkeys(sizes.tolist()))
-            raise RuntimeError(f"ipc transport of group {group.name!r}: the ranks' slot sizes differ "
+            raise RuntimeError(f"ipc transport of group {steps.name!r}: the ranks' slot sizes differ "
                                f"({SLOT_BYTES_VAR}): {described}")
-        for k in range(group.size):
-            if k == group.rank or failure is not None or not table[k, :_HANDLE_BYTES].any():
+        for k in range(steps.size):
+            if k == steps.rank or failure is not None or not table[k, :_HANDLE_BYTES].any():
                 continue
             try:
                 ptr = runtime.ipcOpenMemHandle(table[k, :_HANDLE_BYTES].tobytes())  # lazy peer access
@@ -103,9 +104,9 @@ class CudaSlots:
                 continue
             self._handles.pointers.append(ptr)
             self._memories[k] = xp.cuda.UnownedMemory(ptr, nbytes, self._handles)
-        failed = np.flatnonzero(_gather(group, np.array([failure is not None], dtype=np.int8), "mapping")[:, 0])
+        failed = np.flatnonzero(_gather(steps, np.array([failure is not None], dtype=np.int8), "mapping")[:, 0])
         if failed.size:
-            raise RuntimeError(f"ipc transport of group {group.name!r}: ranks {failed.tolist()} could not map the "
+            raise RuntimeError(f"ipc transport of group {steps.name!r}: ranks {failed.tolist()} could not map the "
                                f"slots" + (f" (this rank failed {failure})" if failure else ""))
 
     def view(self, rank: int, count: int, dtype, offset: int = 0):
@@ -133,11 +134,11 @@ def _close_handles(runtime, pointers) -> None:
         runtime.ipcCloseMemHandle(ptr)
 
 
-def _gather(group, mine: np.ndarray, what: str) -> np.ndarray:
+def _gather(steps, mine: np.ndarray, what: str) -> np.ndarray:
     """Set-up allgather straight on the group's communicator (not through the transport being set up)."""
-    table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
-    bounded_wait(group.comm.Iallgather(mine, table), f"ipc transport of group {group.name!r} set-up ({what})",
-                 group.comm, group.timeout, time.monotonic() + group.timeout)
+    table = np.empty((steps.size,) + mine.shape, dtype=mine.dtype)
+    bounded_wait(steps.comm.Iallgather(mine, table), f"ipc transport of group {steps.name!r} set-up ({what})",
+                 steps.comm, steps.timeout, time.monotonic() + steps.timeout)
     return table
 
 
@@ -168,7 +169,7 @@ class _Messages:
         return MPI.Request.Testall(self.requests)
 
 
-class IpcTransport:
+class IpcTransport(Transport):
     """Device collectives of one single-node group through mapped slots (see the module docstring).
 
     It takes host arrays too: a rank may meet the others' device collective with host arrays (a joined rank's
@@ -177,22 +178,25 @@ class IpcTransport:
 
     name = "ipc"
 
-    @staticmethod
-    def takes(array, what: str, name) -> bool:
+    def takes(self, what: str, name, *arrays) -> bool:
         """Every array of the four collectives (checked: contiguous, a movable dtype)."""
-        return device_array(array, what, name, host_too=True)
+        return all(device_array(array, what, name, host_too=True) for array in arrays)
 
-    def __init__(self, group, mode: str, module):
-        self.group = group
+    def __init__(self, steps, mode: str, module):
+        super().__init__(steps)
         self.mode = mode  # "leader" or "split"
         self._held: list = []  # the slots, once mapped; released with the group (destroyed or dropped)
-        self.release = weakref.finalize(self, self._held.clear)
+        self._release = weakref.finalize(self, self._held.clear)
         self._comm = None
         self._streams = None
         self._last = None  # the Work of the collective that used the slots last
         self._module = module  # the device module the slots belong to
-        self._peers = [k for k in range(group.size) if k != group.rank]
+        self._peers = [k for k in range(steps.size) if k != steps.rank]
         self._shared: list = []  # weak references to the memory of shared_arrays, in the (collective) order made
+
+    def releaser(self):
+        """Drops the mapped slots (the peers' handles close once no array over them is left)."""
+        return self._release
 
     @property
     def _slots(self):
@@ -206,12 +210,13 @@ class IpcTransport:
         every rank when the ranks ask for different sizes or none, or any rank set ``DISTLAB_SHARED_MEMORY=0``."""
         starts, total = layout(specs, 256)  # cupy's allocations are 256-byte aligned too
         wanted = total if shared_memory_enabled() else 0  # DISTLAB_SHARED_MEMORY=0 on any rank: none anywhere
-        sizes = _gather(self.group, np.array([wanted], np.int64), "shared arrays")[:, 0]
+        sizes = _gather(self.steps, np.array([wanted], np.int64), "shared arrays")[:, 0]
         if not total or np.any(sizes != total):
             return None
-        memory = CudaSlots(self.group, self._module, total)
+        memory = CudaSlots(self.steps, self._module, total)
         self._shared.append(weakref.ref(memory))
-        arrays = [memory.view(self.group.rank, int(count), dtype, start) for start, (count, dtype) in zip(starts, specs)]
+        arrays = [memory.view(self.steps.rank, int(count), dtype, start)
+                  for start, (count, dtype) in zip(starts, specs)]
         for array in arrays:
             array.fill(0)
         return memory, arrays
@@ -233,7 +238,7 @@ class IpcTransport:
             return self._slots.view(rank, count, dtype)
         memory = self._shared[place[0]]()
         if memory is None:
-            raise RuntimeError(f"ipc transport of group {self.group.name!r}: rank {rank} passed an array in shared "
+            raise RuntimeError(f"ipc transport of group {self.steps.name!r}: rank {rank} passed an array in shared "
                                f"arrays this rank no longer holds (made #{place[0]}); keep them alike on every rank")
         return memory.view(rank, count, dtype, int(place[1]))
 
@@ -241,18 +246,18 @@ class IpcTransport:
         """The group's first device collective: map the slots (collective; every rank gets here in step)."""
         if self._comm is not None:
             return
-        group = self.group
+        steps = self.steps
         on_gpu = xp.__name__ == "cupy"
-        self._held[:] = [CudaSlots(group, xp, slot_bytes(on_gpu))]
-        self._comm = bounded_dup(group.comm, f"ipc transport of group {group.name!r}", group.timeout)
+        self._held[:] = [CudaSlots(steps, xp, slot_bytes(on_gpu))]
+        self._comm = bounded_dup(steps.comm, f"ipc transport of group {steps.name!r}", steps.timeout)
         self._tag_limit = (int(self._comm.Get_attr(MPI.TAG_UB)) + 1) // 2
         weakref.finalize(self, release_comm, self._comm)
         self._streams = Streams(xp)
 
     def _run(self, op, name, array, per_chunk, chunks, header, async_op, result, reduce_op=None, root=-1):
         """Enter collective ``op`` and run ``per_chunk(k)``'s steps for each of ``chunks``; return ``result``."""
-        group = self.group
-        seq = group._enter(op, name, array, root=root, reduce_op=reduce_op or "")
+        steps = self.steps
+        seq = steps.enter(op, name, array, root=root, reduce_op=reduce_op or "")
         tag = seq % self._tag_limit * 2
         turn = _Turn(self._last)
         streams = self._streams
@@ -266,41 +271,38 @@ class IpcTransport:
                     copy_in()
                 streams.record(streams.down).synchronize()  # the chunk's data is in place (its producers done)
                 mine = np.array([seq, k, *header, _OPS[reduce_op], root, *place], dtype=np.int64)
-                arrived = _Messages(self._comm, group.rank, self._peers, mine, tag + _ARRIVE)
+                arrived = _Messages(self._comm, steps.rank, self._peers, mine, tag + _ARRIVE)
                 yield arrived
-                _check(arrived.inbox[:, :_COMMON], mine[:_COMMON], group.rank, op, seq, name)
+                _check(arrived.inbox[:, :_COMMON], mine[:_COMMON], steps.rank, op, seq, name)
                 with streams.down:
                     work(arrived.inbox[:, _COMMON:])
                 streams.record(streams.down).synchronize()
-                yield _Messages(self._comm, group.rank, self._peers, mine[:2], tag + _DONE)
+                yield _Messages(self._comm, steps.rank, self._peers, mine[:2], tag + _DONE)
                 with streams.down:
                     copy_out()
             streams.release_to(caller)
             return result
 
-        self._last = work = group._staged(op, seq, name, array.nbytes, stages(), True)
-        if async_op:
-            return work
-        work.wait()
-        return work._result
+        self._last = work = steps.run(op, seq, name, array.nbytes, stages(), True)
+        return work if async_op else work.result()
 
     def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
         """In-place allreduce of a device array through the slots."""
-        group, flat = self.group, array.reshape(-1)
+        steps, flat = self.steps, array.reshape(-1)
         step, chunks = self._chunking(array, flat.size, 1)
         combine = getattr(self._module, _COMBINE[reduce_op])
         average = reduce_op is ReduceOp.AVG
         # the leader reduces straight in its own array, which it reads and writes in place of its slot: two copies
         # of the array (in and out) fewer on the one device, the same operations in the same order (same bits); so
         # does every rank whose array lives in shared arrays' memory, which the others map (DDP's buckets)
-        direct = self.mode == "leader" and group.rank == 0 and type(array) is not np.ndarray
+        direct = self.mode == "leader" and steps.rank == 0 and type(array) is not np.ndarray
 
         def per_chunk(k):
             a, b = k * step, min((k + 1) * step, flat.size)
             place = self._place(flat[a:b])
             in_place = direct or place[0] >= 0
-            own = flat[a:b] if in_place else self._slots.view(group.rank, b - a, array.dtype)
-            first, stop = _block(b - a, group.rank, group.size, self.mode)
+            own = flat[a:b] if in_place else self._slots.view(steps.rank, b - a, array.dtype)
+            first, stop = _block(b - a, steps.rank, steps.size, self.mode)
 
             def copy_in():
                 if not in_place:
@@ -309,13 +311,13 @@ class IpcTransport:
             def work(places):
                 if first == stop:
                     return
-                views = [own if r == group.rank else self._view_of(r, places[r], b - a, array.dtype)
-                         for r in range(group.size)]
+                views = [own if r == steps.rank else self._view_of(r, places[r], b - a, array.dtype)
+                         for r in range(steps.size)]
                 total = views[0][first:stop]
                 for view in views[1:]:
                     combine(total, view[first:stop], out=total)
                 if average:
-                    total /= group.size
+                    total /= steps.size
                 for view in views[1:]:
                     view[first:stop] = total
 
@@ -330,7 +332,7 @@ class IpcTransport:
 
     def broadcast(self, array, src: int, async_op: bool, name):
         """Broadcast of a device array from rank ``src`` through its slot."""
-        group, flat = self.group, array.reshape(-1)
+        steps, flat = self.steps, array.reshape(-1)
         step, chunks = self._chunking(array, flat.size, 1)
 
         def per_chunk(k):
@@ -338,11 +340,11 @@ class IpcTransport:
             source = self._slots.view(src, b - a, array.dtype)
 
             def copy_in():
-                if group.rank == src:
+                if steps.rank == src:
                     _put(source, flat[a:b])
 
             def work(_places):
-                if group.rank != src:
+                if steps.rank != src:
                     _put(flat[a:b], source)
 
             return copy_in, work, _nothing, _NOWHERE
@@ -352,16 +354,16 @@ class IpcTransport:
 
     def allgather(self, array, out, async_op: bool, name):
         """Gather every rank's device ``array`` into ``out`` (shape ``(size,) + array.shape``) through the slots."""
-        group, flat = self.group, array.reshape(-1)
-        rows = out.reshape(group.size, -1)
+        steps, flat = self.steps, array.reshape(-1)
+        rows = out.reshape(steps.size, -1)
         step, chunks = self._chunking(array, flat.size, 1)
 
         def per_chunk(k):
             a, b = k * step, min((k + 1) * step, flat.size)
-            views = [self._slots.view(r, b - a, array.dtype) for r in range(group.size)]
+            views = [self._slots.view(r, b - a, array.dtype) for r in range(steps.size)]
 
             def copy_in():
-                _put(views[group.rank], flat[a:b])
+                _put(views[steps.rank], flat[a:b])
 
             def work(_places):
                 for r, view in enumerate(views):
@@ -374,7 +376,7 @@ class IpcTransport:
 
     def reduce_scatter(self, output, input, reduce_op, mpi_op, async_op: bool, name):  # noqa: A002
         """Reduce ``input`` across ranks; rank ``r`` sums block ``r`` of every slot into ``output``."""
-        group, size = self.group, self.group.size
+        steps, size = self.steps, self.steps.size
         blocks, out = input.reshape(size, -1), output.reshape(-1)
         step, chunks = self._chunking(input, out.size, size)
         combine = getattr(self._module, _COMBINE[reduce_op])
@@ -386,12 +388,12 @@ class IpcTransport:
 
             def copy_in():
                 for q in range(size):
-                    _put(views[group.rank][q], blocks[q, a:b])
+                    _put(views[steps.rank][q], blocks[q, a:b])
 
             def work(_places):  # a fresh array for the sum: this rank's block of every slot is an input, its own too
-                total = combine(views[0][group.rank], views[1][group.rank])
+                total = combine(views[0][steps.rank], views[1][steps.rank])
                 for view in views[2:]:
-                    combine(total, view[group.rank], out=total)
+                    combine(total, view[steps.rank], out=total)
                 if reduce_op is ReduceOp.AVG:
                     total /= size
                 _put(out[a:b], total)

@@ -43,14 +43,16 @@ from ..._types import ReduceOp
 from ..device import device_array
 from ..setup import barrier_within
 from ._streams import Streams
+from .base import Transport
 
-__all__ = ["NcclTransport", "nccl_module", "nccl_reduction"]
+__all__ = ["NcclTransport", "nccl_module", "nccl_reduction", "Communicator", "make_communicator", "close_communicator",
+           "device_buffer", "finish_on_stream", "UNIQUE_ID_BYTES"]
 
 _BY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
             "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
             "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16", "complex64": "NCCL_FLOAT32",
             "complex128": "NCCL_FLOAT64", "bool": "NCCL_UINT8"}
-_UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy 14 hands it over as 128 bytes)
+UNIQUE_ID_BYTES = 128  # ncclUniqueId (cupy 14 hands it over as 128 bytes)
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
         ReduceOp.PRODUCT: "NCCL_PROD"}
 _BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
@@ -84,7 +86,7 @@ def nccl_reduction(lib, dtype, reduce_op):
     return datatype, getattr(lib, ops[reduce_op]), 2 if dtype.kind == "c" else 1
 
 
-class _Communicator:
+class Communicator:
     """The group's NCCL communicator and how many of its collectives are still running (what the group's end
     decides between destroy and abort on). Holds no reference to the group."""
 
@@ -102,12 +104,12 @@ class _Communicator:
         self.running -= 1
 
 
-def _make(lib, size: int, uid, rank: int) -> _Communicator:
+def make_communicator(lib, size: int, uid, rank: int) -> Communicator:
     """Rank ``rank`` of the ``size``-rank NCCL communicator of unique id ``uid`` (a uint8 array of its bytes)."""
-    return _Communicator(lib.NcclCommunicator(size, uid.tobytes(), rank))
+    return Communicator(lib.NcclCommunicator(size, uid.tobytes(), rank))
 
 
-def _close(state: _Communicator) -> None:
+def close_communicator(state: Communicator) -> None:
     """Destroy the communicator, or abort it when a collective never completed (a timed-out wait)."""
     if state.running:
         state.nccl.abort()
@@ -115,7 +117,7 @@ def _close(state: _Communicator) -> None:
         state.nccl.destroy()
 
 
-def _device_buffer(xp, array, stream, copy_in: bool = True):
+def device_buffer(xp, array, stream, copy_in: bool = True):
     """``array`` itself when it is in device memory; for a host array, a device buffer of its shape made on
     ``stream`` (holding its values, copied on ``stream``, when ``copy_in``)."""
     if type(array) is not np.ndarray:
@@ -127,7 +129,7 @@ def _device_buffer(xp, array, stream, copy_in: bool = True):
     return buffer
 
 
-def _finish(stream, result, divisor, copies) -> None:
+def finish_on_stream(stream, result, divisor, copies) -> None:
     """On ``stream``, once the collective completed: ``result /= divisor`` unless ``divisor`` is 0 (an average:
     the stand-in runs kernels at once, a GPU queues them), then each ``(device buffer, host array)`` of ``copies``
     copied back unless they are one array."""
@@ -155,32 +157,35 @@ class _Completion:
         return False
 
 
-class NcclTransport:
+class NcclTransport(Transport):
     """Device collectives of one group through its NCCL communicator (see the module docstring)."""
 
     name = "nccl"
 
-    @staticmethod
-    def takes(array, what: str, name) -> bool:
+    def takes(self, what: str, name, *arrays) -> bool:
         """Every array of the four collectives (checked: contiguous, a movable dtype): a rank may meet the others'
         device collective with host memory, and every rank must issue the same NCCL call."""
-        return device_array(array, what, name, host_too=True)
+        return all(device_array(array, what, name, host_too=True) for array in arrays)
 
-    def __init__(self, group, module, wait):
-        self.group = group
+    def __init__(self, steps, module, wait):
+        super().__init__(steps)
         self._xp = module
         nccl = self._lib = nccl_module(module)
-        what = f"nccl transport of group {group.name!r} set-up"
-        barrier_within(group.comm, what, group.timeout)  # names any rank that never came, rank 0 included
-        uid = np.zeros(_UNIQUE_ID_BYTES, np.uint8)
-        if group.rank == 0:
+        what = f"nccl transport of group {steps.name!r} set-up"
+        barrier_within(steps.comm, what, steps.timeout)  # names any rank that never came, rank 0 included
+        uid = np.zeros(UNIQUE_ID_BYTES, np.uint8)
+        if steps.rank == 0:
             uid[:] = np.frombuffer(nccl.get_unique_id(), np.uint8)
-        wait(group.comm.Ibcast(uid, root=0), "nccl unique id")
-        self._state = _make(nccl, group.size, uid, group.rank)
-        self.release = weakref.finalize(self, _close, self._state)
+        wait(steps.comm.Ibcast(uid, root=0), "nccl unique id")
+        self._state = make_communicator(nccl, steps.size, uid, steps.rank)
+        self._release = weakref.finalize(self, close_communicator, self._state)
         self._streams = Streams(module)
         self._staged = None
         self.fallbacks = 0  # collectives NCCL has no reduction for, sent through the staged path
+
+    def releaser(self):
+        """Destroys the NCCL communicator (or aborts it, when a collective never completed)."""
+        return self._release
 
     @property
     def communicator(self):
@@ -193,7 +198,7 @@ class NcclTransport:
         if plan is None:
             return self._fallback().allreduce(array, reduce_op, mpi_op, async_op, name)
         datatype, op, per_element = plan
-        seq = self.group._enter("allreduce", name, array, reduce_op=reduce_op)
+        seq = self.steps.enter("allreduce", name, array, reduce_op=reduce_op)
 
         def issue(comm, buf, stream):
             comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size * per_element, datatype, op, stream.ptr)
@@ -203,8 +208,8 @@ class NcclTransport:
 
     def broadcast(self, array, src: int, async_op: bool, name):
         """Broadcast of rank ``src``'s array, as bytes."""
-        seq = self.group._enter("broadcast", name, array, root=src)
-        mine = self.group.rank == src
+        seq = self.steps.enter("broadcast", name, array, root=src)
+        mine = self.steps.rank == src
 
         def issue(comm, buf, stream):
             comm.bcast(buf.data.ptr, buf.nbytes, self._lib.NCCL_UINT8, src, stream.ptr)
@@ -213,7 +218,7 @@ class NcclTransport:
 
     def allgather(self, array, out, async_op: bool, name):
         """Gather every rank's ``array`` into ``out`` (shape ``(size,) + array.shape``), as bytes."""
-        seq = self.group._enter("allgather", name, array)
+        seq = self.steps.enter("allgather", name, array)
 
         def issue(comm, send, recv, stream):
             comm.allGather(send.data.ptr, recv.data.ptr, send.nbytes, self._lib.NCCL_UINT8, stream.ptr)
@@ -231,7 +236,7 @@ class NcclTransport:
                                  "both in device memory or both in host memory")
             return self._fallback().reduce_scatter(output, input, reduce_op, mpi_op, async_op, name)
         datatype, op, per_element = plan
-        seq = self.group._enter("reduce_scatter", name, input, reduce_op=reduce_op)
+        seq = self.steps.enter("reduce_scatter", name, input, reduce_op=reduce_op)
 
         def issue(comm, send, recv, stream):
             comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size * per_element, datatype, op, stream.ptr)
@@ -244,7 +249,7 @@ class NcclTransport:
         if self._staged is None:
             from .staged import StagedTransport
 
-            self._staged = StagedTransport(self.group)
+            self._staged = StagedTransport(self.steps)
         self.fallbacks += 1
         return self._staged
 
@@ -253,17 +258,17 @@ class NcclTransport:
 
         ``operands`` are ``(array, copied in, copied out)``: a host array gets a device buffer for the call.
         """
-        xp, streams, state, size = self._xp, self._streams, self._state, self.group.size
+        xp, streams, state, size = self._xp, self._streams, self._state, self.steps.size
         stream = streams.down
 
         def stages():
             caller = streams.after_caller()
-            buffers = [_device_buffer(xp, array, stream, down) for array, down, _ in operands]
+            buffers = [device_buffer(xp, array, stream, down) for array, down, _ in operands]
             issue(state.nccl, *buffers, stream)
             yield from state.completed(streams, stream)
-            _finish(stream, buffers[-1], size if average else 0,
+            finish_on_stream(stream, buffers[-1], size if average else 0,
                     [(buffer, array) for (array, _, up), buffer in zip(operands, buffers) if up])
             streams.release_to(caller)
             return result
 
-        return self.group._staged(op, seq, name, operands[0][0].nbytes, stages(), async_op)
+        return self.steps.run(op, seq, name, operands[0][0].nbytes, stages(), async_op)

@@ -27,6 +27,7 @@ from ...autograd._array import device_module
 from ..device import device_array
 from ..reduce_ops import as_bits, reduction_buffer
 from ._streams import Streams
+from .base import Transport
 
 __all__ = ["StagedTransport", "CHUNK_BYTES", "CHUNK_BYTES_VAR", "allreduce_call"]
 
@@ -55,20 +56,19 @@ class _Arena:
         self.pending: list = []  # events of the last copies up out of it: the next copies down wait on them
 
 
-class StagedTransport:
+class StagedTransport(Transport):
     """Device collectives of one group staged through its pinned arenas (see the module docstring)."""
 
     name = "staged"
 
-    @staticmethod
-    def takes(array, what: str, name) -> bool:
+    def takes(self, what: str, name, *arrays) -> bool:
         """Device arrays; and host arrays an allreduce or broadcast cuts into chunks, so that a rank meeting the
         others' device collective with a host array (a joined rank's shadow of zeros) issues the same MPI calls."""
-        return device_array(array, what, name, host_too=what in ("allreduce", "broadcast")
-                            and getattr(array, "nbytes", 0) > CHUNK_BYTES)
+        return all(device_array(array, what, name, host_too=what in ("allreduce", "broadcast")
+                                and getattr(array, "nbytes", 0) > CHUNK_BYTES) for array in arrays)
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, steps):
+        super().__init__(steps)
         self._free: list[_Arena] = []
         self._streams: dict = {}
         self.arenas_made = 0  # how many arenas were ever allocated (the reuse test reads it)
@@ -91,20 +91,20 @@ class StagedTransport:
 
     def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
         """In-place allreduce of a device array, chunked and pipelined through a pinned arena."""
-        group = self.group
-        seq = group._enter("allreduce", name, array, reduce_op=reduce_op)
-        average = group.size if reduce_op is ReduceOp.AVG else 0
-        return group._staged("allreduce", seq, name, array.nbytes,
-                             self.pipeline(array, allreduce_call(group.comm, array.dtype, mpi_op), True, True,
+        steps = self.steps
+        seq = steps.enter("allreduce", name, array, reduce_op=reduce_op)
+        average = steps.size if reduce_op is ReduceOp.AVG else 0
+        return steps.run("allreduce", seq, name, array.nbytes,
+                             self.pipeline(array, allreduce_call(steps.comm, array.dtype, mpi_op), True, True,
                                             average), async_op)
 
     def broadcast(self, array, src: int, async_op: bool, name):
         """Broadcast of a device array from rank ``src``, chunked and pipelined through a pinned arena."""
-        group = self.group
-        seq = group._enter("broadcast", name, array, root=src)
-        mine = group.rank == src
-        stages = self.pipeline(array, lambda buf: group.comm.Ibcast(as_bits(buf), root=src), mine, not mine, 0)
-        return group._staged("broadcast", seq, name, array.nbytes, stages, async_op)
+        steps = self.steps
+        seq = steps.enter("broadcast", name, array, root=src)
+        mine = steps.rank == src
+        stages = self.pipeline(array, lambda buf: steps.comm.Ibcast(as_bits(buf), root=src), mine, not mine, 0)
+        return steps.run("broadcast", seq, name, array.nbytes, stages, async_op)
 
     def pipeline(self, array, call, down: bool, up: bool, average: int):
         """The stages of one chunked, pipelined collective of ``array`` through a pinned arena: ``call(host chunk)``
@@ -155,8 +155,8 @@ class StagedTransport:
 
     def allgather(self, array, out, async_op: bool, name):
         """Gather every rank's device ``array`` into the device array ``out`` through one pinned arena."""
-        group = self.group
-        seq = group._enter("allgather", name, array)
+        steps = self.steps
+        seq = steps.enter("allgather", name, array)
         xp = device_module(array)
         streams = self.streams_for(xp)
 
@@ -166,28 +166,28 @@ class StagedTransport:
                 send = arena.host[:array.nbytes].view(array.dtype).reshape(array.shape)
                 recv = arena.host[array.nbytes:array.nbytes + out.nbytes].view(out.dtype).reshape(out.shape)
                 caller = self._down(streams, arena, array, send)
-                yield group.comm.Iallgather(as_bits(send), as_bits(recv))
+                yield steps.comm.Iallgather(as_bits(send), as_bits(recv))
                 out.set(recv, stream=streams.up)
                 self._up(streams, arena, caller)
             finally:
                 self._free.append(arena)
             return out
 
-        return group._staged("allgather", seq, name, array.nbytes, stages(), async_op)
+        return steps.run("allgather", seq, name, array.nbytes, stages(), async_op)
 
     def reduce_scatter(self, output, input, reduce_op, mpi_op, async_op: bool, name):  # noqa: A002
         """Reduce-scatter of device arrays through one pinned arena."""
-        group = self.group
-        seq = group._enter("reduce_scatter", name, input, reduce_op=reduce_op)
+        steps = self.steps
+        seq = steps.enter("reduce_scatter", name, input, reduce_op=reduce_op)
         xp = device_module(input)
 
         def call(send, recv):
-            return group.comm.Ireduce_scatter_block(reduction_buffer(send), reduction_buffer(recv), mpi_op)
+            return steps.comm.Ireduce_scatter_block(reduction_buffer(send), reduction_buffer(recv), mpi_op)
 
         def host_stages():  # host arrays (a rank meeting the others' device call with host memory): the same call
             yield call(input.reshape(-1), output.reshape(-1))
             if reduce_op is ReduceOp.AVG:
-                output[...] /= group.size
+                output[...] /= steps.size
             return output
 
         def stages():
@@ -199,14 +199,14 @@ class StagedTransport:
                 caller = self._down(streams, arena, input.reshape(-1), send)
                 yield call(send, recv)
                 if reduce_op is ReduceOp.AVG:
-                    recv /= group.size
+                    recv /= steps.size
                 output.reshape(-1).set(recv, stream=streams.up)
                 self._up(streams, arena, caller)
             finally:
                 self._free.append(arena)
             return output
 
-        return group._staged("reduce_scatter", seq, name, input.nbytes, host_stages() if xp is None else stages(),
+        return steps.run("reduce_scatter", seq, name, input.nbytes, host_stages() if xp is None else stages(),
                              async_op)
 
     @staticmethod
