@@ -7,7 +7,10 @@ missing member named, a rank claimed twice), rank 0 missing at the transport's s
 communicator destroyed (or aborted) with its group. For ipc: the slots' set-up refused on every rank, naming the
 ranks (a peer's slot a rank cannot open, slot sizes that differ), and a destroyed group's slots unmapped at once.
 For hierarchical (2 simulated nodes of 2 ranks, local rank k on stand-in device k): counts below, at and around the
-local size, what auto picks on the opt-in and where NCCL has no network, nodes of different sizes refused."""
+local size, what auto picks on the opt-in and where NCCL has no network, nodes of different sizes refused. For ipc
+also the path each collective signature takes, agreed by the ranks: host arrays on every rank go by the host path
+once their first collective agreed it (no copy through the slots), a signature that is device memory on any rank
+stays on the slots for every rank (a shadow's host zeros too), counted in copies per collective."""
 import os
 import time
 
@@ -102,6 +105,36 @@ if transport == "ipc":  # kernels of one single-chunk allreduce on each rank: le
     assert odd.get().tolist() == [n] * 7
     assert pg.device_shared_arrays([(100 + 100 * r, np.float32)]) is None  # sizes differ: no rank gets any
     del memory, odd, buckets
+
+    def copies():
+        """Host <-> device copies the comm layer made since the last reset."""
+        return xp.total("to_host", prefix="distlab.comm") + xp.total("from_host", prefix="distlab.comm")
+
+    # host arrays on every rank (Join's counts, DDP's used-parameter map): the first collective of a signature
+    # agrees the path through the slots (a copy in and out), every later one takes the host path, copying nothing
+    for step in range(3):
+        counts, rows = np.full(3, r + 1, dtype=np.int64), np.full(2, float(r))
+        xp.reset()
+        pg.allreduce(counts, name="host counts")
+        pg.broadcast(rows, src=n - 1, name="host rows")
+        gathered = pg.allgather(np.array([r + 1], np.int64), name="host gather")
+        half = np.empty(1, np.float64)
+        pg.reduce_scatter(half, np.full(n, 1.0), name="host scatter")
+        assert copies() > 0 if step == 0 else copies() == 0, (step, xp.transfers())
+        assert counts.tolist() == [n * (n + 1) // 2] * 3 and rows.tolist() == [n - 1.0] * 2
+        assert gathered.ravel().tolist() == list(range(1, n + 1)) and half.tolist() == [n]
+    # a signature that is device memory on some rank stays on the slots, on every rank: the last rank's host zeros
+    # (a joined rank's shadow) are copied in and out of its slot, every time
+    for step in range(3):
+        shadow = r == n - 1
+        array = np.zeros(5, np.float32) if shadow else xp.full(5, 1.0, dtype=np.float32)
+        xp.reset()
+        pg.allreduce(array, name="shadowed path")
+        assert copies() == (2 if shadow else 0), (step, copies())
+        assert np.all((array if shadow else array.get()) == n - 1)
+    # a rank that calls a signature again before its first collective arrived waits for that one to agree
+    works = [pg.allreduce(np.full(4, 1.0), name="twice", async_op=True) for _ in range(2)]
+    assert all(w.wait() and w.result().tolist() == [float(n)] * 4 for w in works)
 
 for dtype, ops in DTYPES.items():
     for size in (1, 7, 1023, 5001):

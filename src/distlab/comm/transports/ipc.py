@@ -19,6 +19,10 @@ A collective then runs, one slot-sized chunk at a time:
 4. **done**: a second message to every peer; once all arrived, every slot holds its result and may be reused;
 5. **copy out** (allreduce) into the caller's array; the caller's stream waits on the transport's last event.
 
+**Which path.** Host arrays meet this transport too (Join's counts, a joined rank's shadow of zeros): the ranks
+agree, once per collective signature, whether it goes through the slots or the host path
+(:mod:`~distlab.comm.transports.agreement`); its first collective's arrival message carries each rank's word.
+
 An allreduce of an array made by :meth:`IpcTransport.shared_arrays` (memory every rank maps, as the slots are;
 DDP's device buckets) skips steps 1 and 5 on its rank: its arrival message says where the chunk lies, and the
 reducing ranks read and write it there.
@@ -43,6 +47,7 @@ from ..device import device_array
 from ..setup import bounded_dup, bounded_wait, release_comm
 from ..shared import layout, shared_memory_enabled
 from ._streams import Streams
+from .agreement import PathAgreement
 from .base import Transport
 
 __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
@@ -50,7 +55,8 @@ __all__ = ["IpcTransport", "CudaSlots", "SLOT_BYTES_VAR", "slot_bytes"]
 SLOT_BYTES_VAR = "DISTLAB_IPC_SLOT_BYTES"
 _HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _ARRIVE, _DONE = 0, 1
-_COMMON = 6  # header words every rank must agree on: seq, chunk, count, dtype, op, root; then where its data is
+_COMMON = 6  # header words every rank must agree on: seq, chunk, count, dtype, op, root; then where its data is,
+_DEVICE_WORD = _COMMON + 2  # and whether its arrays are device memory (the path agreement)
 _NOWHERE = (-1, -1)
 _COMBINE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
             ReduceOp.PRODUCT: "multiply", ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or"}
@@ -172,15 +178,23 @@ class _Messages:
 class IpcTransport(Transport):
     """Device collectives of one single-node group through mapped slots (see the module docstring).
 
-    It takes host arrays too: a rank may meet the others' device collective with host arrays (a joined rank's
-    shadow of zeros), and every rank must run the same protocol; a host array is copied in and out of the slot.
+    It takes host arrays too, where the ranks agreed that it should (:mod:`~distlab.comm.transports.agreement`): a
+    rank may meet the others' device collective with host arrays (a joined rank's shadow of zeros), and every rank
+    must run the same protocol; a host array is copied in and out of the slot.
     """
 
     name = "ipc"
 
     def takes(self, what: str, name, *arrays) -> bool:
-        """Every array of the four collectives (checked: contiguous, a movable dtype)."""
-        return all(device_array(array, what, name, host_too=True) for array in arrays)
+        """The arrays of the four collectives (checked: contiguous, a movable dtype): device memory always; host
+        memory when the ranks agreed its collective's signature is device memory somewhere, or have not agreed it
+        yet (this collective agrees it: :mod:`~distlab.comm.transports.agreement`)."""
+        device = False
+        for array in arrays:
+            if not device_array(array, what, name, host_too=True):
+                return False  # not an array a transport takes: the plain path refuses it
+            device = device or type(array) is not np.ndarray
+        return device or self._agreement.slots((what, name, tuple(arrays[0].shape), arrays[0].dtype))
 
     def __init__(self, steps, mode: str, module):
         super().__init__(steps)
@@ -193,6 +207,7 @@ class IpcTransport(Transport):
         self._module = module  # the device module the slots belong to
         self._peers = [k for k in range(steps.size) if k != steps.rank]
         self._shared: list = []  # weak references to the memory of shared_arrays, in the (collective) order made
+        self._agreement = PathAgreement(steps)  # which collectives take the slots, agreed by the ranks
 
     def releaser(self):
         """Drops the mapped slots (the peers' handles close once no array over them is left)."""
@@ -254,15 +269,20 @@ class IpcTransport(Transport):
         weakref.finalize(self, release_comm, self._comm)
         self._streams = Streams(xp)
 
-    def _run(self, op, name, array, per_chunk, chunks, header, async_op, result, reduce_op=None, root=-1):
-        """Enter collective ``op`` and run ``per_chunk(k)``'s steps for each of ``chunks``; return ``result``."""
+    def _run(self, op, name, array, per_chunk, chunks, header, async_op, result, reduce_op=None, root=-1,
+             device=True):
+        """Enter collective ``op`` and run ``per_chunk(k)``'s steps for each of ``chunks``; return ``result``.
+        ``device``: whether this rank's arrays are device memory (what its arrival message says)."""
         steps = self.steps
         seq = steps.enter(op, name, array, root=root, reduce_op=reduce_op or "")
         tag = seq % self._tag_limit * 2
         turn = _Turn(self._last)
         streams = self._streams
+        key = (op, name, tuple(array.shape), array.dtype)
+        agree = self._agreement.first(key)  # a record(words) when this collective agrees its signature's path
 
         def stages():
+            nonlocal agree
             yield turn
             caller = streams.after_caller()
             for k in range(chunks):
@@ -270,12 +290,15 @@ class IpcTransport(Transport):
                 with streams.down:
                     copy_in()
                 streams.record(streams.down).synchronize()  # the chunk's data is in place (its producers done)
-                mine = np.array([seq, k, *header, _OPS[reduce_op], root, *place], dtype=np.int64)
+                mine = np.array([seq, k, *header, _OPS[reduce_op], root, *place, device], dtype=np.int64)
                 arrived = _Messages(self._comm, steps.rank, self._peers, mine, tag + _ARRIVE)
                 yield arrived
                 _check(arrived.inbox[:, :_COMMON], mine[:_COMMON], steps.rank, op, seq, name)
+                if agree is not None:
+                    agree(arrived.inbox[:, _DEVICE_WORD])
+                    agree = None
                 with streams.down:
-                    work(arrived.inbox[:, _COMMON:])
+                    work(arrived.inbox[:, _COMMON:_DEVICE_WORD])
                 streams.record(streams.down).synchronize()
                 yield _Messages(self._comm, steps.rank, self._peers, mine[:2], tag + _DONE)
                 with streams.down:
@@ -284,6 +307,8 @@ class IpcTransport(Transport):
             return result
 
         self._last = work = steps.run(op, seq, name, array.nbytes, stages(), True)
+        if agree is not None:
+            self._agreement.started(key, work)
         return work if async_op else work.result()
 
     def allreduce(self, array, reduce_op, mpi_op, async_op: bool, name):
@@ -328,7 +353,7 @@ class IpcTransport(Transport):
             return copy_in, work, copy_out, place
 
         return self._run("allreduce", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
-                         async_op, array, reduce_op)
+                         async_op, array, reduce_op, device=_on_device(array))
 
     def broadcast(self, array, src: int, async_op: bool, name):
         """Broadcast of a device array from rank ``src`` through its slot."""
@@ -350,7 +375,7 @@ class IpcTransport(Transport):
             return copy_in, work, _nothing, _NOWHERE
 
         return self._run("broadcast", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
-                         async_op, array, root=src)
+                         async_op, array, root=src, device=_on_device(array))
 
     def allgather(self, array, out, async_op: bool, name):
         """Gather every rank's device ``array`` into ``out`` (shape ``(size,) + array.shape``) through the slots."""
@@ -372,7 +397,7 @@ class IpcTransport(Transport):
             return copy_in, work, _nothing, _NOWHERE
 
         return self._run("allgather", name, array, per_chunk, chunks, (flat.size, _dtype_code(array.dtype)),
-                         async_op, out)
+                         async_op, out, device=_on_device(array, out))
 
     def reduce_scatter(self, output, input, reduce_op, mpi_op, async_op: bool, name):  # noqa: A002
         """Reduce ``input`` across ranks; rank ``r`` sums block ``r`` of every slot into ``output``."""
@@ -401,7 +426,7 @@ class IpcTransport(Transport):
             return copy_in, work, _nothing, _NOWHERE
 
         return self._run("reduce_scatter", name, input, per_chunk, chunks, (out.size, _dtype_code(input.dtype)),
-                         async_op, output, reduce_op)
+                         async_op, output, reduce_op, device=_on_device(input, output))
 
     def _chunking(self, array, count: int, copies: int) -> tuple[int, int]:
         """Map the slots if need be; elements per chunk (``copies`` of them fit one slot), number of chunks."""
@@ -420,6 +445,11 @@ def _put(target, source) -> None:
 
 def _nothing() -> None:
     return None
+
+
+def _on_device(*arrays) -> bool:
+    """Whether any of ``arrays`` is device memory (what this rank's arrival message says)."""
+    return any(type(array) is not np.ndarray for array in arrays)
 
 
 def _block(count: int, rank: int, size: int, mode: str) -> tuple[int, int]:
