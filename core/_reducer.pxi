@@ -1,6 +1,96 @@
 # Included at the end of _reducer.pyx: the reducer's C helpers (reading a Tensor's slots, the scaled copy
 # loop), which only the core needs; the reference twin is reducer.py.
 # --- core-only helpers ---
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        pass
+    object PyMember_GetOne(const char* obj_addr, PyMemberDef* member)
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    void* Py_TYPE(object obj)
+
+
+# -- the reducer's state, and its C arrays ---------------------------------------------------------------------
+cdef int _adopt(Reducer self, setup) except -1:
+    """Keep every field of the set-up (distlab._common.reducer.ReducerSetup), typed."""
+    (self.params, self.process_group, self.expect_sparse_gradients, self.auto_bucket_cap, self.bucket_bytes_cap,
+     self.first_bucket_bytes_cap, self.find_unused_parameters, self.gradient_as_bucket_view, self.param_names,
+     self.reduce_dtype, self.stats, self.used_parameters, self.auto_choice,
+     self.static_graph, self.comm_hook, self.comm_hook_state, self.num_iterations, self.expect_autograd_hooks,
+     self.require_finalize, self.has_rebuilt_bucket, self.unused_parameters, self.has_marked_unused_parameters,
+     self.div_factor, self.forward_work,
+     self.forward_work_static_world) = setup
+    return 0  # (and _finalize_queued is False, as every C field of a new object)
+
+
+cdef int _allocate(Reducer self, Py_ssize_t n) except -1:
+    """The per-parameter C arrays, zeroed, and what is known of each parameter."""
+    cdef Py_ssize_t i
+    self.n = n
+    self.loc_bucket = <int*>calloc(n, sizeof(int))
+    self.loc_pos = <int*>calloc(n, sizeof(int))
+    self.ready = <char*>calloc(n, sizeof(char))
+    self._hook_counts = <int*>calloc(n, sizeof(int))
+    self._hook_counts_left = <int*>calloc(n, sizeof(int))
+    self.rebuilt = <int*>calloc(n, sizeof(int))
+    self.dst_ptr = <char**>calloc(n, sizeof(char*))
+    self.dst_len = <Py_ssize_t*>calloc(n, sizeof(Py_ssize_t))
+    self.kind = <int*>calloc(n, sizeof(int))
+    self.slot_type = <void**>calloc(n, sizeof(void*))
+    if not (self.loc_bucket and self.loc_pos and self.ready and self._hook_counts and self._hook_counts_left
+            and self.rebuilt and self.dst_ptr and self.dst_len and self.kind and self.slot_type):
+        raise MemoryError()
+    self.used = self.used_parameters.local
+    self.used_no_sync = self.used_parameters.no_sync
+    self._param_dtypes = [p.data.dtype for p in self.params]
+    self._slot_types = [type(p) for p in self.params]
+    for i in range(n):
+        if _reads_tensor_slots(self.params[i]):
+            self.slot_type[i] = <void*>self._slot_types[i]
+    return 0
+
+
+cdef int _allocate_buckets(Reducer self, Py_ssize_t nbuckets) except -1:
+    """The per-bucket C arrays for a new layout (the old one is dropped)."""
+    free(self.pending); free(self.bucket_params); free(self.bucket_sparse); free(self.bucket_arena)
+    self.nbuckets = nbuckets
+    self.pending = <int*>calloc(max(nbuckets, 1), sizeof(int))
+    self.bucket_params = <int*>calloc(max(nbuckets, 1), sizeof(int))
+    self.bucket_sparse = <char*>calloc(max(nbuckets, 1), sizeof(char))
+    self.bucket_arena = <char*>calloc(max(nbuckets, 1), sizeof(char))
+    if not (self.pending and self.bucket_params and self.bucket_sparse and self.bucket_arena):
+        raise MemoryError()
+    return 0
+
+
+cdef int _locate(Reducer self, Py_ssize_t i, Py_ssize_t b, Py_ssize_t position, view) except -1:
+    """Record parameter i's bucket and slot, and where its view starts if the C copy loop can write it."""
+    self.loc_bucket[i] = <int>b
+    self.loc_pos[i] = <int>position
+    self.kind[i] = KIND_OTHER
+    self.dst_ptr[i] = NULL
+    self.dst_len[i] = 0
+    if view is None:
+        return 0  # a sparse bucket has no views
+    if type(view) is not np.ndarray or view.dtype != self._param_dtypes[i]:
+        return 0  # device memory or a reduce dtype: numpy does the (casting) copy
+    if view.dtype == np.float32:
+        self.kind[i] = KIND_F32
+    elif view.dtype == np.float64:
+        self.kind[i] = KIND_F64
+    else:
+        return 0
+    self.dst_ptr[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>view)
+    self.dst_len[i] = view.size
+    return 0
+
+assert sizeof(float) == np.dtype(np.float32).itemsize and sizeof(double) == np.dtype(np.float64).itemsize, \
+    "the reducer's C copy loop needs IEEE float32/float64 C types"
+
 
 cdef inline size_t _itemsize(int kind):
     return sizeof(float) if kind == KIND_F32 else sizeof(double)
@@ -152,3 +242,17 @@ cdef int _copy_into(object dst, object src) except -1:
         PyBuffer_Release(&d)
     dst[...] = src
     return 0
+
+
+cdef inline bint _copy_into_view(Reducer self, Py_ssize_t index) except -1:
+    """``mark_variable_ready_dense`` by C: zeros or ``grad * scale`` into a float32/float64 host view; False
+    (nothing done) when the view or the gradient does not qualify."""
+    cdef int kind = self.kind[index]
+    if kind == KIND_OTHER:
+        return False
+    grad = _grad_of(self.params[index], self.slot_type[index])
+    if grad is None:
+        memset(self.dst_ptr[index], 0, self.dst_len[index] * _itemsize(kind))
+        return True
+    return _scaled_copy(_data_of(grad), self.dst_ptr[index], self.dst_len[index], kind,
+                        self._scale_into_bucket(self.loc_bucket[index]))

@@ -337,7 +337,7 @@ def _point_grads_at_views(bucket, params) -> None:
         grad = params[i].grad
         if grad is not None and grad.data is not view:
             view[...] = grad.data
-            params[i].grad = Tensor._wrap(view)
+            params[i].grad = Tensor(view)
 
 
 def _set_grad_buffers(bucket, params, gradient_as_bucket_view) -> None:
