@@ -9,7 +9,7 @@ and 1000 tensors submitted per cycle:
   lists on rank 0, validates, fuses, broadcasts the responses, and every rank updates its cache;
 - **floor**: a raw mpi4py ``Allreduce`` of the same bit vector on a plain communicator (what the hit path cannot
   beat), and the same allreduce through :class:`distlab.comm.ProcessGroup` (what the controller actually calls);
-- **bookkeeping**: a one-rank cycle with a no-op transport: the controller's own work, no communication;
+- **bookkeeping**: a one-rank cycle with a no-op channel: the controller's own work, no communication;
 - **grouped**: the same counts as one group (``grouped_allreduce``) on the hit path, to compare with singles;
 - **data path** (2 ranks, one host): ``collectives.allreduce`` of 26 MB of float32 (op Sum, the same name every
   step, so the cache hits) against ``ProcessGroup.allreduce`` of the same bytes in a plain array (MPI), and, for
@@ -32,6 +32,10 @@ import sys
 import time
 import warnings
 from pathlib import Path
+
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
 
 COUNTS = (1, 100, 1000)
 BLOCKS = 3          # hit-path figures: the best of 3 interleaved blocks (each a median of the slowest rank)
@@ -69,7 +73,7 @@ class _NoComm:
 
 
 def bookkeeping(repeat=200):
-    """One-rank hit cycles with a no-op transport: microseconds per cycle for each twin and count."""
+    """One-rank hit cycles with a no-op channel: microseconds per cycle for each twin and count."""
     from distlab import _backend
 
     out = {}
@@ -79,15 +83,15 @@ def bookkeeping(repeat=200):
             for grouped in (False, True):
                 controller = module.Controller(0, 1)
                 requests = _requests(module, count, "grad", 0, grouped)
-                transport = _NoComm()
+                channel = _NoComm()
                 _enqueue(controller, requests, grouped)
-                controller.compute_response_list(transport)
+                controller.compute_response_list(channel)
                 times = []
                 n = repeat if impl == "core" or count < 1000 else max(repeat // 5, 10)
                 for _ in range(n):
                     _enqueue(controller, requests, grouped)
                     start = time.perf_counter()
-                    response_list = controller.compute_response_list(transport)
+                    response_list = controller.compute_response_list(channel)
                     times.append(time.perf_counter() - start)
                 assert controller.counters["fast_path"] == n
                 assert not grouped or len(response_list.responses) == 1
@@ -102,11 +106,11 @@ def worker(out_path):
     from mpi4py import MPI
 
     from distlab import _backend, comm
-    from distlab.collectives._engine import _MPITransport
+    from distlab.collectives._engine import _MPIChannel
 
     raw = MPI.COMM_WORLD.Dup()
     group = comm.ProcessGroup(name="bench")
-    transport = _MPITransport(group)
+    channel = _MPIChannel(group)
     rank, size = group.rank, group.size
     modules = {impl: _backend.load("negotiation", impl) for impl in IMPLS}
     results = {}
@@ -140,10 +144,10 @@ def worker(out_path):
                     _enqueue(controller, requests, grouped)
 
                 enqueue()
-                controller.compute_response_list(transport)
+                controller.compute_response_list(channel)
                 label = f"hit-{impl}{'-grouped' if grouped else ''}"
                 hit_controllers[label] = controller
-                cases[label] = (lambda c=controller: c.compute_response_list(transport), enqueue)
+                cases[label] = (lambda c=controller: c.compute_response_list(channel), enqueue)
         rounds = 90 if count == 1000 else 100   # at 1000 the reference runs every third round only
         best = {name: float("inf") for name in cases}
         for _block in range(BLOCKS):
@@ -174,7 +178,7 @@ def worker(out_path):
                 state["i"] += 1
 
             def miss(controller=controller):
-                response_list = controller.compute_response_list(transport)
+                response_list = controller.compute_response_list(channel)
                 assert sum(len(x.tensor_names) for x in response_list.responses) == count
                 assert controller.counters["fast_path"] == 0
 

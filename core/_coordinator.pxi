@@ -19,7 +19,8 @@ def fuse_responses(responses, threshold):
         _fill_info(&info[i], <Response>items[i])
         order.push_back(i)
     _fuse_plan(info, order, threshold, group_start, members)
-    return [_fused_response(items, group_start, members, i, None) for i in range(<Py_ssize_t>group_start.size() - 1)]
+    return [_fused_response(items, group_start, members, i, None, None)
+            for i in range(<Py_ssize_t>group_start.size() - 1)]
 
 
 cdef class Coordinator:
@@ -63,7 +64,7 @@ cdef class Coordinator:
                     if request.request_rank not in self.joined_ranks:
                         self.joined_ranks.append(request.request_rank)
                 elif self._increment_tensor_count(request):
-                    ready.append(request._name)
+                    ready.append(request.name())
         joined_size = len(self.joined_ranks)
         if joined_size:
             # tensors of earlier cycles may be ready now that more ranks have joined
@@ -72,7 +73,7 @@ cdef class Coordinator:
                     ready.append(name)
         if joined_size < self.size:
             for bit in cache_hits:          # common hits first; peek keeps rank 0's LRU order like everyone's
-                responses.append(cache._responses[_slot_at(cache, bit)])
+                responses.append(cache.peek_response(bit))
         for name in ready:
             group_id = (<Request>(<list>self._message_table[name])[0]).group_id
             if group_id == NO_GROUP:
@@ -96,22 +97,23 @@ cdef class Coordinator:
             raise process_set_error("request list", request_list.process_set_id, self.process_set_id)
         for request in request_list.requests:
             if request.request_rank != sender:
-                raise sender_error(sender, request._name, request.request_rank)
+                raise sender_error(sender, request.name(), request.request_rank)
         return request_list
 
     cdef bint _increment_tensor_count(self, Request request) except -1:
-        cdef list requests = self._message_table.get(request._name)
+        cdef str name = request.name()
+        cdef list requests = self._message_table.get(name)
         cdef _Group group
         if requests is None:
-            requests = self._message_table[request._name] = []
-            trace_negotiation_start(self.timeline, request._name, request.request_type)
+            requests = self._message_table[name] = []
+            trace_negotiation_start(self.timeline, name, request.request_type)
         requests.append(request)
         if request.group_id != NO_GROUP:
             group = self._groups.get(request.group_id)
             if group is None:
                 group = self._groups[request.group_id] = _Group()
             group.sizes[request.request_rank] = request.group_size
-        self.stall.record_uncached(request._name, request.request_rank, request.request_type)
+        self.stall.record_uncached(name, request.request_rank, request.request_type)
         return len(requests) == self.size - len(self.joined_ranks)
 
     cdef list _ready_groups(self, int joined_size):
@@ -158,8 +160,7 @@ cdef class Coordinator:
         cdef list requests = sorted(self._message_table.pop(name), key=_request_rank)
         cdef Request first = requests[0]
         cdef Request r
-        cdef int i, kind = first.request_type
-        cdef long long count
+        cdef int kind = first.request_type
         cdef list sizes
         self.stall.remove_uncached(name)
         # every rank sent the same parameters for an allreduce: no check can fail, skip building their texts
@@ -168,14 +169,11 @@ cdef class Coordinator:
             return Response(ResponseType.ERROR, [name], first.tensor_type, error, [r.device for r in requests],
                             group_id=first.group_id)
         if _reduces(kind) or kind == RequestType.REDUCESCATTER:
-            count = 1
-            for i in range(first._ndim):
-                count *= first._cshape[i]
-            sizes = [count]
+            sizes = [first.num_elements()]
         elif kind == RequestType.ALLGATHER or kind == RequestType.ALLTOALL:
             sizes = [0] * self.size
             for r in requests:
-                sizes[r.request_rank] = r._cshape[0]
+                sizes[r.request_rank] = r.first_dim()
         else:
             sizes = []
         return Response(kind, [name], first.tensor_type, devices=[r.device for r in requests], tensor_sizes=sizes,
@@ -200,7 +198,7 @@ cdef bint _uniform(list requests):
     for i in range(1, len(requests)):
         r = requests[i]
         if not (r.request_type == first.request_type and r.tensor_type == first.tensor_type
-                and r._cshape == first._cshape and r.reduce_op == first.reduce_op
+                and r.same_shape(first) and r.reduce_op == first.reduce_op
                 and r.prescale_factor == first.prescale_factor and r.postscale_factor == first.postscale_factor
                 and r.root_rank == first.root_rank and r.device == first.device):
             return False
@@ -270,15 +268,16 @@ cdef int _fuse_plan(const vector[_RespInfo]& info, const vector[int]& order, lon
 
 
 cdef Response _fused_response(list responses, vector[int]& group_start, vector[int]& members, Py_ssize_t g,
-                              ResponseCache cache):
-    """Group ``g`` of a fusion plan as one Response (a copy of its first member with every name and size)."""
+                              list names, list sizes):
+    """Group ``g`` of a fusion plan as one Response (a copy of its first member with every name and size; ``names``
+    and ``sizes``, when given, hold each member's name and size by index: the cache keeps them per slot)."""
     cdef int k, index
     cdef Response fused = (<Response>responses[members[group_start[g]]]).copy()
     for k in range(group_start[g] + 1, group_start[g + 1]):
         index = members[k]
-        if cache is not None:       # the cache keeps each slot's name and size as Python objects
-            fused.tensor_names.append(cache._pynames[index])
-            fused.tensor_sizes.append(cache._pysizes[index])
+        if names is not None:
+            fused.tensor_names.append(names[index])
+            fused.tensor_sizes.append(sizes[index])
         else:
             fused.tensor_names.append((<Response>responses[index]).tensor_names[0])
             fused.tensor_sizes.append((<Response>responses[index]).tensor_sizes[0])

@@ -63,6 +63,54 @@ cdef class Request:
         self._write(buf)
         return PyBytes_FromStringAndSize(buf.data(), buf.size())
 
+    # -- what the cache and the coordinator read, at C level (core only) --------------------------------------
+    cdef inline str name(self):
+        """``tensor_name``."""
+        return self._name
+
+    cdef inline uint32_t cache_bit(self, unordered_map[string, uint32_t]& name_to_bit, uint64_t epoch):
+        """The bit of this request's name in a cache's ``name_to_bit`` (_NO_BIT: none), in the state of that map the
+        cache numbers ``epoch``: looked up once per state (every state of every cache gets a new number)."""
+        if self._hint_epoch != epoch:
+            it = name_to_bit.find(self._cname)
+            self._hint_bit = _NO_BIT if it == name_to_bit.end() else deref(it).second
+            self._hint_epoch = epoch
+        return self._hint_bit
+
+    cdef inline int64_t num_elements(self):
+        """The product of the dimensions (the element count of an allreduce's response)."""
+        cdef int64_t count = 1
+        cdef int i
+        for i in range(self._ndim):
+            count *= self._cshape[i]
+        return count
+
+    cdef inline int64_t first_dim(self):
+        """The first dimension (an allgather's rows from this rank)."""
+        return self._cshape[0]
+
+    cdef inline bint same_shape(self, Request other):
+        """Whether ``other`` has this request's shape."""
+        return self._cshape == other._cshape
+
+    cdef inline bint shape_in(self, _Params* params):
+        """Whether the shape a cache entry remembers (``params``) is this request's."""
+        cdef int i
+        if params.ndim != self._ndim:
+            return False
+        if params.ndim > 8:
+            return params.shape == self._cshape
+        for i in range(params.ndim):
+            if params.dims[i] != self._dims[i]:
+                return False
+        return True
+
+    cdef inline void shape_into(self, _Params* params):
+        """Write this request's shape into the ``params`` a cache entry remembers."""
+        params.shape = self._cshape
+        params.ndim = self._ndim
+        memcpy(params.dims, self._dims, sizeof(params.dims))  # a Request's dims beyond its ndim are zero
+
     @staticmethod
     cdef Request _parse(_Reader* r):
         # the fields of REQUEST_HEAD at its offsets, range-checked, then the name and the dims
@@ -401,99 +449,3 @@ cdef class ResponseList:
 
     def __repr__(self):
         return list_repr(self)
-
-
-# -- packing and parsing helpers (the reference's, over a C cursor) ----------------------------------------------
-cdef int _pack_list(string& buf, bytes magic, bint shutdown, str reason, int32_t process_set_id,
-                    uint32_t count) except -1:
-    """The list header (magic, version, flags, process set, count, reason length), then the reason."""
-    cdef uint8_t version = NEGOTIATION_WIRE_VERSION
-    cdef uint8_t flags = FLAG_SHUTDOWN if shutdown else 0
-    cdef string text = _utf8(reason)
-    cdef uint16_t reason_len
-    if text.size() > 0xFFFF:
-        text.resize(0xFFFF)
-    reason_len = <uint16_t>text.size()
-    _w(buf, <const char*>magic, 4)
-    _w(buf, &version, 1)
-    _w(buf, &flags, 1)
-    _w(buf, &process_set_id, 4)
-    _w(buf, &count, 4)
-    _w(buf, &reason_len, 2)
-    buf.append(text)
-    return 0
-
-
-cdef uint32_t _parse_list(_Reader* r, bytes raw, bytes magic, str what, object out) except? 0xFFFFFFFF:
-    """Point the cursor at ``raw``, read the header and the reason into ``out``; return the item count."""
-    cdef uint32_t count
-    cdef uint8_t flags
-    cdef int32_t process_set_id
-    cdef uint16_t reason_len
-    r.p = raw
-    r.n = len(raw)
-    r.pos = 0
-    _parse_header(r, magic, what, &count, &flags, &process_set_id, &reason_len)
-    if reason_len > r.n - r.pos:
-        raise format_error("reason", what=what)
-    out.shutdown = flags & FLAG_SHUTDOWN
-    out.shutdown_reason = _decode_name(r, reason_len)
-    out.process_set_id = process_set_id
-    return count
-
-
-cdef int _parse_header(_Reader* r, bytes magic, str what, uint32_t* count, uint8_t* flags, int32_t* process_set_id,
-                       uint16_t* reason_len) except -1:
-    # the version first (it sits at the same offset in every version), then the length, magic and fields
-    if (r.n > VERSION_OFFSET and memcmp(r.p, <const char*>magic, VERSION_OFFSET) == 0
-            and <uint8_t>r.p[VERSION_OFFSET] != NEGOTIATION_WIRE_VERSION):
-        raise format_error("version", what=what, got=<uint8_t>r.p[VERSION_OFFSET],
-                           expected=NEGOTIATION_WIRE_VERSION)
-    if r.n < _LIST_HEADER_SIZE:
-        raise format_error("short_header", what=what, got=r.n, need=_LIST_HEADER_SIZE)
-    got = PyBytes_FromStringAndSize(r.p, 4)
-    if got != magic:
-        raise format_error("magic", what=what, got=got, expected=magic)
-    flags[0] = <uint8_t>r.p[5]
-    memcpy(process_set_id, r.p + 6, 4)
-    memcpy(count, r.p + 10, 4)
-    memcpy(reason_len, r.p + 14, 2)
-    if flags[0] & ~LIST_FLAGS or process_set_id[0] < 0:
-        raise list_field_error(what, flags[0], process_set_id[0])
-    r.pos = _LIST_HEADER_SIZE
-    return 0
-
-
-cdef inline int _need(_Reader* r, Py_ssize_t k, str where) except -1:
-    if k > r.n - r.pos:
-        raise format_error(where)
-    return 0
-
-
-cdef inline uint64_t _read_uint(_Reader* r, int width) except? 0xFFFFFFFFFFFFFFFF:
-    # little-endian unsigned of 2 or 4 bytes (the machine is little-endian: checked at import)
-    cdef uint64_t value = 0
-    _need(r, width, "response_body")
-    memcpy(&value, r.p + r.pos, width)
-    r.pos += width
-    return value
-
-
-cdef object _decode_name(_Reader* r, Py_ssize_t k):
-    # k bytes at the cursor, already checked by the caller
-    try:
-        text = PyUnicode_DecodeUTF8(r.p + r.pos, k, NULL)
-    except UnicodeDecodeError as exc:
-        raise format_error("utf8", reason=exc) from None
-    r.pos += k
-    return text
-
-
-cdef int _no_trailing(_Reader* r, str what) except -1:
-    if r.pos != r.n:
-        raise format_error("trailing", what=what, count=r.n - r.pos)
-    return 0
-
-
-cdef tuple _list_key(object message_list):
-    return (bool(message_list.shutdown), message_list.shutdown_reason, message_list.process_set_id)

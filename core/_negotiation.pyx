@@ -51,7 +51,7 @@ from distlab._wire import (
     ResponseType,
 )
 from distlab._common.stall import StallInspector
-from distlab.errors import CacheEvictionWarning, MessageFormatError
+from distlab.errors import CacheEvictionWarning, CacheStateError, MessageFormatError
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long)
@@ -157,6 +157,9 @@ cdef struct _Counters:
     long long cycles, fast_path, slow_path, idle, hits, misses, invalid, requeued, responses, fused_tensors
 
 
+cdef uint32_t _NO_BIT = 0xFFFFFFFF  # a name with no bit in the cache
+
+
 MISS, HIT, INVALID = S_MISS, S_HIT, S_INVALID
 
 __all__ = ["Request", "Response", "RequestList", "ResponseList", "ResponseCache", "CacheCoordinator",
@@ -181,11 +184,6 @@ cdef class Controller:
     cdef object _lock
     cdef list _queue
     cdef dict _pending
-    # The last fast-path fusion, reused while the same slots hit in an unchanged cache (see _fast_path_responses)
-    cdef vector[int] _memo_slots
-    cdef uint64_t _memo_epoch
-    cdef long long _memo_threshold
-    cdef list _memo_fused
 
     def __init__(self, rank, size, cache_capacity=1024, fusion_threshold=128 * 1024 * 1024, stall_check_time=60.0,
                  stall_shutdown_time=0.0, timeline=None, clock=None, process_set_id=_wire.GLOBAL_PROCESS_SET_ID):
@@ -225,151 +223,179 @@ cdef class Controller:
         with self._lock:
             return len(self._queue)
 
+    def compute_response_list(self, channel, shut_down=False, shutdown_reason=""):
+        """See :meth:`distlab.reference.negotiation.Controller.compute_response_list`."""
+        cdef CacheCoordinator coordinator = CacheCoordinator(self.cache.num_active_bits())
+        cdef vector[int] states             # per request of the batch: its cache state, and its bit
+        cdef vector[uint32_t] bits
+        cdef long long hits = self._counts.hits
+        cdef list batch, uncached
+        cdef bint should_shut_down, erased
+        cdef str reason
+        self._counts.cycles += 1
+        batch = self._look_up(coordinator, states, bits)                                                 # 1
+        should_shut_down, reason = self._check_for_stalls(coordinator, shut_down, shutdown_reason)       # 2
+        uncached = batch
+        if self.cache.capacity > 0:
+            erased = self._coordinate_cache_and_state(coordinator, channel)                              # 3
+            uncached = self._requeue_uncommon_hits(batch, coordinator, states, bits, erased,             # 4
+                                                   self._counts.hits - hits)
+            if not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
+                return self._fast_path(coordinator)                                                      # 5
+        return self._slow_path(uncached, should_shut_down, reason, coordinator, channel)                 # 6
+
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def compute_response_list(self, transport, shut_down=False, shutdown_reason=""):
-        """See :meth:`distlab.reference.negotiation.Controller.compute_response_list`."""
+    cdef list _look_up(self, CacheCoordinator coordinator, vector[int]& states, vector[uint32_t]& bits):
+        """See :meth:`distlab.reference.negotiation.Controller._look_up` (each request's state and bit kept)."""
         # i < n == len(batch) == states.size() == bits.size() on every indexing below
         cdef ResponseCache cache = self.cache
-        cdef bint caching = cache._capacity > 0
-        cdef list batch, uncached, requeue
+        cdef bint caching = cache.capacity > 0, grouped = False
+        cdef list batch
         cdef Py_ssize_t i, n
         cdef Request request
         cdef int state
-        cdef uint32_t bit = 0
-        cdef vector[int] states
-        cdef vector[uint32_t] bits
-        cdef CacheCoordinator coordinator
-        cdef bint should_shut_down, erased = False, tracking, grouped = False
-        cdef str reason
-        cdef long long hits_before
-        cdef ResponseList response_list
-        self._counts.cycles += 1
+        cdef uint32_t bit
         with self._lock:
             batch = self._queue
             self._queue = []
         n = len(batch)
-
-        # 1. look every request up in the cache
-        coordinator = CacheCoordinator(cache._bit_slot.size())
         states.resize(n, S_MISS)
         bits.resize(n, 0)
-        hits_before = self._counts.hits
         for i in range(n):
             request = <Request>batch[i]
             if request.request_type == RT_JOIN:
                 self.joined = True
-                coordinator._uncached_in_queue = True
+                coordinator.set_uncached_in_queue(True)
                 continue
             grouped |= request.group_id != NO_GROUP
             if caching:
-                state = _cache_state(cache, request, &bit)
-                states[i] = state
-                bits[i] = bit
+                state = states[i] = cache.cached(request)
                 if state == S_HIT:
-                    coordinator._hits[bit >> 6] |= (<uint64_t>1) << (bit & 63)
+                    bit = bits[i] = cache.peek_cache_bit(request)
+                    coordinator.record_hit(bit)
                     self._counts.hits += 1
                 else:
                     if state == S_INVALID:
+                        bit = bits[i] = cache.peek_cache_bit(request)
                         coordinator.record_invalid_bit(bit)
                         self._counts.invalid += 1
-                    coordinator._uncached_in_queue = True
+                    coordinator.set_uncached_in_queue(True)
                     self._counts.misses += 1
-                    self.stall.remove_cached(request._name)
+                    self.stall.remove_cached(request.name())
         if grouped and caching:
             self._invalidate_partial_groups(batch, states, bits, coordinator)
         if self.joined and caching:
             # a joined rank: every cached allreduce is "ready" (zeros), every other cached collective invalid
-            for bit in range(cache._bit_slot.size()):
-                if cache._bit_slot[bit] >= 0:
-                    if _reduces(cache._info[cache._bit_slot[bit]].rtype):
-                        coordinator._hits[bit >> 6] |= (<uint64_t>1) << (bit & 63)
-                    else:
-                        coordinator.record_invalid_bit(bit)
+            for bit in cache.list_all_bits():
+                if _reduces(cache.peek_response(bit).response_type):
+                    coordinator.record_hit(bit)
+                else:
+                    coordinator.record_invalid_bit(bit)
+        return batch
 
-        # 2. stall check (shared inspector), then the shutdown flag
-        should_shut_down = shut_down
+    cdef tuple _check_for_stalls(self, CacheCoordinator coordinator, shut_down, shutdown_reason):
+        """See :meth:`distlab.reference.negotiation.Controller._check_for_stalls`."""
+        cdef bint should_shut_down = shut_down
         reason = str(shutdown_reason) if should_shut_down else ""
         if self.stall.should_check():
             if self.coordinator is not None and self.stall.check(self.coordinator.joined_ranks):
                 should_shut_down = True
                 reason = reason or self.stall.shutdown_reason
-            if caching:
+            if self.cache.capacity > 0:
                 for name in self.stall.stalled_cached_names():
-                    if cache._name_to_bit.count(_utf8(name)):
-                        coordinator.record_invalid_bit(cache._name_to_bit[_utf8(name)])
+                    try:
+                        coordinator.record_invalid_bit(self.cache.peek_cache_bit(name))
+                    except CacheStateError:  # evicted meanwhile
+                        pass
                     self.stall.remove_cached(name)
             self.stall.update_check_time()
-        coordinator._should_shut_down = should_shut_down
+        coordinator.set_should_shut_down(should_shut_down)
         if should_shut_down:
-            coordinator._uncached_in_queue = True      # the reason travels on the slow path
+            coordinator.set_uncached_in_queue(True)      # the reason travels on the slow path
+        return should_shut_down, reason
 
-        # 3. sync the bit vector; erase invalid entries; requeue hits that are not common
-        uncached = batch
-        if caching:
-            coordinator.sync(transport.allreduce_bits)
-            if coordinator._invalid_in_queue:
-                for bit in coordinator.invalid_bits:
-                    cache.erase_response(bit)
-                    erased = True
-            uncached = []
-            requeue = []
-            tracking = bool(self.stall._cached)
-            if (not erased and not tracking and self._counts.hits - hits_before == n
-                    and _popcount(coordinator._hits) == <size_t>n):
-                n = 0       # every request hit here and everywhere: nothing to requeue or send
-            for i in range(n):
-                request = <Request>batch[i]
-                if erased and request.request_type != RT_JOIN:
-                    states[i] = _cache_state(cache, request, &bits[i])
+    cdef bint _coordinate_cache_and_state(self, CacheCoordinator coordinator, channel) except -1:
+        """See :meth:`distlab.reference.negotiation.Controller._coordinate_cache_and_state` (True when it erased)."""
+        cdef bint erased = False
+        coordinator.sync(channel.allreduce_bits)
+        if coordinator.invalid_in_queue:
+            for bit in coordinator.invalid_bits:
+                self.cache.erase_response(bit)
+                erased = True
+        return erased
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef list _requeue_uncommon_hits(self, list batch, CacheCoordinator coordinator, vector[int]& states,
+                                     vector[uint32_t]& bits, bint erased, long long hits):
+        """See :meth:`distlab.reference.negotiation.Controller._requeue_uncommon_hits` (``hits``: how many of
+        the batch hit here; ``erased``: whether the sync erased entries, which changes the states)."""
+        # i < n <= len(batch) == states.size() == bits.size() on every indexing below
+        cdef ResponseCache cache = self.cache
+        cdef Py_ssize_t i, n = len(batch)
+        cdef Request request
+        cdef list uncached = [], requeue = []
+        cdef bint tracking = self.stall.tracks_cached()
+        if not erased and not tracking and hits == n and coordinator.num_hits() == <size_t>n:
+            return uncached  # every request hit here and everywhere: nothing to requeue or send
+        for i in range(n):
+            request = <Request>batch[i]
+            if erased and request.request_type != RT_JOIN:
+                states[i] = cache.cached(request)
                 if states[i] == S_HIT:
-                    bit = bits[i]
-                    if not (coordinator._hits[bit >> 6] >> (bit & 63)) & 1:
-                        requeue.append(request)     # ready here, not everywhere: try again next cycle
-                        self.stall.record_cached(request._name)
-                    elif tracking:
-                        self.stall.remove_cached(request._name)
-                else:
-                    uncached.append(request)
-            if requeue:
-                self._counts.requeued += len(requeue)
-                with self._lock:
-                    self._queue[0:0] = requeue
+                    bits[i] = cache.peek_cache_bit(request)
+            if states[i] == S_HIT:
+                if not coordinator.common_hit(bits[i]):
+                    requeue.append(request)     # ready here, not everywhere: try again next cycle
+                    self.stall.record_cached(request.name())
+                elif tracking:
+                    self.stall.remove_cached(request.name())
+            else:
+                uncached.append(request)
+        if requeue:
+            self._counts.requeued += len(requeue)
+            with self._lock:
+                self._queue[0:0] = requeue
+        return uncached
 
-        # 4. fast path: the common hits in bit order, fused
-        response_list = ResponseList.__new__(ResponseList)
-        response_list.responses = []
-        response_list.shutdown = coordinator._should_shut_down
-        response_list.shutdown_reason = ""
-        response_list.process_set_id = self.process_set_id
-        if caching and not coordinator._uncached_in_queue and not coordinator._invalid_in_queue:
-            if not self._fast_path(response_list, coordinator):
-                self._counts.idle += 1
-                return response_list
-            self._counts.fast_path += 1
-            self._finish(response_list)
-            cache.update_cache_bits()
+    cdef ResponseList _fast_path(self, CacheCoordinator coordinator):
+        """See :meth:`distlab.reference.negotiation.Controller._fast_path`."""
+        cdef ResponseList response_list = _response_list(coordinator.should_shut_down, self.process_set_id)
+        fused = self.cache.fused_hits(coordinator, self.fusion_threshold)
+        if fused is None:
+            self._counts.idle += 1
             return response_list
+        self._counts.fast_path += 1
+        response_list.responses = fused
+        self._finish(response_list)
+        self.cache.update_cache_bits()
+        return response_list
 
-        # 5. slow path: gather request lists on rank 0, which coordinates and broadcasts the responses
+    cdef ResponseList _slow_path(self, list uncached, bint should_shut_down, str reason,
+                                 CacheCoordinator coordinator, channel):
+        """See :meth:`distlab.reference.negotiation.Controller._slow_path`."""
+        cdef ResponseCache cache = self.cache
+        cdef ResponseList response_list
+        cdef Request request
         self._counts.slow_path += 1
         for request in uncached:
-            self._pending[request._name] = request
+            self._pending[request.name()] = request
         mine = RequestList(uncached, should_shut_down, reason, self.process_set_id).to_bytes()
-        gathered = transport.gather(mine)
+        gathered = channel.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold
             try:
                 payload = self.coordinator.coordinate(list(gathered), cache, coordinator.cache_hits).to_bytes()
             except Exception as error:
                 payload = ResponseList([], True, coordinator_failed_reason(error), self.process_set_id).to_bytes()
-            payload = transport.broadcast(payload)
+            payload = channel.broadcast(payload)
         else:
-            payload = transport.broadcast(None)
+            payload = channel.broadcast(None)
         response_list = ResponseList.from_bytes(payload)
         if response_list.process_set_id != self.process_set_id:
             raise process_set_error("response list", response_list.process_set_id, self.process_set_id)
-        if caching:
+        if cache.capacity > 0:
             for response in response_list.responses:
                 if (<Response>response).response_type in CACHEABLE_RESPONSE_TYPES and \
                         len((<Response>response).devices) == self.size:
@@ -407,78 +433,6 @@ cdef class Controller:
                 for name in response.tensor_names:
                     self._pending.pop(name, None)
 
-    cdef bint _fast_path(self, ResponseList response_list, CacheCoordinator coordinator) except -1:
-        """The fast path's responses: the common hits in bit order, their LRU touched in that order, fused.
 
-        Returns False when there is nothing to run (an idle cycle).
-        """
-        cdef ResponseCache cache = self.cache
-        cdef vector[int] slots
-        cdef uint64_t word
-        cdef uint32_t bit
-        cdef size_t w, k
-        cdef bint in_order = not cache._bits_outdated
-        for w in range(coordinator._hits.size()):
-            word = coordinator._hits[w]
-            while word:
-                bit = <uint32_t>(w * 64 + __builtin_ctzll(word))
-                word &= word - 1
-                slots.push_back(cache._bit_slot[bit])
-        if slots.empty():
-            return False
-        # every entry hit and bit order is LRU order: touching them all in bit order (get_response in the
-        # reference) would leave the LRU order, hence every bit, as it is
-        if not (in_order and slots.size() == cache._lru.size() and slots.size() == cache._bit_slot.size()):
-            for k in range(slots.size()):
-                _touch(cache, cache._slot_bit[slots[k]])
-        response_list.responses = self._fast_path_responses(slots)
-        return True
-
-    cdef list _fast_path_responses(self, vector[int]& slots):
-        """fuse_responses over the hit slots, reusing the last result when it cannot differ.
-
-        Fusion depends only on the responses in the slots, their order and the threshold. The cache's epoch
-        changes whenever an entry is put, erased or renumbered, so an equal epoch, equal slots and an equal
-        threshold give an equal fusion: a training loop that submits the same gradients every step fuses once.
-        """
-        cdef Response response
-        cdef vector[int] group_start, members
-        cdef Py_ssize_t i
-        if not (self._memo_fused is not None and self.cache._epoch == self._memo_epoch
-                and self.fusion_threshold == self._memo_threshold and slots == self._memo_slots):
-            _fuse_plan(self.cache._info, slots, self.fusion_threshold, group_start, members)
-            self._memo_fused = [_fused_response(self.cache._responses, group_start, members, i, self.cache)
-                                for i in range(<Py_ssize_t>group_start.size() - 1)]
-            self._memo_slots = slots
-            self._memo_threshold = self.fusion_threshold
-            self.cache.update_cache_bits()
-            self._memo_epoch = self.cache._epoch
-        return [response.copy() for response in self._memo_fused]
-
-
-# --- core-only helpers ---------------------------------------------------------------------------------------
-cdef inline void _w(string& buf, const void* p, size_t n):
-    buf.append(<const char*>p, n)
-
-
-cdef inline string _utf8(object text) except *:
-    cdef Py_ssize_t n
-    cdef const char* p = PyUnicode_AsUTF8AndSize(text, &n)
-    return string(p, <size_t>n)
-
-
-cdef size_t _popcount(vector[uint64_t]& words):
-    cdef size_t total = 0
-    cdef uint64_t w
-    for w in words:
-        total += __builtin_popcountll(w)
-    return total
-
-
-cdef inline bint _request_head_ok(Request r):
-    """Every field of a parsed request head in its range (the shared request_field_error names the first that
-    is not, in the same order)."""
-    return (r.request_rank >= 0 and r.request_type < _NUM_REQUEST_TYPES and r.tensor_type < _NUM_DTYPES
-            and r.reduce_op <= _MAX_REDUCE_OP and r.root_rank >= 0 and r.device >= CPU_DEVICE
-            and r.group_id >= NO_GROUP and r.group_size >= 0 and isfinite(r.prescale_factor)
-            and isfinite(r.postscale_factor) and (r.group_id == NO_GROUP) == (r.group_size == 0))
+# --- core-only helpers: the extension's C helpers, in its own file ------------------------------------------
+include "_negotiation.pxi"

@@ -4,14 +4,15 @@
 def request_params(request):
     """See :func:`distlab.reference.response_cache.request_params`."""
     cdef Request r = <Request?>request
-    return (r.request_type, r.tensor_type, r._shape, r.device, r.reduce_op, r.prescale_factor, r.postscale_factor,
-            r.group_id, r.group_size)
+    return (r.request_type, r.tensor_type, r.tensor_shape, r.device, r.reduce_op, r.prescale_factor,
+            r.postscale_factor, r.group_id, r.group_size)
 
 
+@cython.final
 cdef class ResponseCache:
     """See :class:`distlab.reference.response_cache.ResponseCache`."""
 
-    cdef uint32_t _capacity
+    cdef readonly uint32_t capacity  # (a property in the reference)
     cdef uint64_t _epoch
     cdef bint _print_warning, _bits_outdated
     cdef public long evictions
@@ -27,9 +28,14 @@ cdef class ResponseCache:
     cdef list _responses                              # slot -> Response
     cdef list _pynames                                # slot -> name (str), reused when fusing
     cdef list _pysizes                                # slot -> tensor_sizes[0] (int) or None
+    # The last fast-path fusion, reused while the same slots hit in an unchanged cache (see fused_hits)
+    cdef vector[int] _memo_slots
+    cdef uint64_t _memo_epoch
+    cdef long long _memo_threshold
+    cdef list _memo_fused
 
     def __init__(self, capacity=1024):
-        self._capacity = 0
+        self.capacity = 0
         self._print_warning = True
         self.evictions = 0
         self.clear()
@@ -55,40 +61,41 @@ cdef class ResponseCache:
     def set_capacity(self, capacity):
         """See :meth:`distlab.reference.response_cache.ResponseCache.set_capacity`."""
         cdef uint32_t wanted = check_capacity(capacity)
-        if wanted != self._capacity:
+        if wanted != self.capacity:
             self.clear()
-        self._capacity = wanted
+        self.capacity = wanted
 
-    @property
-    def capacity(self):
-        """See :attr:`distlab.reference.response_cache.ResponseCache.capacity`."""
-        return self._capacity
-
-    def num_active_bits(self):
+    cpdef size_t num_active_bits(self):
         """See :meth:`distlab.reference.response_cache.ResponseCache.num_active_bits`."""
         return self._bit_slot.size()
 
     def __len__(self):
         return self._lru.size()
 
-    def cached(self, Request request):
+    cpdef int cached(self, Request request):
         """See :meth:`distlab.reference.response_cache.ResponseCache.cached`."""
         cdef uint32_t bit
         return _cache_state(self, request, &bit)
 
-    def peek_cache_bit(self, request_or_name):
+    cpdef uint32_t peek_cache_bit(self, request_or_name) except? 0xFFFFFFFF:
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_cache_bit`."""
-        name = request_or_name if isinstance(request_or_name, str) else request_or_name.tensor_name
-        it = self._name_to_bit.find(_utf8(name))
-        if it == self._name_to_bit.end():
-            raise cache_error("not_cached", name=name)
-        return deref(it).second
+        cdef uint32_t bit
+        if type(request_or_name) is Request:  # a request remembers its bit while the cache's state lasts
+            bit = (<Request>request_or_name).cache_bit(self._name_to_bit, self._epoch)
+        else:
+            it = self._name_to_bit.find(_utf8(request_or_name if isinstance(request_or_name, str)
+                                              else request_or_name.tensor_name))
+            bit = _NO_BIT if it == self._name_to_bit.end() else deref(it).second
+        if bit == _NO_BIT:
+            raise cache_error("not_cached", name=request_or_name if isinstance(request_or_name, str)
+                              else request_or_name.tensor_name)
+        return bit
 
-    def peek_response(self, long bit):
+    cpdef Response peek_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_response`."""
         return self._responses[_slot_at(self, bit)]
 
-    def get_response(self, long bit):
+    cpdef Response get_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.get_response`."""
         cdef int slot = _slot_at(self, bit)
         _touch(self, <uint32_t>bit)
@@ -103,12 +110,12 @@ cdef class ResponseCache:
         """See :meth:`distlab.reference.response_cache.ResponseCache.lru_names`."""
         return [self._pynames[slot] for slot in self._lru]
 
-    def put(self, Response response, requests, bint joined=False):
+    cpdef put(self, Response response, requests, bint joined=False):
         """See :meth:`distlab.reference.response_cache.ResponseCache.put`."""
         cdef _Params params
         cdef Response single
         cdef Py_ssize_t i, n = len(response.tensor_names)
-        if self._capacity == 0:
+        if self.capacity == 0:
             return
         if response.response_type not in CACHEABLE_RESPONSE_TYPES:
             raise cache_error("uncacheable", response_type=response.response_type)
@@ -144,10 +151,10 @@ cdef class ResponseCache:
                 raise cache_error("overwrite_invalid", name=name)
             _touch(self, bit)
             return 0
-        if self._lru.size() >= self._capacity:
+        if self._lru.size() >= self.capacity:
             slot = self._lru.front()
             if self._print_warning:
-                warnings.warn(eviction_warning_text(self._capacity, self._pynames[slot], name), CacheEvictionWarning,
+                warnings.warn(eviction_warning_text(self.capacity, self._pynames[slot], name), CacheEvictionWarning,
                               stacklevel=1)  # Cython adds no frame: 1 is the caller of put()
                 self._print_warning = False
             self.evictions += 1
@@ -177,7 +184,7 @@ cdef class ResponseCache:
         self._epoch = _new_epoch()
         return 0
 
-    def erase_response(self, long bit):
+    cpdef erase_response(self, long bit):
         """See :meth:`distlab.reference.response_cache.ResponseCache.erase_response`."""
         cdef int slot = _slot_at(self, bit)
         self._name_to_bit.erase(self._names[slot])
@@ -189,7 +196,7 @@ cdef class ResponseCache:
         self._bits_outdated = True
         self._epoch = _new_epoch()
 
-    def update_cache_bits(self):
+    cpdef update_cache_bits(self):
         """See :meth:`distlab.reference.response_cache.ResponseCache.update_cache_bits`."""
         cdef uint32_t bit = 0
         cdef int slot
@@ -213,7 +220,39 @@ cdef class ResponseCache:
         if changed:
             self._epoch = _new_epoch()
 
+    cdef list fused_hits(self, CacheCoordinator coordinator, long long threshold):
+        """The fast path's responses (core only): ``get_response`` of every common hit in bit order, fused up to
+        ``threshold`` (the reference: ``fuse_responses``); None when none hit. An equal epoch (it changes with any
+        put, erase or renumbering), equal slots and threshold give an equal fusion: a training loop fuses once."""
+        cdef vector[uint32_t] bits
+        cdef vector[int] slots, group_start, members
+        cdef bint in_order = not self._bits_outdated
+        cdef size_t k
+        cdef Py_ssize_t g
+        cdef Response response
+        coordinator.common_hits(bits)
+        if bits.empty():
+            return None
+        for k in range(bits.size()):
+            slots.push_back(self._bit_slot[bits[k]])
+        # every entry hit and bit order is LRU order: touching them all in bit order (get_response in the
+        # reference) would leave the LRU order, hence every bit, as it is
+        if not (in_order and slots.size() == self._lru.size() and slots.size() == self._bit_slot.size()):
+            for k in range(bits.size()):
+                _touch(self, bits[k])
+        if not (self._memo_fused is not None and self._epoch == self._memo_epoch and threshold == self._memo_threshold
+                and slots == self._memo_slots):
+            _fuse_plan(self._info, slots, threshold, group_start, members)
+            self._memo_fused = [_fused_response(self._responses, group_start, members, g, self._pynames, self._pysizes)
+                                for g in range(<Py_ssize_t>group_start.size() - 1)]
+            self._memo_slots = slots
+            self._memo_threshold = threshold
+            self.update_cache_bits()
+            self._memo_epoch = self._epoch
+        return [response.copy() for response in self._memo_fused]
 
+
+@cython.final
 cdef class CacheCoordinator:
     """See :class:`distlab.reference.response_cache.CacheCoordinator`."""
 
@@ -221,7 +260,7 @@ cdef class CacheCoordinator:
     cdef public long num_words
     cdef vector[uint64_t] _hits        # raw cache bits (not shifted by the status bits)
     cdef vector[uint64_t] _invalid
-    cdef bint _should_shut_down, _uncached_in_queue, _invalid_in_queue, _synced
+    cdef readonly bint should_shut_down, uncached_in_queue, invalid_in_queue, synced  # (properties in the reference)
     cdef public object sent_words
 
     def __init__(self, num_active_bits):
@@ -232,7 +271,7 @@ cdef class CacheCoordinator:
         self.sent_words = None
 
     cdef int _check_not_synced(self) except -1:
-        if self._synced:
+        if self.synced:
             raise cache_error("synced")
         return 0
 
@@ -251,22 +290,22 @@ cdef class CacheCoordinator:
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.record_invalid_bit`."""
         self._check_bit(bit)
         self._invalid[bit >> 6] |= (<uint64_t>1) << (bit & 63)
-        self._invalid_in_queue = True
+        self.invalid_in_queue = True
 
     def erase_hit(self, long bit):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.erase_hit`."""
         if 0 <= bit < self.num_active_bits:
             self._hits[bit >> 6] &= ~((<uint64_t>1) << (bit & 63))
 
-    def set_should_shut_down(self, value):
+    cpdef set_should_shut_down(self, bint value):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.set_should_shut_down`."""
         self._check_not_synced()
-        self._should_shut_down = bool(value)
+        self.should_shut_down = value
 
-    def set_uncached_in_queue(self, value):
+    cpdef set_uncached_in_queue(self, bint value):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.set_uncached_in_queue`."""
         self._check_not_synced()
-        self._uncached_in_queue = bool(value)
+        self.uncached_in_queue = value
 
     @property
     def cache_hits(self):
@@ -278,25 +317,24 @@ cdef class CacheCoordinator:
         """See :attr:`distlab.reference.response_cache.CacheCoordinator.invalid_bits`."""
         return _bits_list(self._invalid)
 
-    @property
-    def should_shut_down(self):
-        """See :attr:`distlab.reference.response_cache.CacheCoordinator.should_shut_down`."""
-        return self._should_shut_down
+    cpdef bint common_hit(self, long bit):
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.common_hit`."""
+        return 0 <= bit < self.num_active_bits and (self._hits[bit >> 6] >> (bit & 63)) & 1
 
-    @property
-    def uncached_in_queue(self):
-        """See :attr:`distlab.reference.response_cache.CacheCoordinator.uncached_in_queue`."""
-        return self._uncached_in_queue
+    cdef size_t common_hits(self, vector[uint32_t]& bits):
+        """``cache_hits`` into ``bits`` (core only, no Python list): the hit bits, ascending; returns how many."""
+        cdef size_t w
+        cdef uint64_t word
+        for w in range(self._hits.size()):
+            word = self._hits[w]
+            while word:
+                bits.push_back(<uint32_t>(w * 64 + __builtin_ctzll(word)))
+                word &= word - 1
+        return bits.size()
 
-    @property
-    def invalid_in_queue(self):
-        """See :attr:`distlab.reference.response_cache.CacheCoordinator.invalid_in_queue`."""
-        return self._invalid_in_queue
-
-    @property
-    def synced(self):
-        """See :attr:`distlab.reference.response_cache.CacheCoordinator.synced`."""
-        return self._synced
+    cdef size_t num_hits(self):
+        """How many hits there are (core only)."""
+        return _popcount(self._hits)
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -308,11 +346,11 @@ cdef class CacheCoordinator:
         cdef uint64_t h
         cdef long i, n = self.num_words
         cdef uint64_t status = 0
-        if not self._should_shut_down:
+        if not self.should_shut_down:
             status |= (<uint64_t>1) << SHOULD_SHUT_DOWN
-        if not self._uncached_in_queue:
+        if not self.uncached_in_queue:
             status |= (<uint64_t>1) << UNCACHED_IN_QUEUE
-        if not self._invalid_in_queue:
+        if not self.invalid_in_queue:
             status |= (<uint64_t>1) << INVALID_IN_QUEUE
         words[0] = status
         for i in range(n):
@@ -333,14 +371,14 @@ cdef class CacheCoordinator:
         words = self.bitvector()
         self.sent_words = words.copy()
         w = _reduce(allreduce, words, "band", n)
-        self._should_shut_down = not (w[0] >> SHOULD_SHUT_DOWN) & 1
-        self._uncached_in_queue = not (w[0] >> UNCACHED_IN_QUEUE) & 1
-        self._invalid_in_queue = not (w[0] >> INVALID_IN_QUEUE) & 1
+        self.should_shut_down = not (w[0] >> SHOULD_SHUT_DOWN) & 1
+        self.uncached_in_queue = not (w[0] >> UNCACHED_IN_QUEUE) & 1
+        self.invalid_in_queue = not (w[0] >> INVALID_IN_QUEUE) & 1
         for i in range(n):
             self._hits[i] = w[i] >> NUM_STATUS_BITS
             if i + 1 < n:
                 self._hits[i] |= w[i + 1] << (64 - NUM_STATUS_BITS)
-        if self._invalid_in_queue:
+        if self.invalid_in_queue:
             invalid = np.empty(n, dtype=np.uint64)
             w = invalid
             for i in range(n):
@@ -349,7 +387,7 @@ cdef class CacheCoordinator:
             for i in range(n):
                 self._invalid[i] = w[i]
                 self._hits[i] &= ~w[i]
-        self._synced = True
+        self.synced = True
 
 
 cdef uint64_t[::1] _reduce(allreduce, object words, str op, long n):
@@ -378,21 +416,9 @@ cdef list _bits_list(const vector[uint64_t]& words):
 cdef Request _BLANK_REQUEST = Request()
 
 
-cdef inline bint _same_shape(_Params& a, Request r):
-    cdef int i
-    if a.ndim != r._ndim:
-        return False
-    if a.ndim > 8:
-        return a.shape == r._cshape
-    for i in range(a.ndim):
-        if a.dims[i] != r._dims[i]:
-            return False
-    return True
-
-
 cdef inline bint _params_match(_Params& a, Request r):
     # the HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
-    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and _same_shape(a, r)
+    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and r.shape_in(&a)
                          and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
                          and a.post == r.postscale_factor and a.group_id == r.group_id
                          and a.group_size == r.group_size))
@@ -417,25 +443,14 @@ cdef _Params _params_of(Request r):
     p.post = r.postscale_factor
     p.group_id = r.group_id
     p.group_size = r.group_size
-    p.shape = r._cshape
-    p.ndim = r._ndim
-    memcpy(p.dims, r._dims, sizeof(p.dims))    # a Request's dims beyond its ndim are zero
+    r.shape_into(&p)
     return p
 
 
 # Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
-
-
 # remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current. No lock:
-
-
 # the increment is one C statement under the GIL (no Python code runs between its read and its write).
-
-
 cdef uint64_t _EPOCHS = 0
-
-
-cdef uint32_t _NO_BIT = 0xFFFFFFFF
 
 
 cdef inline uint64_t _new_epoch():
@@ -446,14 +461,7 @@ cdef inline uint64_t _new_epoch():
 
 cdef inline int _cache_state(ResponseCache cache, Request r, uint32_t* bit):
     """ResponseCache.cached() without the Python call; sets ``bit`` on HIT and INVALID."""
-    cdef uint32_t b
-    if r._hint_epoch == cache._epoch:
-        b = r._hint_bit
-    else:
-        it = cache._name_to_bit.find(r._cname)
-        b = _NO_BIT if it == cache._name_to_bit.end() else deref(it).second
-        r._hint_epoch = cache._epoch
-        r._hint_bit = b
+    cdef uint32_t b = r.cache_bit(cache._name_to_bit, cache._epoch)
     if b == _NO_BIT:
         return S_MISS
     bit[0] = b

@@ -2,16 +2,20 @@
 
 Twinned with ``core/_negotiation.pyx``, which includes the twins of the other negotiation modules.
 
-Mirrors horovod/common/controller.cc ``Controller::ComputeResponseList``, ``ConstructResponse``,
-``FuseResponses`` and ``IncrementTensorCount``. Each cycle:
+Mirrors horovod/common/controller.cc ``Controller::ComputeResponseList``, split into its steps as there (the
+coordinator's ``ConstructResponse``, ``FuseResponses`` and ``IncrementTensorCount`` are in
+:mod:`~distlab.reference.coordinator`). Each cycle, in both twins:
 
-1. pop this rank's queued requests; look each up in the :class:`ResponseCache` (hit, miss or invalid);
-2. sync with every rank through the :class:`CacheCoordinator` (one AND allreduce of a bit vector, plus an OR
-   allreduce when some entry is invalid);
-3. requests that hit here but not on every rank go back to the queue for the next cycle;
-4. *fast path*, when no rank has anything uncached: the responses are the common hits, taken from the cache in
+1. ``_look_up``: pop this rank's queued requests; look each up in the :class:`ResponseCache` (hit, miss or
+   invalid) and tell the :class:`CacheCoordinator`;
+2. ``_check_for_stalls``: the stall inspector's check (and shutdown), and the shutdown flag;
+3. ``_coordinate_cache_and_state``: sync with every rank through the :class:`CacheCoordinator` (one AND allreduce
+   of a bit vector, plus an OR allreduce when some entry is invalid), and erase the invalid entries;
+4. ``_requeue_uncommon_hits``: requests that hit here but not on every rank go back to the queue for the next
+   cycle;
+5. ``_fast_path``, when no rank has anything uncached: the responses are the common hits, taken from the cache in
    bit order and fused; no further communication;
-5. *slow path* otherwise: every rank sends its uncached requests to rank 0 (a gather), whose
+6. ``_slow_path`` otherwise: every rank sends its uncached requests to rank 0 (a gather), whose
    :class:`~distlab.reference.coordinator.Coordinator` finds the ready tensors, validates and fuses their
    responses and broadcasts the list; every rank then caches the cacheable responses in the same order.
 
@@ -20,7 +24,7 @@ only once every member is ready on every rank; ranks that disagree on its member
 group. A rank that wants to stop sends its reason through the slow path, so that every rank can say who stopped
 and why. Each process set has its own controller (``process_set_id``) and cache.
 
-Communication goes through an injectable *transport* with three calls, so the cycle runs without MPI in tests:
+Communication goes through an injectable *channel* with three calls, so the cycle runs without MPI in tests:
 ``allreduce_bits(words, op)`` (uint64 array, ``"band"``/``"bor"``, in place), ``gather(payload) -> list | None``
 (bytes from every rank to rank 0) and ``broadcast(payload) -> bytes`` (from rank 0).
 
@@ -107,21 +111,35 @@ class Controller:
             return len(self._queue)
 
     # -- the cycle -------------------------------------------------------------------------------------------
-    def compute_response_list(self, transport, shut_down: bool = False, shutdown_reason: str = "") -> ResponseList:
+    def compute_response_list(self, channel, shut_down: bool = False, shutdown_reason: str = "") -> ResponseList:
         """Run one negotiation cycle and return the responses every rank executes, in the same order.
 
         ``shut_down`` asks every rank to stop after this cycle; ``shutdown_reason`` says why (a predicate of
         this rank, ``"called shutdown()"``), and reaches every rank in the ResponseList's ``shutdown_reason``.
+        The steps are numbered as the module docstring numbers them (mirrors ``ComputeResponseList``).
         """
-        counters = self.counters
-        counters["cycles"] += 1
-        cache = self.cache
+        self.counters["cycles"] += 1
+        coordinator = CacheCoordinator(self.cache.num_active_bits())
+        batch = self._look_up(coordinator)                                                               # 1
+        should_shut_down, reason = self._check_for_stalls(coordinator, shut_down, shutdown_reason)       # 2
+        uncached = batch
+        if self.cache.capacity > 0:
+            self._coordinate_cache_and_state(coordinator, channel)                                       # 3
+            uncached = self._requeue_uncommon_hits(batch, coordinator)                                   # 4
+            # An erased entry's request is uncached now and must reach the coordinator: fast path only when no rank
+            # has anything uncached or invalidated
+            if not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
+                return self._fast_path(coordinator)                                                      # 5
+        return self._slow_path(uncached, should_shut_down, reason, coordinator, channel)                 # 6
+
+    def _look_up(self, coordinator) -> list:
+        """1. Pop this rank's queued requests and look each up in the cache: hits, invalid entries and uncached
+        requests go to ``coordinator`` (mirrors the message loop of ``ComputeResponseList``). Returns them."""
+        counters, cache = self.counters, self.cache
         caching = cache.capacity > 0
         with self._lock:
             batch = list(self._queue)
             self._queue.clear()
-
-        coordinator = CacheCoordinator(cache.num_active_bits())
         states = []
         for request in batch:
             state = MISS
@@ -152,18 +170,23 @@ class Controller:
                     coordinator.record_hit(bit)
                 else:
                     coordinator.record_invalid_bit(bit)
+        return batch
 
+    def _check_for_stalls(self, coordinator, shut_down: bool, shutdown_reason: str) -> tuple[bool, str]:
+        """2. Check for stalled tensors (rank 0 reports them, and may shut the job down), push cached tensors held
+        back too long onto the slow path, and set the shutdown flag. Returns ``(should_shut_down, reason)``."""
         should_shut_down = bool(shut_down)
         reason = str(shutdown_reason) if should_shut_down else ""
         if self.stall.should_check():
             if self.coordinator is not None and self.stall.check(self.coordinator.joined_ranks):
                 should_shut_down = True
                 reason = reason or self.stall.shutdown_reason
-            if caching:
-                # Cached tensors held back too long go through the coordinator, whose report names the ranks.
+            if self.cache.capacity > 0:
+                # Cached tensors held back too long go through the coordinator, whose report names the ranks
+                # (mirrors InvalidateStalledCachedTensors).
                 for name in self.stall.stalled_cached_names():
                     try:
-                        coordinator.record_invalid_bit(cache.peek_cache_bit(name))
+                        coordinator.record_invalid_bit(self.cache.peek_cache_bit(name))
                     except Exception:  # noqa: BLE001 - evicted meanwhile
                         pass
                     self.stall.remove_cached(name)
@@ -172,50 +195,62 @@ class Controller:
         if should_shut_down:
             # Only the slow path carries a reason: every rank takes it, and learns from rank 0 who stopped and why.
             coordinator.set_uncached_in_queue(True)
+        return should_shut_down, reason
 
-        uncached = batch
-        if caching:
-            coordinator.sync(transport.allreduce_bits)
-            for bit in coordinator.invalid_bits:
-                cache.erase_response(bit)
-            common = set(coordinator.cache_hits)
-            uncached = []
-            requeue = []
-            for request in batch:
-                if request.request_type != RequestType.JOIN and cache.cached(request) == HIT:
-                    if cache.peek_cache_bit(request) not in common:
-                        requeue.append(request)          # ready here, not everywhere: try again next cycle
-                        self.stall.record_cached(request.tensor_name)
-                    else:
-                        self.stall.remove_cached(request.tensor_name)
+    def _coordinate_cache_and_state(self, coordinator, channel) -> None:
+        """3. Agree with every rank on the common hits and the status flags (one AND allreduce of the bit vector,
+        an OR allreduce when some entry is invalid), and erase the entries invalid anywhere (mirrors
+        ``CoordinateCacheAndState``)."""
+        coordinator.sync(channel.allreduce_bits)
+        for bit in coordinator.invalid_bits:
+            self.cache.erase_response(bit)
+
+    def _requeue_uncommon_hits(self, batch, coordinator) -> list:
+        """4. Requests that hit here but not on every rank go back to the queue for the next cycle; returns the
+        requests not in the cache (what the slow path sends)."""
+        cache, stall = self.cache, self.stall
+        uncached, requeue = [], []
+        for request in batch:
+            if request.request_type != RequestType.JOIN and cache.cached(request) == HIT:
+                if not coordinator.common_hit(cache.peek_cache_bit(request)):
+                    requeue.append(request)              # ready here, not everywhere: try again next cycle
+                    stall.record_cached(request.tensor_name)
                 else:
-                    uncached.append(request)
-            if requeue:
-                counters["requeued"] += len(requeue)
-                with self._lock:
-                    self._queue.extendleft(reversed(requeue))
+                    stall.remove_cached(request.tensor_name)
+            else:
+                uncached.append(request)
+        if requeue:
+            self.counters["requeued"] += len(requeue)
+            with self._lock:
+                self._queue.extendleft(reversed(requeue))
+        return uncached
 
+    def _fast_path(self, coordinator) -> ResponseList:
+        """5. No rank has anything uncached: the responses are the common hits, taken from the cache in bit order
+        and fused; no further communication (an idle cycle when nothing hit)."""
         response_list = ResponseList(shutdown=coordinator.should_shut_down, process_set_id=self.process_set_id)
-        # Fast path only when no rank has anything uncached or invalidated (an erased entry's request is uncached
-        # now and must reach the coordinator).
-        if caching and not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
-            if not coordinator.cache_hits:
-                counters["idle"] += 1
-                return response_list
-            counters["fast_path"] += 1
-            # Every rank calls get_response in the same order, so the LRU order stays identical everywhere.
-            hits = [cache.get_response(bit) for bit in coordinator.cache_hits]
-            response_list.responses = fuse_responses(hits, self.fusion_threshold)
-            self._finish(response_list)
-            cache.update_cache_bits()
+        if not coordinator.cache_hits:
+            self.counters["idle"] += 1
             return response_list
+        self.counters["fast_path"] += 1
+        # Every rank calls get_response in the same order, so the LRU order stays identical everywhere.
+        hits = [self.cache.get_response(bit) for bit in coordinator.cache_hits]
+        response_list.responses = fuse_responses(hits, self.fusion_threshold)
+        self._finish(response_list)
+        self.cache.update_cache_bits()
+        return response_list
 
-        counters["slow_path"] += 1
+    def _slow_path(self, uncached, should_shut_down: bool, reason: str, coordinator, channel) -> ResponseList:
+        """6. Every rank sends its uncached requests to rank 0, whose coordinator answers with the responses every
+        rank runs (mirrors SendReadyTensors, RecvReadyTensors, SendFinalTensors and RecvFinalTensors); every rank
+        then caches the cacheable responses, in the same order."""
+        self.counters["slow_path"] += 1
+        cache = self.cache
         for request in uncached:
             # Remember what we sent: ``put`` caches the response with these parameters when it comes back.
             self._pending[request.tensor_name] = request
         mine = RequestList(uncached, should_shut_down, reason, self.process_set_id).to_bytes()
-        gathered = transport.gather(mine)
+        gathered = channel.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold
             try:
@@ -223,13 +258,13 @@ class Controller:
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast: stop them, saying why
                 payload = ResponseList(shutdown=True, shutdown_reason=coordinator_failed_reason(error),
                                        process_set_id=self.process_set_id).to_bytes()
-            payload = transport.broadcast(payload)
+            payload = channel.broadcast(payload)
         else:
-            payload = transport.broadcast(None)
+            payload = channel.broadcast(None)
         response_list = ResponseList.from_bytes(payload)
         if response_list.process_set_id != self.process_set_id:
             raise process_set_error("response list", response_list.process_set_id, self.process_set_id)
-        if caching:
+        if cache.capacity > 0:
             # All ranks cache the same responses in the same order (mirrors the end of ComputeResponseList).
             for response in response_list.responses:
                 if response.response_type in CACHEABLE_RESPONSE_TYPES and len(response.devices) == self.size:

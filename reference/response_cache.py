@@ -287,6 +287,10 @@ class CacheCoordinator:
         """Invalid bits, ascending (after sync: those seen invalid on any rank)."""
         return sorted(self._invalid_bits)
 
+    def common_hit(self, bit: int) -> bool:
+        """Whether ``bit`` is a hit (after sync: on every rank)."""
+        return bit in self._cache_hits
+
     @property
     def should_shut_down(self) -> bool:
         return self._should_shut_down

@@ -65,6 +65,10 @@ class StallInspector:
     def remove_cached(self, name: str) -> None:
         self._cached.pop(name, None)
 
+    def tracks_cached(self) -> bool:
+        """Whether the wait of some cached tensor is being timed (when not, there is none to remove)."""
+        return bool(self._cached)
+
     # -- checks ------------------------------------------------------------------------------------------------
     def should_check(self) -> bool:
         return self.check_time > 0 and self.clock() - self._last_check >= self.check_time

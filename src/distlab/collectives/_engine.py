@@ -76,7 +76,7 @@ class _Entry:
             self.copied.set()
 
 
-class _MPITransport:
+class _MPIChannel:
     """The controller's three calls over a set's ProcessGroup (every wait bounded by its timeout)."""
 
     def __init__(self, group):
@@ -117,7 +117,7 @@ class _SetState:
                 self.rank, self.size, cache_capacity=s["cache_capacity"], fusion_threshold=s["fusion_threshold"],
                 stall_check_time=s["stall_check_time"], stall_shutdown_time=s["stall_shutdown_time"],
                 timeline=engine.timeline if engine.timeline.enabled else None, process_set_id=process_set_id)
-            self.transport = _MPITransport(group)
+            self.channel = _MPIChannel(group)
             group.interrupt = engine.notes.check      # a wait on the set's group hears a peer's failure note
 
     def size_in_world(self) -> int:
@@ -317,7 +317,7 @@ class Engine:
         t0 = now_us() if self.timeline.enabled else 0.0
         # a copy: the reference twin's counters are its live dict
         before = dict(state.controller.counters) if self.timeline.enabled else None
-        response_list = state.controller.compute_response_list(state.transport, shut_down, self.stop_reason)
+        response_list = state.controller.compute_response_list(state.channel, shut_down, self.stop_reason)
         if self.timeline.enabled:
             self._trace_cycle(state, t0, before, response_list)
         for response in response_list.responses:

@@ -16,7 +16,7 @@ from ..autograd._array import array_module
 from ..errors import CollectiveError, DistlabError
 from ..timeline import now_us
 from ._failures import PeerFailed, stopped_by
-from ._placement import Placement, lease, placeable
+from ._placement import ArenaRegions, lease, placeable
 
 __all__ = ["execute", "check_reduction", "identity", "scale_in_place", "reducescatter_rows", "even_splits"]
 
@@ -192,7 +192,7 @@ def _placement(state, nbytes, dtype, mpi_op):
         return None
     if not state.placement_tried:   # every member runs this response here: the creation is collective
         state.placement_tried = True
-        state.placement = Placement.create(state.group, nbytes)
+        state.placement = ArenaRegions.create(state.group, nbytes)
     return state.placement
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from .._types import ReduceOp
 from ..comm import shared
 
-__all__ = ["Placement", "placeable", "lease", "ARENA_MIN_BYTES"]
+__all__ = ["ArenaRegions", "placeable", "lease", "ARENA_MIN_BYTES"]
 
 #: The least an arena is made with (per rank): room for a few large tensors in flight.
 ARENA_MIN_BYTES = 64 << 20
@@ -36,7 +36,7 @@ def placeable(nbytes: int, dtype, mpi_op: str) -> bool:
     return nbytes >= shared.SHARED_MIN_BYTES and shared.reducible(np.dtype(dtype), ReduceOp.parse(mpi_op))
 
 
-class Placement:
+class ArenaRegions:
     """A set's arena and the free regions of this rank's slot (first fit; submissions and the cycle share it)."""
 
     def __init__(self, arena):
@@ -47,7 +47,7 @@ class Placement:
 
     @classmethod
     def create(cls, group, nbytes: int):
-        """Collective over ``group``: a Placement, or None on every rank when the ranks have no shared arena."""
+        """Collective over ``group``: an ArenaRegions, or None on every rank when the ranks have no shared arena."""
         arena = shared.create_arena(group, max(ARENA_MIN_BYTES, 2 * int(nbytes)))
         return None if arena is None else cls(arena)
 
@@ -110,6 +110,6 @@ class _Lease:
         self.returned.append((self.offset, self.view.nbytes))
 
 
-def lease(placement: Placement, view, offset: int):
+def lease(placement: ArenaRegions, view, offset: int):
     """The region ``view`` at ``offset`` as the caller's own array, given back when it and its views are gone."""
     return np.asarray(_Lease(view, offset, placement.returned))
