@@ -39,7 +39,7 @@ demo: $(STAMP)
 	@$(PY) setup.py -q build_ext --inplace -j 2
 	@echo "==> training an MLP with DistributedDataParallel on $(NP) ranks (examples/train_ddp.py),"
 	@echo "    recording its timeline"
-	$(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
+	DISTLAB_MALLOC=keep $(PY) -m distlab run -n $(NP) --timeline ddp_timeline.json examples/train_ddp.py
 	@echo ""
 	@echo "Done. Three things to try next:"
 	@echo "  1. Open ddp_timeline.json in https://ui.perfetto.dev (Open trace file): one row per rank,"

@@ -34,6 +34,8 @@ import numpy as np  # noqa: E402
 import distlab  # noqa: E402
 from distlab import nn, optim  # noqa: E402
 
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"big": (100, 256), "small": (500, 16)}  # name -> (layers, width)
 BATCH = 32

@@ -30,6 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("reference", "core")
 KS = (1, 8, 32)

@@ -38,6 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10 << 2 * k for k in range(9)]  # 4 KiB, 16 KiB, ... 256 MiB
 QUICK_SIZES = [4 << 10, 1 << 20, 64 << 20]

@@ -49,6 +49,10 @@ import sys
 import time
 from pathlib import Path
 
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, WIDTH, BATCH = 100, 256, 32
 CAPS = ("auto", 25, 4, 1)

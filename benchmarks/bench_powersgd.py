@@ -34,6 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RATES = ("1gbit", "2.5gbit", "10gbit")

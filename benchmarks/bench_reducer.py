@@ -25,6 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+import distlab
+
+distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"big": (100, 256), "small": (500, 16)}
 BATCH = 32

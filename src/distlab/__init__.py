@@ -9,7 +9,8 @@ module that needs it (``distlab.comm`` and everything built on it).
 """
 import importlib as _importlib
 
-# _malloc: glibc keeps freed memory for the next step (DISTLAB_MALLOC); imported for that effect
+# _malloc: glibc keeps freed memory for the next step when the program asks (keep_freed_memory(), or
+# DISTLAB_MALLOC=keep, read here); importing distlab alone leaves malloc as it is
 from . import _backend, _malloc, _mpi  # noqa: F401
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ _SUBMODULES = (
 #: Public names defined in a submodule: name -> module that defines it.
 _ATTRIBUTES = {
     "run": "distlab.launch",
+    "keep_freed_memory": "distlab._malloc",
     "ReduceOp": "distlab._types",
     "ShardedArray": "distlab._types",
     "Tensor": "distlab.autograd",
