@@ -16,7 +16,10 @@ name every disagreeing rank and what each sent, in one message (the wording is s
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 from distlab._common.fingerprint import (
     DIMS,
@@ -38,7 +41,8 @@ from distlab._wire import COLLECTIVE_OPS, FINGERPRINT_MAX_DIMS, FINGERPRINT_VERS
 __all__ = ["make_fingerprint", "describe_fingerprint", "fingerprint_groups", "find_mismatch"]
 
 
-def make_fingerprint(seq, op, shape=None, dtype=None, root=-1, reduce_op=""):
+def make_fingerprint(seq: int, op: str, shape: Sequence[int] | None = None, dtype: npt.DTypeLike = None, root: int = -1,
+                     reduce_op: str = "") -> np.ndarray:
     """Describe one collective call as ``FINGERPRINT_WORDS`` int64 words.
 
     Parameters
@@ -82,7 +86,7 @@ def make_fingerprint(seq, op, shape=None, dtype=None, root=-1, reduce_op=""):
     return words
 
 
-def find_mismatch(table):
+def find_mismatch(table: np.ndarray) -> str | None:
     """Return ``None`` if every rank sent the same fingerprint, else a message naming who sent what.
 
     Every rank calls this on the same gathered table, so every rank returns the same message.

@@ -23,6 +23,8 @@ hangs.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +42,9 @@ from distlab._common.join import (
     record_count,
     skew_message,
 )
+
+if TYPE_CHECKING:
+    from distlab.comm import Work
 
 __all__ = ["JoinHook", "Joinable", "Join"]
 
@@ -66,7 +71,8 @@ class Join:
         An object that is not a Joinable (the message says what a Joinable needs).
     """
 
-    def __init__(self, joinables, enable=True, throw_on_early_termination=False, **kwargs):
+    def __init__(self, joinables: Sequence[Joinable], enable: bool = True, throw_on_early_termination: bool = False,
+                 **kwargs: Any) -> None:
         # Checks, hooks and configurations (only the first joinable communicates) are shared with the core.
         setup = prepare_join(joinables, enable, throw_on_early_termination, kwargs)
         self._joinables, self._join_hooks = setup.joinables, setup.hooks
@@ -116,7 +122,7 @@ class Join:
         raise RuntimeError(exhausted_message(self._rank))
 
     @staticmethod
-    def notify_join_context(joinable):
+    def notify_join_context(joinable: Joinable) -> Work | None:
         """Called by a joinable once per iteration before its collectives; returns the allreduce's Work or None.
 
         Only the first joinable of an enabled Join communicates: it allreduces 1 (counted by joined ranks'

@@ -108,7 +108,10 @@ def stub_text(component: str) -> str:
             defining.append(module)
     imports: list[str] = []
     for module in defining:
-        for node in _tree(sys.modules[module]).body:
+        tree = _tree(sys.modules[module])
+        typing_only = [stmt for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for stmt in node.body]  # a stub is for type checkers: what they import, it imports
+        for node in tree.body + typing_only:
             if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
                     isinstance(node, ast.ImportFrom) and (node.level or node.module == "__future__")):
                 line = ast.unparse(node)

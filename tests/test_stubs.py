@@ -74,5 +74,30 @@ def test_a_stale_stub_fails():
     # guards the test above: a stub that lost a name, or has a parameter the compiled function lacks, is caught
     text = _stubs.stub_text("fingerprint")
     assert stub_mismatches("fingerprint", text) == []
-    assert stub_mismatches("fingerprint", text.replace("def find_mismatch(table)", "def find_mismatch(table, extra)"))
-    assert stub_mismatches("fingerprint", text.replace("def find_mismatch(table): ...", ""))
+    assert stub_mismatches("fingerprint", text.replace("def find_mismatch(table: np.ndarray)",
+                                                       "def find_mismatch(table: np.ndarray, extra)"))
+    assert stub_mismatches("fingerprint", text.replace("def find_mismatch(table: np.ndarray) -> str | None: ...", ""))
+
+
+def stub_untyped(text: str) -> list[str]:
+    """The functions of a stub whose return, or a parameter (``self`` and ``cls`` aside), has no type."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef):
+            args = node.args
+            params = [a for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+            params += [a for a in (args.vararg, args.kwarg) if a is not None]
+            if node.returns is None or any(a.annotation is None for a in params):
+                out.append(node.name)
+    return out
+
+
+@pytest.mark.parametrize("component", ["reducer", "join", "fingerprint"])
+def test_the_stub_is_typed(component):
+    # an editor and a type checker see the types of what _backend.load hides (the reference twin's annotations)
+    assert stub_untyped(_stubs.stub_path(component).read_text(encoding="utf-8")) == []
+
+
+def test_an_untyped_stub_fails():
+    assert stub_untyped("def f(a: int) -> int: ...\nclass C:\n    def g(self, b): ...\n    def h(self) -> None: ...\n") \
+        == ["g"]
