@@ -1,6 +1,7 @@
 # Included by _negotiation.pyx: core twin of distlab.reference.messages (same classes, same bytes). Messages are
 # written with memcpy into one C++ string and parsed by a cursor over the bytes (_Reader); no struct module.
 
+@cython.final
 cdef class Request:
     """See :class:`distlab.reference.messages.Request`."""
 
@@ -68,7 +69,7 @@ cdef class Request:
         """``tensor_name``."""
         return self._name
 
-    cdef inline uint32_t cache_bit(self, unordered_map[string, uint32_t]& name_to_bit, uint64_t epoch):
+    cdef inline uint32_t cache_bit(self, unordered_map[string, uint32_t]& name_to_bit, uint64_t epoch) noexcept:
         """The bit of this request's name in a cache's ``name_to_bit`` (_NO_BIT: none), in the state of that map the
         cache numbers ``epoch``: looked up once per state (every state of every cache gets a new number)."""
         if self._hint_epoch != epoch:
@@ -93,7 +94,7 @@ cdef class Request:
         """Whether ``other`` has this request's shape."""
         return self._cshape == other._cshape
 
-    cdef inline bint shape_in(self, _Params* params):
+    cdef inline bint shape_in(self, _Params* params) noexcept:
         """Whether the shape a cache entry remembers (``params``) is this request's."""
         cdef int i
         if params.ndim != self._ndim:

@@ -134,3 +134,27 @@ cdef int _no_trailing(_Reader* r, str what) except -1:
 
 cdef tuple _list_key(object message_list):
     return (bool(message_list.shutdown), message_list.shutdown_reason, message_list.process_set_id)
+
+
+# the cache entries' parameters (reference: request_params tuples, compared with ==)
+cdef inline bint _params_equal(_Params& a, _Params& b):
+    return (a.joined or b.joined or (a.rtype == b.rtype and a.dtype == b.dtype and a.shape == b.shape
+                                     and a.device == b.device and a.op == b.op and a.pre == b.pre
+                                     and a.post == b.post and a.group_id == b.group_id
+                                     and a.group_size == b.group_size))
+
+
+cdef _Params _params_of(Request r):
+    cdef _Params p
+    p.rtype = r.request_type
+    p.dtype = r.tensor_type
+    p.device = r.device
+    p.op = r.reduce_op
+    p.joined = False
+    p.known = True
+    p.pre = r.prescale_factor
+    p.post = r.postscale_factor
+    p.group_id = r.group_id
+    p.group_size = r.group_size
+    r.shape_into(&p)
+    return p

@@ -230,11 +230,11 @@ cdef class Controller:
         cdef vector[uint32_t] bits
         cdef long long hits = self._counts.hits
         cdef list batch, uncached
-        cdef bint should_shut_down, erased
-        cdef str reason
+        cdef bint erased
+        cdef object stopping                # this rank's reason to stop (None: it does not)
         self._counts.cycles += 1
         batch = self._look_up(coordinator, states, bits)                                                 # 1
-        should_shut_down, reason = self._check_for_stalls(coordinator, shut_down, shutdown_reason)       # 2
+        stopping = self._check_for_stalls(coordinator, shut_down, shutdown_reason)                       # 2
         uncached = batch
         if self.cache.capacity > 0:
             erased = self._coordinate_cache_and_state(coordinator, channel)                              # 3
@@ -242,7 +242,7 @@ cdef class Controller:
                                                    self._counts.hits - hits)
             if not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
                 return self._fast_path(coordinator)                                                      # 5
-        return self._slow_path(uncached, should_shut_down, reason, coordinator, channel)                 # 6
+        return self._slow_path(uncached, stopping, coordinator, channel)                                 # 6
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -270,14 +270,14 @@ cdef class Controller:
                 continue
             grouped |= request.group_id != NO_GROUP
             if caching:
-                state = states[i] = cache.cached(request)
+                state = states[i] = cache.lookup(request, &bit)  # cached() and peek_cache_bit()
                 if state == S_HIT:
-                    bit = bits[i] = cache.peek_cache_bit(request)
-                    coordinator.record_hit(bit)
+                    bits[i] = bit
+                    coordinator.hit(bit)  # record_hit
                     self._counts.hits += 1
                 else:
                     if state == S_INVALID:
-                        bit = bits[i] = cache.peek_cache_bit(request)
+                        bits[i] = bit
                         coordinator.record_invalid_bit(bit)
                         self._counts.invalid += 1
                     coordinator.set_uncached_in_queue(True)
@@ -294,7 +294,7 @@ cdef class Controller:
                     coordinator.record_invalid_bit(bit)
         return batch
 
-    cdef tuple _check_for_stalls(self, CacheCoordinator coordinator, shut_down, shutdown_reason):
+    cdef object _check_for_stalls(self, CacheCoordinator coordinator, shut_down, shutdown_reason):
         """See :meth:`distlab.reference.negotiation.Controller._check_for_stalls`."""
         cdef bint should_shut_down = shut_down
         reason = str(shutdown_reason) if should_shut_down else ""
@@ -313,7 +313,7 @@ cdef class Controller:
         coordinator.set_should_shut_down(should_shut_down)
         if should_shut_down:
             coordinator.set_uncached_in_queue(True)      # the reason travels on the slow path
-        return should_shut_down, reason
+        return reason if should_shut_down else None
 
     cdef bint _coordinate_cache_and_state(self, CacheCoordinator coordinator, channel) except -1:
         """See :meth:`distlab.reference.negotiation.Controller._coordinate_cache_and_state` (True when it erased)."""
@@ -336,15 +336,13 @@ cdef class Controller:
         cdef Py_ssize_t i, n = len(batch)
         cdef Request request
         cdef list uncached = [], requeue = []
-        cdef bint tracking = self.stall.tracks_cached()
+        cdef bint tracking = bool(self.stall.cached_waits)  # (when empty, there is none to remove)
         if not erased and not tracking and hits == n and coordinator.num_hits() == <size_t>n:
             return uncached  # every request hit here and everywhere: nothing to requeue or send
         for i in range(n):
             request = <Request>batch[i]
             if erased and request.request_type != RT_JOIN:
-                states[i] = cache.cached(request)
-                if states[i] == S_HIT:
-                    bits[i] = cache.peek_cache_bit(request)
+                states[i] = cache.lookup(request, &bits[i])
             if states[i] == S_HIT:
                 if not coordinator.common_hit(bits[i]):
                     requeue.append(request)     # ready here, not everywhere: try again next cycle
@@ -372,8 +370,7 @@ cdef class Controller:
         self.cache.update_cache_bits()
         return response_list
 
-    cdef ResponseList _slow_path(self, list uncached, bint should_shut_down, str reason,
-                                 CacheCoordinator coordinator, channel):
+    cdef ResponseList _slow_path(self, list uncached, stopping, CacheCoordinator coordinator, channel):
         """See :meth:`distlab.reference.negotiation.Controller._slow_path`."""
         cdef ResponseCache cache = self.cache
         cdef ResponseList response_list
@@ -381,7 +378,7 @@ cdef class Controller:
         self._counts.slow_path += 1
         for request in uncached:
             self._pending[request.name()] = request
-        mine = RequestList(uncached, should_shut_down, reason, self.process_set_id).to_bytes()
+        mine = RequestList(uncached, stopping is not None, stopping or "", self.process_set_id).to_bytes()
         gathered = channel.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold

@@ -77,6 +77,11 @@ cdef class ResponseCache:
         cdef uint32_t bit
         return _cache_state(self, request, &bit)
 
+    cdef inline int lookup(self, Request request, uint32_t* bit) noexcept:
+        """``cached(request)`` and, for a HIT or an INVALID entry, ``peek_cache_bit(request)`` into ``bit``, at once
+        (core only: the controller's call per request)."""
+        return _cache_state(self, request, bit)
+
     cpdef uint32_t peek_cache_bit(self, request_or_name) except? 0xFFFFFFFF:
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_cache_bit`."""
         cdef uint32_t bit
@@ -233,8 +238,9 @@ cdef class ResponseCache:
         coordinator.common_hits(bits)
         if bits.empty():
             return None
+        slots.resize(bits.size())
         for k in range(bits.size()):
-            slots.push_back(self._bit_slot[bits[k]])
+            slots[k] = self._bit_slot[bits[k]]
         # every entry hit and bit order is LRU order: touching them all in bit order (get_response in the
         # reference) would leave the LRU order, hence every bit, as it is
         if not (in_order and slots.size() == self._lru.size() and slots.size() == self._bit_slot.size()):
@@ -270,12 +276,12 @@ cdef class CacheCoordinator:
         self._invalid.assign(self.num_words, 0)
         self.sent_words = None
 
-    cdef int _check_not_synced(self) except -1:
+    cdef inline int _check_not_synced(self) except -1:
         if self.synced:
             raise cache_error("synced")
         return 0
 
-    cdef int _check_bit(self, long bit) except -1:
+    cdef inline int _check_bit(self, long bit) except -1:
         self._check_not_synced()
         if bit < 0 or bit >= self.num_active_bits:
             raise cache_error("bit_range", bit=bit, active=self.num_active_bits)
@@ -317,20 +323,27 @@ cdef class CacheCoordinator:
         """See :attr:`distlab.reference.response_cache.CacheCoordinator.invalid_bits`."""
         return _bits_list(self._invalid)
 
+    cdef inline void hit(self, uint32_t bit) noexcept:
+        """``record_hit`` without its checks (core only: the controller's call per request, with a bit its cache
+        gave this cycle, before the sync)."""
+        self._hits[bit >> 6] |= (<uint64_t>1) << (bit & 63)
+
     cpdef bint common_hit(self, long bit):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.common_hit`."""
         return 0 <= bit < self.num_active_bits and (self._hits[bit >> 6] >> (bit & 63)) & 1
 
-    cdef size_t common_hits(self, vector[uint32_t]& bits):
+    cdef inline size_t common_hits(self, vector[uint32_t]& bits) noexcept:
         """``cache_hits`` into ``bits`` (core only, no Python list): the hit bits, ascending; returns how many."""
-        cdef size_t w
+        cdef size_t w, k = bits.size()
         cdef uint64_t word
+        bits.resize(k + _popcount(self._hits))
         for w in range(self._hits.size()):
             word = self._hits[w]
             while word:
-                bits.push_back(<uint32_t>(w * 64 + __builtin_ctzll(word)))
+                bits[k] = <uint32_t>(w * 64 + __builtin_ctzll(word))
+                k += 1
                 word &= word - 1
-        return bits.size()
+        return k
 
     cdef size_t num_hits(self):
         """How many hits there are (core only)."""
@@ -416,35 +429,12 @@ cdef list _bits_list(const vector[uint64_t]& words):
 cdef Request _BLANK_REQUEST = Request()
 
 
-cdef inline bint _params_match(_Params& a, Request r):
+cdef inline bint _params_match(_Params& a, Request r) noexcept:
     # the HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
     return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and r.shape_in(&a)
                          and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
                          and a.post == r.postscale_factor and a.group_id == r.group_id
                          and a.group_size == r.group_size))
-
-
-cdef inline bint _params_equal(_Params& a, _Params& b):
-    return (a.joined or b.joined or (a.rtype == b.rtype and a.dtype == b.dtype and a.shape == b.shape
-                                     and a.device == b.device and a.op == b.op and a.pre == b.pre
-                                     and a.post == b.post and a.group_id == b.group_id
-                                     and a.group_size == b.group_size))
-
-
-cdef _Params _params_of(Request r):
-    cdef _Params p
-    p.rtype = r.request_type
-    p.dtype = r.tensor_type
-    p.device = r.device
-    p.op = r.reduce_op
-    p.joined = False
-    p.known = True
-    p.pre = r.prescale_factor
-    p.post = r.postscale_factor
-    p.group_id = r.group_id
-    p.group_size = r.group_size
-    r.shape_into(&p)
-    return p
 
 
 # Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
@@ -459,7 +449,7 @@ cdef inline uint64_t _new_epoch():
     return _EPOCHS
 
 
-cdef inline int _cache_state(ResponseCache cache, Request r, uint32_t* bit):
+cdef inline int _cache_state(ResponseCache cache, Request r, uint32_t* bit) noexcept:
     """ResponseCache.cached() without the Python call; sets ``bit`` on HIT and INVALID."""
     cdef uint32_t b = r.cache_bit(cache._name_to_bit, cache._epoch)
     if b == _NO_BIT:

@@ -121,7 +121,7 @@ class Controller:
         self.counters["cycles"] += 1
         coordinator = CacheCoordinator(self.cache.num_active_bits())
         batch = self._look_up(coordinator)                                                               # 1
-        should_shut_down, reason = self._check_for_stalls(coordinator, shut_down, shutdown_reason)       # 2
+        stopping = self._check_for_stalls(coordinator, shut_down, shutdown_reason)                       # 2
         uncached = batch
         if self.cache.capacity > 0:
             self._coordinate_cache_and_state(coordinator, channel)                                       # 3
@@ -130,7 +130,7 @@ class Controller:
             # has anything uncached or invalidated
             if not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
                 return self._fast_path(coordinator)                                                      # 5
-        return self._slow_path(uncached, should_shut_down, reason, coordinator, channel)                 # 6
+        return self._slow_path(uncached, stopping, coordinator, channel)                                 # 6
 
     def _look_up(self, coordinator) -> list:
         """1. Pop this rank's queued requests and look each up in the cache: hits, invalid entries and uncached
@@ -172,9 +172,10 @@ class Controller:
                     coordinator.record_invalid_bit(bit)
         return batch
 
-    def _check_for_stalls(self, coordinator, shut_down: bool, shutdown_reason: str) -> tuple[bool, str]:
+    def _check_for_stalls(self, coordinator, shut_down: bool, shutdown_reason: str) -> str | None:
         """2. Check for stalled tensors (rank 0 reports them, and may shut the job down), push cached tensors held
-        back too long onto the slow path, and set the shutdown flag. Returns ``(should_shut_down, reason)``."""
+        back too long onto the slow path, and set the shutdown flag. Returns why this rank stops (``""``: no
+        reason given), None when it does not (the coordinator's flag becomes every rank's at the sync)."""
         should_shut_down = bool(shut_down)
         reason = str(shutdown_reason) if should_shut_down else ""
         if self.stall.should_check():
@@ -195,7 +196,7 @@ class Controller:
         if should_shut_down:
             # Only the slow path carries a reason: every rank takes it, and learns from rank 0 who stopped and why.
             coordinator.set_uncached_in_queue(True)
-        return should_shut_down, reason
+        return reason if should_shut_down else None
 
     def _coordinate_cache_and_state(self, coordinator, channel) -> None:
         """3. Agree with every rank on the common hits and the status flags (one AND allreduce of the bit vector,
@@ -240,16 +241,17 @@ class Controller:
         self.cache.update_cache_bits()
         return response_list
 
-    def _slow_path(self, uncached, should_shut_down: bool, reason: str, coordinator, channel) -> ResponseList:
+    def _slow_path(self, uncached, stopping: str | None, coordinator, channel) -> ResponseList:
         """6. Every rank sends its uncached requests to rank 0, whose coordinator answers with the responses every
         rank runs (mirrors SendReadyTensors, RecvReadyTensors, SendFinalTensors and RecvFinalTensors); every rank
-        then caches the cacheable responses, in the same order."""
+        then caches the cacheable responses, in the same order. ``stopping``: this rank's reason to stop, as
+        ``_check_for_stalls`` returned it."""
         self.counters["slow_path"] += 1
         cache = self.cache
         for request in uncached:
             # Remember what we sent: ``put`` caches the response with these parameters when it comes back.
             self._pending[request.tensor_name] = request
-        mine = RequestList(uncached, should_shut_down, reason, self.process_set_id).to_bytes()
+        mine = RequestList(uncached, stopping is not None, stopping or "", self.process_set_id).to_bytes()
         gathered = channel.gather(mine)
         if self.coordinator is not None:
             self.coordinator.fusion_threshold = self.fusion_threshold

@@ -40,7 +40,8 @@ class StallInspector:
         self.shutdown_time = float(shutdown_time)
         self.clock = clock
         self._uncached: dict[str, tuple[int, dict[int, float]]] = {}   # name -> (type, {rank: first seen})
-        self._cached: dict[str, float] = {}                             # name -> first seen (this rank)
+        #: Cached tensors this rank holds back, waiting for other ranks: {name: first seen} (empty: none).
+        self.cached_waits: dict[str, float] = {}
         self._last_check = clock()
         #: Every stall report produced so far (rank 0), newest last.
         self.reports: list[str] = []
@@ -60,14 +61,10 @@ class StallInspector:
         self._uncached.pop(name, None)
 
     def record_cached(self, name: str) -> None:
-        self._cached.setdefault(name, self.clock())
+        self.cached_waits.setdefault(name, self.clock())
 
     def remove_cached(self, name: str) -> None:
-        self._cached.pop(name, None)
-
-    def tracks_cached(self) -> bool:
-        """Whether the wait of some cached tensor is being timed (when not, there is none to remove)."""
-        return bool(self._cached)
+        self.cached_waits.pop(name, None)
 
     # -- checks ------------------------------------------------------------------------------------------------
     def should_check(self) -> bool:
@@ -79,7 +76,7 @@ class StallInspector:
     def stalled_cached_names(self) -> list[str]:
         """Cached tensors this rank has held back longer than the check time (to push onto the slow path)."""
         now = self.clock()
-        return sorted(n for n, t in self._cached.items() if now - t >= self.check_time)
+        return sorted(n for n, t in self.cached_waits.items() if now - t >= self.check_time)
 
     def check(self, joined_ranks=()) -> bool:
         """Report stalled uncached tensors (coordinator only); return True if the job should shut down."""
