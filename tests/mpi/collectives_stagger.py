@@ -80,17 +80,17 @@ def fail_in_execute(name, after=False):
 
 def refuse_response_list(name):
     """This rank receives the response list naming ``name`` with a wrong magic, and refuses it."""
-    transport = _engine.current.world.transport
-    original = transport.broadcast
+    channel = _engine.current.world.channel
+    original = channel.broadcast
 
     def corrupted(payload):
         out = bytes(original(payload))
         if name.encode() in out:
-            transport.broadcast = original
+            channel.broadcast = original
             out = b"XXXX" + out[4:]
         return out
 
-    transport.broadcast = corrupted
+    channel.broadcast = corrupted
 
 
 def fail_in_coordinator(name):

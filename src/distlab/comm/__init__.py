@@ -42,7 +42,9 @@ split sizes, object lists point to point, isend/irecv), :mod:`~distlab.comm.moni
 behind one interface, ``Transport``, chosen per group), :mod:`~distlab.comm.shared` (shared-memory arenas),
 :mod:`~distlab.comm.pieces` (large allreduces across nodes in pieces, each group's ``PieceSize``),
 :mod:`~distlab.comm.board` and :mod:`~distlab.comm.missing` (the side channel naming missing ranks),
-:mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`, :func:`bounded_barrier`).
+:mod:`~distlab.comm.setup` (bounded set-up: :func:`bounded_dup`, :func:`bounded_barrier`), :mod:`~distlab.comm.ulfm`
+(process failures under ULFM: detection, revoke, agree, shrink) and :mod:`~distlab.comm.recovery` (the world
+rebuilt on the survivors).
 """
 from __future__ import annotations
 

@@ -276,15 +276,20 @@ class InFlight:
     def add(self, work: Work) -> None:
         """Keep ``work`` until it completes (unless its stages already ran to the end)."""
         if not work._done:
-            self._works.setdefault(work.steps, {})[work] = None
+            works = self._works.get(work.steps)
+            if works is None:
+                self._works[work.steps] = {work: None}
+            else:
+                works[work] = None
 
     def done(self, work: Work) -> None:
         """``work`` completed: forget it (and its group, once it has nothing left in flight)."""
-        works = self._works.get(work.steps)
+        steps = work.steps
+        works = self._works.get(steps)
         if works is not None:
             works.pop(work, None)
             if not works:
-                self._works.pop(work.steps, None)
+                del self._works[steps]
 
     def of(self, steps: "GroupSteps") -> list:
         """``steps``' work in flight, in issue order."""
