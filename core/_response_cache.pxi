@@ -225,10 +225,9 @@ cdef class ResponseCache:
         if changed:
             self._epoch = _new_epoch()
 
-    cdef list fused_hits(self, CacheCoordinator coordinator, long long threshold):
-        """The fast path's responses (core only): ``get_response`` of every common hit in bit order, fused up to
-        ``threshold`` (the reference: ``fuse_responses``); None when none hit. An equal epoch (it changes with any
-        put, erase or renumbering), equal slots and threshold give an equal fusion: a training loop fuses once."""
+    cpdef list fused_hits(self, CacheCoordinator coordinator, long long threshold):
+        """See :meth:`distlab.reference.response_cache.ResponseCache.fused_hits`. An equal epoch (it changes with
+        any put, erase or renumbering), equal slots and threshold give an equal fusion: a training loop fuses once."""
         cdef vector[uint32_t] bits
         cdef vector[int] slots, group_start, members
         cdef bint in_order = not self._bits_outdated
@@ -255,6 +254,8 @@ cdef class ResponseCache:
             self._memo_threshold = threshold
             self.update_cache_bits()
             self._memo_epoch = self._epoch
+        else:
+            self.update_cache_bits()
         return [response.copy() for response in self._memo_fused]
 
 

@@ -230,13 +230,12 @@ class Controller:
         """5. No rank has anything uncached: the responses are the common hits, taken from the cache in bit order
         and fused; no further communication (an idle cycle when nothing hit)."""
         response_list = ResponseList(shutdown=coordinator.should_shut_down, process_set_id=self.process_set_id)
-        if not coordinator.cache_hits:
+        fused = self.cache.fused_hits(coordinator, self.fusion_threshold)
+        if fused is None:
             self.counters["idle"] += 1
             return response_list
         self.counters["fast_path"] += 1
-        # Every rank calls get_response in the same order, so the LRU order stays identical everywhere.
-        hits = [self.cache.get_response(bit) for bit in coordinator.cache_hits]
-        response_list.responses = fuse_responses(hits, self.fusion_threshold)
+        response_list.responses = fused
         self._finish(response_list)
         self.cache.update_cache_bits()
         return response_list

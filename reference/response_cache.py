@@ -26,6 +26,7 @@ from distlab._common.negotiation import (
 )
 from distlab._wire import INVALID_IN_QUEUE, NUM_STATUS_BITS, SHOULD_SHUT_DOWN, UNCACHED_IN_QUEUE
 from distlab.errors import CacheEvictionWarning
+from distlab.reference.coordinator import fuse_responses
 from distlab.reference.messages import Response
 
 __all__ = ["ResponseCache", "CacheCoordinator", "request_params", "MISS", "HIT", "INVALID"]
@@ -215,6 +216,19 @@ class ResponseCache:
         self._bits = list(self._entries)
         self._name_to_bit = {name: bit for bit, name in enumerate(self._bits)}
         self._bits_outdated = False
+
+    def fused_hits(self, coordinator, threshold: int) -> list | None:
+        """The fast path's responses: :meth:`get_response` of every bit that hit on every rank, in bit order (each
+        rank touches the same entries in the same order, so the LRU order stays identical everywhere), fused up
+        to ``threshold`` bytes (:func:`~distlab.reference.coordinator.fuse_responses`), the bits then renumbered
+        (:meth:`update_cache_bits`); None, touching nothing, when none hit (mirrors the cache branch of
+        ``ComputeResponseList``)."""
+        bits = coordinator.cache_hits
+        if not bits:
+            return None
+        fused = fuse_responses([self.get_response(bit) for bit in bits], threshold)
+        self.update_cache_bits()
+        return fused
 
 
 class CacheCoordinator:

@@ -260,8 +260,44 @@ def test_sync_with_allreduce_returning_a_new_array(negotiation):
     assert c.cache_hits == [] and not c.uncached_in_queue
 
 
+def _fuse_hits(mod, cache, hit, threshold):
+    """The fast path's responses as (names, sizes) for the entries whose bit ``hit`` accepts (None: none hit)."""
+    coordinator = mod.CacheCoordinator(cache.num_active_bits())
+    for bit in cache.list_all_bits():
+        if hit(bit):
+            coordinator.record_hit(bit)
+    coordinator.sync(lambda words, op: words)
+    fused = cache.fused_hits(coordinator, threshold)
+    return None if fused is None else [(r.tensor_names, r.tensor_sizes) for r in fused]
+
+
+def test_fused_hits_touch_the_common_hits_in_bit_order_and_fuse_them(negotiation):
+    m = negotiation
+    cache = m.ResponseCache(8)
+    put(m, cache, "a", "b", "c", "d")
+    assert _fuse_hits(m, cache, lambda bit: False, 1 << 20) is None
+    assert cache.lru_names() == ["a", "b", "c", "d"]                # nothing hit: nothing touched
+    assert _fuse_hits(m, cache, lambda bit: bit in (0, 2), 1 << 20) == [(["a", "c"], [4, 4])]
+    assert cache.lru_names() == ["b", "d", "a", "c"]                # touched in bit order, as get_response does
+    assert [cache.peek_cache_bit(n) for n in "bdac"] == [0, 1, 2, 3]  # and renumbered
+    assert _fuse_hits(m, cache, lambda bit: bit in (0, 2), 16) == [(["b"], [4]), (["a"], [4])]  # 16 bytes each
+    # the same hits in an unchanged cache give the same fusion, and a caller's changes to it stay its own
+    cache.update_cache_bits()
+    hits = m.CacheCoordinator(cache.num_active_bits())
+    for bit in cache.list_all_bits():
+        hits.record_hit(bit)
+    hits.sync(lambda words, op: words)
+    first = cache.fused_hits(hits, 1 << 20)
+    first[0].tensor_names.append("x")
+    again = m.CacheCoordinator(cache.num_active_bits())
+    for bit in cache.list_all_bits():
+        again.record_hit(bit)
+    again.sync(lambda words, op: words)
+    assert [r.tensor_names for r in cache.fused_hits(again, 1 << 20)] == [["d", "c", "b", "a"]]
+
+
 # -- equivalence ----------------------------------------------------------------------------------------------
-ops = st.lists(st.tuples(st.sampled_from(["put", "put_other", "get", "peek", "erase", "update", "cap"]),
+ops = st.lists(st.tuples(st.sampled_from(["put", "put_other", "get", "peek", "erase", "update", "cap", "fuse"]),
                          st.integers(0, 9)), max_size=60)
 
 
@@ -285,6 +321,7 @@ def test_twins_make_identical_decisions(sequence):
             for impl, mod in twins.items():
                 cache = caches[impl]
                 name = f"t{k}"
+                fused = None
                 try:
                     if op == "put":
                         put(mod, cache, name)
@@ -298,6 +335,8 @@ def test_twins_make_identical_decisions(sequence):
                         cache.erase_response(k)
                     elif op == "update":
                         cache.update_cache_bits()
+                    elif op == "fuse":   # the fast path: a third of the entries hit everywhere, fused up to 16k bytes
+                        fused = _fuse_hits(mod, cache, lambda bit: (bit + k) % 3 == 0, 16 * k)
                     else:
                         cache.set_capacity(4 + k % 2)
                     outcome = "ok"
@@ -312,7 +351,7 @@ def test_twins_make_identical_decisions(sequence):
                 for bit in cache.list_all_bits():
                     coordinator.record_hit(bit)
                 coordinators[impl] = coordinator
-                observed[impl] = (outcome, cache.lru_names(), cache.list_all_bits(), cache.num_active_bits(),
+                observed[impl] = (outcome, fused, cache.lru_names(), cache.list_all_bits(), cache.num_active_bits(),
                                   states, coordinator.bitvector().tobytes(), cache.evictions)
             assert observed["reference"] == observed["core"], (op, k)
 
