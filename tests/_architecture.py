@@ -359,8 +359,9 @@ def _python_modules() -> dict[str, ast.Module]:
             if path.suffix == ".py"}
 
 
-def _defined_names(tree: ast.Module) -> set[str]:
-    """Every name a module defines: functions, classes, assigned names and attributes (``self._x = ...``)."""
+def _defined_names(tree: ast.Module, receivers: tuple[str, ...] | None = None) -> set[str]:
+    """Every name a module defines: functions, classes, assigned names and attributes (``x._y = ...``; with
+    ``receivers``, only attributes set on those names, such as ``self``)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -370,7 +371,8 @@ def _defined_names(tree: ast.Module) -> set[str]:
                 for sub in ast.walk(target):
                     if isinstance(sub, ast.Name):
                         names.add(sub.id)
-                    elif isinstance(sub, ast.Attribute):
+                    elif isinstance(sub, ast.Attribute) and (receivers is None or (
+                            isinstance(sub.value, ast.Name) and sub.value.id in receivers)):
                         names.add(sub.attr)
     return names
 
@@ -470,21 +472,13 @@ def _owned_names(tree: ast.Module) -> set[str]:
     """The names a module owns: its functions and classes, what it assigns at module or class level, the attributes
     it sets on ``self``/``cls`` (or declares in ``__slots__``, or sets with ``object.__setattr__(self, ...)``), and
     what it imports."""
-    names: set[str] = set()
+    names = _defined_names(tree, ("self", "cls"))
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                for sub in ast.walk(target):
-                    if isinstance(sub, ast.Name):
-                        names.add(sub.id)
-                    elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
-                            and sub.value.id in ("self", "cls"):
-                        names.add(sub.attr)
-                if isinstance(target, ast.Name) and target.id == "__slots__" and node.value is not None:
-                    names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
-                                 and isinstance(c.value, str))
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and any(
+                isinstance(t, ast.Name) and t.id == "__slots__"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+                         and isinstance(c.value, str))
         elif isinstance(node, ast.Call) and ast.unparse(node.func) == "object.__setattr__" and len(node.args) > 1 \
                 and isinstance(node.args[1], ast.Constant):
             names.add(node.args[1].value)
