@@ -550,7 +550,7 @@ def private_access_violations(trees: dict[str, ast.Module] | None = None,
     return out
 
 
-_CORE_DECLARATION = re.compile(r"^\s*cdef\s+(?:public\s+|readonly\s+)?(?!class\b|struct\b|enum\b|extern\b|inline\b)"
+_CORE_DECLARATION = re.compile(r"^\s*cdef\s+(?:public\s+|readonly\s+)?(?:volatile\s+|const\s+)?(?!class\b|struct\b|enum\b|extern\b|inline\b)"
                                r"[\w\.:]+(?:\[[^\]]*\](?:\.\w+)?)?(?:\s*\*+\s*|\s+)((?:\w+\s*,\s*)*\w+)\s*(?:=.*)?"
                                r"(?:#.*)?$")
 _CORE_ACCESS = re.compile(r"(?:(?<![\w.])([A-Za-z_]\w*)|(\)))\.(_[A-Za-z]\w*)\b")
