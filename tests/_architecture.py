@@ -464,6 +464,21 @@ PRIVATE_ACCESS_EXCEPTIONS = {
 }
 
 
+#: Code that predates these checks and does not meet them yet, by module or core file: :func:`outstanding` leaves
+#: its violations out of the tests, and ``test_each_reshape_still_owed_is_owed`` fails on an entry with nothing left
+#: to forgive, so the list only shrinks. FSDP's twins share a base class (``FSDPParamBase``, bound by hand in the
+#: core) and its front reads the parameter groups' and modules' fields (as torch's FSDP2 reads ``_parameters``);
+#: reshaping them as the reducer's twins were (shared functions and a set-up value) is the work that empties it.
+RESHAPE_OWED = ("distlab.fsdp._api", "distlab.fsdp._module", "distlab.fsdp._state", "distlab.fsdp._state_dict",
+                "distlab.reference.fsdp_param", "distlab.reference.fsdp_param_group",
+                "_fsdp_param.pxi", "_fsdp_param_group.pyx")
+
+
+def outstanding(found: list[tuple]) -> list[tuple]:
+    """The violations in ``found`` (tuples whose first item is the module or core file) outside :data:`RESHAPE_OWED`."""
+    return [violation for violation in found if violation[0] not in RESHAPE_OWED]
+
+
 def _unit(module: str) -> str:
     return next((unit for unit in PRIVATE_UNITS if module == unit or module.startswith(unit + ".")), module)
 

@@ -93,7 +93,7 @@ def test_every_twin_file_is_in_the_one_registry():
 
 
 def test_no_private_calls_up_the_layers_or_into_another_module():
-    assert arch.private_call_violations() == []
+    assert arch.outstanding(arch.private_call_violations()) == []
 
 
 def test_each_private_call_rule_can_fail():
@@ -158,7 +158,7 @@ def test_a_core_laid_out_differently_fails(tmp_path, monkeypatch):
 
 
 def test_no_private_access_across_modules():
-    assert arch.private_access_violations() == []
+    assert arch.outstanding(arch.private_access_violations()) == []
 
 
 def test_each_private_access_rule_can_fail():
@@ -205,7 +205,7 @@ def test_a_private_import_fails():
 
 
 def test_core_files_reach_no_other_files_private_fields():
-    assert arch.core_private_access_violations() == []
+    assert arch.outstanding(arch.core_private_access_violations()) == []
 
 
 def test_a_core_file_reaching_into_another_fails():
@@ -225,7 +225,7 @@ def test_a_core_file_reaching_into_another_fails():
 
 
 def test_twins_share_code_through_functions_not_a_base_class():
-    assert arch.twin_binding_violations() == []
+    assert arch.outstanding(arch.twin_binding_violations()) == []
 
 
 def test_a_twin_on_a_shared_base_fails():
@@ -274,3 +274,11 @@ def test_a_second_meaning_fails():
              "distlab.comm.transports.base": ast.parse("class Transport:\n    pass\n")}
     assert sorted(m for m, _line, _why in arch.name_meaning_violations(trees)) == [
         "distlab.collectives._engine", "distlab.collectives._placement"]
+
+
+def test_each_reshape_still_owed_is_owed():
+    # the list of code that predates the checks only shrinks: an entry whose module meets every check goes
+    found = {violation[0] for check in (arch.private_call_violations, arch.private_access_violations,
+                                        arch.core_private_access_violations, arch.twin_binding_violations)
+             for violation in check()}
+    assert [entry for entry in arch.RESHAPE_OWED if entry not in found] == []

@@ -167,7 +167,7 @@ class GroupOperations(Calls):
         start = self._steps.start()
         request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
         return self._steps.issue("reduce_scatter", seq, name, input.nbytes, request, finish, output, async_op, None,
-                           start)
+                                 start)
 
     def alltoall(self, output, input, async_op: bool = False, name=None):  # noqa: A002
         """Send block ``j`` of ``input`` to rank ``j``; block ``i`` of ``output`` comes from rank ``i``."""
