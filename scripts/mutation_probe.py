@@ -62,6 +62,7 @@ MODULE_TESTS = {
     "response_cache": ["test_response_cache.py", "test_negotiation_controller.py", "test_negotiation_hardening.py",
                        "test_collectives.py"],
     "rpc_framing": ["test_rpc_framing.py", "test_rpc_local.py", "test_rpc_mpi.py"],
+    "rpc_wait": ["test_rpc_wait.py", "test_rpc_mpi.py"],
     "rref": ["test_rref_protocol.py", "test_rref_parity.py", "test_rpc_mpi.py"],
     "rref_context": ["test_rref_protocol.py", "test_rref_parity.py", "test_rref_fuzz.py", "test_rpc_mpi.py"],
     "rref_impl": ["test_rref_protocol.py", "test_rref_parity.py", "test_rref_fuzz.py", "test_rpc_mpi.py"],

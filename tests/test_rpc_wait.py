@@ -80,6 +80,30 @@ def test_a_touch_wakes_a_sleeping_waiter_for_the_message_that_follows(rpc_wait):
     comm.Free()
 
 
+def test_idle_only_while_sleeping_between_polls(rpc_wait):
+    comm = MPI.COMM_SELF.Dup()
+    waiter = rpc_wait.Waiter(comm, 0.0, 1e-3)
+    assert not waiter.idle               # made, not yet waiting
+    assert waiter.probe(0, 5, 0.05) is False
+    assert not waiter.idle               # the wait is over: a sleep that ended leaves no trace
+    comm.Free()
+
+
+def test_a_wake_ends_one_wait_only(rpc_wait):
+    comm = MPI.COMM_SELF.Dup()
+    waiter = rpc_wait.Waiter(comm, 0.0, 1e-3)
+    waiter.wake()
+    assert waiter.probe(0, 5, 30.0) is False   # the wake ends the next wait at once
+    requests = []
+    sender = threading.Timer(0.1, lambda: requests.append(comm.Isend([b"x", MPI.BYTE], 0, 5)))
+    sender.start()
+    assert waiter.probe(0, 5, 30.0) is True    # and only that one: this wait lasts until the message comes
+    waiter.message.Recv([bytearray(1), MPI.BYTE])
+    sender.join()
+    requests[0].Wait()
+    comm.Free()
+
+
 def test_the_core_twin_says_how_it_waits(monkeypatch):
     if not _backend.core_available():
         pytest.skip(_backend.BUILD_HINT)
