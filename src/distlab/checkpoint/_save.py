@@ -136,7 +136,7 @@ def save(state_dict: dict, checkpoint_id, *, group=None) -> dict:
     state_dict : dict
         Nested dicts (and lists) of arrays, :class:`~distlab.ShardedArray` blocks, stateful objects (with
         ``state_dict``/``load_state_dict``: modules, optimizers, samplers) and picklable values.
-    checkpoint_id : str or path
+    checkpoint_id : str or os.PathLike
         The checkpoint's directory (made if missing; every rank must see the same directory).
     group : distlab.comm.ProcessGroup, optional
         The ranks that save together.

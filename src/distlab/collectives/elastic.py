@@ -185,7 +185,7 @@ class State:
 
     Parameters
     ----------
-    checkpoint_dir : str or path, optional
+    checkpoint_dir : str or os.PathLike, optional
         Where commits go (default: ``$DISTLAB_RUN_DIR/elastic``, which the launcher keeps across restarts).
     group : distlab.comm.ProcessGroup, optional
         The ranks of the job (default: the world).

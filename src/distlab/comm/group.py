@@ -65,10 +65,8 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
     device_comm : str
         How the group moves device arrays (``ipc``, ``nccl``, ``staged`` or ``mpi``), chosen when it was made from
         every rank's placement and ``DISTLAB_DEVICE_COMM`` (:mod:`distlab.comm.transports`).
-    interrupt : callable or None
-        What every wait on this group calls between its polls once past its spin phase (None: nothing). It may
-        raise to end the wait with that error, which leaves the group broken (the operation may still be in
-        flight). The collectives engine sets it, to stop waiting for a peer whose engine failed.
+
+    The group's :attr:`interrupt` is what every wait calls between its polls (the collectives engine sets it).
     """
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, name: str | None = None,
@@ -170,8 +168,12 @@ class ProcessGroup(GroupOperations, RootedOperations, ExchangeOperations):
 
     @property
     def interrupt(self):
-        """What every wait on this group calls between its polls once past its spin phase (None: nothing); it
-        is kept by the group's steps, which every wait reads."""
+        """What every wait on this group calls between its polls once past its spin phase (None: nothing).
+
+        It may raise to end the wait with that error, which leaves the group broken (the operation may still be in
+        flight). The collectives engine sets it, to stop waiting for a peer whose engine failed. It is kept by the
+        group's steps, which every wait reads.
+        """
         return self._steps.interrupt
 
     @interrupt.setter

@@ -78,6 +78,8 @@ def _data(buf):
 class Messenger:
     """Sends and receives RPC messages on the agent's communicator.
 
+    What the listening thread does with a message it received is given by :meth:`attach`.
+
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm
@@ -94,8 +96,6 @@ class Messenger:
         it and, when the header could be read, answers the sender's request with the error (on reply slot ``slot``).
     buffer_timeout : float
         How long a receiver waits for a message's out-of-band buffers after its header (seconds).
-
-    What the listening thread does with a message it received is given by :meth:`attach`.
     """
 
     def __init__(self, comm, name: str, handlers: dict, record_error: Callable, on_malformed: Callable,

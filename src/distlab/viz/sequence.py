@@ -65,7 +65,7 @@ def plot_sequence(trace, *, ranks=None, names=None, window=None, messages=True, 
 
     Parameters
     ----------
-    trace : path, dict, list or Trace
+    trace : str or os.PathLike, dict, list or Trace
         A merged trace (see :func:`distlab.viz.load_trace`).
     ranks : list of int, optional
         The lifelines, left to right (default: every rank in the trace).

@@ -18,7 +18,7 @@ def plot_timeline(trace, *, ranks=None, lanes=None, window=None, kind=first_word
 
     Parameters
     ----------
-    trace : path, dict, list or Trace
+    trace : str or os.PathLike, dict, list or Trace
         A merged trace (see :func:`distlab.viz.load_trace`).
     ranks : list of int, optional
         The ranks to draw, top to bottom (default: all).
@@ -101,7 +101,7 @@ def plot_bucket_overlap(trace, *, iteration=None, ranks=None, fig=None, title=No
 
     Parameters
     ----------
-    trace : path, dict, list or Trace
+    trace : str or os.PathLike, dict, list or Trace
         A merged trace of a DDP run (``DISTLAB_TIMELINE`` set).
     iteration : int, optional
         The reducer iteration to draw (default: the last one every drawn rank recorded).
