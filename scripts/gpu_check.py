@@ -18,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys

@@ -116,10 +116,9 @@ for name, p in local.named_parameters():
 
 # %%
 def bucket_layouts():
-    from distlab import comm, nn, optim
+    from distlab import nn, optim
     from distlab.ddp import DistributedDataParallel
 
-    pg = comm.world()
     # about 4 KB per bucket
     model = DistributedDataParallel(make_model(), bucket_cap_mb=0.004)
     names = [name for name, _ in model.module.named_parameters()]

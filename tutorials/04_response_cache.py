@@ -31,8 +31,6 @@
 # path each cycle took.
 
 # %%
-import numpy as np
-
 import distlab
 
 print("twin:", distlab.IMPL)

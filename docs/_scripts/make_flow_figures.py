@@ -136,7 +136,7 @@ def join_ddp():
     import numpy as np
 
     import distlab
-    from distlab import comm, nn
+    from distlab import comm
 
     model = _three_layers(1 << 20)     # one bucket
     batches = 3 - comm.world().rank
