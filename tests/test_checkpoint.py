@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from distlab import ShardedArray, checkpoint
-from distlab.checkpoint import _plan
+from distlab.checkpoint import _plan, _save, _storage
 from distlab.collectives import elastic
 from distlab.data import DistributedSampler, ElasticSampler
 from distlab.errors import CheckpointException
@@ -113,6 +113,70 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_touched(tmp_path, damage
     if damage == "flip":
         with pytest.raises(CheckpointException, match="__0_1.distcp"):
             checkpoint.verify(directory)
+
+
+def test_pieces_go_out_block_by_block_with_each_piece_hashed_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(_storage, "WRITE_BLOCK", 1000)
+    monkeypatch.setattr(_storage, "FLUSH_BLOCK", 3000)
+    started = []
+    monkeypatch.setattr(_storage, "_start_writeback", lambda fd, offset, length: started.append((offset, length)))
+    rng = np.random.default_rng(0)
+    pieces = [rng.standard_normal(n).astype(np.float32) for n in (2600, 0, 7, 1000)]  # blocks, none, part of one
+    got = _storage.write_pieces(tmp_path / "f", pieces)
+    raw = (tmp_path / "f").read_bytes()
+    assert raw == b"".join(p.tobytes() for p in pieces) and got["size"] == len(raw)
+    assert got["pieces"] == [_storage.checksum(p.tobytes()) for p in pieces]
+    assert got["checksum"] == _storage.checksum(raw)
+    # the kernel is asked to start writing each range of FLUSH_BLOCK bytes or more as it is written
+    assert started[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))
+    assert all(n >= 3000 for _, n in started) and sum(n for _, n in started) > len(raw) - 3000
+    started.clear()
+    _storage.write_pieces(tmp_path / "g", pieces, fsync=False)
+    assert not started and (tmp_path / "g").read_bytes() == raw
+
+
+def test_a_save_that_fails_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    directory = tmp_path / "c"
+    checkpoint.save(state(), directory, group=G)
+    monkeypatch.setattr(_storage, "WRITE_BLOCK", 16)
+    written = []
+
+    def failing(fd, block, offset):
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        written.append(offset)
+        return os.pwrite(fd, block, offset)
+
+    monkeypatch.setattr(_storage, "_pwrite_all", failing)
+    changed = state()
+    changed["model"]["fc.weight"] += 1
+    with pytest.raises(CheckpointException, match="rank 0: writing .*__0_2.distcp.*No space left"):
+        checkpoint.save(changed, directory, group=G)
+    monkeypatch.undo()
+    assert checkpoint.verify(directory)["generation"] == 1  # the previous checkpoint, whole, checksums checked
+    target = blank()
+    checkpoint.load(target, directory, group=G)
+    assert_loaded(target)
+
+
+class TwoRanks(OneRank):
+    """Rank 0 of two ranks that hold the same (replicated) state."""
+
+    size = 2
+
+    def allgather_object(self, obj, name=None):
+        return [pickle.loads(pickle.dumps(obj)) for _ in range(2)]
+
+
+def test_async_save_copies_only_the_pieces_this_rank_writes(tmp_path):
+    values = {f"w{i}": np.full(4 + i, float(i)) for i in range(6)}
+    job = _save._Save(values, tmp_path / "c", TwoRanks(), stage=True)
+    mine = job.writes[0]
+    assert 0 < len(mine) < 6 and set(job.pieces) == set(mine)  # the other rank writes (and copies) the rest
+    for chunk, piece in job.pieces.items():
+        assert piece.payload is not values[chunk[0]] and np.array_equal(piece.payload, values[chunk[0]])
+    job.release()
+    assert all(piece.payload is None for piece in job.pieces.values())
 
 
 def test_mismatched_templates_are_refused_naming_the_key(tmp_path):

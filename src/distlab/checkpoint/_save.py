@@ -10,10 +10,11 @@ Three steps, as in torch:
    fsync, rename). Any failure raises :class:`~distlab.errors.CheckpointException` on every rank, naming each
    failed rank's reason (torch: ``CheckpointException({rank: exc})``).
 
-``async_save`` runs step 1 and copies every array to host memory before it returns (the caller may change its
-arrays at once); steps 2 and 3 run on a thread, which uses no MPI: ranks leave their results as small files in
-the checkpoint directory, rank 0's thread writes the metadata once all are there, and the other ranks' threads
-wait for it. The returned :class:`~distlab.futures.Future` completes with the metadata, or with the exception.
+``async_save`` runs step 1 and copies the arrays this rank writes to host memory before it returns (the caller
+may change its arrays at once; a replicated array is copied only by the rank that writes it). Steps 2 and 3 run
+on a thread that uses no MPI and drops the copies once they are written: ranks leave their results as small
+files in the checkpoint directory, rank 0's thread writes the metadata once all are there, and the other ranks'
+threads wait for it. The returned :class:`~distlab.futures.Future` completes with the metadata, or with the exception.
 """
 from __future__ import annotations
 
@@ -51,10 +52,6 @@ class _Save:
             self.directory.mkdir(parents=True, exist_ok=True)
             entries, _ = flatten(state_dict)
             self.pieces = {p.chunk: p for p in local_plan(entries)}
-            if stage:  # async_save: a copy in host memory, taken before the caller changes anything
-                for piece in self.pieces.values():
-                    if piece.kind != "object":
-                        piece.payload = np.array(to_numpy(piece.payload), copy=True, order="C")
             mine = [p.describe() for p in self.pieces.values()]
             generation = _storage.next_generation(self.directory) if self.rank == 0 else None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait
@@ -66,10 +63,35 @@ class _Save:
         self.generation = everyone[0][2]
         self.items, self.writes, self.holders = global_plan([described for _, described, _ in everyone])
         self.file = _storage.data_file(self.rank, self.generation)
+        # only what this rank writes is kept (and, for async_save, copied)
+        self.pieces = {chunk: self.pieces[chunk] for chunk in self.writes[self.rank]}
+        self.failure = self._stage() if stage else None
+
+    def _stage(self) -> str | None:
+        """async_save: copy the pieces this rank writes to host memory, before the caller changes anything.
+
+        Only this rank's share of the plan is copied (a replicated array is copied by the one rank that writes
+        it). A failure is this rank's write failure, reported to every rank when the save commits.
+        """
+        try:
+            for piece in self.pieces.values():
+                if piece.kind != "object":
+                    piece.payload = np.array(to_numpy(piece.payload), copy=True, order="C")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank through the commit
+            self.release()
+            return f"copying the arrays of {self.directory / self.file}: {reason(exc)}"
+        return None
+
+    def release(self) -> None:
+        """Drop this rank's pieces (async_save: the staged copies, once written)."""
+        for piece in self.pieces.values():
+            piece.payload = None
 
     def write(self) -> dict:
         """Write this rank's pieces (``{"size", "checksum", "pieces"}``, or ``{"error": reason}``); no MPI."""
         mine = self.writes[self.rank]
+        if self.failure:
+            return {"error": self.failure}
         if not mine:
             return {"size": 0, "pieces": []}
         try:
@@ -180,8 +202,8 @@ _pending: list[Future] = []  # this process's async save in flight, if any
 def async_save(state_dict: dict, checkpoint_id, *, group=None) -> Future:
     """Save as :func:`save` does, writing in the background; returns a Future of the metadata.
 
-    The plan is agreed and every array is copied to host memory before this returns, so training may go on and
-    change its arrays at once. The writing, and the metadata written last once every rank has written its file,
+    The plan is agreed and the arrays this rank writes are copied to host memory before this returns, so
+    training may go on and change its arrays at once. The writing, and the metadata written last once every rank has written its file,
     happen on a thread that uses no MPI. A second ``async_save`` (or ``save``) waits for the first to finish.
     The future completes with the metadata, or with a :class:`~distlab.errors.CheckpointException` (the same on
     every rank).
@@ -217,6 +239,7 @@ def _background(job: _Save, future: Future, timeout: float) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     try:
         result = job.write()
+        job.release()  # the staged copies are written: their memory goes back before the commit's wait
         if "error" not in result:
             result["lengths"] = job.lengths()
         _write_json(_result_file(job, job.rank), result)

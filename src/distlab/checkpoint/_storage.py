@@ -31,8 +31,10 @@ METADATA = ".metadata"
 FORMAT = "distlab-checkpoint"
 VERSION = 1
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-#: Bytes per write call: large enough to stream at disk speed, small enough to let another thread run between.
-WRITE_BLOCK = 8 << 20
+#: Bytes hashed and written at a time: small enough to stay in the CPU's cache from the hash to the write.
+WRITE_BLOCK = 1 << 20
+#: Bytes after which the kernel is told to start writing them to the disk.
+FLUSH_BLOCK = 8 << 20
 
 
 def data_file(rank: int, generation: int) -> str:
@@ -46,25 +48,67 @@ def checksum(buffer) -> str:
 
 
 def write_pieces(path: Path, pieces, fsync: bool = True) -> dict:
-    """Write ``pieces`` (buffers, in order) into ``path``, fsync it; ``{"size", "checksum", "pieces": [...]}``."""
+    """Write ``pieces`` (buffers, in order) into ``path``, fsync it; ``{"size", "checksum", "pieces": [...]}``.
+
+    Each piece goes out from its own buffer, without a copy, in blocks of :data:`WRITE_BLOCK` bytes: a block is
+    hashed (into its piece's hash and the file's) and written with ``os.pwrite`` while it is still in the CPU's
+    cache, so the bytes come from memory once. Every :data:`FLUSH_BLOCK` bytes the kernel is told to start
+    writing that range to the disk (``sync_file_range``, where Linux has it: PostgreSQL's
+    ``checkpoint_flush_after``, RocksDB's ``bytes_per_sync``), so that the disk works while the rest is written
+    and the final fsync waits for less. Hashing and the system calls release the GIL: a step on another thread
+    runs beside them.
+    """
     whole = xxhash.xxh3_64()
-    sums, size = [], 0
+    sums, size, flushed = [], 0, 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for piece in pieces:
             view = memoryview(piece).cast("B")
-            sums.append(checksum(view))
-            whole.update(view)
+            one = xxhash.xxh3_64()
             for start in range(0, len(view), WRITE_BLOCK):
                 block = view[start:start + WRITE_BLOCK]
-                while len(block):
-                    block = block[os.write(fd, block):]
-            size += len(view)
+                one.update(block)
+                whole.update(block)
+                size += _pwrite_all(fd, block, size)
+                if fsync and size - flushed >= FLUSH_BLOCK:
+                    _start_writeback(fd, flushed, size - flushed)
+                    flushed = size
+            sums.append(one.hexdigest())
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return {"size": size, "checksum": whole.hexdigest(), "pieces": sums}
+
+
+def _pwrite_all(fd: int, block: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(block):
+        done += os.pwrite(fd, block[done:], offset + done)
+    return done
+
+
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None."""
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, ImportError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages, without waiting
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range out now (a hint: the fsync at the end is what makes it durable)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_directory(directory: Path) -> None:
