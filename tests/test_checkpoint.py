@@ -179,6 +179,19 @@ def test_async_save_copies_only_the_pieces_this_rank_writes(tmp_path):
     assert all(piece.payload is None for piece in job.pieces.values())
 
 
+def test_an_async_save_whose_copy_fails_fails_its_future_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save(state(), tmp_path / "c", group=G)
+
+    def unreachable(array):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(_save, "to_numpy", unreachable)
+    future = checkpoint.async_save(state(), tmp_path / "c", group=G)
+    with pytest.raises(CheckpointException, match="rank 0: copying the arrays of .*__0_2.distcp: .*device lost"):
+        future.wait(60)
+    assert checkpoint.verify(tmp_path / "c")["generation"] == 1
+
+
 def test_mismatched_templates_are_refused_naming_the_key(tmp_path):
     checkpoint.save(state(), tmp_path / "c", group=G)
     for template, message in [({"model": {"fc.weight": np.zeros((4, 3), np.float32)}}, "float32[4, 3]"),
