@@ -360,7 +360,8 @@ def tables(rows_by_size: dict, dcp: dict, restarts: dict) -> dict:
     steps are the mean over ranks of each rank's mean step.
     """
     save = {"columns": ["ranks", "distlab [MB/s]", "numpy + fsync [MB/s]", "vs numpy + fsync [x]",
-                        "numpy, no fsync [MB/s]", "vs no fsync [x]", "DCP vs its numpy + fsync [x]"], "rows": []}
+                        "numpy, no fsync [MB/s]", "vs no fsync [x]", "DCP [MB/s]", "DCP vs its numpy + fsync [x]"],
+            "rows": []}
     load = {"columns": ["ranks", "distlab [MB/s]", "numpy [MB/s]", "vs numpy [x]", "DCP [MB/s]", "restart [s]"],
             "rows": []}
     steps = {"columns": ["ranks, window", "step [ms]", "vs no save [x]", "async_save call [ms]", "on a core [ms]",
@@ -371,7 +372,7 @@ def tables(rows_by_size: dict, dcp: dict, restarts: dict) -> dict:
         save["rows"].append([
             f"{size} ranks", round(mbs["distlab save"]), round(mbs["numpy+fsync save"]),
             round(mbs["distlab save"] / mbs["numpy+fsync save"], 2), round(mbs["numpy save"]),
-            round(mbs["distlab save"] / mbs["numpy save"], 2),
+            round(mbs["distlab save"] / mbs["numpy save"], 2), round(theirs["DCP save"]) if theirs else None,
             round(theirs["DCP save"] / theirs["numpy+fsync save"], 2) if theirs else None])
         load["rows"].append([
             f"{size} ranks", round(mbs["distlab load"]), round(mbs["numpy load"]),
