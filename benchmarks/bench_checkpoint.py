@@ -404,7 +404,8 @@ def record(report: dict, machine: str) -> dict:
 
 
 def show(table: dict) -> str:
-    cells = [[str(c) for c in table["columns"]]] + [["-" if v is None else str(v) for v in row] for row in table["rows"]]
+    cells = [[str(c) for c in table["columns"]]]
+    cells += [["-" if v is None else str(v) for v in row] for row in table["rows"]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])

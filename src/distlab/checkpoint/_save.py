@@ -14,7 +14,8 @@ Three steps, as in torch:
 may change its arrays at once; a replicated array is copied only by the rank that writes it). Steps 2 and 3 run
 on a thread that uses no MPI and drops the copies once they are written: ranks leave their results as small
 files in the checkpoint directory, rank 0's thread writes the metadata once all are there, and the other ranks'
-threads wait for it. The returned :class:`~distlab.futures.Future` completes with the metadata, or with the exception.
+threads wait for it. The returned :class:`~distlab.futures.Future` completes with the metadata, or with the
+exception.
 """
 from __future__ import annotations
 
@@ -203,8 +204,9 @@ def async_save(state_dict: dict, checkpoint_id, *, group=None) -> Future:
     """Save as :func:`save` does, writing in the background; returns a Future of the metadata.
 
     The plan is agreed and the arrays this rank writes are copied to host memory before this returns, so
-    training may go on and change its arrays at once. The writing, and the metadata written last once every rank has written its file,
-    happen on a thread that uses no MPI. A second ``async_save`` (or ``save``) waits for the first to finish.
+    training may go on and change its arrays at once. The writing, and the metadata written last once every
+    rank has written its file, happen on a thread that uses no MPI. A second ``async_save`` (or ``save``) waits
+    for the first to finish.
     The future completes with the metadata, or with a :class:`~distlab.errors.CheckpointException` (the same on
     every rank).
     """
