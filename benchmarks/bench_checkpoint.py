@@ -24,7 +24,7 @@ rounds):
 - async: every rank runs training steps (matrix products over a working set, no communication) through the
   whole window of an ``async_save`` of the state, from its return to its future's completion, against as many
   steps with none; the mean step of each window (target: at most 1.1x), the time the ``async_save`` call
-  itself blocks (the plan and the staging copy), and, from ``/proc/thread-self/schedstat``, where the step
+  itself blocks (the plan and the staging copy), the time from the call to the future's completion, and, from ``/proc/thread-self/schedstat``, where the step
   thread's time went: on a core, waiting for a core (the CPU is oversubscribed), or neither (blocked: the GIL,
   a page fault);
 - restart: a job whose rank 1 is SIGKILLed after a step, run with ``max_restarts=1``: the seconds from the kill
@@ -184,6 +184,7 @@ def async_rounds(group, state, base: Path, rounds: int) -> dict:
         future = checkpoint.async_save(state, base / f"async-{r}", group=group)
         calls.append((time.perf_counter() - start) * 1e3)
         during.append(window(mats, until=future.done))
+        during[-1]["save s"] = time.perf_counter() - start  # from the call to the future's completion
         future.wait()
         group.barrier()
         plain.append(window(mats, count=during[-1]["steps"]))
@@ -193,10 +194,11 @@ def async_rounds(group, state, base: Path, rounds: int) -> dict:
 
     def mean_of(windows):  # the mean step over all the windows' steps
         steps = sum(w["steps"] for w in windows)
-        return {k: sum(w[k] * w["steps"] for w in windows) / steps for k in windows[0] if k != "steps"} | {
-            "steps": steps}
+        return {k: sum(w[k] * w["steps"] for w in windows) / steps for k in windows[0]
+                if k not in ("steps", "save s")} | {"steps": steps}
 
-    return {"without": mean_of(plain), "during": mean_of(during), "async_save call ms": statistics.median(calls)}
+    return {"without": mean_of(plain), "during": mean_of(during), "async_save call ms": statistics.median(calls),
+            "save s": statistics.median(w["save s"] for w in during)}
 
 
 def worker(out: str, rounds: int, megabytes: float, directory: str) -> None:
@@ -364,8 +366,8 @@ def tables(rows_by_size: dict, dcp: dict, restarts: dict) -> dict:
             "rows": []}
     load = {"columns": ["ranks", "distlab [MB/s]", "numpy [MB/s]", "vs numpy [x]", "DCP [MB/s]", "restart [s]"],
             "rows": []}
-    steps = {"columns": ["ranks, window", "step [ms]", "vs no save [x]", "async_save call [ms]", "on a core [ms]",
-                         "waiting for a core [ms]", "blocked [ms]"], "rows": []}
+    steps = {"columns": ["ranks, window", "step [ms]", "vs no save [x]", "async_save call [ms]", "save [s]",
+                         "on a core [ms]", "waiting for a core [ms]", "blocked [ms]"], "rows": []}
     for size, rows in rows_by_size.items():
         mbs = rows[0]["MB/s"]
         theirs = (dcp.get(size) or {}).get("MB/s", {})
@@ -381,12 +383,14 @@ def tables(rows_by_size: dict, dcp: dict, restarts: dict) -> dict:
         mean = {which: {k: statistics.mean(r["async"][which][k] for r in rows) for k in rows[0]["async"][which]}
                 for which in ("without", "during")}
         call = max(r["async"]["async_save call ms"] for r in rows)
+        took = max(r["async"].get("save s", float("nan")) for r in rows)
         for which, label in (("without", "no save"), ("during", "save in flight")):
             m = mean[which]
             steps["rows"].append([
                 f"{size} ranks, {label}", round(m["step ms"], 2),
                 round(m["step ms"] / mean["without"]["step ms"], 2) if which == "during" else None,
-                round(call, 1) if which == "during" else None, round(m["on a core ms"], 2),
+                round(call, 1) if which == "during" else None, round(took, 2) if which == "during" else None,
+                round(m["on a core ms"], 2),
                 round(m["waiting for a core ms"], 2), round(m["blocked ms"], 2)])
     return {"save": save, "load": load, "steps": steps}
 

@@ -2,6 +2,8 @@
 layout, what is refused and how, the plan's rules. The MPI scenarios are in test_checkpoint_mpi.py."""
 import os
 import pickle
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -177,6 +179,23 @@ def test_async_save_copies_only_the_pieces_this_rank_writes(tmp_path):
         assert piece.payload is not values[chunk[0]] and np.array_equal(piece.payload, values[chunk[0]])
     job.release()
     assert all(piece.payload is None for piece in job.pieces.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
+def test_async_save_writes_from_a_thread_at_the_lowest_priority(tmp_path, monkeypatch):
+    seen = []
+    write_pieces = _storage.write_pieces
+
+    def observed(*args, **kwargs):
+        seen.append((threading.current_thread() is threading.main_thread(),
+                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return write_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(_storage, "write_pieces", observed)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    checkpoint.async_save(state(), tmp_path / "c", group=G).wait(60)
+    assert seen == [(False, _save.WRITER_NICE)] and _save.WRITER_NICE == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller's thread untouched
 
 
 def test_an_async_save_whose_copy_fails_fails_its_future_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
