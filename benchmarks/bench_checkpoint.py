@@ -23,8 +23,9 @@ rounds):
   DCP's figures are given as ratios to it, so that both columns compare within their own run;
 - async: every rank runs training steps (matrix products over a working set, no communication) through the
   whole window of an ``async_save`` of the state, from its return to its future's completion, against as many
-  steps with none; the mean step of each window (target: at most 1.1x), the time the ``async_save`` call
-  itself blocks (the plan and the staging copy), the time from the call to the future's completion, and, from ``/proc/thread-self/schedstat``, where the step
+  steps with none (the ranks meet after the call, as training's next collective would make them); the mean
+  step of each window (target: at most 1.1x), the time the ``async_save`` call itself blocks (the plan and the
+  staging copy; the slowest rank's), the time from the call to the future's completion, and, from ``/proc/thread-self/schedstat``, where the step
   thread's time went: on a core, waiting for a core (the CPU is oversubscribed), or neither (blocked: the GIL,
   a page fault);
 - restart: a job whose rank 1 is SIGKILLed after a step, run with ``max_restarts=1``: the seconds from the kill
@@ -183,6 +184,9 @@ def async_rounds(group, state, base: Path, rounds: int) -> dict:
         start = time.perf_counter()
         future = checkpoint.async_save(state, base / f"async-{r}", group=group)
         calls.append((time.perf_counter() - start) * 1e3)
+        # the ranks meet after the call, as training's next collective makes them: a rank's window holds its
+        # steps beside the writing, not beside the other ranks' calls (the call's time is its own column)
+        group.barrier()
         during.append(window(mats, until=future.done))
         during[-1]["save s"] = time.perf_counter() - start  # from the call to the future's completion
         future.wait()
