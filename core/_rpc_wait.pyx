@@ -14,6 +14,7 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 
 from distlab._common.rpc_wait import (SELF_TEST_TAG, SLEEP_FIRST, check_times, comm_handle, libmpi,
                                      self_test_failed)
+from distlab.comm.ulfm import failed_probe
 
 __all__ = ["Waiter", "Seat"]
 
@@ -116,7 +117,7 @@ cdef class Waiter:
         if found < 0:
             from mpi4py import MPI
 
-            raise MPI.Exception(-found)
+            raise failed_probe(self.comm, MPI.Exception(-found))
         return found == 1
 
     def touch(self):
@@ -308,7 +309,10 @@ cdef object _probe_mpi4py(Waiter w, int source, int tag, double timeout):
     cdef double now, deadline = _now() + timeout, delay = SLEEP_FIRST_C
     comm, status = w.comm, w.status
     while True:
-        message = comm.Improbe(source, tag, status)
+        try:
+            message = comm.Improbe(source, tag, status)
+        except Exception as exc:
+            raise failed_probe(comm, exc) from None
         if message is not None:
             w.message = message
             w._last = _now()

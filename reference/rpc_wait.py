@@ -37,6 +37,7 @@ import threading
 import time
 
 from distlab._common.rpc_wait import SLEEP_FIRST, check_times
+from distlab.comm.ulfm import failed_probe
 
 __all__ = ["Waiter", "Seat"]
 
@@ -88,13 +89,17 @@ class Waiter:
         """Wait until a message from ``source`` with ``tag`` is matched (True), for at most ``timeout`` seconds.
 
         False when the time is up or :meth:`wake` was called: the caller checks its deadline, or whether its agent
-        stops, and waits again.
+        stops, and waits again. Under fault tolerance, a peer's death raises
+        :class:`~distlab.errors.ProcessFailedError` naming it (:func:`distlab.comm.ulfm.failed_probe`).
         """
         comm, status = self.comm, self.status
         deadline = time.monotonic() + timeout
         delay = SLEEP_FIRST
         while True:
-            message = comm.Improbe(source, tag, status)
+            try:
+                message = comm.Improbe(source, tag, status)
+            except Exception as exc:
+                raise failed_probe(comm, exc) from None  # a dead peer: ProcessFailedError (fault tolerance)
             if message is not None:
                 self.message = message
                 self._last = time.monotonic()

@@ -131,3 +131,20 @@ def test_collectives_engine_survivors_go_on_after_deaths_in_an_allreduce_and_in_
     endings = {e.rank: e.kind for e in job.ranks}
     assert endings == {0: "done", 1: "killed", 2: "done", 3: "killed"}, job.stdout + job.stderr
     assert job.stdout.count("elastic_engine done") == 2, job.stdout + job.stderr
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_rpc_and_rrefs_fail_with_the_dead_worker_named_and_go_on_over_the_survivors(mpirun, np_):
+    # tests/mpi/elastic_rpc.py, mixed twins: the last worker SIGKILLed inside an RPC handler (an rpc_sync and
+    # rpc_async futures in flight to it), then worker 1 of the shrunk world while it owns RRefs the others hold
+    # (one forked on from a peer); each time to_here, rpc_sync and the futures fail with ProcessFailedError naming
+    # it (not a timeout: DISTLAB_TIMEOUT=30 bounds them), RPC starts again on the survivors (rpc.reinit, by hand
+    # and through elastic.run), the old agent's RRefs raise RRefError, new calls and RRefs work, and the graceful
+    # shutdown finds nothing leaked.
+    job = mpirun("elastic_rpc.py", np=np_, args=["mixed"], timeout=180, fault_tolerance=True, expect_failure=True,
+                 env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in job.ranks}
+    survivors = [0] + list(range(2, np_ - 1))
+    assert endings == {r: "done" if r in survivors else "killed" for r in range(np_)}, job.stdout + job.stderr
+    assert sorted(int(r) for r in re.findall(r"rank (\d+): elastic_rpc done", job.stdout)) == survivors
+    assert job.stdout.count(f"the death of w{np_ - 1} in a handler") == np_ - 1

@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -126,7 +127,8 @@ class ShrinkRecovery(Recovery):
     every survivor: shrinks the world to the survivors (:func:`distlab.comm.recovery.rebuild`: revoke, agree,
     shrink), sets the launcher's ``RANK`` and ``WORLD_SIZE`` to this rank's place in the new world (what an
     :class:`ElasticSampler` splits by), starts the collectives engine again on it if one runs (its process sets
-    other than the world are gone: add them again in a reset callback), and moves the state onto it
+    other than the world are gone: add them again in a reset callback), and RPC if it runs
+    (:func:`distlab.rpc.reinit`: the same worker names; its RRefs are gone), and moves the state onto it
     (:meth:`State.regroup`: a DDP model is rebuilt on the new group). :func:`run` then rolls back to the last
     commit and runs the reset callbacks.
 
@@ -153,6 +155,9 @@ class ShrinkRecovery(Recovery):
         if engine is not None:  # started again on the survivors (process sets other than the world are gone)
             ops.shutdown(self.timeout)
             ops.init()
+        rpc = sys.modules.get("distlab.rpc")
+        if rpc is not None and rpc.is_initialized():  # RPC too, with the same names (its RRefs are gone)
+            rpc.reinit(self.timeout)
         state.regroup(new)
         seconds = dict(rebuilt.seconds, regroup=time.monotonic() - start - sum(rebuilt.seconds.values()))
         record = {"failed_ranks": list(rebuilt.failed_ranks), "world_size": new.size, "at": noticed,

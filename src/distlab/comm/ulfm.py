@@ -33,7 +33,8 @@ from mpi4py import MPI
 from ..errors import DistTimeoutError, FaultToleranceUnsupportedError, ProcessFailedError
 
 __all__ = ["FT_VAR", "Support", "support", "enabled", "require", "prepare", "is_failure", "failed_ranks",
-           "failure_error", "failure_seen", "process_failure", "as_failure", "chain", "translating", "revoke", "agree", "shrink"]
+           "failure_error", "failure_seen", "process_failure", "as_failure", "failed_probe", "chain", "translating",
+           "revoke", "agree", "shrink"]
 
 #: Set to 1 for every rank by ``distlab run --fault-tolerance``: distlab's communicators return errors.
 FT_VAR = "DISTLAB_FAULT_TOLERANCE"
@@ -222,6 +223,23 @@ def as_failure(exc: BaseException, comm, op: str, group: str | None = None) -> B
     """``exc`` as a :class:`~distlab.errors.ProcessFailedError` when a failed process caused it, else ``exc``:
     what comm's waits raise in place of MPI's own error (:mod:`distlab.comm.work`)."""
     return process_failure(exc, comm, op, group) or exc
+
+
+def failed_probe(comm, exc: BaseException) -> BaseException:
+    """What a thread that probes ``comm`` for messages of any source raises when its probe failed with ``exc``
+    (the RPC waiters, :mod:`distlab.reference.rpc_wait`).
+
+    Under fault tolerance, once a process of ``comm`` is known dead, a probe of any source fails
+    (``MPI_ERR_PROC_FAILED``; one of that source, always): that becomes a
+    :class:`~distlab.errors.ProcessFailedError` naming it (``group_ranks``: ranks of ``comm``), and the failure is
+    acknowledged (``MPI_Comm_ack_failed``), so that the next probes of any source, on every thread, match the
+    survivors' messages again; whoever waits for the dead process must learn it from the error (the RPC agent
+    keeps it). Any other error is returned as it is.
+    """
+    error = as_failure(exc, comm, "rpc wait", comm.Get_name() or "rpc")
+    if error is not exc:
+        comm.Ack_failed()
+    return error
 
 
 def _progress() -> None:

@@ -1,6 +1,6 @@
 """distlab.rpc: RPC over MPI point-to-point and remote references (RRefs) with PyTorch's RRef protocol.
 
-``init_rpc``/``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, ``RRef``, ``rref_debug_info``, ``get_worker_info``,
+``init_rpc``/``shutdown`` (and ``reinit`` on the survivors of a failure), ``rpc_sync``/``rpc_async``/``remote``, ``RRef``, ``rref_debug_info``, ``get_worker_info``,
 ``get_worker_infos``, ``get_rpc_timeout``/``_set_rpc_timeout``, ``functions.async_execution`` (PyTorch's names); the agent
 (threads taking turns at listening and running requests, callers receiving their own replies, futures matched by
 message id) is :class:`distlab.rpc.agent.RpcAgent`, and the RRef protocol state is the active twin's
@@ -22,10 +22,10 @@ from . import functions
 from .agent import CallInfo, WorkerInfo, current_call
 from .api import (_set_rpc_timeout,  # noqa: F401 - PyTorch's private name, re-exported
                   cheap, get_agent, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
-                  is_initialized, remote, rpc_async, rpc_sync, shutdown)
+                  is_initialized, reinit, remote, rpc_async, rpc_sync, shutdown)
 from .devices import RpcBackendOptions
 from .rref import RRef, rref_debug_info
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync", "rpc_async",
+__all__ = ["init_rpc", "shutdown", "reinit", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync", "rpc_async",
            "remote", "cheap", "get_agent", "is_initialized", "WorkerInfo", "CallInfo", "current_call", "RRef",
            "rref_debug_info", "functions", "RpcBackendOptions"]

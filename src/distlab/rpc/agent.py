@@ -28,7 +28,7 @@ import math
 import time
 from typing import Callable
 
-from distlab.errors import DistTimeoutError, RpcError, RpcMessageError
+from distlab.errors import DistTimeoutError, ProcessFailedError, RpcError, RpcMessageError
 from distlab.futures import Future, default_timeout
 
 from . import framing
@@ -105,6 +105,7 @@ class RpcAgent:
         self._dispatch = Dispatcher(self.info, self._messenger, handlers, self._record_error, num_threads,
                                     self._timeline, self._registry.name_of, next(_GENERATIONS))
         self._messenger.attach(self._dispatch.on_request, self._on_response)
+        self._messenger.on_failure = self._on_failure
         self._replies = ReplySlots(self._messenger, self._record_error)
         self._watcher = DeadlineWatcher(name, self._pending.__contains__, self._expire_mid)
         self._messenger.device_count = device_count
@@ -217,11 +218,18 @@ class RpcAgent:
         if self._tl_on:
             self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
         try:
+            if dst in self._messenger.failed:
+                raise self._messenger.failed[dst]
             self._messenger.transmit(dst, kind, flags, mid, buffers, meta, forks, body,
                                      cork=len(self._pending) > CORK_AFTER)
-        except BaseException:
+        except BaseException as exc:
             self._pending.pop(mid, None)
-            raise
+            failure = self._failure_of(exc, dst)
+            if failure is None:
+                raise
+            if noreply:
+                raise self._failed_error(mid, dst, kind, failure) from None
+            fut.set_exception(self._failed_error(mid, dst, kind, failure))
         if not noreply:
             self._listener.touch()  # its answer comes to the listener: it polls for it
         return fut
@@ -248,16 +256,21 @@ class RpcAgent:
         try:
             if self._tl_on:
                 self._dispatch.trace_message(True, self._dispatch.label(kind, payload), dst, "rpc", mid)
+            if dst in self._messenger.failed:
+                raise self._messenger.failed[dst]
             self._messenger.transmit(dst, kind, FLAG_INLINE if inline else 0, mid, buffers, meta, forks, body,
                                      slot.number)
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else math.inf
             reply = self._replies.await_reply(slot, dst, mid, deadline)
         except RpcMessageError:
             raise
-        except RpcError:
-            if self.running:
+        except Exception as exc:
+            failure = self._failure_of(exc, dst)
+            if failure is None:
+                if isinstance(exc, RpcError) and not self.running:
+                    raise self._shut_down(mid, dst, kind) from None
                 raise
-            raise self._shut_down(mid, dst, kind) from None
+            raise self._failed_error(mid, dst, kind, failure) from None
         finally:
             self._pending.pop(mid, None)
         if reply is None:
@@ -338,6 +351,40 @@ class RpcAgent:
     def _record_error(self, text: str) -> None:
         log.error("distlab.rpc worker %s: %s", self.info.name, text)
         self.errors.append(text)
+
+    # -- failed workers (fault tolerance) ----------------------------------------------------------------------
+    def _on_failure(self, exc: ProcessFailedError) -> None:
+        """Workers died (:meth:`Messenger.peers_failed`): every request in flight to them fails with a
+        ProcessFailedError naming them, and the threads awaiting their replies are woken to raise it."""
+        failed = self._messenger.failed
+        for mid, (fut, dst, kind, _start) in list(self._pending.items()):
+            if fut is not None and dst in failed and self._pending.pop(mid, None) is not None:
+                try:
+                    fut.set_exception(self._failed_error(mid, dst, kind, failed[dst]))
+                except RuntimeError:
+                    pass  # completed concurrently
+        self._replies.wake()
+
+    def _failure_of(self, exc: BaseException, dst: int):
+        """The ProcessFailedError behind ``exc`` (MPI's report of a dead ``dst``, translated), or None."""
+        if isinstance(exc, ProcessFailedError):
+            return exc
+        from distlab.comm import ulfm
+
+        failure = ulfm.process_failure(exc, self.comm, "rpc send", self.comm.Get_name() or "rpc")
+        if failure is not None and dst not in self._messenger.failed:
+            self._messenger.peers_failed(failure)
+        return failure
+
+    def _failed_error(self, mid, dst, kind, cause: ProcessFailedError) -> ProcessFailedError:
+        label = self._dispatch.label(kind)
+        world = f" (world ranks {cause.failed_ranks})" if cause.failed_ranks else ""
+        return ProcessFailedError(
+            f"rpc {label} #{mid} from worker {self.info.name!r} to worker {self.workers[dst].name!r} failed: "
+            f"workers {[self.workers[w].name for w in cause.group_ranks]}{world} have died. Start RPC again on "
+            "the survivors (distlab.rpc.reinit after distlab.comm.recovery.rebuild; elastic.run does both).",
+            failed_ranks=cause.failed_ranks, group_ranks=cause.group_ranks, group=cause.group, op=f"rpc {label}",
+            revoked=cause.revoked, error_class=cause.error_class)
 
     # -- timeouts ---------------------------------------------------------------------------------------------
     def _expire_mid(self, mid, timeout) -> None:

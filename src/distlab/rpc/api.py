@@ -21,11 +21,22 @@ from .devices import RpcBackendOptions
 from .framing import resolve_ref
 from .workers import check_name, join_workers
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
+__all__ = ["init_rpc", "shutdown", "reinit", "get_worker_info", "get_worker_infos", "get_rpc_timeout", "rpc_sync",
            "rpc_async", "remote", "cheap", "get_agent", "is_initialized"]
 
 _state_lock = threading.Lock()
 _atexit_registered = False
+_started: dict = {}  # what init_rpc was given last (name, rpc_timeout, num_threads, options): reinit starts it again
+
+
+def _job_world():
+    """The communicator of the job's world: ``COMM_WORLD``, or the survivors' after a failure
+    (:func:`distlab.comm.recovery.rebuild` shrank it)."""
+    from mpi4py import MPI
+
+    from distlab.comm import recovery
+
+    return recovery.parent() or MPI.COMM_WORLD
 
 
 def _handle_call(src, payload, meta):
@@ -40,14 +51,15 @@ def _handle_call(src, payload, meta):
 
 
 def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, rpc_backend_options=None):
-    """Start this worker's RPC agent (collective over COMM_WORLD: every rank calls it).
+    """Start this worker's RPC agent (collective over the job's world: every rank calls it; after a failure, over
+    the survivors the world was rebuilt on, see :func:`reinit`).
 
     Parameters
     ----------
     name : str
         Unique worker name.
     rank, world_size : int, optional
-        Checked against MPI's COMM_WORLD when given.
+        Checked against the job's world when given.
     rpc_timeout : float, optional
         Default timeout of every RPC and RRef wait, in seconds; ``None`` (the default) takes ``DISTLAB_TIMEOUT``
         (300 s unless set), the bound on every wait in distlab; ``0`` disables it. ``init_rpc`` itself waits at
@@ -61,17 +73,17 @@ def init_rpc(name, rank=None, world_size=None, rpc_timeout=None, num_threads=4, 
         worker checks every worker's device maps; an inconsistent one is an RpcDeviceError on every worker.
     """
     global _atexit_registered
-    from mpi4py import MPI
-
     with _state_lock:
         running = calls.current_agent()
         if running is not None and running.running:
             raise RpcError(f"init_rpc was already called on this worker (as {running.info.name!r})")
-        world = MPI.COMM_WORLD
+        world = _job_world()
         if rank is not None and rank != world.Get_rank():
             raise ValueError(f"init_rpc(rank={rank}) but this process is MPI rank {world.Get_rank()}")
         if world_size is not None and world_size != world.Get_size():
             raise ValueError(f"init_rpc(world_size={world_size}) but MPI has {world.Get_size()} ranks")
+        _started.update(name=name, rpc_timeout=rpc_timeout, num_threads=num_threads,
+                        rpc_backend_options=rpc_backend_options)
         options = rpc_backend_options
         if options is not None and not isinstance(options, RpcBackendOptions):
             raise TypeError(f"rpc_backend_options must be a distlab.rpc.RpcBackendOptions, got {options!r}")
@@ -152,6 +164,24 @@ def _set_rpc_timeout(rpc_timeout) -> None:
 
 
 remote = rref.remote
+
+
+def reinit(timeout=None):
+    """Start RPC again on the job's world after a failure shrank it: what the survivors call, all of them, once
+    :func:`distlab.comm.recovery.rebuild` made the new world (``elastic.run`` does both). Returns this worker's
+    new :class:`WorkerInfo`.
+
+    The running agent stops without waiting for anyone (``shutdown(graceful=False)``): requests still in flight
+    fail, and the RRefs it made are dropped (using one raises RRefError; make them again). A new agent starts with
+    what ``init_rpc`` was given (the same name, timeout, threads and options) over the survivors: workers keep
+    their names, their ids follow their new ranks. A worker that never ran RPC is left as it is (None).
+    """
+    if not _started:
+        return None
+    agent = calls.current_agent()
+    if agent is not None and agent.running:
+        shutdown(graceful=False, timeout=timeout)
+    return init_rpc(**_started)
 
 
 def shutdown(graceful=True, timeout=None):

@@ -35,7 +35,7 @@ from distlab import _backend
 from distlab._common.rpc_framing import FRAME_LEN, with_sizes
 from distlab._common.rpc_wait import LISTEN_SLEEP_MAX, LISTEN_SPIN, STANDBY_POLL, TAKEOVER
 from distlab._wire import RPC_FLAG_DEVICES, RPC_KIND_CODES, RPC_KINDS, RPC_TAG_BUFFER, RPC_TAG_HEADER
-from distlab.errors import RpcMessageError
+from distlab.errors import ProcessFailedError, RpcMessageError
 
 from . import framing
 from .devices import DeviceBuffer
@@ -134,6 +134,10 @@ class Messenger:
         #: the devices this worker sees (set by the agent; None: no device arrays can be received)
         self.device_count = None
         self.running = True
+        #: workers known dead (fault tolerance): id -> the ProcessFailedError that named them (see peers_failed)
+        self.failed: dict[int, ProcessFailedError] = {}
+        #: ``on_failure(error)``: set by the agent, told when workers died (it fails what waits for them)
+        self.on_failure = None
         self._listening = 0  # threads inside listen() (one, or none; briefly two when the seat changes hands)
 
     def attach(self, on_request: Callable, on_response: Callable) -> None:
@@ -287,6 +291,8 @@ class Messenger:
                     if data is not None:
                         self._handle(status.Get_source(), data, None, True)
                     handled += 1
+            except ProcessFailedError as exc:  # workers died (fault tolerance): fail what waits for them
+                self.peers_failed(exc)
             except Exception:  # noqa: BLE001 - keep listening; record what went wrong
                 self._record_error(f"listener error: {traceback.format_exc()}")
             if not seat.listening():
@@ -442,6 +448,15 @@ class Messenger:
                     self._on_response(src, flags, mid, forks, body, [], meta)
                 else:
                     self._on_request(src, kind, flags, mid, meta, forks, body, [], slot, True)
+
+    def peers_failed(self, exc: ProcessFailedError) -> None:
+        """Workers died: a waiter's probe said so (under fault tolerance; :func:`distlab.comm.ulfm.failed_probe`,
+        which acknowledged it). Remember them, and tell the agent, which fails every request in
+        flight to them and wakes the threads that wait for their replies."""
+        for worker in exc.group_ranks:
+            self.failed.setdefault(worker, exc)
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     # -- stopping ---------------------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 from distlab import _backend
 from distlab._common.rpc_wait import REPLY_SLEEP_MAX, REPLY_SPIN
 from distlab._wire import RPC_FLAG_DEVICES, RPC_REPLY_SLOTS, RPC_TAG_REPLY_BASE
-from distlab.errors import RpcError, RpcMessageError
+from distlab.errors import ProcessFailedError, RpcError, RpcMessageError
 
 from . import framing
 from .messenger import K_RESPONSE, SLICE, unpack_header
@@ -91,9 +91,11 @@ class ReplySlots:
         (monotonic seconds). Returns ``(flags, meta, forks, body, buffers)``, or None when the time is up.
 
         A reply to an earlier request of this slot (one that timed out) is received and dropped. A malformed
-        reply to this request raises its RpcMessageError; RpcError when the agent stops meanwhile.
+        reply to this request raises its RpcMessageError; RpcError when the agent stops meanwhile; the
+        ProcessFailedError that named ``dst`` when it died meanwhile (under fault tolerance).
         """
         messenger = self._messenger
+        failed = messenger.failed
         ANY_SOURCE = self._MPI.ANY_SOURCE
         waiter, tag = slot.waiter, slot.tag
         status = waiter.status
@@ -101,10 +103,16 @@ class ReplySlots:
         while True:
             if not messenger.running:
                 raise RpcError("the RPC agent was shut down before the response arrived")
+            if dst in failed:
+                raise failed[dst]
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            if not waiter.probe(ANY_SOURCE, tag, min(left, SLICE)):
+            try:
+                if not waiter.probe(ANY_SOURCE, tag, min(left, SLICE)):
+                    continue
+            except ProcessFailedError as exc:  # this thread learnt of the death first
+                messenger.peers_failed(exc)
                 continue
             src = status.Get_source()
             data = messenger.receive(waiter)
@@ -128,5 +136,9 @@ class ReplySlots:
 
     def stop(self) -> None:
         """End every wait (after the messenger stopped): each raises RpcError."""
+        self.wake()
+
+    def wake(self) -> None:
+        """End every thread's current probe: each looks again at whether its agent runs and its callee lives."""
         for slot in list(self._slots):
             slot.waiter.wake()

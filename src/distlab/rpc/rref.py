@@ -58,10 +58,11 @@ class RRef:
     owner).
     """
 
-    __slots__ = ("_r", "_deadline", "_type", "__weakref__")
+    __slots__ = ("_r", "_deadline", "_type", "_ctx", "__weakref__")
 
     def __init__(self, value):
-        self._r = get_context().create_owner_rref(value)
+        self._ctx = get_context()
+        self._r = self._ctx.create_owner_rref(value)
         self._deadline = None
         self._type = None
 
@@ -71,7 +72,17 @@ class RRef:
         obj._r = impl
         obj._deadline = deadline
         obj._type = None
+        obj._ctx = _ctx  # the agent's context it belongs to: an RRef does not outlive its agent
         return obj
+
+    def _live(self):
+        """This RRef's protocol object; RRefError when its agent stopped (RPC shut down, or started again on the
+        survivors of a failure, :func:`distlab.rpc.reinit`): ids and owners were those of the old world."""
+        if self._ctx is not _ctx:
+            raise RRefError(f"{self._r!r} belongs to an RPC agent that has stopped (RPC was shut down, or started "
+                            "again on the survivors of a failure): an RRef does not outlive its agent; make it "
+                            "again")
+        return self._r
 
     def is_owner(self) -> bool:
         """True on the owner."""
@@ -79,7 +90,7 @@ class RRef:
 
     def owner(self):
         """The owner's WorkerInfo."""
-        return get_agent().worker_info(self._r.owner())
+        return get_agent().worker_info(self._live().owner())
 
     def owner_name(self) -> str:
         """The owner's worker name."""
@@ -97,8 +108,9 @@ class RRef:
         return self._r.get_value(None)
 
     def to_here(self, timeout=None):
-        """Copy the value here (blocking, bounded by ``timeout`` seconds, default the RPC timeout)."""
-        r = self._r
+        """Copy the value here (blocking, bounded by ``timeout`` seconds, default the RPC timeout). Under fault
+        tolerance, an owner that died makes it raise :class:`~distlab.errors.ProcessFailedError` naming it."""
+        r = self._live()
         if r.is_owner():
             return r.get_value(timeout)
         if not r.confirmed_by_owner() and self._deadline is not None and time.monotonic() > self._deadline:
@@ -155,7 +167,7 @@ class RRef:
         """The type of the value: ``type(local_value())`` on the owner, else asked of the owner once and kept
         (mirrors torch's ``RRef._get_type``; what the proxies check method names against)."""
         if self._type is None:
-            r = self._r
+            r = self._live()
             if r.is_owner():
                 self._type = type(self.local_value())
             else:
@@ -173,7 +185,7 @@ class RRef:
     def __del__(self):
         r = getattr(self, "_r", None)
         ctx = _ctx
-        if r is not None and ctx is not None and not r.is_owner():
+        if r is not None and ctx is not None and ctx is getattr(self, "_ctx", None) and not r.is_owner():
             try:
                 ctx.release_user(r)
             except Exception:  # noqa: BLE001 - never raise from a finalizer
@@ -204,7 +216,7 @@ def _invoke_rpc(rref, rpc_api, name, timeout, *args, **kwargs):
                                  f"owned by worker {rref.owner_name()!r}, called through an RRef proxy)")
         method = None
     invoke = _invoke_method_async if is_async_execution(method) else _invoke_method
-    return rpc_api(rref._r.owner(), invoke, (rref, name, args, kwargs), timeout=timeout)
+    return rpc_api(rref._live().owner(), invoke, (rref, name, args, kwargs), timeout=timeout)
 
 
 _MISSING = object()
