@@ -22,6 +22,7 @@ from .device import check_buffer, displacements, empty_like, mpi_buffer, pickled
 from .reduce_ops import averaging, is_bfloat16, mpi_reduction, parse_op, reduction_buffer
 from .pieces import SPLIT_FROM_BYTES, in_turn, start_pieces
 from .steps import Calls, check_tag, movable
+from .ulfm import as_failure
 from .work import StatusRequest
 
 __all__ = ["GroupOperations"]
@@ -31,6 +32,15 @@ class GroupOperations(Calls):
     """The collective and point-to-point calls of :class:`~distlab.comm.ProcessGroup`; each checks its arguments,
     then takes the group's steps (:class:`~distlab.comm.steps.GroupSteps`), or hands device arrays to its
     transport."""
+
+    def _refused(self, op: str, exc) -> None:
+        """MPI refused to start ``op`` with ``exc``: under fault tolerance, when a process of the group is already
+        known dead (Open MPI 5 may report it as the operation is posted, before any wait), ProcessFailedError
+        naming it and ``op``, as the operation's wait would have raised; else ``exc`` itself."""
+        failure = as_failure(exc, self.comm, op, self._steps.name)
+        if failure is exc:
+            raise exc
+        raise failure from exc
 
     # -- collectives ------------------------------------------------------------------------------------------
     def allreduce(self, array, op="sum", async_op: bool = False, name=None):
@@ -55,10 +65,14 @@ class GroupOperations(Calls):
         finish = copy_back
         if reduce_op is ReduceOp.AVG:
             finish = averaging(buf, self.size, copy_back)
-        if piece:
-            requests = start_pieces(self.comm, buf, piece, mpi_op, MPI.UINT16_T if is_bfloat16(array.dtype) else None)
-            return steps.run("allreduce", seq, name, array.nbytes, in_turn(requests, finish, array), async_op)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, reduction_buffer(buf), mpi_op)  # bfloat16: our op, on its bits
+        try:
+            if piece:
+                requests = start_pieces(self.comm, buf, piece, mpi_op,
+                                        MPI.UINT16_T if is_bfloat16(array.dtype) else None)
+                return steps.run("allreduce", seq, name, array.nbytes, in_turn(requests, finish, array), async_op)
+            request = self.comm.Iallreduce(MPI.IN_PLACE, reduction_buffer(buf), mpi_op)  # bfloat16: our op
+        except MPI.Exception as exc:
+            self._refused("allreduce", exc)
         return steps.issue("allreduce", seq, name, array.nbytes, request, finish, array, async_op, None, start)
 
     def _shared_allreduce(self, arena, offset: int, array, reduce_op, async_op: bool, name):
@@ -116,7 +130,10 @@ class GroupOperations(Calls):
         buf, copy_back = movable(array, "broadcast", name)
         seq = self._steps.enter("broadcast", name, array, root=src)
         start = self._steps.start()
-        request = self.comm.Ibcast(buf, root=src)
+        try:
+            request = self.comm.Ibcast(buf, root=src)
+        except MPI.Exception as exc:
+            self._refused("broadcast", exc)
         return self._steps.issue("broadcast", seq, name, array.nbytes, request, copy_back, array, async_op, None, start)
 
     def allgather(self, array, out=None, async_op: bool = False, name=None):
@@ -138,7 +155,10 @@ class GroupOperations(Calls):
         recv, copy_back = movable(out, "allgather", name)
         seq = self._steps.enter("allgather", name, array)
         start = self._steps.start()
-        request = self.comm.Iallgather(send, recv)
+        try:
+            request = self.comm.Iallgather(send, recv)
+        except MPI.Exception as exc:
+            self._refused("allgather", exc)
         return self._steps.issue("allgather", seq, name, array.nbytes, request, copy_back, out, async_op, None, start)
 
     def reduce_scatter(self, output, input, op="sum", async_op: bool = False, name=None):  # noqa: A002
@@ -165,7 +185,10 @@ class GroupOperations(Calls):
         send, recv = reduction_buffer(send), reduction_buffer(recv)
         seq = self._steps.enter("reduce_scatter", name, input, reduce_op=reduce_op)
         start = self._steps.start()
-        request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
+        try:
+            request = self.comm.Ireduce_scatter_block(send, recv, mpi_op)
+        except MPI.Exception as exc:
+            self._refused("reduce_scatter", exc)
         return self._steps.issue("reduce_scatter", seq, name, input.nbytes, request, finish, output, async_op, None,
                                  start)
 
@@ -177,14 +200,21 @@ class GroupOperations(Calls):
             raise ValueError(f"alltoall: input and output need the same size and dtype, divisible by {self.size}")
         seq = self._steps.enter("alltoall", name, input)
         start = self._steps.start()
-        request = self.comm.Ialltoall(send, recv)
+        try:
+            request = self.comm.Ialltoall(send, recv)
+        except MPI.Exception as exc:
+            self._refused("alltoall", exc)
         return self._steps.issue("alltoall", seq, name, input.nbytes, request, copy_back, output, async_op, None, start)
 
     def barrier(self, async_op: bool = False, name=None):
         """Wait until every rank of the group reached this barrier."""
         seq = self._steps.enter("barrier", name)
         start = self._steps.start()
-        return self._steps.issue("barrier", seq, name, 0, self.comm.Ibarrier(), None, None, async_op, None, start)
+        try:
+            request = self.comm.Ibarrier()
+        except MPI.Exception as exc:
+            self._refused("barrier", exc)
+        return self._steps.issue("barrier", seq, name, 0, request, None, None, async_op, None, start)
 
     def allgather_object(self, obj, async_op: bool = False, name=None):
         """Gather any picklable object from every rank; returns the list in rank order."""
@@ -224,7 +254,10 @@ class GroupOperations(Calls):
         check_tag(tag, "send")
         buf, _ = movable(array, "send", name)
         start = self._steps.start()
-        request = self.comm.Isend(buf, dest=dst, tag=tag)
+        try:
+            request = self.comm.Isend(buf, dest=dst, tag=tag)
+        except MPI.Exception as exc:
+            self._refused("send", exc)
         return self._steps.issue("send", 0, name, array.nbytes, request, None, None, async_op, dst, start)
 
     def recv(self, array, src=None, tag: int = 0, async_op: bool = False, name=None):

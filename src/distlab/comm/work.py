@@ -88,7 +88,8 @@ class Work:
                     self._finish_step()
                 self._ended = _CLEAN
             except Exception as exc:  # noqa: BLE001 - a failed step fails the work; wait() raises it
-                self._ended = (exc,)
+                # (MPI refusing to post a stage's request because a process failed: ProcessFailedError naming it)
+                self._ended = (as_failure(exc, self.steps.comm, self.op, self.steps.name),)
         if complete:
             self._complete(self._ended[0])
         else:
