@@ -148,3 +148,16 @@ def test_rpc_and_rrefs_fail_with_the_dead_worker_named_and_go_on_over_the_surviv
     assert endings == {r: "done" if r in survivors else "killed" for r in range(np_)}, job.stdout + job.stderr
     assert sorted(int(r) for r in re.findall(r"rank (\d+): elastic_rpc done", job.stdout)) == survivors
     assert job.stdout.count(f"the death of w{np_ - 1} in a handler") == np_ - 1
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_ddp_under_join_survivors_of_a_rank_they_shadow_go_on(mpirun, np_):
+    # tests/mpi/elastic_join.py, mixed twins: uneven inputs under distlab.join.Join, the last rank (the one with
+    # most samples) SIGKILLed while the others shadow it in Join.__exit__; their Join fails with ProcessFailedError
+    # naming it (the allreduce), elastic.run rebuilds DDP on the survivors and runs the epoch again from the commit
+    # under a new Join: every sample applied exactly once (the counting model).
+    job = mpirun("elastic_join.py", np=np_, args=["mixed"], timeout=180, fault_tolerance=True, expect_failure=True,
+                 env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in job.ranks}
+    assert endings == {r: "killed" if r == np_ - 1 else "done" for r in range(np_)}, job.stdout + job.stderr
+    assert job.stdout.count("elastic_join done") == np_ - 1, job.stdout + job.stderr

@@ -76,12 +76,11 @@ class RRef:
         return obj
 
     def _live(self):
-        """This RRef's protocol object; RRefError when its agent stopped (RPC shut down, or started again on the
-        survivors of a failure, :func:`distlab.rpc.reinit`): ids and owners were those of the old world."""
-        if self._ctx is not _ctx:
-            raise RRefError(f"{self._r!r} belongs to an RPC agent that has stopped (RPC was shut down, or started "
-                            "again on the survivors of a failure): an RRef does not outlive its agent; make it "
-                            "again")
+        """This RRef's protocol object; RRefError when another agent runs than the one it was made by (RPC started
+        again, on the survivors of a failure, :func:`distlab.rpc.reinit`): its ids and owner are the old world's."""
+        if self._ctx is not _ctx and _ctx is not None:
+            raise RRefError(f"{self._r!r} belongs to an RPC agent that has stopped (RPC was started again, on the "
+                            "survivors of a failure): an RRef does not outlive its agent; make it again")
         return self._r
 
     def is_owner(self) -> bool:
