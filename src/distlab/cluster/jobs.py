@@ -12,6 +12,11 @@ placed in blocks: ranks 0-1 on host 1, 2-3 on host 2 (hydra gives a host as many
 slots), so MPICH sees one node per host: ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` are per host and MPICH's own
 shared memory carries the traffic within a host, while UCX carries it between hosts over TCP on the veth link
 (``UCX_TLS``; without it UCX would take shared memory across namespaces, the machine being one).
+
+Open MPI (``family="openmpi"``) runs the same way with its own words: ``mpirun --host dl-h1:2,dl-h2:2 --prtemca
+plm_ssh_agent <nsexec-openmpi>``, its TCP transport between hosts and shared memory within one
+(``--mca btl self,sm,tcp``), and each host, mpirun's included, under its own host name
+(:func:`~distlab.cluster.execscript.own_hostname`), which Open MPI's TCP transport needs.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import netlink
-from .execscript import ip_command
+from .execscript import ip_command, own_hostname
 from .layout import DEFAULT_NAME, Layout
 from .lifecycle import exists, layout_of, up
 from .state import read_state, work_dir
@@ -70,17 +75,22 @@ class ClusterJob:
         transport = TRANSPORT_ENV if len(self.hosts) > 1 else {"UCX_WARN_UNUSED_ENV_VARS": "n"}
         return {**transport, JOB_MARKER: self.marker, "DISTLAB_CLUSTER": self.layout.name}
 
-    def host_arguments(self) -> list[str]:
+    def host_arguments(self, family: str = "mpich") -> list[str]:
+        """The launcher's words for the hosts and the exec script: Hydra's, or Open MPI's (``family``)."""
         hosts = ",".join(f"{h}:{n}" for h, n in zip(self.hosts, self.slots))
-        script = work_dir(self.layout.name) / "nsexec"
+        script = work_dir(self.layout.name) / ("nsexec-openmpi" if family == "openmpi" else "nsexec")
         if not script.exists():
             raise ClusterError(f"the exec script of cluster {self.layout.name!r} is missing ({script}); run "
                                f"`python -m distlab cluster up --name {self.layout.name}` again")
+        if family == "openmpi":
+            return ["--host", hosts, "--prtemca", "plm_ssh_agent", str(script), "--mca", "btl", "self,sm,tcp"]
         return ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec", str(script)]
 
-    def wrap(self, command: list[str]) -> list[str]:
-        """``command`` (``[mpiexec, -n, N, ...]``) run in host 1, with the cluster's hosts and launcher."""
-        return [ip_command(), "netns", "exec", self.hosts[0], command[0], *self.host_arguments(),
+    def wrap(self, command: list[str], family: str = "mpich") -> list[str]:
+        """``command`` (``[mpiexec, -n, N, ...]``) run in host 1, with the cluster's hosts and launcher (Open MPI's
+        under host 1's own host name)."""
+        first = own_hostname(self.hosts[0]) if family == "openmpi" else []
+        return [ip_command(), "netns", "exec", self.hosts[0], *first, command[0], *self.host_arguments(family),
                 *command[1:]]
 
     def hosts_of_ranks(self) -> list[str]:
@@ -110,7 +120,8 @@ class ClusterJob:
                 except OSError:
                     continue
                 if needle in variables:
-                    rank = [v[9:] for v in variables if v.startswith(b"PMI_RANK=")]
+                    rank = [v.split(b"=", 1)[1] for v in variables  # MPICH's, Open MPI's
+                            if v.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="))]
                     found[pid] = (namespace, int(rank[0]) if rank else None)
         return found
 

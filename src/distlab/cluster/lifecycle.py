@@ -59,6 +59,7 @@ def up(hosts: int = 2, rate=None, name: str = DEFAULT_NAME, delay_ms: float | No
         raise ClusterError(f"{exc}\n(cluster {name!r} is half built: `python -m distlab cluster down --name {name}` "
                            "removes what was made)") from exc
     write_exec_script(work_dir(name) / "nsexec", plan.hosts)
+    write_exec_script(work_dir(name) / "nsexec-openmpi", plan.hosts, hostname=True)
     write_state(name, phase="up")
     return status(name)
 

@@ -27,6 +27,7 @@ from mpi4py import MPI
 from ..errors import DistTimeoutError
 from .._wire import (COLLECTIVE_OPS, COMM_NOTE_HEADER, COMM_NOTE_KINDS, COMM_NOTE_STATES, COMM_NOTE_TAG,
                      COMM_NOTE_VERSION)
+from .ulfm import is_failure
 
 __all__ = ["SideChannel", "ask_lead", "listen_all", "operation_label", "timeout_error"]
 
@@ -164,7 +165,16 @@ class SideChannel:
         """Take every note that arrived; answer each ask once with this node's board and this rank's state."""
         with self._lock:
             while self.comm is not None:
-                message = self.comm.Improbe(MPI.ANY_SOURCE, COMM_NOTE_TAG)
+                try:
+                    message = self.comm.Improbe(MPI.ANY_SOURCE, COMM_NOTE_TAG)
+                except MPI.Exception as exc:
+                    if not is_failure(exc):
+                        raise
+                    # a process failed, or the group was revoked (fault tolerance): nobody asks here any more,
+                    # and the waits that listen must not fail of it (the rebuild of the world polls them)
+                    _listening.discard(self)
+                    self.comm = None
+                    return
                 if message is None:
                     return
                 message.Recv(self._inbox)
