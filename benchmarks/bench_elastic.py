@@ -20,8 +20,12 @@ DDP's backward of step ``KILL_STEP`` (a gradient hook kills it; it notes the wal
 The figure per kill is the slowest rank's, from the SIGKILL to the end of its first completed step after it;
 everything runs on one machine, so the ranks' clocks are one clock. Prints the median and the worst over the
 jobs, side by side, and writes ``benchmarks/results/bench_elastic.json``. On a 2-core machine shared with other
-work the figures move by tens of milliseconds: compare within one run. The virtual cluster (:mod:`distlab.cluster`)
-starts its ranks with MPICH's Hydra only, and MPICH has no working ULFM: not measured there.
+work the figures move by tens of milliseconds: compare within one run.
+
+``--cluster HOSTS`` adds a third column: in process across a virtual cluster of that many hosts
+(:mod:`distlab.cluster`, needs root; run it under ``flock /tmp/distlab-cluster.lock``), the ranks placed in blocks
+per host and the last one killed, its peers on other hosts learning of it over the cluster's links. The cluster
+(``dle``) is brought up for the run and taken down after it.
 """
 from __future__ import annotations
 
@@ -40,7 +44,9 @@ OPENMPI_PYTHON = REPO / ".venv-openmpi" / "bin" / "python"
 KILL_STEP = 4
 STEPS = 8
 IN_PROCESS = ("noticed", "revoke", "agree", "shrink", "world", "regroup", "rollback and the step")
-NOT_MEASURED = {"virtual cluster": "not measured: the virtual cluster starts ranks with MPICH's Hydra only (no ULFM)"}
+NOT_MEASURED = {"virtual cluster": "in process across a virtual cluster: not measured (--cluster HOSTS, as root)"}
+CLUSTER = "dle"  # the benchmark's own virtual cluster (--cluster)
+WAYS = ("in process", "restart", "in process, cluster")
 
 
 def worker(out_dir: str, way: str, width: int) -> None:
@@ -87,7 +93,7 @@ def worker(out_dir: str, way: str, width: int) -> None:
             record["noticed"] = state.recoveries[0]["at"]
             record["seconds"] = state.recoveries[0]["seconds"]
         Path(out_dir, f"{way}.rank{first_rank}.json").write_text(json.dumps(record))
-    if way == "in process":  # Open MPI's MPI_Finalize may never return after a failure (tests/mpi/ulfm_recovery.py)
+    if way != "restart":  # Open MPI's MPI_Finalize may never return after a failure (tests/mpi/ulfm_recovery.py)
         from distlab._bootstrap import finish_rank
 
         finish_rank(first_rank)
@@ -100,18 +106,20 @@ def run_job(way: str, np_: int, width: int) -> dict:
     from distlab.launch import launch_script
 
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as out:
-        options = {"fault_tolerance": True} if way == "in process" else {"max_restarts": 1}
+        options = {"max_restarts": 1} if way == "restart" else {"fault_tolerance": True}
+        if way == "in process, cluster":
+            options["cluster"] = CLUSTER
         result = launch_script(__file__, np=np_, args=["--worker", out, "--way", way, "--width", str(width)],
                                capture=True, timeout=300, **options)
         kill = Path(out, "kill")
         records = [json.loads(p.read_text()) for p in Path(out).glob("*.rank*.json")]
-        survivors = np_ - 1 if way == "in process" else np_
+        survivors = np_ if way == "restart" else np_ - 1
         if not kill.exists() or len(records) != survivors:
             raise SystemExit(f"bench_elastic ({way}): the kill or a survivor's record is missing:\n"
                              f"{result.stdout}{result.stderr}")
         killed_at = float(kill.read_text())
         row = {"total": max(r["done"] for r in records) - killed_at}
-        if way == "in process":
+        if way != "restart":
             row["noticed"] = max(r["noticed"] for r in records) - killed_at
             for name in IN_PROCESS[1:-1]:
                 row[name] = max(r["seconds"][name] for r in records)
@@ -121,13 +129,14 @@ def run_job(way: str, np_: int, width: int) -> dict:
 
 
 def table(rows: dict) -> list[list[str]]:
-    """Rows of the side-by-side table: a step, then in process and restart as median / worst."""
+    """Rows of the side-by-side table: a step, then each way measured (in process, restart, in process across
+    the cluster) as median / worst."""
     def cell(way: str, key: str) -> str:
         values = [row[key] * 1e3 for row in rows[way] if key in row]
         return f"{statistics.median(values):.0f} ms / {max(values):.0f} ms" if values else "-"
 
-    out = [[f"  {key}", cell("in process", key), "-"] for key in IN_PROCESS]
-    out.append(["from the SIGKILL to the first completed step", cell("in process", "total"), cell("restart", "total")])
+    out = [[f"  {key}", *(cell(way, key) for way in rows)] for key in IN_PROCESS]
+    out.append(["from the SIGKILL to the first completed step", *(cell(way, "total") for way in rows)])
     return out
 
 
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3, help="jobs of each way (default 3)")
     parser.add_argument("--np", type=int, default=3, help="ranks per job (default 3)")
     parser.add_argument("--width", type=int, default=256, help="the MLP's width (default 256: 1 MiB of parameters)")
+    parser.add_argument("--cluster", type=int, default=0, metavar="HOSTS",
+                        help="also in process across a virtual cluster of HOSTS hosts (root; default 0: not)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--way", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -155,22 +166,34 @@ def main() -> None:
         return
     if options.np < 2:
         parser.error("--np must be at least 2 (a kill leaves at least one rank)")
-    rows = {way: [] for way in ("in process", "restart")}
-    for _ in range(options.jobs):
-        for way in rows:  # interleaved: a change in the machine's load falls on both
-            rows[way].append(run_job(way, options.np, options.width))
-    columns = ["from the SIGKILL", "in process (median / worst)", "restart (median / worst)"]
+    rows = {way: [] for way in WAYS[:3 if options.cluster else 2]}
+    if options.cluster:
+        from distlab.cluster import down, up
+
+        up(options.cluster, name=CLUSTER)
+    try:
+        for _ in range(options.jobs):
+            for way in rows:  # interleaved: a change in the machine's load falls on every way
+                rows[way].append(run_job(way, options.np, options.width))
+    finally:
+        if options.cluster:
+            down(CLUSTER)
+    columns = ["from the SIGKILL", "in process (median / worst)", "restart (median / worst)",
+               f"in process, {options.cluster} hosts (median / worst)"][:len(rows) + 1]
+    not_measured = {} if options.cluster else NOT_MEASURED
     lines = table(rows)
     report = {"benchmark": "bench_elastic", "command": " ".join(sys.argv), "host_cores": os.cpu_count(),
               "load_avg": os.getloadavg(), "np": options.np, "width": options.width, "kill_step": KILL_STEP,
-              "rows": rows, "table": {"columns": columns, "rows": lines}, "not_measured": NOT_MEASURED}
+              "cluster_hosts": options.cluster, "rows": rows, "table": {"columns": columns, "rows": lines},
+              "not_measured": not_measured}
     path.write_text(json.dumps(report, indent=1))
     print(f"{options.jobs} jobs of each way, {options.np} ranks, a DDP MLP of width {options.width}, one rank "
           f"killed in backward (Open MPI)")
-    widths = [max(len(r[i]) for r in [columns, *lines]) for i in range(3)]
+    widths = [max(len(r[i]) for r in [columns, *lines]) for i in range(len(columns))]
     for line in [columns, *lines]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
-    print(f"\n{NOT_MEASURED['virtual cluster']}")
+    for why in not_measured.values():
+        print(f"\n{why}")
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; written to {path}")
 
 
