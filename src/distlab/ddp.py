@@ -147,11 +147,17 @@ class DistributedDataParallel(HostJoinable, Module):
 
         What the survivors of a failure do once they shrank the world (:mod:`distlab.collectives.elastic`): the
         reducer, its buckets and their collectives start anew on the new group; the bucket layout comes back with
-        the state they roll back to (:meth:`load_bucket_state_dict`). A communication hook is not carried over:
-        register it again in a reset callback.
+        the state they roll back to (:meth:`load_bucket_state_dict`). A communication hook whose state is None or
+        this DDP's process group (``allreduce_hook``, ``fp16_compress_hook``, ...) is registered again, with the new
+        group; one with a state of its own (PowerSGD's, a fused optimizer's) is not: register it again in a reset
+        callback.
         """
+        hook, state = self.reducer.comm_hook, self.reducer.comm_hook_state
         self.reducer.remove_hooks()
-        return DistributedDataParallel(self.module, process_group=process_group, **self._arguments)
+        rebuilt = DistributedDataParallel(self.module, process_group=process_group, **self._arguments)
+        if hook is not None and self._fused_optimizer is None and (state is None or state is self.process_group):
+            rebuilt.register_comm_hook(None if state is None else process_group, hook)
+        return rebuilt
 
     # -- construction ---------------------------------------------------------------------------------------
     def _parameters_to_reduce(self):

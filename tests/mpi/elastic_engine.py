@@ -11,7 +11,9 @@ negotiates them), and each epoch ends with ``collectives.join()``. Two failures:
 Each time the survivors' pending handle fails with ProcessFailedError; elastic.run shrinks the world, starts the
 engine again on the survivors, rolls back to the last commit (in memory), re-splits the sampler and goes on. The
 model counts (weight[i] grows by exactly 1 each time sample i is applied): at the end every weight is EPOCHS, no
-committed sample lost or repeated. Every survivor prints ``elastic_engine done``.
+committed sample lost or repeated. The process sets registered at the start are registered again each time with
+their surviving ranks (one keeps both survivors, the other loses both). Every survivor prints
+``elastic_engine done``.
 """
 import os
 import signal
@@ -30,6 +32,7 @@ FIRST_RANK, FIRST_SIZE = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 N, BATCH, EPOCHS = 40, 2, 2
 EYE = np.eye(N, dtype=np.float32)
 hvd.init()
+evens, odds = hvd.add_process_set([0, 2]), hvd.add_process_set([1, 3])  # registered again on the survivors
 model = nn.Linear(N, 1, bias=False)
 model.weight.data[...] = 0
 sampler = elastic.ElasticSampler(N, shuffle=True, seed=5)
@@ -73,5 +76,9 @@ assert np.array_equal(counts, np.full(N, float(EPOCHS))), (FIRST_RANK, counts)
 assert hvd.size() == FIRST_SIZE - 2 and comm.world().size == FIRST_SIZE - 2, (hvd.size(), comm.world().size)
 assert [r["failed_ranks"] for r in state.recoveries] == [[FIRST_SIZE - 1], [1, FIRST_SIZE - 1]], state.recoveries
 assert resets == [FIRST_SIZE - 1, FIRST_SIZE - 2], resets
+# the survivors (0 and 2) are ranks 0 and 1 now: their process set was registered again, the other one is gone
+assert evens.ranks == [0, 1] and evens.included() and evens.size() == 2, evens
+assert hvd.allreduce(np.ones(2), name="evens", op=hvd.Sum, process_set=evens).tolist() == [2.0, 2.0]
+assert odds.process_set_id is None, odds
 ops = [r["op"] for r in state.recoveries]
 print(f"elastic_engine done: rank {FIRST_RANK} -> {hvd.rank()} of {hvd.size()}, failed in {ops}", flush=True)

@@ -1,7 +1,8 @@
 """Elastic training that loses a rank and goes on in the same processes (Open MPI, ``--fault-tolerance``).
 argv: impl, mode, commit directory, fork directory, output prefix, buckets ("tiny": one parameter a bucket, each
 its own MPI allreduce; "auto": DDP's default, the whole model in one bucket reduced in the shared-memory arena),
-device ("cpu": numpy; "cuda": the strict device stand-in, distlab.fakegpu).
+device ("cpu": numpy; "cuda": the strict device stand-in, distlab.fakegpu), and optionally "hook": DDP reduces
+through ``allreduce_hook`` (over its group), which the DDP rebuilt on the survivors keeps.
 
 - mode ``kill:RANKS:STEP``: rank RANK (or each of RANKS, comma-separated: a host's ranks) is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
   kills it when its first gradient arrives, right after DDP's own hook); the survivors' step fails with ProcessFailedError,
@@ -29,9 +30,11 @@ import distlab
 from distlab import comm, nn, optim
 from distlab.collectives import elastic
 from distlab.ddp import DistributedDataParallel as DDP
+from distlab.ddp_comm_hooks import allreduce_hook
 from scenario_checks import host, on, to_device, twin_of
 
 impl_arg, mode, commits, fork, prefix, buckets, device = sys.argv[1:8]
+HOOK = sys.argv[8:] == ["hook"]  # DDP reduces through a communication hook (allreduce_hook, over DDP's group)
 FIRST_RANK = int(os.environ["RANK"])
 N, FEATURES, BATCH, EPOCHS = 44, 6, 3, 2
 EYE = np.eye(N, dtype=np.float32)
@@ -53,6 +56,8 @@ model = Net()
 model.count.weight.data[...] = 0
 model = to_device(model, device)
 ddp = DDP(model, impl=twin_of(FIRST_RANK, impl_arg), **({"bucket_cap_mb": 1e-6} if buckets == "tiny" else {}))
+if HOOK:
+    ddp.register_comm_hook(ddp.process_group, allreduce_hook)
 opt = optim.SGD(ddp.parameters(), lr=1.0)
 sampler = elastic.ElasticSampler(N, shuffle=True, seed=3)
 state = elastic.ModelState(ddp, opt, sampler=sampler, checkpoint_dir=commits if mode.startswith("kill") else fork,
@@ -84,6 +89,8 @@ def step(ddp, indices) -> None:
             for param in model.parameters():  # the first gradient to arrive kills it
                 param.register_post_accumulate_grad_hook(die)
     size = ddp.process_group.size
+    if HOOK:  # carried over to the DDP rebuilt on the survivors, with its group
+        assert ddp.reducer.comm_hook is allreduce_hook and ddp.reducer.comm_hook_state is ddp.process_group
     opt.zero_grad()
     counted, features = ddp(on(device, distlab.tensor(EYE[indices])), on(device, distlab.tensor(X[indices])))
     error = features - 0.5

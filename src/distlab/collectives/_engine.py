@@ -170,6 +170,7 @@ class Engine:
         self.sets[GLOBAL_PROCESS_SET_ID] = _SetState(self, GLOBAL_PROCESS_SET_ID, range(self.size), group)
         self.next_set_id = GLOBAL_PROCESS_SET_ID + 1
         self.set_counter = itertools.count()              # names the process-set operations (same on all ranks)
+        self.registered: dict[int, object] = {}           # id -> the ProcessSet add_process_set returned
         self.sets_lock = threading.Lock()
         self.error: BaseException | None = None
         self.agreed_stop = False

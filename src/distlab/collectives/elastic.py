@@ -126,8 +126,10 @@ class ShrinkRecovery(Recovery):
     :class:`~distlab.errors.ProcessFailedError`, or MPI's own report of one from wherever the step met it), and on
     every survivor: shrinks the world to the survivors (:func:`distlab.comm.recovery.rebuild`: revoke, agree,
     shrink), sets the launcher's ``RANK`` and ``WORLD_SIZE`` to this rank's place in the new world (what an
-    :class:`ElasticSampler` splits by), starts the collectives engine again on it if one runs (its process sets
-    other than the world are gone: add them again in a reset callback), and RPC if it runs
+    :class:`ElasticSampler` splits by), starts the collectives engine again on it if one runs (each process set
+    registered with ``add_process_set`` is registered again with its surviving ranks, renumbered, and the
+    :class:`~distlab.collectives.ProcessSet` the program holds is updated in place; a set that lost every rank is
+    removed), and RPC if it runs
     (:func:`distlab.rpc.reinit`: the same worker names; its RRefs are gone), and moves the state onto it
     (:meth:`State.regroup`: a DDP model is rebuilt on the new group). :func:`run` then rolls back to the last
     commit and runs the reset callbacks.
@@ -152,9 +154,11 @@ class ShrinkRecovery(Recovery):
         rebuilt = comm_recovery.rebuild(timeout=self.timeout, old=state.group, revoke=engine_groups)
         new = rebuilt.world
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new.rank), str(new.size)
-        if engine is not None:  # started again on the survivors (process sets other than the world are gone)
+        if engine is not None:  # started again on the survivors, with their process sets
+            kept = sorted(engine.registered.items())
             ops.shutdown(self.timeout)
             ops.init()
+            _register_again(kept, rebuilt.ranks)
         rpc = sys.modules.get("distlab.rpc")
         if rpc is not None and rpc.is_initialized():  # RPC too, with the same names (its RRefs are gone)
             rpc.reinit(self.timeout)
@@ -170,6 +174,20 @@ class ShrinkRecovery(Recovery):
 
 
 _SHRINK = ShrinkRecovery()
+
+
+def _register_again(kept, ranks: dict) -> None:
+    """Register each of ``kept`` (``(id, ProcessSet)`` of the engine before the failure, in id order: the same on
+    every survivor) again on the new engine, with its surviving ranks (``ranks``: old world rank -> new), and
+    update the program's ProcessSet in place (collective over the survivors)."""
+    for _, process_set in kept:
+        survivors = [ranks[r] for r in process_set.ranks if r in ranks]
+        if not survivors:
+            process_set.process_set_id = None
+            continue
+        again = ops.add_process_set(survivors)
+        process_set.ranks, process_set.process_set_id = again.ranks, again.process_set_id
+        _engine.get().registered[again.process_set_id] = process_set
 
 
 def _failure(exc: BaseException):

@@ -327,6 +327,7 @@ def add_process_set(ranks) -> ProcessSet:
     process_set_id, agreed = synchronize(handle)
     process_set = ProcessSet(agreed)
     process_set.process_set_id = process_set_id
+    engine.registered[process_set_id] = process_set  # made again on the survivors of a failure (elastic)
     return process_set
 
 
@@ -339,6 +340,7 @@ def remove_process_set(process_set) -> None:
     name = f"process_set.remove.{next(engine.set_counter)}"
     synchronize(engine.submit("allgather", np.array([state.id], dtype=np.int64), name, global_process_set,
                               after=engine.remove_process_set))
+    engine.registered.pop(state.id, None)
     process_set.process_set_id = None
 
 
