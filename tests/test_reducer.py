@@ -713,3 +713,21 @@ def test_static_graph_marks_a_parameter_ready_at_its_last_hook_of_the_iteration(
         in_backward(backward)
         assert len(reduced) == iteration + 1, (iteration, reduced)
         assert reduced[-1][0].tolist() == [2.0] * 3 and reduced[-1][1].tolist() == [1.0] * 2, (iteration, reduced)
+
+
+def test_a_ddp_rebuilt_on_a_new_group_keeps_a_hook_over_its_group_and_drops_one_with_a_state_of_its_own(impl, xp):
+    # What the survivors of a failure get (DistributedDataParallel.rebuilt_on, distlab.collectives.elastic): a hook
+    # whose state is None or the old group is registered again, the new group its state; any other state (a
+    # PowerSGDState, say) belongs to the old world, so the program registers that hook again itself.
+    for make_state, kept in ((lambda m: m.process_group, "group"), (lambda m: None, None), (lambda m: {}, "drop")):
+        model = DDP(TwoBranch(xp), impl=impl)
+        model.register_comm_hook(make_state(model), allreduce_hook)
+        new = comm.world().new_group([0])
+        rebuilt = model.rebuilt_on(new)
+        assert rebuilt.process_group is new
+        if kept == "drop":
+            assert rebuilt.reducer.comm_hook is None
+        else:
+            assert rebuilt.reducer.comm_hook is allreduce_hook
+            assert rebuilt.reducer.comm_hook_state is (new if kept == "group" else None)
+        rebuilt(x(xp)).backward()  # reduces over the new group, through the hook where kept
