@@ -4,7 +4,8 @@ its own MPI allreduce; "auto": DDP's default, the whole model in one bucket redu
 device ("cpu": numpy; "cuda": the strict device stand-in, distlab.fakegpu), and optionally "hook": DDP reduces
 through ``allreduce_hook`` (over its group), which the DDP rebuilt on the survivors keeps.
 
-- mode ``kill:RANKS:STEP``: rank RANK (or each of RANKS, comma-separated: a host's ranks) is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
+- mode ``kill:RANKS:STEP``: rank RANK (or the ranks RANKS, comma-separated: a host's ranks, the first killing the
+  others with itself, all at once) is SIGKILLed in the middle of DDP's backward of step STEP (a gradient hook
   kills it when its first gradient arrives, right after DDP's own hook); the survivors' step fails with ProcessFailedError,
   elastic.train shrinks the world, rebuilds DDP on it, rolls back to the last commit (kept in memory; also written
   to the commit directory), re-splits the sampler and goes on. The first reset copies the commit directory, the
@@ -76,16 +77,23 @@ def on_reset() -> None:
 state.register_reset_callbacks([on_reset])
 
 
+VICTIMS = [int(r) for r in mode.split(":")[1].split(",")] if mode.startswith("kill") else []
+# every rank's pid: the first victim kills the others with itself, at once (a host's processes lost together)
+PIDS = comm.world().allgather_object(os.getpid()) if VICTIMS else []
+
+
 def die(_param) -> None:
     sys.stdout.flush()
+    for victim in VICTIMS[1:]:
+        os.kill(PIDS[victim], signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def step(ddp, indices) -> None:
     state.steps += 1
     if mode.startswith("kill"):
-        _, victim, at = mode.split(":")
-        if state.steps == int(at) and str(FIRST_RANK) in victim.split(",") and not resets:
+        at = mode.split(":")[2]
+        if state.steps == int(at) and FIRST_RANK == VICTIMS[0] and not resets:
             for param in model.parameters():  # the first gradient to arrive kills it
                 param.register_post_accumulate_grad_hook(die)
     size = ddp.process_group.size
