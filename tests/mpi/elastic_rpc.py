@@ -52,6 +52,20 @@ def make_list(*items):
     return list(items)
 
 
+def gone(pid: int, timeout: float = 30.0) -> None:
+    """Wait until process ``pid`` (of this machine) has ended (a zombie counts as ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return
+        except OSError:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"rank {ME}: process {pid} still runs {timeout:g} s after it was to die")
+
+
 def check_failed(exc: BaseException, dead_world: int, dead_id: int, dead_name: str, op: str) -> None:
     assert isinstance(exc, ProcessFailedError), (ME, type(exc), exc)
     assert exc.failed_ranks == [dead_world] and exc.group_ranks == [dead_id], (ME, exc.failed_ranks, str(exc))
@@ -112,9 +126,11 @@ def kill_while_owning_rrefs() -> None:
                 mates = [r for r in range(WORLD) if r not in (owner, WORLD - 1)]
                 passed = rpc.rpc_sync(f"w{mates[(mates.index(ME) + 1) % len(mates)]}", make_list, (mine,))[0]
                 held.extend([mine, passed])
+            pids = world.allgather_object(os.getpid())
             world.barrier()  # every survivor holds its RRefs
             if ME == owner:
                 die()
+            gone(pids[1])  # else a to_here could still be answered
             errors = [failure_of(rref.to_here) for rref in held]
             for error in errors:
                 check_failed(error, owner, 1, f"w{owner}", "rpc rref_fetch")
