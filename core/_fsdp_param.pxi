@@ -1,48 +1,40 @@
 # Included by _fsdp_param_group.pyx: the core twin of reference/fsdp_param.py (read it for the explanation).
-# The parameter's sizes are C integers, its state a C int, and the module swap goes through the registry dict and
-# the generic attribute setter; construction and state dicts are FSDPParamBase's, bound below.
+# The parameter's sizes are C integers and its state a C int; construction is the shared prepare_param's set-up,
+# kept field by field (PARAM_STATE of distlab._common.fsdp_param), and the state dicts are shared functions.
 
 
 @cython.final
 cdef class FSDPParam:
     """See :class:`distlab.reference.fsdp_param.FSDPParam`."""
-    cdef public object xp, module_info, fqn, orig_size, orig_dtype, param_class, sharded_param
-    cdef public object _sharded_param_data, _unsharded_param, all_gather_output, _sharded_post_forward_param_data
-    cdef public object unsharded_accumulated_grad, param_dtype, reduce_dtype, unsharded_dtype, shard_group
+    cdef public object xp, module_info, fqn, orig_size, orig_dtype, param_class, sharded_size, sharded_param
+    cdef public object sharded_param_data, all_gather_output, unsharded_accumulated_grad, shard_group
+    cdef public object param_dtype, reduce_dtype, unsharded_dtype
     cdef public Py_ssize_t rows, row_numel, shard_size, shard_rank, chunk, shard_offset, shard_length
     cdef public Py_ssize_t padded_sharded_numel, sharded_numel, unsharded_numel
     cdef public Py_ssize_t post_forward_size, post_forward_rank, post_forward_numel
-    cdef public long long _storage_generation, _unsharded_generation
     cdef public int sharded_state
-    cdef object _sharded_shape  # (shard rows,) + orig_size[1:], made once
+    cdef object _unsharded_param, _sharded_post_forward_param_data
+    cdef long long _storage_generation, _unsharded_generation
     cdef dict __dict__
-
-    # FSDPParamBase's construction and state-dict methods, bound here in its order.
-    _init_sharded_param = FSDPParamBase._init_sharded_param
-    _sharded_view = FSDPParamBase._sharded_view
-    init_post_forward = FSDPParamBase.init_post_forward
-    init_dtype_attrs = FSDPParamBase.init_dtype_attrs
-    sharded_size = FSDPParamBase.sharded_size
-    padded_sharded_size = FSDPParamBase.padded_sharded_size
-    sharded_array = FSDPParamBase.sharded_array
-    check_load = FSDPParamBase.check_load
-    load = FSDPParamBase.load
-    _check_sharded = FSDPParamBase._check_sharded
-    _copy_into_shard = FSDPParamBase._copy_into_shard
-    describe = FSDPParamBase.describe
 
     def __init__(self, param, module_info, Py_ssize_t shard_size, Py_ssize_t shard_rank,
                  Py_ssize_t post_forward_size, mp_policy, fqn=""):
         """See :class:`distlab.reference.fsdp_param.FSDPParam`."""
-        FSDPParamBase._init_sharded_param(self, param, module_info, shard_size, shard_rank, post_forward_size,
-                                          mp_policy, fqn)
-        self._sharded_shape = (self.shard_length,) + tuple(self.orig_size[1:])
+        (self.xp, self.module_info, self.fqn, self.orig_size, self.orig_dtype, self.param_class, self.rows,
+         self.row_numel, self.shard_size, self.shard_rank, self.chunk, self.shard_offset, self.shard_length,
+         self.padded_sharded_numel, self.sharded_numel, self.unsharded_numel, self.sharded_size,
+         self.post_forward_size, self.post_forward_rank, self.post_forward_numel, self.param_dtype,
+         self.reduce_dtype, self.unsharded_dtype, self.sharded_param_data, self.sharded_param,
+         self.sharded_state) = prepare_param(param, module_info, shard_size, shard_rank, post_forward_size,
+                                             mp_policy, fqn)
+        self._storage_generation, self._unsharded_generation = -1, -2
+        self.sharded_param._fsdp_param = self
         self._setattr_on_modules(self.sharded_param)
 
     cpdef object all_gather_input(self):
         """See :meth:`distlab.reference.fsdp_param.FSDPParam.all_gather_input`."""
         return (self._sharded_post_forward_param_data if self.sharded_state == _SHARDED_POST_FORWARD
-                else self._sharded_param_data)
+                else self.sharded_param_data)
 
     cpdef Py_ssize_t all_gather_input_numel(self):
         """See :meth:`distlab.reference.fsdp_param.FSDPParam.all_gather_input_numel`."""
@@ -103,9 +95,7 @@ cdef class FSDPParam:
         """See :meth:`distlab.reference.fsdp_param.FSDPParam._setattr_on_modules`."""
         cdef tuple place
         for place in self.module_info.places:
-            module = place[0]
-            (<dict>module._parameters)[place[1]] = param
-            PyObject_GenericSetAttr(module, place[1], param)
+            place[0].register_parameter(place[1], param)
 
     cpdef to_accumulated_grad_if_needed(self):
         """See :meth:`distlab.reference.fsdp_param.FSDPParam.to_accumulated_grad_if_needed`."""
@@ -138,14 +128,11 @@ cdef class FSDPParam:
     cpdef accumulate_sharded_grad(self, flat):
         """See :meth:`distlab.reference.fsdp_param.FSDPParam.accumulate_sharded_grad`."""
         cdef object param = self.sharded_param
-        cdef object rows = flat.reshape(self._sharded_shape)
+        cdef object rows = flat.reshape(self.sharded_size)
         cdef object held = param.grad
         if held is not None:
             accumulated = held.data
             accumulated += rows
         else:
-            param.grad = Tensor._wrap(rows)
-        cdef object hooks = param._post_acc_hooks
-        if hooks:
-            for hook in tuple(hooks.values()):
-                hook(param)
+            param.grad = Tensor(rows)
+        run_post_accumulate_grad_hooks(param)

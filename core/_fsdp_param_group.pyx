@@ -5,12 +5,11 @@ reference/fsdp_param.py and reference/fsdp_collectives.py, for the explanation).
 One extension holds what the reference splits into three modules, laid out file for file: ``_fsdp_param.pxi``
 (the sharded parameter) and ``_fsdp_collectives.pxi`` (copy-in, copy-out, the reduce-scatter's packing) are
 included below, and this file holds the group. What is compiled: the per-parameter loops of every step, over
-``cdef`` classes with C-typed sizes and states, and host copies by memcpy. Construction, the process groups and the
-replay record are the shared :class:`distlab._common.fsdp_param.FSDPParamBase` and
-:class:`distlab._common.fsdp_param_group.FSDPParamGroupBase` methods, bound to the classes.
+``cdef`` classes with C-typed sizes and states, and host copies by memcpy. Construction, the storage's layout and
+the replay record are the shared functions of :mod:`distlab._common.fsdp_param` and
+:mod:`distlab._common.fsdp_param_group` (the set-ups each class keeps field by field, typed).
 """
 cimport cython
-from cpython.object cimport PyObject_GenericSetAttr
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -21,10 +20,13 @@ cnp.import_array()
 from distlab import comm as _comm
 from distlab._common.fsdp import (
     FSDP_LANE, TWIN_NAMES, AllGatherResult, ShardedState, TrainingState, collective_name, gradient_divide_factors)
-from distlab._common.fsdp_param import ParamModuleInfo, FSDPParamBase
-from distlab._common.fsdp_param_group import MeshInfo, FSDPCommContext, FSDPParamGroupBase
-from distlab.autograd import is_grad_enabled, Tensor
+from distlab._common.fsdp_param import ParamModuleInfo, prepare_param
+from distlab._common.fsdp_param_group import (
+    MeshInfo, FSDPCommContext, compute_begins, compute_ends, prepare_group, storage_layout)
+from distlab._common.fsdp_storage import UnshardedStorage
+from distlab.autograd import is_grad_enabled, run_post_accumulate_grad_hooks, Tensor
 from distlab.autograd.node import Node as _Node
+from distlab.autograd.ops import record
 from distlab.timeline import now_us, get_timeline
 
 __all__ = list(TWIN_NAMES)
@@ -51,47 +53,55 @@ include "_fsdp_collectives.pxi"
 @cython.final
 cdef class FSDPParamGroup:
     """See :class:`distlab.reference.fsdp_param_group.FSDPParamGroup`."""
-    cdef public list fsdp_params, _post_forward_indices
-    cdef public object modules, mesh_info, post_forward_group, mp_policy, _module_fqn, comm_ctx
-    cdef public object _all_gather_result, _pending_reduce, _join_mask, gradient_divide_factor, storage
-    cdef public object _orig_dtype, _reduce_dtype, xp, _storage_offsets
-    cdef public double _compute_start
-    cdef public int _training_state, _sharded_state
-    cdef public Py_ssize_t _post_backward_pending
+    cdef public list fsdp_params
+    cdef public object modules, mesh_info, post_forward_group, mp_policy, module_fqn, comm_ctx
+    cdef public object orig_dtype, reduce_dtype, xp, gradient_divide_factor, user_divide_factor, join_mask, storage
+    cdef public int training_state, sharded_state
     cdef public bint reduce_grads, all_reduce_grads, reshard_after_backward, unshard_async_op
+    cdef list _post_forward_indices, _storage_offsets
+    cdef object _all_gather_result, _pending_reduce
+    cdef Py_ssize_t _post_backward_pending
+    cdef double _compute_start
     cdef dict __dict__
-
-    # FSDPParamGroupBase's construction, process groups and records, bound here in its order.
-    _configure = FSDPParamGroupBase._configure
-    lazy_init = FSDPParamGroupBase.lazy_init
-    _cut_all_gather_outputs = FSDPParamGroupBase._cut_all_gather_outputs
-    alloc_storage = FSDPParamGroupBase.alloc_storage
-    _reshard_after_forward = FSDPParamGroupBase._reshard_after_forward
-    _use_post_forward_mesh = FSDPParamGroupBase._use_post_forward_mesh
-    _all_gather_process_group = FSDPParamGroupBase._all_gather_process_group
-    _reduce_scatter_process_group = FSDPParamGroupBase._reduce_scatter_process_group
-    _all_reduce_process_group = FSDPParamGroupBase._all_reduce_process_group
-    is_sharded = FSDPParamGroupBase.is_sharded
-    is_sharded_post_forward = FSDPParamGroupBase.is_sharded_post_forward
-    is_unsharded = FSDPParamGroupBase.is_unsharded
-    use_training_state = FSDPParamGroupBase.use_training_state
-    _record = FSDPParamGroupBase._record
-    _compute_begins = FSDPParamGroupBase._compute_begins
-    _compute_ends = FSDPParamGroupBase._compute_ends
-    _with_fqn = FSDPParamGroupBase._with_fqn
-    describe = FSDPParamGroupBase.describe
 
     def __init__(self, list fsdp_params, modules, mesh_info, post_forward_group, mp_policy, str module_fqn=""):
         """See :class:`distlab.reference.fsdp_param_group.FSDPParamGroup`."""
-        FSDPParamGroupBase._configure(self, fsdp_params, modules, mesh_info, post_forward_group, mp_policy,
-                                      module_fqn)
+        (self.fsdp_params, self.modules, self.mesh_info, self.post_forward_group, self.mp_policy, self.module_fqn,
+         self.comm_ctx, self.orig_dtype, self.reduce_dtype, self.xp, self.training_state, self.sharded_state,
+         self.reduce_grads, self.all_reduce_grads, self.reshard_after_backward, self.gradient_divide_factor,
+         self.user_divide_factor, self.unshard_async_op, self.join_mask,
+         self.storage) = prepare_group(fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn)
+        self._post_forward_indices = []
+
+    cpdef lazy_init(self):
+        """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.lazy_init`."""
+        if self.storage is not None:
+            return
+        dtype, self._storage_offsets, total = storage_layout(self.fsdp_params)
+        self.storage = UnshardedStorage(self.xp, dtype, total)
+        self._cut_all_gather_outputs()
+
+    cpdef _cut_all_gather_outputs(self):
+        """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._cut_all_gather_outputs``."""
+        cdef object flat = self.storage.flat
+        cdef long long generation = self.storage.generation
+        cdef FSDPParam p
+        cdef Py_ssize_t i, offset
+        for i, p in enumerate(self.fsdp_params):
+            offset = self._storage_offsets[i]
+            p.set_all_gather_output(None if flat is None else flat[offset:offset + p.unsharded_numel], generation)
+
+    cpdef alloc_storage(self):
+        """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.alloc_storage`."""
+        if self.storage.alloc():
+            self._cut_all_gather_outputs()
 
     cpdef unshard(self, async_op=False):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.unshard`."""
-        if self._all_gather_result is not None or self._sharded_state == _UNSHARDED:
+        if self._all_gather_result is not None or self.sharded_state == _UNSHARDED:
             return
         self.lazy_init()
-        cdef object over = (self.post_forward_group if self._sharded_state == _SHARDED_POST_FORWARD
+        cdef object over = (self.post_forward_group if self.sharded_state == _SHARDED_POST_FORWARD
                             else self.mesh_info.shard_group)
         if over.size == 1:  # nothing to gather: wait_for_unshard copies the shard
             self._all_gather_result = AllGatherResult(None, None, None, None, (), 1)
@@ -99,7 +109,7 @@ cdef class FSDPParamGroup:
         cdef FSDPParam first = self.fsdp_params[0]
         self._all_gather_result = foreach_all_gather(
             self.fsdp_params, over, async_op, self.comm_ctx.all_gather_pool, self.xp, first.unsharded_dtype,
-            self._module_fqn)
+            self.module_fqn)
 
     cpdef wait_for_unshard(self):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.wait_for_unshard`."""
@@ -122,7 +132,7 @@ cdef class FSDPParamGroup:
     cpdef reshard(self):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.reshard`."""
         cdef object keep = self.post_forward_group
-        if self._training_state == _FORWARD and keep is not self.mesh_info.shard_group:
+        if self.training_state == _FORWARD and keep is not self.mesh_info.shard_group:
             if keep is not None:
                 self._to_sharded_post_forward()
             return  # reshard_after_forward=False: kept unsharded until backward ends
@@ -131,20 +141,21 @@ cdef class FSDPParamGroup:
     def pre_forward(self, module, args):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.pre_forward`."""
         _note(self, "pre_forward", None)
-        self._training_state = _FORWARD
+        self.training_state = _FORWARD
         self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
         args = self._register_post_backward_hook(args)
-        self._compute_begins()
+        self._compute_start = compute_begins()
         return args
 
     def post_forward(self, module, input, output):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.post_forward`."""
         _note(self, "post_forward", None)
-        self._compute_ends("forward")
+        compute_ends(self._compute_start, "forward", self)
+        self._compute_start = 0.0
         self.reshard()
         self._record_post_forward()
-        self._training_state = _IDLE
+        self.training_state = _IDLE
         return output
 
     cpdef _record_post_forward(self):
@@ -155,9 +166,9 @@ cdef class FSDPParamGroup:
 
     def pre_backward(self, default_prefetch):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.pre_backward`."""
-        if self._training_state != _PRE_BACKWARD:
+        if self.training_state != _PRE_BACKWARD:
             _note(self, "pre_backward", default_prefetch)
-            self._training_state = _PRE_BACKWARD
+            self.training_state = _PRE_BACKWARD
             self.unshard(self.unshard_async_op)
             gathering = self._all_gather_result
             if gathering is not None and gathering.all_gather_work is not None:
@@ -169,13 +180,14 @@ cdef class FSDPParamGroup:
             if default_prefetch:
                 self._backward_prefetch()
             _comm.progress()
-            self._compute_begins()
+            self._compute_start = compute_begins()
 
     def post_backward(self):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.post_backward`."""
         _note(self, "post_backward", self._grad_mask())
-        self._compute_ends("backward")
-        self._training_state = _POST_BACKWARD
+        compute_ends(self._compute_start, "backward", self)
+        self._compute_start = 0.0
+        self.training_state = _POST_BACKWARD
         cdef FSDPParam p
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
@@ -199,15 +211,15 @@ cdef class FSDPParamGroup:
         self._wait_for_post_backward()
         cdef object info = self.mesh_info
         self._pending_reduce = foreach_reduce(
-            taken[0], taken[1], info.shard_group, self._orig_dtype, self._reduce_dtype, self.xp,
-            self.gradient_divide_factor, info.replicate_group, self.all_reduce_grads, self._module_fqn)
+            taken[0], taken[1], info.shard_group, self.orig_dtype, self.reduce_dtype, self.xp,
+            self.gradient_divide_factor, info.replicate_group, self.all_reduce_grads, self.module_fqn)
         ctx.reduce_scatter_state = self._pending_reduce
         _comm.progress()
 
     cpdef tuple _grad_mask(self):
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._grad_mask``."""
-        if self._join_mask is not None:
-            return self._join_mask
+        if self.join_mask is not None:
+            return self.join_mask
         cdef FSDPParam p
         return tuple([p.unsharded_accumulated_grad is not None or p.unsharded_grad_data() is not None
                       for p in self.fsdp_params])
@@ -217,7 +229,7 @@ cdef class FSDPParamGroup:
         cdef list params = [], grads = []
         cdef FSDPParam p
         cdef Py_ssize_t i
-        cdef object mask = self._join_mask
+        cdef object mask = self.join_mask
         for i, p in enumerate(self.fsdp_params):
             if mask is None:
                 grad = p.take_unsharded_grad()
@@ -258,51 +270,51 @@ cdef class FSDPParamGroup:
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._backward_prefetch``."""
         cdef list indices = self._post_forward_indices
         cdef Py_ssize_t target = indices.pop() - 1 if indices else -1
+        cdef FSDPParamGroup previous
         if target >= 0:
-            FSDPParamGroup._prefetch_unshard(self.comm_ctx.post_forward_order[target], "backward")
+            previous = self.comm_ctx.post_forward_order[target]
+            previous.prefetch_unshard("backward")
         else:  # nothing follows in this backward: the pool's idle buffers are freed
             self.comm_ctx.all_gather_pool.clear()
 
-    @staticmethod
-    def _prefetch_unshard(target, pass_type):
-        """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._prefetch_unshard``."""
-        cdef FSDPParamGroup group = target
-        _note(group, "prefetch", pass_type)
-        cdef int previous = group._training_state
-        group._training_state = _PRE_BACKWARD if pass_type == "backward" else _FORWARD
+    cpdef prefetch_unshard(self, pass_type):
+        """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.prefetch_unshard`."""
+        _note(self, "prefetch", pass_type)
+        cdef int previous = self.training_state
+        self.training_state = _PRE_BACKWARD if pass_type == "backward" else _FORWARD
         try:
-            group.unshard(True)
+            self.unshard(True)
         finally:
-            group._training_state = previous
+            self.training_state = previous
 
     cpdef _to_sharded(self):
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._to_sharded``."""
         cdef FSDPParam p
-        if self._sharded_state == _SHARDED:
+        if self.sharded_state == _SHARDED:
             return
         for p in self.fsdp_params:
             p.to_sharded()
         self.storage.free()
-        self._sharded_state = _SHARDED
+        self.sharded_state = _SHARDED
 
     cpdef _to_sharded_post_forward(self):
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._to_sharded_post_forward``."""
         cdef FSDPParam p
-        if self._sharded_state == _SHARDED_POST_FORWARD:
+        if self.sharded_state == _SHARDED_POST_FORWARD:
             return
         for p in self.fsdp_params:
             p.to_sharded_post_forward()
         self.storage.free()
-        self._sharded_state = _SHARDED_POST_FORWARD
+        self.sharded_state = _SHARDED_POST_FORWARD
 
     cpdef _to_unsharded(self):
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._to_unsharded``."""
         cdef FSDPParam p
-        if self._sharded_state == _UNSHARDED:
+        if self.sharded_state == _UNSHARDED:
             return
         for p in self.fsdp_params:
             p.to_unsharded()
-        self._sharded_state = _UNSHARDED
+        self.sharded_state = _UNSHARDED
 
     def _register_post_backward_hook(self, args):
         """See ``distlab.reference.fsdp_param_group.FSDPParamGroup._register_post_backward_hook``."""
@@ -339,7 +351,7 @@ class PostBackwardNode(_Node):
 
 # --- core-only helpers ---
 cdef inline _note(FSDPParamGroup group, str event, argument):
-    """FSDPParamGroupBase._record, inlined: append to the replay record while recording."""
+    """distlab._common.fsdp_param_group.record_call, inlined: append to the replay record while recording."""
     cdef object ctx = group.comm_ctx
     if ctx.recording:
         ctx.program.append((group, event, argument))
@@ -351,7 +363,7 @@ cdef object _hook_inputs(object value, FSDPParamGroup group, list hooked):
         if not value.requires_grad:
             return value
         hooked[0] += 1
-        return Tensor._wrap(value.data, PostBackwardNode((value._grad_node(),), group))
+        return record(value.data, PostBackwardNode, (value,), group)
     if isinstance(value, (list, tuple)):
         return type(value)([_hook_inputs(item, group, hooked) for item in value])
     if isinstance(value, dict):

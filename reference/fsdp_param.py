@@ -3,7 +3,7 @@
 Twinned with ``core/_fsdp_param.pxi``. Mirrors torch/distributed/fsdp/_fully_shard/_fsdp_param.py
 ``FSDPParam``. Four arrays stand for one parameter of shape ``(d0, ...)`` on a shard group of ``W`` ranks:
 
-- the *padded shard* ``_sharded_param_data``: this rank's ``c = ceil(d0 / W)`` rows (torch's chunk rule),
+- the *padded shard* ``sharded_param_data``: this rank's ``c = ceil(d0 / W)`` rows (torch's chunk rule),
   zero-padded, flat; a rank past the end holds only padding;
 - the *sharded parameter* ``sharded_param``: a view of the shard's unpadded rows, the ``Parameter`` the modules
   hold between steps and the optimizer updates;
@@ -12,20 +12,21 @@ Twinned with ``core/_fsdp_param.pxi``. Mirrors torch/distributed/fsdp/_fully_sha
 - the *unsharded parameter*: a view of its first ``d0`` rows, the ``Parameter`` the modules hold while the group
   computes, and the one autograd accumulates the unsharded gradient into.
 
-Construction and state dicts are shared (:class:`distlab._common.fsdp_param.FSDPParamBase`); this module is what
-runs per parameter and per step. Guarantees kept: F1, the modules see the whole parameter exactly while their
+Construction and state dicts are shared functions (:func:`distlab._common.fsdp_param.prepare_param` gives the
+set-up whose fields the class keeps, :data:`~distlab._common.fsdp_param.PARAM_STATE`); this module is what runs per
+parameter and per step. Guarantees kept: F1, the modules see the whole parameter exactly while their
 group is unsharded, and the shard otherwise; F2, the padding rows stay zero, so they add nothing to a reduction.
 """
 from __future__ import annotations
 
 from distlab._common.fsdp import ShardedState
-from distlab._common.fsdp_param import FSDPParamBase, ParamModuleInfo
-from distlab.autograd import Tensor
+from distlab._common.fsdp_param import ParamModuleInfo, prepare_param
+from distlab.autograd import Tensor, run_post_accumulate_grad_hooks
 
 __all__ = ["FSDPParam", "ParamModuleInfo"]
 
 
-class FSDPParam(FSDPParamBase):
+class FSDPParam:
     """A parameter sharded on dimension 0 over a group of ranks (``_fsdp_param.py FSDPParam``).
 
     Parameters
@@ -45,7 +46,16 @@ class FSDPParam(FSDPParamBase):
     """
 
     def __init__(self, param, module_info, shard_size, shard_rank, post_forward_size, mp_policy, fqn=""):
-        self._init_sharded_param(param, module_info, shard_size, shard_rank, post_forward_size, mp_policy, fqn)
+        setup = prepare_param(param, module_info, shard_size, shard_rank, post_forward_size, mp_policy, fqn)
+        vars(self).update(setup._asdict())  # every field of the set-up, under its own name (PARAM_STATE)
+        self.all_gather_output = None
+        self.unsharded_accumulated_grad = None
+        self.shard_group = None
+        self._unsharded_param = None
+        self._storage_generation = -1
+        self._unsharded_generation = -2
+        self._sharded_post_forward_param_data = None
+        self.sharded_param._fsdp_param = self
         self._setattr_on_modules(self.sharded_param)
 
     # -- the all-gather input ------------------------------------------------------------------------------------
@@ -55,7 +65,7 @@ class FSDPParam(FSDPParamBase):
         ``param_dtype`` on the way into the flat buffer (``foreach_all_gather``), not here."""
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             return self._sharded_post_forward_param_data
-        return self._sharded_param_data
+        return self.sharded_param_data
 
     def all_gather_input_numel(self) -> int:
         """Elements of :meth:`all_gather_input`: the padded shard's, or the 1/k piece's."""
@@ -122,10 +132,9 @@ class FSDPParam(FSDPParamBase):
 
     def _setattr_on_modules(self, param) -> None:
         """Swap the parameter on every module that holds it (``unsafe_setattr_param``): the registry entry and the
-        attribute, without ``Module.__setattr__``'s checks."""
+        attribute, in its place."""
         for module, name in self.module_info.places:
-            module._parameters[name] = param
-            object.__setattr__(module, name, param)
+            module.register_parameter(name, param)
 
     # -- gradient accumulation without synchronisation -----------------------------------------------------------
     def to_accumulated_grad_if_needed(self) -> None:
@@ -165,9 +174,7 @@ class FSDPParam(FSDPParamBase):
         param = self.sharded_param
         grad = flat.reshape(self.sharded_size)
         if param.grad is None:
-            param.grad = Tensor._wrap(grad)
+            param.grad = Tensor(grad)
         else:
             param.grad.data += grad
-        if param._post_acc_hooks:
-            for hook in tuple(param._post_acc_hooks.values()):
-                hook(param)
+        run_post_accumulate_grad_hooks(param)

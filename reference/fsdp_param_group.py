@@ -15,8 +15,9 @@ Twinned with ``core/_fsdp_param_group.pyx``. Mirrors torch/distributed/fsdp/_ful
    (:func:`~distlab.reference.fsdp_collectives.foreach_reduce`).
 5. *finalize*: deliver the reduced, sharded gradients (``finish_reduce``).
 
-Construction, the process groups and the replay record are shared
-(:class:`distlab._common.fsdp_param_group.FSDPParamGroupBase`). Guarantees kept: F3, every rank issues its
+Construction, the storage's layout and the replay record are shared functions
+(:func:`distlab._common.fsdp_param_group.prepare_group` gives the set-up whose fields the class keeps,
+:data:`~distlab._common.fsdp_param_group.GROUP_STATE`). Guarantees kept: F3, every rank issues its
 group's collectives in the same order (the all-gathers in forward order, the backward's in reverse, each group's
 reduce-scatter once per synchronised backward), so the collective counts per step are torch's: N+1 all-gathers in
 forward for N blocks and a root, N+1 reduce-scatters in backward; F4, at most one reduce-scatter and, unless
@@ -26,9 +27,19 @@ from __future__ import annotations
 
 from distlab import comm as _comm
 from distlab._common.fsdp import TWIN_NAMES, ShardedState, TrainingState
-from distlab._common.fsdp_param_group import FSDPCommContext, FSDPParamGroupBase, MeshInfo  # noqa: F401
+from distlab._common.fsdp_param_group import (  # noqa: F401 - FSDPCommContext and MeshInfo re-exported
+    FSDPCommContext,
+    MeshInfo,
+    compute_begins,
+    compute_ends,
+    prepare_group,
+    record_call,
+    storage_layout,
+)
+from distlab._common.fsdp_storage import UnshardedStorage
 from distlab.autograd import Tensor, is_grad_enabled
 from distlab.autograd.node import Node
+from distlab.autograd.ops import record
 from distlab.reference.fsdp_collectives import (  # noqa: F401 - re-exported: this module is the twin's face
     AllGatherResult,
     ReduceScatterState,
@@ -46,7 +57,7 @@ from distlab.reference.fsdp_param import FSDPParam, ParamModuleInfo  # noqa: F40
 __all__ = list(TWIN_NAMES)  # the names of both twins, listed once in distlab._common.fsdp
 
 
-class FSDPParamGroup(FSDPParamGroupBase):
+class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call and their per-step life (``FSDPParamGroup``).
 
     Parameters
@@ -66,21 +77,52 @@ class FSDPParamGroup(FSDPParamGroupBase):
     """
 
     def __init__(self, fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn=""):
-        self._configure(fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn)
+        setup = prepare_group(fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn)
+        vars(self).update(setup._asdict())  # every field of the set-up, under its own name (GROUP_STATE)
+        self._all_gather_result = None  # the all-gather issued and not yet copied out
+        self._post_forward_indices = []  # this group's places in the forward order, for backward prefetch
+        self._pending_reduce = None  # this group's reduce-scatter, until its gradients are delivered
+        self._post_backward_pending = 0  # hooked inputs whose gradient has not arrived
+        self._storage_offsets = None
+        self._compute_start = 0.0
+
+    # -- the unsharded storage ---------------------------------------------------------------------------------
+    def lazy_init(self):
+        """Make the group's unsharded storage, each parameter's all-gather output a slice of it (``lazy_init``)."""
+        if self.storage is not None:
+            return
+        dtype, self._storage_offsets, total = storage_layout(self.fsdp_params)
+        self.storage = UnshardedStorage(self.xp, dtype, total)
+        self._cut_all_gather_outputs()
+
+    def _cut_all_gather_outputs(self):
+        """Point each parameter's all-gather output at its slice of the storage (again after a device storage
+        was re-made)."""
+        flat, generation = self.storage.flat, self.storage.generation
+        for fsdp_param, offset in zip(self.fsdp_params, self._storage_offsets):
+            view = None if flat is None else flat[offset:offset + fsdp_param.unsharded_numel]
+            fsdp_param.set_all_gather_output(view, generation)
+
+    def alloc_storage(self):
+        """Hold the unsharded storage (``alloc_all_gather_outputs``)."""
+        if self.storage.alloc():
+            self._cut_all_gather_outputs()
 
     # -- unshard and reshard ---------------------------------------------------------------------------------------
     def unshard(self, async_op=False):
         """Issue the group's all-gather, unless it is unsharded or one is already issued (``unshard``)."""
-        if self._all_gather_result is not None or self.is_unsharded:
+        if self._all_gather_result is not None or self.sharded_state == ShardedState.UNSHARDED:
             return
         self.lazy_init()
-        group = self._all_gather_process_group
+        group = self.mesh_info.shard_group  # after a forward with reshard_after_forward=k, the k-rank subgroup
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            group = self.post_forward_group
         if group.size == 1:
             self._all_gather_result = AllGatherResult(None, None, None, None, [], 1)
             return
         dtype = self.fsdp_params[0].unsharded_dtype
         self._all_gather_result = foreach_all_gather(self.fsdp_params, group, async_op, self.comm_ctx.all_gather_pool,
-                                                     self.xp, dtype, self._module_fqn)
+                                                     self.xp, dtype, self.module_fqn)
 
     def wait_for_unshard(self):
         """Copy out the all-gather and register the unsharded parameters (``wait_for_unshard``)."""
@@ -102,10 +144,10 @@ class FSDPParamGroup(FSDPParamGroupBase):
     def reshard(self):
         """Free the unsharded parameters (``reshard``): after forward only if ``reshard_after_forward``, and to the
         post-forward piece when it is an int."""
-        if self._training_state == TrainingState.FORWARD:
-            if not self._reshard_after_forward:
+        if self.training_state == TrainingState.FORWARD:
+            if self.post_forward_group is None:  # ZeRO-2: kept until backward ends
                 return
-            if self._use_post_forward_mesh:
+            if self.post_forward_group is not self.mesh_info.shard_group:  # reshard_after_forward=k
                 self._to_sharded_post_forward()
                 return
         self._to_sharded()
@@ -113,21 +155,22 @@ class FSDPParamGroup(FSDPParamGroupBase):
     # -- the hooks -------------------------------------------------------------------------------------------------
     def pre_forward(self, module, args):
         """Unshard before the module's forward; hook its inputs for post-backward (``pre_forward``)."""
-        self._record("pre_forward")
-        self._training_state = TrainingState.FORWARD
+        record_call(self, "pre_forward")
+        self.training_state = TrainingState.FORWARD
         self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
         args = self._register_post_backward_hook(args)
-        self._compute_begins()
+        self._compute_start = compute_begins()
         return args
 
     def post_forward(self, module, input, output):  # noqa: A002 - torch's signature
         """Reshard after the module's forward and note the forward order (``post_forward``)."""
-        self._record("post_forward")
-        self._compute_ends("forward")
+        record_call(self, "post_forward")
+        compute_ends(self._compute_start, "forward", self)
+        self._compute_start = 0.0
         self.reshard()
         self._record_post_forward()
-        self._training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
         return output
 
     def _record_post_forward(self):
@@ -138,10 +181,10 @@ class FSDPParamGroup(FSDPParamGroupBase):
     def pre_backward(self, default_prefetch):
         """Unshard before the module's backward and prefetch the previous group (``pre_backward``); once per
         backward, whichever output's gradient comes first."""
-        if self._training_state == TrainingState.PRE_BACKWARD:
+        if self.training_state == TrainingState.PRE_BACKWARD:
             return
-        self._record("pre_backward", default_prefetch)
-        self._training_state = TrainingState.PRE_BACKWARD
+        record_call(self, "pre_backward", default_prefetch)
+        self.training_state = TrainingState.PRE_BACKWARD
         self.unshard(self.unshard_async_op)
         pending = self._all_gather_result
         if pending is not None and pending.all_gather_work is not None:
@@ -152,14 +195,15 @@ class FSDPParamGroup(FSDPParamGroupBase):
         if default_prefetch:
             self._backward_prefetch()
         _comm.progress()  # in-flight collectives move only while someone calls into MPI
-        self._compute_begins()
+        self._compute_start = compute_begins()
 
     def post_backward(self):
         """Reshard and issue the group's reduce-scatter (``post_backward``); safe to call when the group was not
         used in backward (it does nothing then)."""
-        self._record("post_backward", self._grad_mask())
-        self._compute_ends("backward")
-        self._training_state = TrainingState.POST_BACKWARD
+        record_call(self, "post_backward", self._grad_mask())
+        compute_ends(self._compute_start, "backward", self)
+        self._compute_start = 0.0
+        self.training_state = TrainingState.POST_BACKWARD
         for fsdp_param in self.fsdp_params:
             fsdp_param.accumulate_unsharded_grad_if_needed()
         if not self.reduce_grads:
@@ -180,14 +224,14 @@ class FSDPParamGroup(FSDPParamGroupBase):
         self._wait_for_post_backward()
         info = self.mesh_info
         self._pending_reduce = ctx.reduce_scatter_state = foreach_reduce(
-            params_with_grad, grads, info.shard_group, self._orig_dtype, self._reduce_dtype, self.xp,
-            self.gradient_divide_factor, info.replicate_group, self.all_reduce_grads, self._module_fqn)
+            params_with_grad, grads, info.shard_group, self.orig_dtype, self.reduce_dtype, self.xp,
+            self.gradient_divide_factor, info.replicate_group, self.all_reduce_grads, self.module_fqn)
         _comm.progress()
 
     def _grad_mask(self):
         """Which parameters hold an unsharded gradient now (what a joined rank contributes zeros for)."""
-        if self._join_mask is not None:
-            return self._join_mask
+        if self.join_mask is not None:
+            return self.join_mask
         return tuple(p.unsharded_accumulated_grad is not None or p.unsharded_grad_data() is not None
                      for p in self.fsdp_params)
 
@@ -195,8 +239,8 @@ class FSDPParamGroup(FSDPParamGroupBase):
         """The parameters with a gradient and their gradients, taken off the unsharded parameters; on a joined rank
         zeros for the parameters the ranks still training reduce."""
         params, grads = [], []
-        if self._join_mask is not None:
-            for fsdp_param, has_grad in zip(self.fsdp_params, self._join_mask):
+        if self.join_mask is not None:
+            for fsdp_param, has_grad in zip(self.fsdp_params, self.join_mask):
                 if has_grad:
                     params.append(fsdp_param)
                     grads.append(self.xp.zeros(fsdp_param.orig_size, dtype=fsdp_param.unsharded_dtype))
@@ -210,7 +254,7 @@ class FSDPParamGroup(FSDPParamGroupBase):
 
     def finalize_backward(self):
         """Deliver the sharded gradients and drop what backward left (``finalize_backward``)."""
-        self._record("finalize")
+        record_call(self, "finalize")
         self._wait_for_post_backward()
         result = self._all_gather_result
         if result is not None:  # a prefetch this backward never used: complete it, give its buffers back
@@ -240,36 +284,39 @@ class FSDPParamGroup(FSDPParamGroupBase):
         if target_index < 0:
             self.comm_ctx.all_gather_pool.clear()
             return
-        self._prefetch_unshard(self.comm_ctx.post_forward_order[target_index], "backward")
+        self.comm_ctx.post_forward_order[target_index].prefetch_unshard("backward")
 
-    @staticmethod
-    def _prefetch_unshard(target, pass_type):
-        """Issue ``target``'s all-gather now, asynchronously (``_prefetch_unshard``)."""
-        target._record("prefetch", pass_type)
-        state = TrainingState.PRE_BACKWARD if pass_type == "backward" else TrainingState.FORWARD
-        with target.use_training_state(state):
-            target.unshard(True)
+    def prefetch_unshard(self, pass_type):
+        """Issue this group's all-gather now, asynchronously, for the ``"forward"`` or ``"backward"`` of another
+        group (``_prefetch_unshard``)."""
+        record_call(self, "prefetch", pass_type)
+        previous = self.training_state
+        self.training_state = TrainingState.PRE_BACKWARD if pass_type == "backward" else TrainingState.FORWARD
+        try:
+            self.unshard(True)
+        finally:
+            self.training_state = previous
 
     # -- state changes ---------------------------------------------------------------------------------------------
     def _to_sharded(self):
-        if not self.is_sharded:
+        if self.sharded_state != ShardedState.SHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded()
             self.storage.free()
-            self._sharded_state = ShardedState.SHARDED
+            self.sharded_state = ShardedState.SHARDED
 
     def _to_sharded_post_forward(self):
-        if not self.is_sharded_post_forward:
+        if self.sharded_state != ShardedState.SHARDED_POST_FORWARD:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded_post_forward()
             self.storage.free()
-            self._sharded_state = ShardedState.SHARDED_POST_FORWARD
+            self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _to_unsharded(self):
-        if not self.is_unsharded:
+        if self.sharded_state != ShardedState.UNSHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_unsharded()
-            self._sharded_state = ShardedState.UNSHARDED
+            self.sharded_state = ShardedState.UNSHARDED
 
     def _register_post_backward_hook(self, args):
         """Route the inputs that require a gradient through :class:`PostBackwardNode`, so that post-backward runs
@@ -283,7 +330,7 @@ class FSDPParamGroup(FSDPParamGroupBase):
                 if not value.requires_grad:
                     return value
                 count[0] += 1
-                return Tensor._wrap(value.data, PostBackwardNode((value._grad_node(),), self))
+                return record(value.data, PostBackwardNode, (value,), self)
             if isinstance(value, (list, tuple)):
                 return type(value)(hooked(item) for item in value)
             if isinstance(value, dict):

@@ -466,12 +466,8 @@ PRIVATE_ACCESS_EXCEPTIONS = {
 
 #: Code that predates these checks and does not meet them yet, by module or core file: :func:`outstanding` leaves
 #: its violations out of the tests, and ``test_each_reshape_still_owed_is_owed`` fails on an entry with nothing left
-#: to forgive, so the list only shrinks. FSDP's twins share a base class (``FSDPParamBase``, bound by hand in the
-#: core) and its front reads the parameter groups' and modules' fields (as torch's FSDP2 reads ``_parameters``);
-#: reshaping them as the reducer's twins were (shared functions and a set-up value) is the work that empties it.
-RESHAPE_OWED = ("distlab.fsdp._api", "distlab.fsdp._module", "distlab.fsdp._state", "distlab.fsdp._state_dict",
-                "distlab.reference.fsdp_param", "distlab.reference.fsdp_param_group",
-                "_fsdp_param.pxi", "_fsdp_param_group.pyx")
+#: to forgive, so the list only shrinks. Empty: nothing is owed.
+RESHAPE_OWED: tuple = ()
 
 
 def outstanding(found: list[tuple]) -> list[tuple]:

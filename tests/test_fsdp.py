@@ -13,7 +13,8 @@ import pytest
 import distlab
 from distlab import _backend, comm, nn, optim
 from distlab._common.fsdp import BufferPool, chunk_rows, gradient_divide_factors, shard_rows
-from distlab._common.fsdp_param import ParamModuleInfo
+from distlab._common.fsdp_param import PARAM_STATE, ParamModuleInfo, sharded_array
+from distlab._common.fsdp_param_group import GROUP_STATE
 from distlab._common.fsdp_storage import UnshardedStorage
 from distlab.fsdp import DeviceMesh, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -57,12 +58,24 @@ def test_the_sharded_parameter_is_a_view_of_the_padded_shard(fsdp, xp):
         layer = p.module_info.places[0][0]
         assert layer.weight is p.sharded_param and layer._parameters["weight"] is p.sharded_param
         assert p.sharded_param.global_shape == (7, 5) and p.sharded_param.offsets == (first, 0)
-        assert p._sharded_param_data.size == 2 * 5  # every rank holds ceil(7 / 4) rows
-        padded = distlab.autograd.to_numpy(p._sharded_param_data).reshape(2, 5)
+        assert p.sharded_param_data.size == 2 * 5  # every rank holds ceil(7 / 4) rows
+        padded = distlab.autograd.to_numpy(p.sharded_param_data).reshape(2, 5)
         assert np.array_equal(padded[:length], data[first:first + length]) and not padded[length:].any()
-        block = p.sharded_array()
+        block = sharded_array(p)
         assert block.global_shape == (7, 5) and block.offsets == (first, 0) and block.sizes == (length, 5)
         assert block.local is p.sharded_param.data
+
+
+def test_both_twins_keep_the_shared_state_by_name(fsdp, xp):
+    # the shared functions of distlab._common read a parameter and a group by these names only
+    params, _ = _sharded(fsdp, xp, 2)
+    p = params[1]
+    missing = [name for name in PARAM_STATE if not hasattr(p, name)]
+    assert missing == [] and (p.shard_rank, p.shard_offset, p.sharded_size, p.fqn) == (1, 4, (3, 5), "weight")
+    group = fsdp.FSDPParamGroup([p], (p.module_info.places[0][0],), fsdp.MeshInfo(comm.world()), None,
+                                MixedPrecisionPolicy(), "block")
+    missing = [name for name in GROUP_STATE if not hasattr(group, name)]
+    assert missing == [] and group.module_fqn == "block" and group.reduce_grads and group.storage is None
 
 
 def _gather(fsdp, xp, per_rank, dtype, pool):
@@ -230,7 +243,7 @@ def test_unshard_reshard_and_the_options(impl):
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False, recurse=False)
     model.set_gradient_divide_factor(3.0)
-    groups = {m: m._get_fsdp_state()._fsdp_param_group for m in (model, model[2])}
+    groups = {m: m._get_fsdp_state().param_group for m in (model, model[2])}
     assert all(not g.reduce_grads and g.gradient_divide_factor == 3.0 for g in groups.values())
     assert not groups[model].reshard_after_backward and groups[model[2]].reshard_after_backward
     model.set_reshard_after_forward(False)

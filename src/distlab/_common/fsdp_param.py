@@ -1,14 +1,21 @@
 """What both FSDP twins share about one parameter: its construction (the chunk rule, the padded shard, the sharded
-``Parameter`` with its global shape and offsets), its dtypes, and its state-dict forms.
+``Parameter`` with its global shape and offsets), its dtypes, and its state-dict forms, as functions.
 
 Mirrors the construction half of torch/distributed/fsdp/_fully_shard/_fsdp_param.py: ``FSDPParam.__init__``,
 ``_init_sharded_param``, ``_init_sharded_post_forward_param_metadata``, ``init_dtype_attrs``,
-``reset_sharded_param``. The per-step half (the all-gather input, the unsharded parameter's views, the state
-changes) is twinned: ``reference/fsdp_param.py`` and ``core/_fsdp_param.pxi``, which bind these methods.
+``to_sharded_dtensor``, ``reset_sharded_param``.
+
+There is no base class. As the reducer's twins take a ``ReducerSetup``, each ``FSDPParam`` twin's ``__init__``
+takes a :class:`ParamSetup` from :func:`prepare_param` and keeps its fields under the names of
+:data:`PARAM_STATE`; the functions here read a parameter's state by those names only, and none calls a twin's
+method, so calls go one way: twin (or ``distlab.fsdp``) -> these functions. The per-step half (the all-gather
+input, the unsharded parameter's views, the state changes) is twinned: ``reference/fsdp_param.py`` and
+``core/_fsdp_param.pxi``.
 """
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -17,7 +24,8 @@ from ..autograd.tensor import Tensor
 from .._types import ShardedArray
 from .fsdp import ShardedState, chunk_rows, shard_rows
 
-__all__ = ["FSDPParamBase", "ParamModuleInfo"]
+__all__ = ["ParamModuleInfo", "ParamSetup", "PARAM_STATE", "prepare_param", "sharded_array", "check_load", "load",
+           "describe_param"]
 
 
 class ParamModuleInfo:
@@ -33,121 +41,124 @@ class ParamModuleInfo:
         self.places.append((module, name))
 
 
-class FSDPParamBase:
-    """Construction and state dicts of :class:`~distlab.reference.fsdp_param.FSDPParam` (bound by the core)."""
+class ParamSetup(NamedTuple):
+    """What a new ``FSDPParam`` starts from (:func:`prepare_param`); a twin keeps every field under its name."""
 
-    def _init_sharded_param(self, param, module_info, shard_size: int, shard_rank: int, post_forward_size: int,
-                            mp_policy, fqn: str) -> None:
-        """Shard ``param`` on dimension 0 by torch's chunk rule (``_init_sharded_param``).
+    xp: Any  # the array module of the parameter (numpy, cupy, the device stand-in)
+    module_info: ParamModuleInfo
+    fqn: str
+    orig_size: tuple
+    orig_dtype: Any
+    param_class: type  # Parameter (distlab.nn, which a shared module does not import)
+    rows: int  # d0
+    row_numel: int  # elements of one row
+    shard_size: int
+    shard_rank: int
+    chunk: int  # rows every rank holds, ceil(d0 / W)
+    shard_offset: int  # the first row of this rank's shard
+    shard_length: int  # the rows of the shard that are not padding
+    padded_sharded_numel: int
+    sharded_numel: int
+    unsharded_numel: int  # the padded rows of every rank: what the group's all-gather gives this parameter
+    sharded_size: tuple  # (shard_length,) + orig_size[1:], the sharded parameter's shape
+    post_forward_size: int  # k of reshard_after_forward=k, or 0
+    post_forward_rank: int
+    post_forward_numel: int
+    param_dtype: Any  # all-gather and compute dtype, None when no cast
+    reduce_dtype: Any  # reduce-scatter dtype, None when no cast
+    unsharded_dtype: Any
+    sharded_param_data: Any  # the padded shard, 1-D
+    sharded_param: Any  # the Parameter the optimizer steps: a view of the shard's unpadded rows
+    sharded_state: int = ShardedState.SHARDED
 
-        Every rank keeps ``ceil(d0 / W)`` rows, zero-padded (ranks past the end hold only padding): the padded
-        shard is ``_sharded_param_data`` (1-D), and the sharded ``Parameter`` the optimizer steps is a view of
-        its unpadded rows, registered on the modules in place of ``param``. Its ``global_shape`` and
-        ``offsets`` say where the rows sit in the whole parameter (``distlab.ShardedArray``'s fields).
-        The twin's constructor then registers it on the modules (``_setattr_on_modules``).
-        """
-        data = param.data
-        self.xp = array_module(data)
-        self.module_info = module_info
-        self.fqn = fqn
-        self.orig_size = tuple(int(d) for d in data.shape)
-        self.orig_dtype = data.dtype
-        self.rows = self.orig_size[0]
-        self.row_numel = int(math.prod(self.orig_size[1:]))
-        self.shard_size, self.shard_rank = int(shard_size), int(shard_rank)
-        self.chunk = chunk_rows(self.rows, shard_size)
-        self.shard_offset, self.shard_length = shard_rows(self.rows, shard_size, shard_rank)
-        self.padded_sharded_numel = self.chunk * self.row_numel
-        self.sharded_numel = self.shard_length * self.row_numel
-        self.unsharded_numel = self.padded_sharded_numel * self.shard_size
-        padded = self.xp.zeros(self.padded_sharded_numel, dtype=self.orig_dtype)
-        first = self.shard_offset * self.row_numel
-        padded[:self.sharded_numel] = data.reshape(-1)[first:first + self.sharded_numel]
-        self._sharded_param_data = padded
-        self.param_class = type(param)  # Parameter (distlab.nn, which a shared module does not import)
-        self.sharded_param = self.param_class(self._sharded_view(padded), requires_grad=param.requires_grad)
-        self.sharded_param.global_shape = self.orig_size
-        self.sharded_param.offsets = (self.shard_offset,) + (0,) * (len(self.orig_size) - 1)
-        self.sharded_param._fsdp_param = self
-        self._unsharded_param = None
-        self.all_gather_output = None
-        self._storage_generation = -1
-        self._unsharded_generation = -2
-        self._sharded_post_forward_param_data = None
-        self.unsharded_accumulated_grad = None
-        self.init_post_forward(post_forward_size)
-        self.init_dtype_attrs(mp_policy)
-        self.sharded_state = ShardedState.SHARDED  # the twin's constructor registers the shard on the modules
 
-    def _sharded_view(self, padded):
-        """The unpadded rows of the padded shard, shaped ``(rows here,) + orig_size[1:]``."""
-        return padded[:self.sharded_numel].reshape((self.shard_length,) + self.orig_size[1:])
+#: The state every ``FSDPParam`` twin keeps, by name: :class:`ParamSetup`'s fields, then ``all_gather_output``
+#: (its slice of the group's storage), ``unsharded_accumulated_grad`` and ``shard_group`` (set by
+#: ``fully_shard``). The one list of what the functions here and ``distlab.fsdp`` may read of a parameter
+#: (tests/test_fsdp.py checks that both twins have it all).
+PARAM_STATE = ParamSetup._fields + ("all_gather_output", "unsharded_accumulated_grad", "shard_group")
 
-    def init_post_forward(self, post_forward_size: int) -> None:
-        """Keep a ``1/k`` piece of the unsharded data after forward (``reshard_after_forward=k``), or nothing (0)
-        (``_init_sharded_post_forward_param_metadata``)."""
-        self.post_forward_size = int(post_forward_size)
-        self.post_forward_rank = self.shard_rank % self.post_forward_size if self.post_forward_size else 0
-        self.post_forward_numel = self.unsharded_numel // self.post_forward_size if self.post_forward_size else 0
 
-    def init_dtype_attrs(self, mp_policy) -> None:
-        """``param_dtype`` and ``reduce_dtype``, clamped to None where no cast is needed (``init_dtype_attrs``)."""
-        self.param_dtype, self.reduce_dtype = mp_policy.clamped(self.orig_dtype)
-        self.unsharded_dtype = self.param_dtype if self.param_dtype is not None else self.orig_dtype
+def prepare_param(param, module_info, shard_size: int, shard_rank: int, post_forward_size: int, mp_policy,
+                  fqn: str) -> ParamSetup:
+    """Shard ``param`` on dimension 0 by torch's chunk rule (``_init_sharded_param``).
 
-    @property
-    def sharded_size(self) -> tuple:
-        return (self.shard_length,) + self.orig_size[1:]
+    Every rank keeps ``ceil(d0 / W)`` rows, zero-padded (ranks past the end hold only padding): the padded
+    shard is ``sharded_param_data`` (1-D), and the sharded ``Parameter`` the optimizer steps is a view of its
+    unpadded rows; its ``global_shape`` and ``offsets`` say where the rows sit in the whole parameter
+    (``distlab.ShardedArray``'s fields). The twin's constructor registers it on the modules.
+    ``post_forward_size`` is ``k`` of ``reshard_after_forward=k``: keep a ``1/k`` piece of the unsharded data
+    after forward (``_init_sharded_post_forward_param_metadata``), or 0 for nothing.
+    """
+    data = param.data
+    xp = array_module(data)
+    orig_size = tuple(int(d) for d in data.shape)
+    rows, row_numel = orig_size[0], int(math.prod(orig_size[1:]))
+    shard_size, shard_rank, post_forward_size = int(shard_size), int(shard_rank), int(post_forward_size)
+    chunk = chunk_rows(rows, shard_size)
+    shard_offset, shard_length = shard_rows(rows, shard_size, shard_rank)
+    padded_numel, sharded_numel = chunk * row_numel, shard_length * row_numel
+    unsharded_numel = padded_numel * shard_size
+    padded = xp.zeros(padded_numel, dtype=data.dtype)
+    first = shard_offset * row_numel
+    padded[:sharded_numel] = data.reshape(-1)[first:first + sharded_numel]
+    sharded_size = (shard_length,) + orig_size[1:]
+    sharded = type(param)(padded[:sharded_numel].reshape(sharded_size), requires_grad=param.requires_grad)
+    sharded.global_shape = orig_size
+    sharded.offsets = (shard_offset,) + (0,) * (len(orig_size) - 1)
+    post_rank = shard_rank % post_forward_size if post_forward_size else 0
+    post_numel = unsharded_numel // post_forward_size if post_forward_size else 0
+    param_dtype, reduce_dtype = mp_policy.clamped(data.dtype)  # init_dtype_attrs
+    unsharded_dtype = param_dtype if param_dtype is not None else data.dtype
+    return ParamSetup(xp, module_info, fqn, orig_size, data.dtype, type(param), rows, row_numel, shard_size,
+                      shard_rank, chunk, shard_offset, shard_length, padded_numel, sharded_numel, unsharded_numel,
+                      sharded_size, post_forward_size, post_rank, post_numel, param_dtype, reduce_dtype,
+                      unsharded_dtype, padded, sharded)
 
-    @property
-    def padded_sharded_size(self) -> tuple:
-        return (self.chunk,) + self.orig_size[1:]
 
-    # -- state dicts (``to_sharded_dtensor`` / ``reset_sharded_param``) ------------------------------------------
-    def sharded_array(self) -> ShardedArray:
-        """This rank's unpadded shard with its global shape and offsets (no communication)."""
-        param = self.sharded_param
-        return ShardedArray(param.data, self.orig_size, param.offsets)
+# -- state dicts (``to_sharded_dtensor`` / ``reset_sharded_param``) -----------------------------------------------
+def sharded_array(fsdp_param) -> ShardedArray:
+    """This rank's unpadded shard with its global shape and offsets (no communication)."""
+    param = fsdp_param.sharded_param
+    return ShardedArray(param.data, fsdp_param.orig_size, param.offsets)
 
-    def check_load(self, value, key: str) -> None:
-        """Raise if ``value`` (a whole parameter, or a ShardedArray block) cannot be loaded into this shard; a
-        state dict is checked whole before any parameter is loaded."""
-        if hasattr(value, "global_shape"):
-            self._check_sharded(value, key)
-            return
-        value = value.data if isinstance(value, Tensor) else value
-        if tuple(value.shape) != self.orig_size:
-            raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, the "
-                               f"shape in current model is {self.orig_size}")
 
-    def load(self, value, key: str) -> None:
-        """Copy this rank's rows of a whole parameter, or its own block (a ShardedArray), into the shard."""
-        self.check_load(value, key)
-        if hasattr(value, "global_shape"):
-            self._copy_into_shard(value.local)
-            return
-        value = value.data if isinstance(value, Tensor) else value
-        self._copy_into_shard(value[self.shard_offset:self.shard_offset + self.shard_length])
-
-    def _check_sharded(self, value: ShardedArray, key: str) -> None:
-        """``value``'s block must be this rank's block (resharding is the checkpoint's)."""
-        if tuple(value.global_shape) != self.orig_size:
+def check_load(fsdp_param, value, key: str) -> None:
+    """Raise if ``value`` (a whole parameter, or a ShardedArray block) cannot be loaded into this shard; a state
+    dict is checked whole before any parameter is loaded."""
+    orig_size = fsdp_param.orig_size
+    if hasattr(value, "global_shape"):
+        if tuple(value.global_shape) != orig_size:
             raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.global_shape)}, "
-                               f"the shape in current model is {self.orig_size}")
-        mine = self.sharded_param.offsets, self.sharded_size
-        if (tuple(value.offsets), tuple(value.sizes)) != mine:
+                               f"the shape in current model is {orig_size}")
+        mine = fsdp_param.sharded_param.offsets, fsdp_param.sharded_size
+        if (tuple(value.offsets), tuple(value.sizes)) != mine:  # resharding is the checkpoint's
             raise RuntimeError(f"{key}: the saved block at offsets {tuple(value.offsets)} of shape "
                                f"{tuple(value.sizes)} is not this rank's block (offsets {mine[0]}, shape "
                                f"{mine[1]}); load a checkpoint saved on another number of ranks with "
                                "distlab.checkpoint, which reshards")
+        return
+    value = value.data if isinstance(value, Tensor) else value
+    if tuple(value.shape) != orig_size:
+        raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, the "
+                           f"shape in current model is {orig_size}")
 
-    def _copy_into_shard(self, rows) -> None:
-        xp = self.xp
-        rows = rows if array_module(rows) is xp else xp.asarray(rows)
-        self.sharded_param.data[...] = rows
-        self._sharded_param_data[self.sharded_numel:] = 0  # the padding stays zero (reset_sharded_param)
 
-    def describe(self) -> tuple:
-        """What must agree across ranks about this parameter: name, shape, dtype (checked before the first
-        all-gather)."""
-        return (self.fqn, self.orig_size, str(np.dtype(self.orig_dtype)))
+def load(fsdp_param, value, key: str) -> None:
+    """Copy this rank's rows of a whole parameter, or its own block (a ShardedArray), into the shard; the padding
+    stays zero (``reset_sharded_param``)."""
+    check_load(fsdp_param, value, key)
+    if hasattr(value, "global_shape"):
+        rows = value.local
+    else:
+        value = value.data if isinstance(value, Tensor) else value
+        rows = value[fsdp_param.shard_offset:fsdp_param.shard_offset + fsdp_param.shard_length]
+    xp = fsdp_param.xp
+    fsdp_param.sharded_param.data[...] = rows if array_module(rows) is xp else xp.asarray(rows)
+    fsdp_param.sharded_param_data[fsdp_param.sharded_numel:] = 0
+
+
+def describe_param(fsdp_param) -> tuple:
+    """What must agree across ranks about this parameter: name, shape, dtype (checked before the first
+    all-gather)."""
+    return (fsdp_param.fqn, fsdp_param.orig_size, str(np.dtype(fsdp_param.orig_dtype)))

@@ -1,22 +1,27 @@
 """What both FSDP twins share about a parameter group: its construction, the process groups it talks over, the
-context shared by every group of one root, and the record a joined rank replays.
+context shared by every group of one root, and the record a joined rank replays, as functions.
 
 Mirrors the construction and bookkeeping half of torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
-(``FSDPParamGroup.__init__``, ``lazy_init``, the ``is_sharded``... properties, ``use_training_state``,
-``FSDPCommContext``) and ``_fsdp_common.py``'s mesh infos. The per-step half (unshard, reshard, the forward and
-backward hooks) is twinned: ``reference/fsdp_param_group.py`` and ``core/_fsdp_param_group.pyx``.
+(``FSDPParamGroup.__init__``, ``lazy_init``'s layout, ``FSDPCommContext``) and ``_fsdp_common.py``'s mesh infos.
+
+There is no base class. Each ``FSDPParamGroup`` twin's ``__init__`` takes a :class:`GroupSetup` from
+:func:`prepare_group` and keeps its fields under the names of :data:`GROUP_STATE`; the functions here take what
+they need as arguments or read a group's state by those names, and none calls a twin's method. The per-step half
+(unshard, reshard, the forward and backward hooks) is twinned: ``reference/fsdp_param_group.py`` and
+``core/_fsdp_param_group.pyx``.
 """
 from __future__ import annotations
 
-import contextlib
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..timeline import get_timeline, now_us
 from .fsdp import FSDP_LANE, BufferPool, ShardedState, TrainingState
-from .fsdp_storage import UnshardedStorage
+from .fsdp_param import describe_param
 
-__all__ = ["MeshInfo", "FSDPCommContext", "FSDPParamGroupBase"]
+__all__ = ["MeshInfo", "FSDPCommContext", "GroupSetup", "GROUP_STATE", "prepare_group", "storage_layout",
+           "record_call", "compute_begins", "compute_ends", "describe_group"]
 
 #: Elements between two parameters' all-gather outputs in a group's storage are aligned to this many bytes.
 ALIGN_BYTES = 64
@@ -52,135 +57,85 @@ class FSDPCommContext:
         self.recording = True
 
 
-class FSDPParamGroupBase:
-    """Construction and bookkeeping of :class:`~distlab.reference.fsdp_param_group.FSDPParamGroup`."""
+class GroupSetup(NamedTuple):
+    """What a new ``FSDPParamGroup`` starts from (:func:`prepare_group`); a twin keeps every field under its name."""
 
-    def _configure(self, fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn):
-        self.fsdp_params = list(fsdp_params)
-        self.modules = tuple(modules)
-        self.mesh_info = mesh_info
-        self.post_forward_group = post_forward_group  # None, the shard group (True) or a k-rank subgroup
-        self.mp_policy = mp_policy
-        self._module_fqn = module_fqn
-        self.comm_ctx = FSDPCommContext()
-        self._training_state = TrainingState.IDLE
-        self._sharded_state = ShardedState.SHARDED
-        self._all_gather_result = None
-        self._post_forward_indices: list = []
-        self._pending_reduce = None
-        self._post_backward_pending = 0
-        self._join_mask = None  # set while a joined rank replays a post_backward (zero gradients)
-        self.reduce_grads = True  # set_requires_gradient_sync
-        self.all_reduce_grads = True  # set_requires_all_reduce (hybrid sharding)
-        self.reshard_after_backward = True
-        self.gradient_divide_factor = None
-        self.unshard_async_op = False
-        self.storage = None
-        self._compute_start = 0.0
-        dtypes = {np.dtype(p.orig_dtype) for p in self.fsdp_params}
-        if len(dtypes) > 1:
-            raise AssertionError(f"FSDP expects uniform original parameter dtype but got "
-                                 f"{sorted(str(d) for d in dtypes)} in the group of {module_fqn or '<root>'!r}")
-        self._orig_dtype = dtypes.pop() if dtypes else None
-        self._reduce_dtype = self.fsdp_params[0].reduce_dtype if self.fsdp_params else None
-        self.xp = self.fsdp_params[0].xp if self.fsdp_params else np
+    fsdp_params: list
+    modules: tuple
+    mesh_info: MeshInfo
+    post_forward_group: Any  # None (ZeRO-2), the shard group (ZeRO-3) or a k-rank subgroup (reshard_after_forward=k)
+    mp_policy: Any
+    module_fqn: str
+    comm_ctx: FSDPCommContext  # this group's until the root's lazy init gives every group the root's
+    orig_dtype: Any
+    reduce_dtype: Any
+    xp: Any
+    training_state: int = TrainingState.IDLE
+    sharded_state: int = ShardedState.SHARDED
+    reduce_grads: bool = True  # set_requires_gradient_sync
+    all_reduce_grads: bool = True  # set_requires_all_reduce (hybrid sharding)
+    reshard_after_backward: bool = True
+    gradient_divide_factor: Any = None
+    user_divide_factor: Any = None  # the factor set_gradient_divide_factor set (Join may override the other)
+    unshard_async_op: bool = False
+    join_mask: Any = None  # set while a joined rank replays a post_backward (zero gradients)
+    storage: Any = None  # the UnshardedStorage, made by the twin's lazy_init
 
-    def lazy_init(self) -> None:
-        """Make the group's unsharded storage, each parameter's all-gather output a slice of it (``lazy_init``)."""
-        if self.storage is not None:
-            return
-        dtype = self.fsdp_params[0].unsharded_dtype
-        step = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
-        offsets, total = [], 0
-        for fsdp_param in self.fsdp_params:
-            offsets.append(total)
-            total += -(-fsdp_param.unsharded_numel // step) * step
-        self._storage_offsets = offsets
-        self.storage = UnshardedStorage(self.xp, dtype, total)
-        self._cut_all_gather_outputs()
 
-    def _cut_all_gather_outputs(self) -> None:
-        """Point each parameter's all-gather output at its slice of the storage (again after a device storage was
-        re-made)."""
-        flat, generation = self.storage.flat, self.storage.generation
-        for fsdp_param, offset in zip(self.fsdp_params, self._storage_offsets):
-            view = None if flat is None else flat[offset:offset + fsdp_param.unsharded_numel]
-            fsdp_param.set_all_gather_output(view, generation)
+#: The state every ``FSDPParamGroup`` twin keeps, by name: :class:`GroupSetup`'s fields. The one list of what the
+#: functions here and ``distlab.fsdp`` may read or set of a group (tests/test_fsdp.py checks both twins have it).
+GROUP_STATE = GroupSetup._fields
 
-    def alloc_storage(self) -> None:
-        """Hold the unsharded storage (``alloc_all_gather_outputs``)."""
-        if self.storage.alloc():
-            self._cut_all_gather_outputs()
 
-    # -- the process groups ---------------------------------------------------------------------------------------
-    @property
-    def _reshard_after_forward(self) -> bool:
-        return self.post_forward_group is not None
+def prepare_group(fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn) -> GroupSetup:
+    """Check the group's parameters (one original dtype, as torch's ``FSDPParamGroup`` asserts) and give its
+    initial state."""
+    fsdp_params = list(fsdp_params)
+    dtypes = {np.dtype(p.orig_dtype) for p in fsdp_params}
+    if len(dtypes) > 1:
+        raise AssertionError(f"FSDP expects uniform original parameter dtype but got "
+                             f"{sorted(str(d) for d in dtypes)} in the group of {module_fqn or '<root>'!r}")
+    first = fsdp_params[0] if fsdp_params else None
+    return GroupSetup(fsdp_params, tuple(modules), mesh_info, post_forward_group, mp_policy, module_fqn,
+                      FSDPCommContext(), dtypes.pop() if dtypes else None,
+                      first.reduce_dtype if first is not None else None, first.xp if first is not None else np)
 
-    @property
-    def _use_post_forward_mesh(self) -> bool:
-        return self.post_forward_group is not None and self.post_forward_group is not self.mesh_info.shard_group
 
-    @property
-    def _all_gather_process_group(self):
-        """The shard group, or after a forward with ``reshard_after_forward=k``, the rank's k-rank subgroup."""
-        if self._sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            return self.post_forward_group
-        return self.mesh_info.shard_group
+def storage_layout(fsdp_params) -> tuple:
+    """``(dtype, offsets, total)`` of a group's unsharded storage (``lazy_init``'s all-gather outputs): each
+    parameter's all-gather output starts at its offset, aligned to :data:`ALIGN_BYTES`."""
+    dtype = fsdp_params[0].unsharded_dtype
+    step = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
+    offsets, total = [], 0
+    for fsdp_param in fsdp_params:
+        offsets.append(total)
+        total += -(-fsdp_param.unsharded_numel // step) * step
+    return dtype, offsets, total
 
-    @property
-    def _reduce_scatter_process_group(self):
-        return self.mesh_info.shard_group
 
-    @property
-    def _all_reduce_process_group(self):
-        return self.mesh_info.replicate_group
+# -- records --------------------------------------------------------------------------------------------------------
+def record_call(group, event: str, argument=None) -> None:
+    """Note a per-step call of ``group`` for a joined rank to replay (``FSDPCommContext.program``)."""
+    ctx = group.comm_ctx
+    if ctx.recording:
+        ctx.program.append((group, event, argument))
 
-    @property
-    def is_sharded(self) -> bool:
-        return self._sharded_state == ShardedState.SHARDED
 
-    @property
-    def is_sharded_post_forward(self) -> bool:
-        return self._sharded_state == ShardedState.SHARDED_POST_FORWARD
+def compute_begins() -> float:
+    """The start of a module's forward or backward computation (0.0 when no timeline records it)."""
+    return now_us() if get_timeline().enabled else 0.0
 
-    @property
-    def is_unsharded(self) -> bool:
-        return self._sharded_state == ShardedState.UNSHARDED
 
-    @contextlib.contextmanager
-    def use_training_state(self, training_state):
-        previous = self._training_state
-        self._training_state = training_state
-        try:
-            yield
-        finally:
-            self._training_state = previous
+def compute_ends(start: float, what: str, group) -> None:
+    """Put a module's forward or backward computation that began at ``start`` on the timeline (lane ``fsdp``)."""
+    if start:
+        get_timeline().complete(f"{what} {group.module_fqn or '<root>'}", start, now_us(), lane=FSDP_LANE,
+                                args={"params": len(group.fsdp_params)})
 
-    # -- checks and records ---------------------------------------------------------------------------------------
-    def _record(self, event: str, argument=None) -> None:
-        """Note a per-step call for a joined rank to replay (``FSDPCommContext.program``)."""
-        ctx = self.comm_ctx
-        if ctx.recording:
-            ctx.program.append((self, event, argument))
 
-    def _compute_begins(self) -> None:
-        """The module's forward or backward computation starts now (for its span on the timeline)."""
-        self._compute_start = now_us() if get_timeline().enabled else 0.0
-
-    def _compute_ends(self, what: str) -> None:
-        """Put the module's forward or backward computation on the timeline (lane ``fsdp``)."""
-        if self._compute_start:
-            get_timeline().complete(f"{what} {self._module_fqn or '<root>'}", self._compute_start, now_us(),
-                                    lane=FSDP_LANE, args={"params": len(self.fsdp_params)})
-            self._compute_start = 0.0
-
-    def _with_fqn(self, label: str) -> str:
-        return f"{label} ({self._module_fqn})" if self._module_fqn else label
-
-    def describe(self) -> tuple:
-        """What must agree across ranks about this group (checked before the first all-gather)."""
-        info = self.mesh_info
-        post = 0 if self.post_forward_group is None else self.post_forward_group.size
-        return (self._module_fqn, tuple(p.describe() for p in self.fsdp_params), info.shard_size,
-                info.replicate_size, post, str(self.mp_policy.param_dtype), str(self.mp_policy.reduce_dtype))
+def describe_group(group) -> tuple:
+    """What must agree across ranks about a group (checked before the first all-gather)."""
+    info, post = group.mesh_info, group.post_forward_group
+    return (group.module_fqn, tuple(describe_param(p) for p in group.fsdp_params), info.shard_size,
+            info.replicate_size, 0 if post is None else post.size, str(group.mp_policy.param_dtype),
+            str(group.mp_policy.reduce_dtype))

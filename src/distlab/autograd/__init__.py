@@ -4,7 +4,8 @@ Pieces and the PyTorch code they mirror:
 
 - :class:`Tensor` (tensor.py): ndarray + ``grad``/``grad_fn``/hooks (``Variable``, ``AutogradMeta``).
 - :class:`Node` (node.py), :class:`AccumulateGrad` (accumulate_grad.py): backward functions (function.h,
-  accumulate_grad.h); :func:`set_grad_buffer`, where a leaf's first gradient may be computed in place.
+  accumulate_grad.h); :func:`set_grad_buffer`, where a leaf's first gradient may be computed in place;
+  :func:`run_post_accumulate_grad_hooks`, for a gradient delivered by hand.
 - :func:`run_backward`, :func:`queue_callback`, :func:`graph_leaves` (engine.py): the engine (engine.cpp).
 - ops.py, shape_ops.py: differentiable operations (derivatives.yaml).
 - :class:`SparseGrad` (sparse.py): row-sparse gradients of sparse embeddings.
@@ -24,7 +25,7 @@ from .engine import compute_dependencies, graph_leaves, is_backward_running, que
 from .function import Function, FunctionCtx
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .gradcheck import gradcheck, numerical_grad
-from .accumulate_grad import AccumulateGrad, set_grad_buffer
+from .accumulate_grad import AccumulateGrad, run_post_accumulate_grad_hooks, set_grad_buffer
 from .node import Node, RemovableHandle
 from .ops import abs, add, div, exp, log, matmul, mul, neg, pow, relu, sigmoid, sqrt, sub, tanh
 from .shape_ops import concatenate, getitem, log_softmax, mean, reshape, softmax, stack, sum, transpose
@@ -34,7 +35,8 @@ __all__ = [
     "Tensor", "tensor", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
     "Node", "AccumulateGrad", "RemovableHandle", "Function", "FunctionCtx", "SparseGrad",
     "backward", "grad", "run_backward", "queue_callback", "is_backward_running",
-    "compute_dependencies", "walk_graph", "graph_leaves", "set_grad_buffer", "gradcheck", "numerical_grad",
+    "compute_dependencies", "walk_graph", "graph_leaves", "set_grad_buffer", "run_post_accumulate_grad_hooks",
+    "gradcheck", "numerical_grad",
     "array_module", "is_cupy", "register_device_array", "to_numpy",
     "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "relu", "tanh", "sigmoid", "abs", "matmul",
     "sum", "mean", "reshape", "transpose", "getitem", "concatenate", "stack", "log_softmax", "softmax",

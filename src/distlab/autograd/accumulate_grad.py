@@ -10,7 +10,7 @@ from .node import Node
 from .sparse import SparseGrad, add_grads
 from .tensor import Tensor, _as_array
 
-__all__ = ["AccumulateGrad", "accumulate_into", "run_tensor_hooks", "set_grad_buffer"]
+__all__ = ["AccumulateGrad", "accumulate_into", "run_tensor_hooks", "set_grad_buffer", "run_post_accumulate_grad_hooks"]
 
 _INF = float("inf")
 
@@ -102,6 +102,16 @@ def accumulate_into(var, grad, owned: bool = False) -> None:
         index_add(old.data, grad.indices, grad.values)  # in place: .grad may be a view into a DDP bucket
     else:
         old.data += grad
+
+
+def run_post_accumulate_grad_hooks(tensor) -> None:
+    """Call ``tensor``'s post-accumulate-grad hooks, in registration order, as :class:`AccumulateGrad` does after
+    accumulating: for components that deliver a leaf's gradient themselves (FSDP sets each sharded parameter's
+    gradient after its reduce-scatter, as torch's ``foreach_reduce`` runs the hooks then)."""
+    hooks = tensor._post_acc_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(tensor)
 
 
 def set_grad_buffer(tensor, buffer) -> None:

@@ -15,11 +15,12 @@ import numpy as np
 from .. import _backend, comm
 from .._common.fsdp import MixedPrecisionPolicy
 from .._common.fsdp_param import ParamModuleInfo
-from .._common.fsdp_param_group import MeshInfo
+from .._common.fsdp_param_group import MeshInfo, describe_group
 from .._common.join import JoinConfig
 from ..autograd._array import array_module
 from ..nn import Module
 from ._mesh import DeviceMesh
+from ._state import FSDPState, fsdp_state
 
 __all__ = ["fully_shard", "check_same_model"]
 
@@ -83,11 +84,8 @@ def fully_shard(module, *, group=None, reshard_after_forward=None, mp_policy=Mix
         fsdp_param.shard_group = info.shard_group  # the whole parameter is gathered over it (full state dicts)
     param_group = twin.FSDPParamGroup(fsdp_params, modules, info, post_forward_group, mp_policy) \
         if fsdp_params else None
-    from ._state import FSDPState
-
-    state = FSDPState(modules, param_group, mp_policy, auto, mesh_info, impl, check_same_model)
+    FSDPState(modules, param_group, mp_policy, auto, mesh_info, impl, check_same_model)  # sets itself on the modules
     for m in modules:
-        object.__setattr__(m, "_fsdp_state", state)
         object.__setattr__(m, "_join_config", JoinConfig.disabled())  # an FSDPModule is a Joinable
         cls = type(m)
         fsdp_cls = _FSDP_CLASSES.get(cls)
@@ -100,7 +98,7 @@ def fully_shard(module, *, group=None, reshard_after_forward=None, mp_policy=Mix
 def _validate_module(module) -> None:
     if not isinstance(module, Module):
         raise ValueError(f"fully_shard expects a distlab.nn.Module, got {type(module).__name__}")
-    if "_fsdp_state" in module.__dict__:
+    if fsdp_state(module) is not None:
         raise RuntimeError("Each distinct composable distributed API can only be applied to a module once. "
                            f"fully_shard has already been applied to the following module.\n{module}")
     if type(module).forward is Module.forward:
@@ -156,8 +154,8 @@ def _managed_params(modules, ignored_params) -> list:
     order = []
     for root in modules:
         for prefix, module in _unmanaged_modules(root):
-            for name, param in module._parameters.items():
-                if param is None or id(param) in ignored:
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                if id(param) in ignored:
                     continue
                 fqn = f"{prefix}.{name}" if prefix else name
                 if "_fsdp_param" in param.__dict__ or param.__dict__.get("_fsdp_sharded"):
@@ -184,12 +182,11 @@ def _unmanaged_modules(root):
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if module is not root and "_fsdp_state" in module.__dict__:
+        if module is not root and fsdp_state(module) is not None:
             continue
         yield prefix, module
-        for name, child in module._modules.items():
-            if child is not None:
-                stack.append((f"{prefix}.{name}" if prefix else name, child))
+        for name, child in module.named_children():
+            stack.append((f"{prefix}.{name}" if prefix else name, child))
 
 
 def _check_param(param, fqn: str) -> None:
@@ -213,7 +210,7 @@ def check_same_model(root_state) -> None:
     the groups cover the world. Every rank raises the same error naming the ranks that differ."""
     world = comm.world()
     groups = root_state.groups()
-    mine = [group.describe() for group in groups]
+    mine = [describe_group(group) for group in groups]
     sizes = sorted({group.mesh_info.full_group.size for group in groups})
     everyone = world.allgather_object((mine, sizes), name="fsdp: check the sharded model")
     for rank, (_, their_sizes) in enumerate(everyone):

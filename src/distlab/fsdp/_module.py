@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from .._common.fsdp import TrainingState
+from .._common.fsdp_param import check_load, load, sharded_array
+from .._common.fsdp_param_group import record_call
 from .._common.join import JoinHook, Joinable
 from ..autograd.tensor import Tensor
 from ..nn.module import IncompatibleKeys, Module
-from ._state import JOIN_FLAGS_NAME, check_replayable
+from ._state import JOIN_FLAGS_NAME, check_replayable, fsdp_state
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -41,7 +43,7 @@ class FSDPModule:
         raise TypeError("FSDPModule is not built directly: apply distlab.fsdp.fully_shard to a module")
 
     def _get_fsdp_state(self):
-        return self.__dict__["_fsdp_state"]
+        return fsdp_state(self)
 
     def __deepcopy__(self, memo):
         raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
@@ -51,11 +53,11 @@ class FSDPModule:
         """All-gather this module's parameters now (not its submodules'); with ``async_op`` return an
         :class:`UnshardHandle` to wait on (its pre-forward waits otherwise)."""
         state = self._get_fsdp_state()
-        state._lazy_init()
-        group = state._fsdp_param_group
+        state.lazy_init()
+        group = state.param_group
         if group is not None:
             group.lazy_init()
-            group._record("unshard", async_op)
+            record_call(group, "unshard", async_op)
             group.unshard(async_op)
         handle = UnshardHandle(group)
         if async_op:
@@ -65,9 +67,9 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the shards (not recursive)."""
-        group = self._get_fsdp_state()._fsdp_param_group
+        group = self._get_fsdp_state().param_group
         if group is not None:
-            group._record("reshard")
+            record_call(group, "reshard")
             group.reshard()
 
     # -- options (every one recursive by default, as torch's) -----------------------------------------------------
@@ -75,7 +77,7 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         for module in modules:
             if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
+                group = module._get_fsdp_state().param_group
                 if group is not None:
                     yield module, group
 
@@ -96,7 +98,7 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for module, group in self._groups(recurse):
-            module._get_fsdp_state()._auto_reshard_after_forward = False
+            module._get_fsdp_state().auto_reshard_after_forward = False
             group.post_forward_group = group.mesh_info.shard_group if reshard_after_forward else None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -107,22 +109,22 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step: only then are the reductions waited for and the
         gradients delivered (microbatching)."""
-        self._get_fsdp_state()._state_ctx.is_last_backward = bool(is_last_backward)
+        self._get_fsdp_state().state_ctx.is_last_backward = bool(is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
-        self._get_fsdp_state()._states_to_forward_prefetch = [_fsdp_state_of(m) for m in modules]
+        self._get_fsdp_state().states_to_forward_prefetch = [_fsdp_state_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
         """All-gather these modules' parameters right after this module's, in backward (instead of the previous
         module in forward order)."""
-        self._get_fsdp_state()._states_to_backward_prefetch = [_fsdp_state_of(m) for m in modules]
+        self._get_fsdp_state().states_to_backward_prefetch = [_fsdp_state_of(m) for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the number of ranks."""
         for _, group in self._groups(True):
             group.gradient_divide_factor = float(factor)
-            group._user_divide_factor = float(factor)
+            group.user_divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:  # pragma: no cover - torch's, for parity
         raise NotImplementedError("set_unshard_in_backward is not supported")
@@ -135,14 +137,14 @@ class FSDPModule:
         for key, param in _named_param_slots(self, prefix):
             fsdp_param = param.__dict__.get("_fsdp_param")
             if fsdp_param is not None:
-                state[key] = fsdp_param.sharded_array()
+                state[key] = sharded_array(fsdp_param)
         return state
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> IncompatibleKeys:
         """Load shards (``ShardedArray``, this rank's block) or whole arrays (a full state dict, e.g. saved from
         DDP: each rank keeps its rows); the module is resharded first."""
         for _, group in self._groups(True):
-            group._to_sharded()
+            group.reshard()  # outside forward: back to the shards
         own = Module.state_dict(self)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -152,14 +154,14 @@ class FSDPModule:
         managed = {key: param.__dict__.get("_fsdp_param") for key, param in _named_param_slots(self, "")}
         for key, value in state_dict.items():  # every entry checked before any is loaded: a refusal changes nothing
             if managed.get(key) is not None:
-                managed[key].check_load(value, key)
+                check_load(managed[key], value, key)
         plain = {}
         for key, value in state_dict.items():
             fsdp_param = managed.get(key)
             if fsdp_param is None:
                 plain[key] = value.local if hasattr(value, "global_shape") else value
             else:
-                fsdp_param.load(value, key)
+                load(fsdp_param, value, key)
         if plain:
             Module.load_state_dict(self, plain, strict=False)
         return IncompatibleKeys(missing, unexpected)
@@ -178,7 +180,7 @@ class FSDPModule:
         """
         from .. import _backend
 
-        join = _backend.load("join", self._get_fsdp_state()._impl).Join
+        join = _backend.load("join", self._get_fsdp_state().impl).Join
         return join([self], enable, throw_on_early_termination, optimizer=optimizer,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -193,7 +195,7 @@ class FSDPModule:
 
     @property
     def join_process_group(self):
-        return self._get_fsdp_state()._mesh_info.full_group
+        return self._get_fsdp_state().mesh_info.full_group
 
 
 Joinable.register(FSDPModule)
@@ -206,12 +208,12 @@ class _FSDPJoinHook(JoinHook):
     def __init__(self, module, optimizer, divide_by_initial_world_size: bool):
         self.module, self.optimizer = module, optimizer
         state = module._get_fsdp_state()
-        state._join_options = {"divide_by_initial_world_size": bool(divide_by_initial_world_size)}
+        state.join_options = {"divide_by_initial_world_size": bool(divide_by_initial_world_size)}
         self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
         state = self.module._get_fsdp_state()
-        ctx, group = state._comm_ctx, state._mesh_info.full_group
+        ctx, group = state.comm_ctx, state.mesh_info.full_group
         flags = np.zeros(2 + group.size, dtype=np.int64)
         flags[2 + group.rank] = ctx is None or not ctx.program  # nothing to replay: every rank raises
         group.allreduce(flags, name=JOIN_FLAGS_NAME)
@@ -250,13 +252,13 @@ def replay(ctx) -> None:
             elif event == "pre_backward":
                 group.pre_backward(argument)
             elif event == "prefetch":
-                type(group)._prefetch_unshard(group, argument)
+                group.prefetch_unshard(argument)
             elif event == "post_backward":
-                group._join_mask = argument
+                group.join_mask = argument
                 try:
                     group.post_backward()
                 finally:
-                    group._join_mask = None
+                    group.join_mask = None
             elif event == "finalize":
                 group.finalize_backward()
             elif event == "unshard":
@@ -264,7 +266,7 @@ def replay(ctx) -> None:
             elif event == "reshard":
                 group.reshard()
         for group, _, _ in program:
-            group._training_state = TrainingState.IDLE
+            group.training_state = TrainingState.IDLE
         ctx.post_forward_order.clear()
     finally:
         ctx.recording = True
@@ -278,8 +280,6 @@ def _fsdp_state_of(module):
 
 def _named_param_slots(module, prefix: str):
     """``(key, parameter)`` of every parameter slot, shared ones under each of their names (as state_dict keys)."""
-    for mod_prefix, mod in module.named_modules(prefix):
-        dot = f"{mod_prefix}." if mod_prefix else ""
-        for name, param in mod._parameters.items():
-            if param is not None and isinstance(param, Tensor):
-                yield dot + name, param
+    for key, param in module.named_parameters(prefix, remove_duplicate=False):
+        if isinstance(param, Tensor):
+            yield key, param

@@ -24,7 +24,7 @@ from ..autograd import Tensor, is_grad_enabled, queue_callback
 from ..autograd.node import Node
 from ..autograd.ops import record
 
-__all__ = ["FSDPState", "FSDPStateContext", "JOIN_FLAGS_NAME", "check_replayable"]
+__all__ = ["FSDPState", "FSDPStateContext", "JOIN_FLAGS_NAME", "check_replayable", "fsdp_state"]
 
 #: The name of the allreduce a root issues each iteration under Join: ranks still training, ranks syncing.
 JOIN_FLAGS_NAME = "fsdp: join flags"
@@ -40,28 +40,36 @@ class FSDPStateContext:
         self.is_last_backward = True
 
 
+def fsdp_state(module):
+    """The :class:`FSDPState` of a module ``fully_shard`` was applied to, or None."""
+    return module.__dict__.get("_fsdp_state")
+
+
 class FSDPState:
-    """One ``fully_shard`` call's hooks and bookkeeping (``FSDPState``)."""
+    """One ``fully_shard`` call's hooks and bookkeeping (``FSDPState``); set on each of its modules
+    (:func:`fsdp_state` finds it)."""
 
     def __init__(self, modules, group, mp_policy, auto_reshard_after_forward, mesh_info, impl, verify):
         self._modules = tuple(modules)
-        self._fsdp_param_group = group
+        self.param_group = group
         self._mp_policy = mp_policy
-        self._auto_reshard_after_forward = auto_reshard_after_forward
-        self._mesh_info = mesh_info
-        self._impl = impl
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.mesh_info = mesh_info
+        self.impl = impl
         self._verify = verify  # verify(root_state): every rank built the same model (before the first all-gather)
         self._is_root = None
-        self._state_ctx = FSDPStateContext()
-        self._comm_ctx = group.comm_ctx if group is not None else None
+        self.state_ctx = FSDPStateContext()
+        self.comm_ctx = group.comm_ctx if group is not None else None
         self._training_state = TrainingState.IDLE
-        self._states_to_forward_prefetch: list = []
-        self._states_to_backward_prefetch: list = []
+        self.states_to_forward_prefetch: list = []
+        self.states_to_backward_prefetch: list = []
         self._join_flags = None
         self._divide_override = False
-        self._join_options: dict = {}  # set by the join hook: divide_by_initial_world_size, optimizer
+        self.join_options: dict = {}  # set by the join hook: divide_by_initial_world_size, optimizer
         self._join_module = _backend.load("join", impl)
         self._modules_to_run_forward: set = set()
+        for module in self._modules:
+            object.__setattr__(module, "_fsdp_state", self)
         if len(self._modules) == 1:
             module = self._modules[0]
             self._pre_forward_hook_handle = module.register_forward_pre_hook(self._pre_forward, prepend=True)
@@ -92,18 +100,18 @@ class FSDPState:
 
     # -- lazy initialisation (once, at the root's first forward) ---------------------------------------------------
     def _root_pre_forward(self, module, args):
-        if self._is_root is False or self._state_ctx.iter_forward_root is not None:
+        if self._is_root is False or self.state_ctx.iter_forward_root is not None:
             return args
-        self._state_ctx.iter_forward_root = self
+        self.state_ctx.iter_forward_root = self
         self._notify_join(module)  # first: a rank that joined answers it before anything else of the iteration
-        self._lazy_init()
-        if self._comm_ctx is not None:
-            self._comm_ctx.program = []  # this iteration's record, for a rank that joins later
-            self._comm_ctx.recording = True
-            self._comm_ctx.forward_order = []
+        self.lazy_init()
+        if self.comm_ctx is not None:
+            self.comm_ctx.program = []  # this iteration's record, for a rank that joins later
+            self.comm_ctx.recording = True
+            self.comm_ctx.forward_order = []
         return args
 
-    def _lazy_init(self) -> None:
+    def lazy_init(self) -> None:
         """Find the root (the first state to run forward) and every state under it (``_lazy_init``)."""
         if self._is_root is not None:
             return
@@ -113,7 +121,7 @@ class FSDPState:
         root_module = self._modules[0]
         states = []
         for name, module in root_module.named_modules():
-            state = module.__dict__.get("_fsdp_state")
+            state = fsdp_state(module)
             if state is None or state in states:
                 continue
             if module is not root_module:
@@ -122,21 +130,21 @@ class FSDPState:
                                        "running forward through the root module first")
                 state._is_root = False
             states.append(state)
-        self._state_ctx.all_states = states
-        if self._auto_reshard_after_forward and self._fsdp_param_group is not None:
-            self._fsdp_param_group.post_forward_group = None  # the root's parameters are needed first in backward
+        self.state_ctx.all_states = states
+        if self.auto_reshard_after_forward and self.param_group is not None:
+            self.param_group.post_forward_group = None  # the root's parameters are needed first in backward
         self._init_fqns(root_module)
         self._init_shared_state()
         self._verify(self)
         for state in states:
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.lazy_init()
+            if state.param_group is not None:
+                state.param_group.lazy_init()
 
     def _init_fqns(self, root_module) -> None:
         """Name each group and parameter from the root (``_init_fqns``)."""
         owner = {}
-        for state in self._state_ctx.all_states:
-            group = state._fsdp_param_group
+        for state in self.state_ctx.all_states:
+            group = state.param_group
             if group is None:
                 continue
             for fsdp_param in group.fsdp_params:
@@ -145,22 +153,22 @@ class FSDPState:
             if id(param) in owner:
                 owner[id(param)].fqn = name
         for name, module in root_module.named_modules():
-            state = module.__dict__.get("_fsdp_state")
-            if state is not None and state._fsdp_param_group is not None and module is state._modules[0]:
-                state._fsdp_param_group._module_fqn = name
+            state = fsdp_state(module)
+            if state is not None and state.param_group is not None and module is state._modules[0]:
+                state.param_group.module_fqn = name
 
     def _init_shared_state(self) -> None:
         """One state context and one comm context for every state of the root (``_init_shared_state``)."""
-        comm_ctx = next((s._comm_ctx for s in self._state_ctx.all_states if s._comm_ctx is not None), None)
-        for state in self._state_ctx.all_states:
-            state._state_ctx = self._state_ctx
-            state._comm_ctx = comm_ctx
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.comm_ctx = comm_ctx
+        comm_ctx = next((s.comm_ctx for s in self.state_ctx.all_states if s.comm_ctx is not None), None)
+        for state in self.state_ctx.all_states:
+            state.state_ctx = self.state_ctx
+            state.comm_ctx = comm_ctx
+            if state.param_group is not None:
+                state.param_group.comm_ctx = comm_ctx
 
     def groups(self) -> list:
         """The parameter groups of every state of this root (after lazy init), in state order."""
-        return [s._fsdp_param_group for s in self._state_ctx.all_states if s._fsdp_param_group is not None]
+        return [s.param_group for s in self.state_ctx.all_states if s.param_group is not None]
 
     # -- forward --------------------------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -171,27 +179,27 @@ class FSDPState:
         policy = self._mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args = _apply_to_tensors(lambda t: _cast_fp_tensor(policy.param_dtype, t), args)
-        group = self._fsdp_param_group
+        group = self.param_group
         if group is not None:
             args = group.pre_forward(module, args)
-            self._comm_ctx.forward_order.append(group)
-        targets = [s._fsdp_param_group for s in self._states_to_forward_prefetch if s._fsdp_param_group is not None]
+            self.comm_ctx.forward_order.append(group)
+        targets = [s.param_group for s in self.states_to_forward_prefetch if s.param_group is not None]
         if not targets and group is not None:
-            following = self._comm_ctx.forward_successor.get(id(group))
+            following = self.comm_ctx.forward_successor.get(id(group))
             targets = [] if following is None else [following]
         for target in targets:
-            type(target)._prefetch_unshard(target, "forward")
+            target.prefetch_unshard("forward")
         return args
 
     def _post_forward(self, module, args, output):
         if self._training_state == TrainingState.PRE_BACKWARD:
             return output
-        if self._fsdp_param_group is not None:
-            output = self._fsdp_param_group.post_forward(module, args, output)
+        if self.param_group is not None:
+            output = self.param_group.post_forward(module, args, output)
         output = self._register_pre_backward_hook(output)
         self._training_state = TrainingState.IDLE
-        if self._state_ctx.iter_forward_root is self:
-            self._state_ctx.iter_forward_root = None
+        if self.state_ctx.iter_forward_root is self:
+            self.state_ctx.iter_forward_root = None
         if self._mp_policy.output_dtype is not None:
             output = _apply_to_tensors(lambda t: _cast_fp_tensor(self._mp_policy.output_dtype, t), output)
         return output
@@ -208,36 +216,36 @@ class FSDPState:
     def _pre_backward(self, grad):
         self._training_state = TrainingState.PRE_BACKWARD
         self._register_root_post_backward_final_callback()
-        group = self._fsdp_param_group
+        group = self.param_group
         if group is not None:
-            group.pre_backward(not self._states_to_backward_prefetch)
-        for state in self._states_to_backward_prefetch:
-            if state._fsdp_param_group is not None:
-                type(state._fsdp_param_group)._prefetch_unshard(state._fsdp_param_group, "backward")
+            group.pre_backward(not self.states_to_backward_prefetch)
+        for state in self.states_to_backward_prefetch:
+            if state.param_group is not None:
+                state.param_group.prefetch_unshard("backward")
         return None
 
     def _register_root_post_backward_final_callback(self) -> None:
-        if self._state_ctx.post_backward_final_callback_queued:
+        if self.state_ctx.post_backward_final_callback_queued:
             return
-        self._state_ctx.post_backward_final_callback_queued = True
+        self.state_ctx.post_backward_final_callback_queued = True
         queue_callback(self._root_post_backward_final_callback)
 
     def _root_post_backward_final_callback(self) -> None:
         """Post-backward for the groups autograd did not reach (inputs without gradients), then finalize each
         (``_root_post_backward_final_callback``)."""
-        ctx = self._state_ctx
+        ctx = self.state_ctx
         try:
             for state in ctx.all_states:
-                group = state._fsdp_param_group
+                group = state.param_group
                 if group is not None:
-                    if group._training_state != TrainingState.POST_BACKWARD:
+                    if group.training_state != TrainingState.POST_BACKWARD:
                         group.post_backward()
-                    group._training_state = TrainingState.IDLE
+                    group.training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
                 if ctx.is_last_backward and group is not None:
                     group.finalize_backward()
-            if ctx.is_last_backward and self._comm_ctx is not None:
-                self._comm_ctx.post_forward_order.clear()
+            if ctx.is_last_backward and self.comm_ctx is not None:
+                self.comm_ctx.post_forward_order.clear()
                 self._learn_forward_order()
         finally:
             ctx.post_backward_final_callback_queued = False
@@ -246,7 +254,7 @@ class FSDPState:
         """Remember which group ran forward after which this iteration: the next forward prefetches each group's
         successor as it starts (the implicit forward prefetch: torch's GPU streams overlap the next group's
         all-gather with this group's compute by running ahead; over MPI the all-gather must be issued early)."""
-        ctx = self._comm_ctx
+        ctx = self.comm_ctx
         successor: dict = {}
         for current, following in zip(ctx.forward_order, ctx.forward_order[1:]):
             successor.setdefault(id(current), following)
@@ -261,23 +269,23 @@ class FSDPState:
         work = self._join_module.Join.notify_join_context(module)
         if work is None and not self._divide_override:
             return  # no Join (the common case): nothing to do, no walk over the modules
-        groups = [m.__dict__["_fsdp_state"]._fsdp_param_group for m in module.modules()
-                  if "_fsdp_state" in m.__dict__ and m.__dict__["_fsdp_state"]._fsdp_param_group is not None]
+        states = [fsdp_state(m) for m in module.modules()]
+        groups = [s.param_group for s in states if s is not None and s.param_group is not None]
         if work is None:
             if self._divide_override:  # a Join ended: the divide factor the user set applies again
                 for group in groups:
-                    group.gradient_divide_factor = getattr(group, "_user_divide_factor", None)
+                    group.gradient_divide_factor = group.user_divide_factor
                 self._divide_override = False
             return
-        group = self._mesh_info.full_group
+        group = self.mesh_info.full_group
         flags = np.zeros(2 + group.size, dtype=np.int64)
         flags[:2] = 1, any(g.reduce_grads for g in groups)
         group.allreduce(flags, name=JOIN_FLAGS_NAME)
         check_replayable(flags)
-        if not self._join_options.get("divide_by_initial_world_size", True):
+        if not self.join_options.get("divide_by_initial_world_size", True):
             for target in groups:
                 if not self._divide_override:
-                    target._user_divide_factor = target.gradient_divide_factor
+                    target.user_divide_factor = target.gradient_divide_factor
                 target.gradient_divide_factor = float(flags[0])
             self._divide_override = True
 

@@ -12,6 +12,7 @@ import dataclasses
 
 from ..autograd._array import array_module, to_numpy
 from ..autograd.tensor import Tensor
+from ._state import fsdp_state
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "set_model_state_dict"]
 
@@ -42,12 +43,13 @@ def get_model_state_dict(model, *, options: StateDictOptions | None = None) -> d
     state = model.state_dict()
     if not options.full_state_dict:
         return state
-    group = model._get_fsdp_state()._mesh_info.full_group
+    group = fsdp_state(model).mesh_info.full_group
     keep = not options.cpu_offload or group.rank == 0
     full = {}
+    slots = dict(model.named_parameters(remove_duplicate=False))
     for key, value in state.items():
         if hasattr(value, "global_shape"):
-            value = _gather(_fsdp_param_of(model, key), key)
+            value = _gather(slots[key].__dict__["_fsdp_param"], key)
         elif isinstance(value, Tensor):
             value = value.data
         if keep:
@@ -60,7 +62,7 @@ def set_model_state_dict(model, model_state_dict: dict, *, options: StateDictOpt
     broadcast to every rank first (the others may pass an empty dict)."""
     options = options or StateDictOptions()
     if options.broadcast_from_rank0:
-        group = model._get_fsdp_state()._mesh_info.full_group
+        group = fsdp_state(model).mesh_info.full_group
         own = model.state_dict()
         problem = _whole_state_problem(own, model_state_dict) if group.rank == 0 else None
         problem = group.broadcast_object(problem, src=0, name="fsdp: check rank 0's state dict")
@@ -100,18 +102,10 @@ def _whole_state_problem(own: dict, given: dict) -> str | None:
     return None
 
 
-def _fsdp_param_of(model, key: str):
-    module = model
-    *path, name = key.split(".")
-    for part in path:
-        module = module._modules[part]
-    return module._parameters[name].__dict__["_fsdp_param"]
-
-
 def _gather(fsdp_param, key: str):
     """The whole parameter: the padded shards of its shard group, all-gathered, without the padding rows."""
     group = fsdp_param.shard_group
-    padded = fsdp_param._sharded_param_data
+    padded = fsdp_param.sharded_param_data
     out = group.allgather(padded, name=f"fsdp: full state dict {key}")
     rows = out.reshape((-1,) + fsdp_param.orig_size[1:])
     return rows[:fsdp_param.rows].copy()

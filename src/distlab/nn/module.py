@@ -109,19 +109,20 @@ class Module:
         for _, child in self.named_children():
             yield child
 
-    def _named_members(self, table: str, prefix: str, recurse: bool):
+    def _named_members(self, table: str, prefix: str, recurse: bool, remove_duplicate: bool = True):
         seen = set()
         modules = self.named_modules(prefix) if recurse else [(prefix, self)]
         for mod_prefix, module in modules:
             for name, value in getattr(module, table).items():
-                if value is None or id(value) in seen:
+                if value is None or (remove_duplicate and id(value) in seen):
                     continue
                 seen.add(id(value))
                 yield (f"{mod_prefix}.{name}" if mod_prefix else name), value
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True):
-        """Yield ``(dotted_name, Parameter)``, e.g. ``("layers.0.weight", p)``; shared parameters once."""
-        return self._named_members("_parameters", prefix, recurse)
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Yield ``(dotted_name, Parameter)``, e.g. ``("layers.0.weight", p)``; shared parameters once, or under
+        each of their names with ``remove_duplicate=False`` (as torch)."""
+        return self._named_members("_parameters", prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse: bool = True):
         for _, p in self.named_parameters(recurse=recurse):
