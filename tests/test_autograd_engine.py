@@ -30,6 +30,19 @@ def test_leaf_used_twice_gets_one_summed_gradient_and_one_hook_call():
     np.testing.assert_allclose(calls[0], 2 * x.data + 1)
 
 
+def test_a_gradient_delivered_by_hand_runs_the_post_accumulate_grad_hooks_in_order():
+    x = leaf(3)
+    seen = []
+    x.register_post_accumulate_grad_hook(lambda t: seen.append(("first", t)))
+    handle = x.register_post_accumulate_grad_hook(lambda t: seen.append(("second", t)))
+    ag.run_post_accumulate_grad_hooks(x)
+    assert seen == [("first", x), ("second", x)]
+    handle.remove()
+    ag.run_post_accumulate_grad_hooks(x)
+    ag.run_post_accumulate_grad_hooks(leaf(2))  # no hooks: nothing to run
+    assert seen == [("first", x), ("second", x), ("first", x)]
+
+
 def test_gradients_accumulate_across_backward_calls():
     x = leaf(3)
     (x * 2).sum().backward()

@@ -38,6 +38,16 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def test_named_parameters_gives_a_shared_parameter_under_each_name_when_asked():
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[1].weight = net[0].weight
+    assert [n for n, _ in net.named_parameters()] == ["0.weight", "0.bias", "1.bias"]
+    every = list(net.named_parameters(remove_duplicate=False))
+    assert [n for n, _ in every] == ["0.weight", "0.bias", "1.weight", "1.bias"] and every[2][1] is every[0][1]
+    assert [n for n, _ in net[1].named_parameters("b", recurse=False, remove_duplicate=False)] == ["b.weight",
+                                                                                                    "b.bias"]
+
+
 def test_named_parameters_buffers_children():
     net = Net()
     names = [n for n, _ in net.named_parameters()]
