@@ -21,13 +21,15 @@ cdef class ReduceScatterState:
         self.all_reduce_grads, self.all_reduce_work = all_reduce_grads, None
 
 
-def foreach_all_gather(list fsdp_params, group, bint async_op, pool, xp, dtype, str name):
+def foreach_all_gather(list fsdp_params, group, bint async_op, pool, xp, dtype, str name, flat_input=None):
     """See :func:`distlab.reference.fsdp_collectives.foreach_all_gather`."""
     cdef FSDPParam p
     cdef list numels = [p.all_gather_input_numel() for p in fsdp_params]
     cdef Py_ssize_t total = sum(numels), world_size = group.size
-    cdef object flat_in = pool.take(xp, dtype, total)
-    all_gather_copy_in(fsdp_params, flat_in)
+    cdef object flat_in = flat_input
+    if flat_in is None:  # a cast or a post-forward piece: copied in; else the group's shards, sent as they are
+        flat_in = pool.take(xp, dtype, total)
+        all_gather_copy_in(fsdp_params, flat_in)
     cdef object flat_out = pool.take(xp, dtype, total * world_size)
     cdef object rows = flat_out.reshape(world_size, total)
     cdef object work = group.allgather(flat_in, out=rows, async_op=async_op, name=collective_name("all-gather", name))

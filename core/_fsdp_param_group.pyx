@@ -55,7 +55,8 @@ cdef class FSDPParamGroup:
     """See :class:`distlab.reference.fsdp_param_group.FSDPParamGroup`."""
     cdef public list fsdp_params
     cdef public object modules, mesh_info, post_forward_group, mp_policy, module_fqn, comm_ctx
-    cdef public object orig_dtype, reduce_dtype, xp, gradient_divide_factor, user_divide_factor, join_mask, storage
+    cdef public object orig_dtype, reduce_dtype, xp, sharded_flat, gradient_divide_factor, user_divide_factor
+    cdef public object join_mask, storage
     cdef public int training_state, sharded_state
     cdef public bint reduce_grads, all_reduce_grads, reshard_after_backward, unshard_async_op
     cdef list _post_forward_indices, _storage_offsets
@@ -67,7 +68,8 @@ cdef class FSDPParamGroup:
     def __init__(self, list fsdp_params, modules, mesh_info, post_forward_group, mp_policy, str module_fqn=""):
         """See :class:`distlab.reference.fsdp_param_group.FSDPParamGroup`."""
         (self.fsdp_params, self.modules, self.mesh_info, self.post_forward_group, self.mp_policy, self.module_fqn,
-         self.comm_ctx, self.orig_dtype, self.reduce_dtype, self.xp, self.training_state, self.sharded_state,
+         self.comm_ctx, self.orig_dtype, self.reduce_dtype, self.xp, self.sharded_flat, self.training_state,
+         self.sharded_state,
          self.reduce_grads, self.all_reduce_grads, self.reshard_after_backward, self.gradient_divide_factor,
          self.user_divide_factor, self.unshard_async_op, self.join_mask,
          self.storage) = prepare_group(fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn)
@@ -109,7 +111,7 @@ cdef class FSDPParamGroup:
         cdef FSDPParam first = self.fsdp_params[0]
         self._all_gather_result = foreach_all_gather(
             self.fsdp_params, over, async_op, self.comm_ctx.all_gather_pool, self.xp, first.unsharded_dtype,
-            self.module_fqn)
+            self.module_fqn, self.sharded_flat if self.sharded_state == _SHARDED else None)
 
     cpdef wait_for_unshard(self):
         """See :meth:`distlab.reference.fsdp_param_group.FSDPParamGroup.wait_for_unshard`."""

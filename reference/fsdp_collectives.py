@@ -5,9 +5,11 @@ Twinned with ``core/_fsdp_collectives.pxi``. Mirrors torch/distributed/fsdp/_ful
 reduce-scatter's packing, division and the view-out of the sharded gradients) and
 ``foreach_reduce_scatter_copy_in``.
 
-The all-gather. Each rank copies its parameters' padded shards, one after the other, into a flat buffer of ``n``
-elements (the *copy-in*, casting to ``param_dtype`` on the way), and the group all-gathers the ``W`` buffers into
-one ``(W, n)`` buffer, rank after rank: row ``r`` holds rank ``r``'s shards. A parameter's unsharded rows are its
+The all-gather. Each rank's parameters' padded shards lie one after the other in a flat buffer of ``n`` elements:
+the group's own (``pack_shards`` put them there when the group was made), or under mixed precision a buffer they
+are copied into, cast to ``param_dtype`` on the way (the *copy-in*; also for the piece kept after a forward with
+``reshard_after_forward=k``). The group all-gathers the ``W`` buffers into one ``(W, n)`` buffer, rank after rank:
+row ``r`` holds rank ``r``'s shards. A parameter's unsharded rows are its
 column block of every row, in row order, which the *copy-out* copies into the parameter's all-gather output::
 
     flat input (rank r):   [ p0 shard | p1 shard | p2 shard ]                    n elements
@@ -15,7 +17,8 @@ column block of every row, in row order, which the *copy-out* copies into the pa
                            row 1: [ p0 rows c0..  | p1 rows c1..  | ... ]
     copy-out, p0:          output[:, 0:n0] -> p0's (W * c0) padded rows
 
-Both flat buffers come from a pool and are given back after the copy-out, so the next group reuses them.
+The output (and a copy-in's buffer) comes from a pool and is given back after the copy-out, so the next group
+reuses it.
 
 The reduce-scatter is the same picture backwards. Each gradient is padded on dimension 0 to ``W * c`` rows and
 cut into ``W`` chunks, chunk ``r`` going into row ``r`` of a ``(W, n)`` buffer of ``reduce_dtype`` (torch's
@@ -56,15 +59,17 @@ class ReduceScatterState:
         self.name = name
 
 
-def foreach_all_gather(fsdp_params, group, async_op, pool, xp, dtype, name):
-    """Copy in this rank's shards and start the group's one all-gather (``foreach_all_gather``).
+def foreach_all_gather(fsdp_params, group, async_op, pool, xp, dtype, name, flat_input=None):
+    """Start the group's one all-gather of ``flat_input``, this rank's shards one after the other, or when it is
+    None copy them into a buffer first (``foreach_all_gather``).
 
     Returns an :class:`AllGatherResult`; with ``async_op`` the all-gather may still be in flight.
     """
     numels = [fsdp_param.all_gather_input_numel() for fsdp_param in fsdp_params]
     total, world_size = sum(numels), group.size
-    flat_input = pool.take(xp, dtype, total)
-    all_gather_copy_in(fsdp_params, flat_input)
+    if flat_input is None:
+        flat_input = pool.take(xp, dtype, total)
+        all_gather_copy_in(fsdp_params, flat_input)
     flat_output = pool.take(xp, dtype, total * world_size)
     output = flat_output.reshape(world_size, total)
     work = group.allgather(flat_input, out=output, async_op=async_op, name=collective_name("all-gather", name))
@@ -95,7 +100,7 @@ def foreach_all_gather_copy_out(result, fsdp_params, pool) -> None:
         fsdp_param.all_gather_output.reshape(world_size, numel)[...] = output[:, offset:offset + numel]
         offset += numel
     _span("copy-out", start, output.nbytes)
-    pool.give_back(result.all_gather_input)
+    pool.give_back(result.all_gather_input)  # (the group's own shards are not the pool's: nothing to give back)
     pool.give_back(result.flat_output)
 
 

@@ -121,8 +121,9 @@ class FSDPParamGroup:
             self._all_gather_result = AllGatherResult(None, None, None, None, [], 1)
             return
         dtype = self.fsdp_params[0].unsharded_dtype
+        shards = self.sharded_flat if self.sharded_state == ShardedState.SHARDED else None  # sent as they are
         self._all_gather_result = foreach_all_gather(self.fsdp_params, group, async_op, self.comm_ctx.all_gather_pool,
-                                                     self.xp, dtype, self.module_fqn)
+                                                     self.xp, dtype, self.module_fqn, shards)
 
     def wait_for_unshard(self):
         """Copy out the all-gather and register the unsharded parameters (``wait_for_unshard``)."""

@@ -38,6 +38,7 @@ class Ranks:
 
     def allgather(self, array, out=None, async_op=False, name=None):
         self.calls.append(("allgather", name, async_op, array.size, None))
+        self.sent = array
         out[...] = self.rows
         return Work() if async_op else None
 
@@ -153,6 +154,37 @@ def test_a_group_unshards_once_over_its_ranks_and_reshards(fsdp, xp):
     assert group.training_state == TrainingState.FORWARD
     group.wait_for_unshard()
     assert module.weight is p.unsharded_param
+
+
+@pytest.mark.parametrize("param_dtype", [None, np.float16])
+def test_the_all_gather_sends_the_groups_packed_shards_as_they_are(fsdp, xp, param_dtype):
+    # the group keeps its parameters' padded shards one after the other in one buffer, of which the sharded
+    # parameters (what the optimizer steps) are views: the all-gather sends that buffer, with no copy-in; under
+    # mixed precision the shards are cast into a buffer of param_dtype first
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    first, data = _params(fsdp, xp, 2, policy=policy)
+    second, other = _params(fsdp, xp, 2, rows=3, cols=2, policy=policy)
+    dtype = param_dtype or np.float32
+    rows = xp.asarray(np.stack([np.concatenate([to_numpy(a.sharded_param_data), to_numpy(b.sharded_param_data)])
+                                for a, b in zip(first, second)]).astype(dtype))
+    ranks = Ranks(2, 0, rows)
+    params = [first[0], second[0]]
+    modules = tuple(p.module_info.places[0][0] for p in params)
+    group = fsdp.FSDPParamGroup(params, modules, fsdp.MeshInfo(ranks), ranks, policy, "g")
+    if param_dtype is not None:
+        assert group.sharded_flat is None
+    else:
+        packed = to_numpy(group.sharded_flat)
+        assert np.array_equal(packed, to_numpy(rows[0]))
+        params[1].sharded_param.data[...] = 9  # stepped in place: the buffer is what the parameter holds
+        flat = to_numpy(group.sharded_flat)
+        assert np.all(flat[20:24] == 9) and np.array_equal(flat[:20], packed[:20])
+        params[1].sharded_param.data[...] = xp.asarray(other[:2])
+    group.unshard()
+    assert (ranks.sent is group.sharded_flat) == (param_dtype is None) and ranks.sent.dtype == dtype
+    group.wait_for_unshard()
+    for p, expected in zip(params, (data, other)):
+        assert np.array_equal(to_numpy(p.unsharded_param.data), expected.astype(dtype))
 
 
 def test_reshard_after_forward_k_keeps_a_piece_and_gathers_it_over_k_ranks(fsdp, xp):

@@ -20,7 +20,7 @@ from ..timeline import get_timeline, now_us
 from .fsdp import FSDP_LANE, BufferPool, ShardedState, TrainingState
 from .fsdp_param import describe_param
 
-__all__ = ["MeshInfo", "FSDPCommContext", "GroupSetup", "GROUP_STATE", "prepare_group", "storage_layout",
+__all__ = ["MeshInfo", "FSDPCommContext", "GroupSetup", "GROUP_STATE", "prepare_group", "pack_shards", "storage_layout",
            "record_call", "compute_begins", "compute_ends", "describe_group"]
 
 #: Elements between two parameters' all-gather outputs in a group's storage are aligned to this many bytes.
@@ -70,6 +70,7 @@ class GroupSetup(NamedTuple):
     orig_dtype: Any
     reduce_dtype: Any
     xp: Any
+    sharded_flat: Any  # the padded shards one after the other (pack_shards), what the all-gather sends; or None
     training_state: int = TrainingState.IDLE
     sharded_state: int = ShardedState.SHARDED
     reduce_grads: bool = True  # set_requires_gradient_sync
@@ -98,7 +99,30 @@ def prepare_group(fsdp_params, modules, mesh_info, post_forward_group, mp_policy
     first = fsdp_params[0] if fsdp_params else None
     return GroupSetup(fsdp_params, tuple(modules), mesh_info, post_forward_group, mp_policy, module_fqn,
                       FSDPCommContext(), dtypes.pop() if dtypes else None,
-                      first.reduce_dtype if first is not None else None, first.xp if first is not None else np)
+                      first.reduce_dtype if first is not None else None, first.xp if first is not None else np,
+                      pack_shards(fsdp_params))
+
+
+def pack_shards(fsdp_params):
+    """Move the group's padded shards into one flat buffer, one after the other in the order of the all-gather's
+    copy-in, and return it (None for a group whose all-gather casts: mixed precision).
+
+    Each parameter's padded shard (``sharded_param_data``) and its sharded ``Parameter``'s data become views of the
+    buffer, so the optimizer steps the buffer in place and the group's all-gather sends it as it is: no copy-in,
+    and no flat input buffer (a distlab addition: torch's FSDP2 copies the shards in before each all-gather). The
+    copy-in remains for a cast (``param_dtype``) and for the piece kept after forward (``reshard_after_forward=k``).
+    """
+    if not fsdp_params or any(p.unsharded_dtype != p.orig_dtype for p in fsdp_params):
+        return None
+    flat = fsdp_params[0].xp.empty(sum(p.padded_sharded_numel for p in fsdp_params), dtype=fsdp_params[0].orig_dtype)
+    offset = 0
+    for fsdp_param in fsdp_params:
+        padded = flat[offset:offset + fsdp_param.padded_sharded_numel]
+        padded[...] = fsdp_param.sharded_param_data
+        fsdp_param.sharded_param_data = padded
+        fsdp_param.sharded_param.data = padded[:fsdp_param.sharded_numel].reshape(fsdp_param.sharded_size)
+        offset += fsdp_param.padded_sharded_numel
+    return flat
 
 
 def storage_layout(fsdp_params) -> tuple:
