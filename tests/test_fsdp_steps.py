@@ -287,3 +287,31 @@ def test_the_reduce_scatter_packs_a_partial_chunk_then_zero_rows(fsdp, xp, shape
         padded[:g.shape[0]] = g
         expected.append(padded.reshape(4, -1))
     assert np.array_equal(to_numpy(packed), np.concatenate(expected, axis=1))
+
+
+def test_float16_gradients_are_divided_before_and_after_the_sum_as_torch_does(fsdp, xp):
+    # 2 ranks without replicas: torch's factors for float16 are a pre-divide by 2 and a post-divide by 1 (the sum
+    # in float16 must not overflow); the stand-in's other rank sends zeros, so a gradient of ones arrives halved
+    params, _ = _params(fsdp, xp, 2)
+    ranks = Ranks(2, 0)
+    grad = xp.asarray(np.ones((7, 5), np.float32))
+    state = fsdp.foreach_reduce(params[:1], [grad], ranks, np.dtype(np.float32), np.dtype(np.float16), xp, None,
+                                None, True, "w")
+    fsdp.finish_reduce(state)
+    assert ranks.calls == [("reduce_scatter", "fsdp reduce-scatter w", True, 8 * 5, "sum")]
+    got = params[0].sharded_param.grad.data
+    assert got.dtype == np.float32 and np.array_equal(to_numpy(got), np.full((4, 5), 0.5, np.float32))
+
+
+def test_a_prefetch_that_backward_never_used_gives_its_buffer_back(fsdp, xp):
+    params, _ = _params(fsdp, xp, 2)
+    ranks = Ranks(2, 0, _rows(xp, params))
+    p = params[0]
+    group = fsdp.FSDPParamGroup([p], (p.module_info.places[0][0],), fsdp.MeshInfo(ranks), ranks,
+                                MixedPrecisionPolicy(), "g")
+    group.prefetch_unshard("backward")
+    group.finalize_backward()  # the all-gather completes, and the pool has its buffer free again
+    pool = group.comm_ctx.all_gather_pool
+    held = pool.nbytes()
+    pool.take(xp, np.float32, 2 * p.padded_sharded_numel)
+    assert held > 0 and pool.nbytes() == held and group.sharded_state == ShardedState.SHARDED
