@@ -3,6 +3,10 @@
 Generated from the reference twin by tests/_stubs.py (do not edit; run ``python tests/_stubs.py``); the
 documentation is the reference twin's.
 """
+from distlab._common.fsdp_param import ParamModuleInfo as ParamModuleInfo
+from distlab._common.fsdp_param_group import FSDPCommContext as FSDPCommContext
+from distlab._common.fsdp_param_group import MeshInfo as MeshInfo
+from distlab._common.fsdp import AllGatherResult as AllGatherResult
 
 __all__ = ['FSDPParam', 'ParamModuleInfo', 'FSDPParamGroup', 'FSDPCommContext', 'MeshInfo', 'AllGatherResult', 'ReduceScatterState', 'foreach_all_gather', 'all_gather_copy_in', 'foreach_all_gather_copy_out', 'foreach_reduce', 'foreach_reduce_scatter_copy_in', 'free_reduce_input', 'wait_reduce_scatter', 'finish_reduce', 'PostBackwardNode']
 
@@ -24,7 +28,6 @@ class FSDPParam:
     def take_unsharded_grad(self): ...
     def accumulate_sharded_grad(self, flat) -> None: ...
 
-from distlab._common.fsdp_param import ParamModuleInfo as ParamModuleInfo
 
 class FSDPParamGroup:
     def __init__(self, fsdp_params, modules, mesh_info, post_forward_group, mp_policy, module_fqn=...): ...
@@ -40,9 +43,6 @@ class FSDPParamGroup:
     def finalize_backward(self): ...
     def prefetch_unshard(self, pass_type): ...
 
-from distlab._common.fsdp_param_group import FSDPCommContext as FSDPCommContext
-from distlab._common.fsdp_param_group import MeshInfo as MeshInfo
-from distlab._common.fsdp import AllGatherResult as AllGatherResult
 
 class ReduceScatterState:
     def __init__(self, fsdp_params, reduce_input, reduce_output, work, post_divide, all_reduce_group, all_reduce_op, all_reduce_grads, orig_dtype, name): ...

@@ -6,11 +6,11 @@ documentation is the reference twin's.
 from collections.abc import Sequence
 from typing import Any
 from distlab.comm import Work
+from distlab._common.join import JoinHook as JoinHook
+from distlab._common.join import Joinable as Joinable
 
 __all__ = ['JoinHook', 'Joinable', 'Join']
 
-from distlab._common.join import JoinHook as JoinHook
-from distlab._common.join import Joinable as Joinable
 
 class Join:
     def __init__(self, joinables: Sequence[Joinable], enable: bool=..., throw_on_early_termination: bool=..., **kwargs: Any) -> None: ...

@@ -118,6 +118,7 @@ def stub_text(component: str) -> str:
                 if line not in imports:
                     imports.append(line)
     body: list[str] = []
+    reexports: list[str] = []
     for name in reference.__all__:
         obj = getattr(reference, name)
         module = getattr(obj, "__module__", None)
@@ -127,14 +128,14 @@ def stub_text(component: str) -> str:
                 body += [""] + _class_lines(node, _shared_methods(obj)) + [""]
             else:
                 body += [_signature(node)]
-        elif inspect.isclass(obj) or inspect.isfunction(obj):
-            body += [f"from {obj.__module__} import {obj.__name__} as {name}"]
+        elif inspect.isclass(obj) or inspect.isfunction(obj):  # a re-export, imported at the top as a stub should
+            reexports.append(f"from {obj.__module__} import {obj.__name__} as {name}")
         else:
             body += [f"{name}: {type(obj).__name__}"]
     used = "\n".join(body)
     imports = list(dict.fromkeys(line for line in (_only_used(line, used, reference.__all__) for line in imports)
                                  if line))
-    text = HEADER.format(core=core_name, reference=reference_name) + "".join(line + "\n" for line in imports)
+    text = HEADER.format(core=core_name, reference=reference_name) + "".join(line + "\n" for line in imports + reexports)
     text += f"\n__all__ = {reference.__all__!r}\n\n" + used
     return "\n".join(line.rstrip() for line in text.splitlines()).replace("\n\n\n\n", "\n\n\n").strip() + "\n"
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LINTED = ("src", "reference", "tests", "benchmarks", "examples", "scripts", "tutorials", "docs", "setup.py")
+LINTED = ("src", "reference", "core", "tests", "benchmarks", "examples", "scripts", "tutorials", "docs", "setup.py")
 
 
 def test_the_code_meets_the_linter():
