@@ -12,8 +12,8 @@ from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport uintptr_t
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 
-from distlab._common.rpc_wait import (SELF_TEST_TAG, SLEEP_FIRST, check_times, comm_handle, libmpi,
-                                     self_test_failed)
+from distlab._common.rpc_wait import (IDLE_AFTER, IDLE_SLEEP_MAX, SELF_TEST_TAG, SLEEP_FIRST, check_times,
+                                     comm_handle, libmpi, self_test_failed)
 from distlab.comm.ulfm import failed_probe
 
 __all__ = ["Waiter", "Seat"]
@@ -258,8 +258,10 @@ cdef double _sleep_on(Waiter w, double when, int sleeping, double delay) noexcep
     if w._touched:
         w._touched = 0
         delay = SLEEP_FIRST_C
-    else:
+    elif _now() - w._last < IDLE_AFTER_C:
         delay = min(delay * 2, w.sleep_max)
+    else:   # idle for good: sleep longer
+        delay = min(delay * 2, max(w.sleep_max, IDLE_SLEEP_MAX_C))
     pthread_mutex_unlock(&w._mutex)
     return delay
 
@@ -330,6 +332,8 @@ cdef object _probe_mpi4py(Waiter w, int source, int tag, double timeout):
 
 
 cdef double SLEEP_FIRST_C = SLEEP_FIRST
+cdef double IDLE_AFTER_C = IDLE_AFTER
+cdef double IDLE_SLEEP_MAX_C = IDLE_SLEEP_MAX
 
 
 cdef object _self_test(Waiter w, MPI):

@@ -12,8 +12,10 @@ here (guarantee: *no thread polls without bound, and an idle worker costs almost
 
 1. **polls** ``MPI_Improbe`` for ``spin`` seconds after its last activity (a message it matched, or a
    :meth:`Waiter.touch`: its worker sent something, so an answer may come soon), then
-2. **sleeps** between polls, each sleep twice the last, up to ``sleep_max``; a :meth:`Waiter.touch` from another
-   thread ends the sleep at once, and :meth:`Waiter.wake` ends the wait (stop, or a deadline to check).
+2. **sleeps** between polls, each sleep twice the last, up to ``sleep_max`` (up to ``IDLE_SLEEP_MAX`` once idle
+   for ``IDLE_AFTER``: a worker idle that long wakes up less often, and a message to it waits at most 1% longer
+   than the idleness lasted); a :meth:`Waiter.touch` from another thread ends the sleep at once, and
+   :meth:`Waiter.wake` ends the wait (stop, or a deadline to check).
 
 The core twin polls with the GIL released (it calls ``MPI_Improbe`` through the library mpi4py loaded) and gives
 up the core at every poll (``sched_yield``), so the other threads, and the other ranks, get it when they need
@@ -36,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 
-from distlab._common.rpc_wait import SLEEP_FIRST, check_times
+from distlab._common.rpc_wait import IDLE_AFTER, IDLE_SLEEP_MAX, SLEEP_FIRST, check_times
 from distlab.comm.ulfm import failed_probe
 
 __all__ = ["Waiter", "Seat"]
@@ -116,8 +118,9 @@ class Waiter:
             if self._event.wait(min(delay, deadline - now)):
                 self._event.clear()
                 delay = SLEEP_FIRST  # touched or woken: poll again at once
-            else:
-                delay = min(delay * 2, self.sleep_max)
+            else:  # each sleep twice the last, up to sleep_max (IDLE_SLEEP_MAX if longer, once idle for good)
+                longest = self.sleep_max if now - self._last < IDLE_AFTER else max(self.sleep_max, IDLE_SLEEP_MAX)
+                delay = min(delay * 2, longest)
             self._sleeping = False
 
     def touch(self) -> None:
@@ -151,6 +154,7 @@ class Seat:
         self.away_since = None    # when the holder left to run a handler (None: it listens)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._left = threading.Event()  # set by leave(): the standby sleeps on it while the holder listens
 
     def take(self) -> bool:
         """Take the seat if it is free; True if this thread holds it now."""
@@ -167,6 +171,7 @@ class Seat:
     def leave(self) -> None:
         """The holder leaves to run a handler that may block: the standby may take the seat after ``takeover``."""
         self.away_since = time.monotonic()
+        self._left.set()  # wakes the standby, which sleeps while nobody is away
 
     def come_back(self) -> bool:
         """The holder is back: True if it still holds the seat (it listens on), False if the standby took it."""
@@ -179,20 +184,29 @@ class Seat:
     def watch(self, timeout: float) -> bool:
         """The standby: wait until the holder has been away ``takeover`` seconds, then take the seat (True).
 
-        False after ``timeout`` seconds, or at once after :meth:`stop`.
+        False after ``timeout`` seconds, or at once after :meth:`stop`. While the holder listens, the standby
+        sleeps until :meth:`leave` wakes it (an idle worker's standby costs no CPU); while the holder is away, it
+        looks at the seat every ``poll`` seconds.
         """
         deadline = time.monotonic() + timeout
-        while not self._stop.wait(self.poll):
-            away = self.away_since
-            if away is not None and time.monotonic() - away >= self.takeover:
-                with self._lock:
-                    away = self.away_since   # still away that long (not away again since)?
-                    if away is not None and time.monotonic() - away >= self.takeover:
-                        self.holder = threading.get_ident()
-                        self.away_since = None
-                        return True
-            if time.monotonic() >= deadline:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= deadline:
                 return False
+            away = self.away_since
+            if away is None:  # the holder listens: sleep until it leaves
+                self._left.wait(deadline - now)
+                self._left.clear()
+                continue
+            if now - away < self.takeover:
+                self._stop.wait(min(self.poll, away + self.takeover - now, deadline - now))
+                continue
+            with self._lock:
+                away = self.away_since   # still away that long (not back, or away again since)?
+                if away is not None and time.monotonic() - away >= self.takeover:
+                    self.holder = threading.get_ident()
+                    self.away_since = None
+                    return True
         return False
 
     def release(self) -> None:
@@ -205,3 +219,4 @@ class Seat:
     def stop(self) -> None:
         """End every :meth:`watch`, now and later."""
         self._stop.set()
+        self._left.set()

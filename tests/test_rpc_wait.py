@@ -89,6 +89,27 @@ def test_idle_only_while_sleeping_between_polls(rpc_wait):
     comm.Free()
 
 
+class _CountingComm:
+    """A communicator on which no message ever comes: it notes when each poll happened."""
+
+    def __init__(self):
+        self.polls = []
+
+    def Improbe(self, source, tag, status):
+        self.polls.append(time.monotonic())
+
+
+def test_a_waiter_idle_for_good_sleeps_longer(rpc_wait, monkeypatch):
+    monkeypatch.setenv("DISTLAB_RPC_WAIT", "mpi4py")   # the core twin polls through the (counting) comm too
+    comm = _CountingComm()
+    waiter = rpc_wait.Waiter(comm, 0.0, 1e-3)
+    start = time.monotonic()
+    assert waiter.probe(0, 5, shared.IDLE_AFTER + 1.0) is False
+    late = [t for t in comm.polls if t - start > shared.IDLE_AFTER + 0.1]
+    # sleeps of up to 1 ms would poll some 900 times in that last 0.9 s; sleeps of up to IDLE_SLEEP_MAX, 180
+    assert 0 < len(late) <= 1.5 * 0.9 / shared.IDLE_SLEEP_MAX
+
+
 def test_a_wake_ends_one_wait_only(rpc_wait):
     comm = MPI.COMM_SELF.Dup()
     waiter = rpc_wait.Waiter(comm, 0.0, 1e-3)
@@ -166,6 +187,18 @@ def test_a_standby_takes_the_seat_of_a_holder_away_too_long(rpc_wait):
     assert _in_thread(lambda: (seat.watch(10.0), standby.append(seat.holder))[0])
     assert standby == [seat.holder] and seat.holder != threading.get_ident()
     assert not seat.come_back() and not seat.listening()   # back too late: the standby listens now
+
+
+def test_a_standby_watching_a_listening_holder_sees_it_leave(rpc_wait):
+    seat = rpc_wait.Seat(0.05, 0.005)
+    assert seat.take()
+    out = []
+    thread = threading.Thread(target=lambda: out.append(seat.watch(30.0)))
+    thread.start()        # the holder listens: the standby waits for it to leave
+    time.sleep(0.1)
+    seat.leave()          # and stays away: the standby takes the seat after the takeover, not after its 30 s
+    thread.join(10)
+    assert not thread.is_alive() and out == [True] and not seat.come_back()
 
 
 def test_stop_ends_a_watch(rpc_wait):

@@ -18,7 +18,8 @@ import os
 
 from distlab._env import choice
 
-__all__ = ["REPLY_SPIN", "LISTEN_SPIN", "SLEEP_FIRST", "REPLY_SLEEP_MAX", "LISTEN_SLEEP_MAX", "TAKEOVER",
+__all__ = ["REPLY_SPIN", "LISTEN_SPIN", "SLEEP_FIRST", "REPLY_SLEEP_MAX", "LISTEN_SLEEP_MAX", "IDLE_AFTER",
+           "IDLE_SLEEP_MAX", "TAKEOVER",
            "STANDBY_POLL", "SELF_TEST_TAG", "check_times", "wait_setting", "libmpi", "comm_handle", "self_test_failed"]
 
 #: A thread waiting for its reply polls (giving up the core at every poll, ``sched_yield``) this long before it
@@ -33,6 +34,12 @@ SLEEP_FIRST = 2e-6
 REPLY_SLEEP_MAX = 5e-4
 #: The longest sleep between polls of an idle listener (how long a message to an idle worker waits at most).
 LISTEN_SLEEP_MAX = 2e-3
+#: A waiter that has seen no activity for this long is idle for good (a worker between phases of a job, or a reply
+#: that takes long): its sleeps grow on, up to the longer maximum below, so such a worker wakes up less often.
+IDLE_AFTER = 0.5
+#: The longest sleep between polls once idle for ``IDLE_AFTER``: a message to a worker idle that long waits at most
+#: 1% longer than the idleness lasted.
+IDLE_SLEEP_MAX = 5e-3
 #: A handler that ran this long on the listener's thread has its seat taken by the standby thread, which then
 #: listens in its place (a handler that blocks never leaves its worker deaf for much longer). A busy host that
 #: stalls a short handler this long only moves the seat to another thread.
