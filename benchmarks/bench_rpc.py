@@ -34,10 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import distlab
-
-distlab.keep_freed_memory()  # glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md)
-
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW = 1000  # rpc_async: calls in flight
 
@@ -86,12 +82,22 @@ def _raw_floor(raw, rank, results, payloads, scale) -> None:
         results[f"raw MPI round trip, {label}"] = _median_best(samples)
 
 
+def _keep_freed_memory() -> None:
+    """glibc keeps freed memory between steps, as docs/ measured (docs/autograd.md). Only distlab's processes
+    import distlab: PyTorch's run this file with an interpreter that need not have it."""
+    import distlab
+
+    distlab.keep_freed_memory()
+
+
 def worker(out_path: str, quick: bool) -> None:
     import numpy as np
     from mpi4py import MPI
 
     import distlab
     import distlab.rpc as rpc
+
+    _keep_freed_memory()
 
     raw = MPI.COMM_WORLD.Dup()
     rank = raw.Get_rank()
@@ -608,6 +614,7 @@ def main() -> None:
     if options.torch_worker is not None:
         torch_worker(options.torch_worker, options.port, options.out, options.quick)
         return
+    _keep_freed_memory()
     if options.in_process:
         in_process_calls(_FakeWorld(os.environ.get("DISTLAB_IMPL", "core")), options.in_process, options.calls)
         return
