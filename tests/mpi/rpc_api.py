@@ -12,7 +12,7 @@ from distlab import distributed_autograd as dist_autograd
 from distlab.autograd import Tensor
 from distlab.errors import DistTimeoutError, RemoteError, RRefError
 from distlab.futures import Future
-from distlab.rpc import RRef, WorkerInfo
+from distlab.rpc import RRef, WorkerInfo, framing
 from distlab.rpc.functions import async_execution
 from scenario_checks import expect  # noqa: E402
 
@@ -86,6 +86,26 @@ def square_sum(x):
     return (x * x).sum()
 
 
+def only_on_w0(x):   # worker 1's __main__ loses it below: calls to it carry its by-value copy
+    return 2 * x
+
+
+_copies_loaded = []
+
+
+def copies_loaded():
+    return len(_copies_loaded)
+
+
+def forget_copies():   # as a restarted worker would have
+    framing._received.clear()
+
+
+if rank == 1:
+    del only_on_w0
+    _load = framing._load_by_value
+    framing._load_by_value = lambda data: (_copies_loaded.append(1), _load(data))[1]
+
 rpc.init_rpc(f"w{rank}")
 assert rpc.get_rpc_timeout() == 77.0   # DISTLAB_TIMEOUT
 if rank == 0:
@@ -143,6 +163,17 @@ if rank == 0:
         grads = dist_autograd.get_gradients(ctx)
         assert np.array_equal(np.asarray(grads[x2]), [2.0, -2.0]), grads
     expect(RemoteError, lambda: rpc.remote(1, int, (3,)).backward(ctx), "RRef should contain a tensor")
+    # -- a __main__ function worker 1 lacks: its by-value copy travels once per worker, until answered
+    loaded = rpc.rpc_sync(1, copies_loaded)   # (by-value loads so far there: lambdas' too)
+    assert [rpc.rpc_sync(1, only_on_w0, (i,)) for i in range(3)] == [0, 2, 4]
+    assert [f.wait(10) for f in [rpc.rpc_async("w1", only_on_w0, (i,)) for i in range(3)]] == [0, 2, 4]
+    assert rpc.remote(1, only_on_w0, (5,)).to_here() == 10
+    assert rpc.rpc_sync(1, copies_loaded) == loaded + 1
+    rpc.rpc_sync(1, forget_copies)   # worker 1 has not seen the copy: a clear error, no hang
+    expect(RemoteError, lambda: rpc.rpc_sync(1, only_on_w0, (1,)), "'only_on_w0' is not defined in this worker's "
+           "__main__", "has not reached this worker")
+    assert rpc.rpc_async(1, only_on_w0, (4,)).wait(10) == 8   # after an error answer, the copy travels again
+    assert rpc.rpc_sync(1, only_on_w0, (5,)) == 10 and rpc.rpc_sync(1, copies_loaded) == loaded + 2
     rpc.rpc_sync(1, finish)
 else:
     assert _done.wait(90), "rank 0 never finished"

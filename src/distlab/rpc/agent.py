@@ -115,6 +115,9 @@ class RpcAgent:
         self._places = {mode: [functools.partial(placement.target, dst, mode) for dst in range(self.size)]
                         for mode in ("request", "reply", "either")}
         self._descriptions: dict[tuple, str] = {}
+        #: per worker, the digests of the ``__main__`` functions' by-value copies it answered a call with: calls to it
+        #: name those functions without their copy (framing.main_ref); forgotten at an error response from it
+        self.copies_seen: list[set] = [set() for _ in range(self.size)]
         self._dispatch.places = self._places
         #: how the agent's threads wait for messages: "libmpi" (the core twin calls MPI_Improbe itself, GIL
         #: released) or "mpi4py (...)", saying why (see distlab.reference.rpc_wait)
@@ -279,6 +282,7 @@ class RpcAgent:
         if rmeta is not None or self._tl_on:
             self._answered(dst, mid, kind, start, flags, rmeta)
         if flags & FLAG_ERROR:
+            self.copies_seen[dst].clear()   # perhaps a restarted worker: the next calls carry the copies again
             raise self._dispatch.remote_error(rbody)
         if not rforks:
             if rbody == framing.NONE_BODY:
@@ -319,6 +323,7 @@ class RpcAgent:
         if meta is not None or self._tl_on:
             self._answered(src, mid, entry[2], entry[3], flags, meta)
         if flags & FLAG_ERROR:
+            self.copies_seen[src].clear()   # as in call_sync
             fut.set_exception(self._dispatch.remote_error(body))
             return
         if not forks:  # no RRef to receive first: complete it here (with_forks' path, without its frames)

@@ -12,9 +12,10 @@ from distlab.futures import Future
 
 from . import wrappers
 from .agent import RpcAgent
-from .framing import call_payload
+from .framing import call_payload, main_ref
 
-__all__ = ["get_agent", "is_initialized", "current_agent", "set_agent", "cheap", "rpc_sync", "rpc_async", "K_CALL"]
+__all__ = ["get_agent", "is_initialized", "current_agent", "set_agent", "cheap", "rpc_sync", "rpc_async", "K_CALL",
+           "copy_seen"]
 
 K_CALL = RPC_KIND_CODES["call"]
 
@@ -61,8 +62,15 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
         return unwrap(agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline))
-    return agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout,
-                           inline=getattr(func, "__distlab_rpc_cheap__", False))
+    payload = call_payload(func, args, kwargs)
+    if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
+        dst, payload, fresh = _main_payload(agent, to, payload)
+        result = agent.call_sync(dst, K_CALL, payload, timeout=timeout,
+                                 inline=getattr(func, "__distlab_rpc_cheap__", False))
+        if fresh:
+            agent.copies_seen[dst].add(payload[0][2])
+        return result
+    return agent.call_sync(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
 
 
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
@@ -76,5 +84,27 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
         func, args, kwargs, unwrap = wrapped
         return agent.send(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline).then(
             lambda f: unwrap(f.value()))
-    return agent.send(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout,
-                      inline=getattr(func, "__distlab_rpc_cheap__", False))
+    payload = call_payload(func, args, kwargs)
+    if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
+        dst, payload, fresh = _main_payload(agent, to, payload)
+        fut = agent.send(dst, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+        if fresh:
+            fut.add_done_callback(copy_seen(agent, dst, payload[0][2]))
+        return fut
+    return agent.send(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+
+
+def _main_payload(agent, to, payload) -> tuple:
+    """``(dst, payload, fresh)``: a call of a ``__main__`` function to worker ``to`` (as an id), its by-value copy
+    left out when that worker has it (``fresh``: the copy travels; see :func:`distlab.rpc.framing.main_ref`)."""
+    dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
+    ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
+    return dst, (ref, payload[1], payload[2]), fresh
+
+
+def copy_seen(agent, dst, digest):
+    """A future's callback: once worker ``dst`` answered a request that carried a by-value copy, it has it."""
+    def seen(fut):
+        if fut.exception() is None:
+            agent.copies_seen[dst].add(digest)
+    return seen

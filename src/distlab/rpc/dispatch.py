@@ -49,14 +49,20 @@ class CallInfo(NamedTuple):
     meta: Any
 
 
-_call_local = threading.local()
+
+
+class _CallLocal(threading.local):
+    info = None  # a class-level default: getattr on a thread-local attribute never set formats an AttributeError
+
+
+_call_local = _CallLocal()
 _new_tuple = tuple.__new__
 _NONE_REPLY = (framing.NONE_BODY, (), ())
 
 
 def current_call() -> CallInfo | None:
     """The request being handled on this thread (None outside a handler)."""
-    return getattr(_call_local, "info", None)
+    return _call_local.info
 
 
 class _Threads:
@@ -253,7 +259,7 @@ class Dispatcher:
 
     def _execute(self, fn, src, kind, flags, mid, meta, body, buffers, slot, seat, resolved) -> None:
         payload = framing.loads(body, buffers, resolved, checked=True)  # walked by the codec
-        previous = getattr(_call_local, "info", None)
+        previous = _call_local.info
         _call_local.info = info = _new_tuple(CallInfo, (src, kind, mid, meta))  # CallInfo(...), no Python frame
         start = self._now_us() if self._tl_on else 0.0
         rmeta = None

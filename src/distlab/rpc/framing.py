@@ -33,13 +33,16 @@ header: ``dumps(..., place=...)`` asks ``place(device)`` where each lands (the d
 :mod:`distlab.rpc.devices`), and refuses them when it is None.
 
 Functions defined in ``__main__`` (and lambdas, local functions) travel by value through cloudpickle; the
-bytes are cached per function object.
+bytes are cached per function object. A call names a top-level ``__main__`` function (the receiver runs its own
+``__main__``'s function of that name), and its by-value copy travels with the calls to a worker only until that
+worker has answered one of them (:func:`main_ref`): the receiver keeps the copies it loaded, by digest.
 """
 from __future__ import annotations
 
 import collections.abc
 import copyreg
 import functools
+import hashlib
 import importlib
 import io
 import pickle
@@ -61,7 +64,7 @@ from . import devices as _devices
 __all__ = [
     "HEADER", "FLAG_ERROR", "FLAG_INLINE", "FLAG_NOREPLY", "INBAND_MAX", "MAX_BUFFERS", "MAX_FORKS",
     "MAX_MESSAGE_BYTES", "dumps", "loads", "pack_header", "unpack_header", "load_meta", "pack_batch", "split_batch",
-    "by_value", "call_payload", "function_ref", "resolve_ref", "current_forks", "buffer_devices", "device_records", "place_buffers", "codec",
+    "by_value", "call_payload", "function_ref", "main_ref", "resolve_ref", "current_forks", "buffer_devices", "device_records", "place_buffers", "codec",
     "NONE_BODY",
 ]
 
@@ -80,17 +83,28 @@ NONE_BODY = pickle.dumps(None, protocol=5)
 _codec = _backend.load("rpc_framing")
 #: the active twin of the wire codec (:mod:`distlab.reference.rpc_framing` or its core twin)
 codec = _codec
-_local = threading.local()
+
+
+class _Local(threading.local):
+    """This thread's framing state: the running :func:`dumps` (its forks, fork hook and device placement) and the
+    RRefs :func:`loads` resolves placeholders to. Class-level defaults: reading a thread-local attribute that was
+    never set raises (and formats) an AttributeError inside ``getattr``, thousands of instructions per call."""
+
+    dumping = None
+    resolved = None
+
+
+_local = _Local()
 
 
 def current_forks():
     """The fork list being filled by :func:`dumps` on this thread (None outside a dumps call)."""
-    dumping = getattr(_local, "dumping", None)
+    dumping = _local.dumping
     return dumping[0] if dumping is not None else None
 
 
 def _fork_placeholder(index):
-    resolved = getattr(_local, "resolved", None)
+    resolved = _local.resolved
     if resolved is None:
         raise pickle.UnpicklingError("an RRef placeholder was unpickled outside distlab.rpc framing.loads")
     return resolved[index]
@@ -118,14 +132,29 @@ class _ByValue:
 _by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _resolve_main(name, data):
+_received: dict = {}  # digest -> the __main__ function a caller's by-value copy made here (main_ref)
+
+
+def _resolve_main(name, data, digest=None):
     fn = getattr(sys.modules.get("__main__"), name, None) if name else None
     if fn is not None:
         return fn
+    if digest is not None:
+        fn = _received.get(digest)
+        if fn is not None:
+            return fn
     if data is None:
+        if digest is not None:
+            raise pickle.UnpicklingError(
+                f"function {name!r} is not defined in this worker's __main__, and the by-value copy its caller "
+                "sends once per worker has not reached this worker (was it restarted?); the caller sends the copy "
+                "again with its next call")
         raise pickle.UnpicklingError(
             f"function {name!r} is not defined in this worker's __main__ and could not travel by value")
-    return _load_by_value(data)
+    fn = _load_by_value(data)
+    if digest is not None:
+        _received[digest] = fn
+    return fn
 
 
 class _MainFunction:
@@ -246,7 +275,7 @@ def dumps(obj, fork_hook=None, place=None):
 
     kinds = _devices.device_kinds()  # none unless cupy or a stand-in is in use: then nothing more is done
     forks = []
-    outer = getattr(_local, "dumping", None)
+    outer = _local.dumping
     _local.dumping = (forks, fork_hook, (place, pending) if kinds else None)
     try:
         try:
@@ -264,7 +293,7 @@ def dumps(obj, fork_hook=None, place=None):
 
 def fork_hook():
     """The fork hook of the running :func:`dumps` (what an RRef's ``__reduce__`` calls)."""
-    dumping = getattr(_local, "dumping", None)
+    dumping = _local.dumping
     return dumping[1] if dumping is not None else None
 
 
@@ -279,7 +308,7 @@ def loads(body, buffers=(), resolved=None, checked=False):
         _codec.check_pickle(body)
     if body == NONE_BODY:
         return None
-    previous = getattr(_local, "resolved", None)
+    previous = _local.resolved
     if previous is not resolved:
         _local.resolved = resolved
     try:
@@ -308,21 +337,41 @@ def function_ref(func):
     """What travels for ``func``: its name, when the receiver can find it by name, else ``func`` made sendable.
 
     A module-level function of an importable module travels as ``"module:qualname"``, a top-level ``__main__``
-    function as ``(name, its cloudpickle bytes or None)``: the receiver finds each by name (:func:`resolve_ref`,
-    through a cache), with no global for the pickler to look up on either side (that lookup is most of the cost of
-    pickling a call). Anything else travels as :func:`by_value` makes it (lambdas and local functions by value,
-    methods, builtins and other callables as pickle pickles them).
+    function as ``(name, its cloudpickle bytes or None, their digest or None)`` (:func:`main_ref` drops the bytes
+    for a worker that has them): the receiver finds each by name (:func:`resolve_ref`, through a cache), with no
+    global for the pickler to look up on either side (that lookup is most of the cost of pickling a call).
+    Anything else travels as :func:`by_value` makes it (lambdas and local functions by value, methods, builtins
+    and other callables as pickle pickles them).
     """
     if type(func) is types.FunctionType and "<" not in func.__qualname__:
         module, qualname = func.__module__, func.__qualname__
         if module == "__main__":
             if "." not in qualname:
-                ref = _refs[func] = (qualname, by_value(func).data)
+                data = by_value(func).data
+                digest = hashlib.blake2b(data, digest_size=16).digest() if data is not None else None
+                ref = _refs[func] = (qualname, data, digest)
+                if digest is not None:
+                    _without_copy[digest] = (qualname, None, digest)
                 return ref
         elif module and _named(module, qualname) is func:
             ref = _refs[func] = f"{module}:{qualname}"
             return ref
     return by_value(func)
+
+
+_without_copy: dict = {}  # digest -> the ref of a __main__ function without its by-value copy
+
+
+def main_ref(ref, seen):
+    """A top-level ``__main__`` function's ref (:func:`function_ref`) as a call to one worker sends it:
+    ``(ref, fresh)``, without the by-value copy once that worker has it (its digest in ``seen``, the digests of the
+    copies it answered a call with), else with it (``fresh``: True when the copy travels)."""
+    digest = ref[2]
+    if digest is None:
+        return ref, False   # no copy (cloudpickle failed): the receiver's own __main__ function, or an error
+    if digest in seen:
+        return _without_copy[digest], False
+    return ref, True
 
 
 def _named(module: str, qualname: str):

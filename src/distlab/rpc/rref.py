@@ -23,7 +23,7 @@ from distlab.futures import Future
 
 from . import calls, framing, functions, wrappers
 from .agent import current_call
-from .calls import K_CALL, get_agent
+from .calls import K_CALL, copy_seen, get_agent
 from .functions import async_execution, is_async_execution
 
 __all__ = ["RRef", "remote", "rref_debug_info", "get_context"]
@@ -357,6 +357,9 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     ctx = _ctx
     dst = agent.worker_info(to).id
     func_v, args, kwargs = framing.call_payload(func, args, kwargs)
+    fresh = False
+    if type(func_v) is tuple:  # a __main__ function: its by-value copy goes to each worker once
+        func_v, fresh = framing.main_ref(func_v, agent.copies_seen[dst])
     r, rid, fid = ctx.create_remote(dst)
     timeout = agent.rpc_timeout if timeout is None else timeout
     rref = RRef._wrap(r, time.monotonic() + timeout if timeout and timeout > 0 else None)
@@ -367,6 +370,8 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
         _remote_done(ctx, r, rid, exc)
         raise
     fut.add_done_callback(lambda f: _remote_done(ctx, r, rid, f.exception()))
+    if fresh:
+        fut.add_done_callback(copy_seen(agent, dst, func_v[2]))
     return rref
 
 
