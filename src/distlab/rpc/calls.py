@@ -64,11 +64,12 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
         return unwrap(agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline))
     payload = call_payload(func, args, kwargs)
     if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
-        dst, payload, fresh = _main_payload(agent, to, payload)
-        result = agent.call_sync(dst, K_CALL, payload, timeout=timeout,
+        dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
+        ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
+        result = agent.call_sync(dst, K_CALL, (ref, payload[1], payload[2]), timeout=timeout,
                                  inline=getattr(func, "__distlab_rpc_cheap__", False))
         if fresh:
-            agent.copies_seen[dst].add(payload[0][2])
+            agent.copies_seen[dst].add(ref[2])
         return result
     return agent.call_sync(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
 
@@ -86,20 +87,14 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
             lambda f: unwrap(f.value()))
     payload = call_payload(func, args, kwargs)
     if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
-        dst, payload, fresh = _main_payload(agent, to, payload)
-        fut = agent.send(dst, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+        dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
+        ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
+        fut = agent.send(dst, K_CALL, (ref, payload[1], payload[2]), timeout=timeout,
+                         inline=getattr(func, "__distlab_rpc_cheap__", False))
         if fresh:
-            fut.add_done_callback(copy_seen(agent, dst, payload[0][2]))
+            fut.add_done_callback(copy_seen(agent, dst, ref[2]))
         return fut
     return agent.send(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
-
-
-def _main_payload(agent, to, payload) -> tuple:
-    """``(dst, payload, fresh)``: a call of a ``__main__`` function to worker ``to`` (as an id), its by-value copy
-    left out when that worker has it (``fresh``: the copy travels; see :func:`distlab.rpc.framing.main_ref`)."""
-    dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
-    ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
-    return dst, (ref, payload[1], payload[2]), fresh
 
 
 def copy_seen(agent, dst, digest):
