@@ -19,7 +19,8 @@ instruction count::
     valgrind --tool=callgrind python -P benchmarks/bench_rpc.py --in-process sync --calls 1000
     valgrind --tool=callgrind python -P benchmarks/bench_rpc.py --in-process sync --calls 3000
 
-(the difference of the two totals, over 2,000, is the instructions per call).
+(the difference of the two totals, over 2,000, is the instructions per call; the full run does this for the core
+twin when valgrind is installed, unless ``--no-callgrind``).
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ import argparse
 import collections
 import json
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -417,6 +421,30 @@ def python_frames(world, n: int = 100) -> float:
     return frames[0] / n
 
 
+def instructions(impl: str) -> float | None:
+    """Instructions per in-process ``rpc_sync`` no-op of the ``impl`` twin, both sides, counted by callgrind: the
+    totals of ``--in-process sync`` runs of 3,000 and 1,000 calls, their difference over 2,000 (so start-up and
+    imports cancel). None when valgrind is not installed (said on stderr)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        print("bench_rpc: valgrind is not installed: no instruction count", file=sys.stderr)
+        return None
+    totals = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (1000, 3000):
+            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind.out", sys.executable,
+                       "-P", __file__, "--in-process", "sync", "--calls", str(n)]
+            # a fixed hash seed and no BLAS threads (they spin while idle, and callgrind counts them): the same
+            # count from one run to the next
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
+                                  env=dict(os.environ, DISTLAB_IMPL=impl, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1"))
+            found = re.search(r"Collected : (\d+)", done.stderr)
+            if done.returncode or found is None:
+                raise RuntimeError(f"callgrind of the {impl} twin failed:\n{done.stderr[-2000:]}")
+            totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / 2000
+
+
 def in_process(impl: str, quick: bool) -> dict:
     """:func:`in_process_cpu` of the ``impl`` twin, in a process of its own (as a user's script: ``__main__``)."""
     command = [sys.executable, "-P", __file__, "--in-process-cpu"] + (["--quick"] if quick else [])
@@ -529,6 +557,7 @@ def _above(run: dict) -> float:
 
 
 FRAMES = "distlab's Python functions run per rpc_sync no-op, both sides (count)"
+INSTRUCTIONS = "instructions per rpc_sync no-op, both sides, in process (callgrind)"
 WHERE = "  of which "   # the rows of where_cpu, under the in-process total they split
 
 
@@ -568,7 +597,7 @@ def record(report: dict, path: Path) -> None:
     unit = {"us": " us", "s/s": " s/s"}
 
     def with_unit(metric, cell):
-        if cell in ("", "-") or "calls/s" in metric or metric == FRAMES:
+        if cell in ("", "-") or "calls/s" in metric or metric in (FRAMES, INSTRUCTIONS):
             return cell
         return cell + (unit["s/s"] if "CPU (s per s" in metric else unit["us"])
 
@@ -601,6 +630,8 @@ def main() -> None:
     parser.add_argument("--torch-python", help="an interpreter with torch: adds PyTorch RPC's column")
     parser.add_argument("--in-process", choices=["sync", "async"], help="run only N in-process calls (for callgrind)")
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--no-callgrind", action="store_true",
+                        help="skip the instruction count (callgrind runs the in-process loop twice, a few minutes)")
     parser.add_argument("--record", help="also write the run as the docs' record (docs/_data/bench/rpc.json)")
     parser.add_argument("--in-process-cpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -640,6 +671,8 @@ def main() -> None:
             runs[impl][WHERE + label] = value
         runs[impl][WHERE + "the agent's own Python frames (the rest)"] = sync - sum(where.values())
         runs[impl][FRAMES] = cpu["frames"]
+        if impl == "core" and not options.no_callgrind:
+            runs[impl][INSTRUCTIONS] = instructions(impl)
         runs[impl]["agent CPU per rpc_async no-op, both sides, in process (us)"] = cpu["async"]
         runs[impl]["RRef protocol bookkeeping, CPU per lifecycle, in process (us)"] = protocol_cpu(impl)
         if "remote + to_here + delete, 2000 RRefs (us each)" in runs[impl]:
