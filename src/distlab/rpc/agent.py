@@ -46,6 +46,9 @@ log = logging.getLogger("distlab.rpc")
 
 _GENERATIONS = itertools.count()  # agents started in this process: message ids restart with each
 
+_SENT = Future(description="a one-way rpc request")  # what send(noreply=True) returns: completed, shared
+_SENT.set_result(None)
+
 #: The longest the listener waits for a message's out-of-band buffers (seconds; less when rpc_timeout is less).
 BUFFER_TIMEOUT_MAX = 30.0
 
@@ -205,15 +208,15 @@ class RpcAgent:
         inverse (see :class:`distlab.rpc.devices.Placement`).
         """
         dst, meta, body, buffers, forks, mid = self._encode(dst, kind, payload, meta, device_map)
-        words = self._descriptions.get((kind, dst))
-        if words is None:  # ("rpc call #", " to w1"): made once per kind and destination
-            words = self._descriptions[(kind, dst)] = (f"rpc {self._dispatch.label(kind)} #",
-                                                       f" to {self.workers[dst].name}")
-        fut = Future(description=f"{words[0]}{mid}{words[1]}")
         flags = (FLAG_INLINE if inline else 0) | (FLAG_NOREPLY if noreply else 0)
         if noreply:
-            fut.set_result(None)
+            fut = _SENT  # nothing to wait for: one completed future serves every one-way request
         else:
+            words = self._descriptions.get((kind, dst))
+            if words is None:  # ("rpc call #", " to w1"): made once per kind and destination
+                words = self._descriptions[(kind, dst)] = (f"rpc {self._dispatch.label(kind)} #",
+                                                           f" to {self.workers[dst].name}")
+            fut = Future(description=f"{words[0]}{mid}{words[1]}")
             self._pending[mid] = (fut, dst, kind, self._now_us() if self._tl_on else 0.0)
             timeout = self.rpc_timeout if timeout is None else timeout
             if _track_timeout and timeout and timeout > 0:

@@ -351,11 +351,11 @@ def remote(to, func, args=(), kwargs=None, timeout=None):
     rewrite the call first.
     """
     agent = get_agent()
-    wrapped = wrappers.wrap_for(agent, to, func, args, kwargs, remote=True)
+    wrapped = wrappers.registered and wrappers.wrap_for(agent, to, func, args, kwargs, remote=True)
     if wrapped:
         func, args, kwargs, _unwrap = wrapped
     ctx = _ctx
-    dst = agent.worker_info(to).id
+    dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
     func_v, args, kwargs = framing.call_payload(func, args, kwargs)
     fresh = False
     if type(func_v) is tuple:  # a __main__ function: its by-value copy goes to each worker once
