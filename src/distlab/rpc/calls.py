@@ -62,16 +62,11 @@ def rpc_sync(to, func, args=(), kwargs=None, timeout=None):
         inline = getattr(func, "__distlab_rpc_cheap__", False)
         func, args, kwargs, unwrap = wrapped
         return unwrap(agent.call_sync(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline))
-    payload = call_payload(func, args, kwargs)
-    if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
-        dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
-        ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
-        result = agent.call_sync(dst, K_CALL, (ref, payload[1], payload[2]), timeout=timeout,
-                                 inline=getattr(func, "__distlab_rpc_cheap__", False))
-        if fresh:
-            agent.copies_seen[dst].add(ref[2])
-        return result
-    return agent.call_sync(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+    to, payload, copy = _request(agent, to, func, args, kwargs)
+    result = agent.call_sync(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+    if copy is not None:
+        agent.copies_seen[to].add(copy)  # it answered: it has the copy
+    return result
 
 
 def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
@@ -85,16 +80,23 @@ def rpc_async(to, func, args=(), kwargs=None, timeout=None) -> Future:
         func, args, kwargs, unwrap = wrapped
         return agent.send(to, K_CALL, call_payload(func, args, kwargs), timeout=timeout, inline=inline).then(
             lambda f: unwrap(f.value()))
+    to, payload, copy = _request(agent, to, func, args, kwargs)
+    fut = agent.send(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+    if copy is not None:
+        fut.add_done_callback(copy_seen(agent, to, copy))
+    return fut
+
+
+def _request(agent, to, func, args, kwargs) -> tuple:
+    """``(to, payload, copy)``: a call's destination and payload (:func:`~distlab.rpc.framing.call_payload`). A
+    ``__main__`` function's by-value copy goes to each worker once: left out when worker ``to`` (then an id) has it
+    (:func:`~distlab.rpc.framing.main_ref`); ``copy``: the copy's digest when it travels, else None."""
     payload = call_payload(func, args, kwargs)
-    if type(payload[0]) is tuple:  # a __main__ function: its by-value copy goes to each worker once
-        dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
-        ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
-        fut = agent.send(dst, K_CALL, (ref, payload[1], payload[2]), timeout=timeout,
-                         inline=getattr(func, "__distlab_rpc_cheap__", False))
-        if fresh:
-            fut.add_done_callback(copy_seen(agent, dst, ref[2]))
-        return fut
-    return agent.send(to, K_CALL, payload, timeout=timeout, inline=getattr(func, "__distlab_rpc_cheap__", False))
+    if type(payload[0]) is not tuple:
+        return to, payload, None
+    dst = to if type(to) is int and 0 <= to < agent.size else agent.worker_info(to).id
+    ref, fresh = main_ref(payload[0], agent.copies_seen[dst])
+    return dst, (ref, payload[1], payload[2]), ref[2] if fresh else None
 
 
 def copy_seen(agent, dst, digest):
