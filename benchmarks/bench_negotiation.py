@@ -17,6 +17,9 @@ and 1000 tensors submitted per cycle:
   turned off (its copies in private memory and MPI: the data path before the arena), interleaved round by round.
   ``--data-path`` runs only this part.
 
+``--callgrind IMPL TENSORS CYCLES`` runs only one-rank hit cycles, for instruction counts (see
+:func:`callgrind_cycles`, and docs/benchmarks.md for the commands).
+
 Each cycle starts after a barrier; a figure is the median over iterations of the slowest rank (for the hit path
 and the floors, the lowest of three such medians, measured in interleaved blocks). Prints a table and
 writes ``benchmarks/results/bench_negotiation.json``. Timings on a shared 2-core machine are noisy: compare
@@ -86,17 +89,37 @@ def bookkeeping(repeat=200):
                 channel = _NoComm()
                 _enqueue(controller, requests, grouped)
                 controller.compute_response_list(channel)
-                times = []
+                times, queued = [], []
                 n = repeat if impl == "core" or count < 1000 else max(repeat // 5, 10)
                 for _ in range(n):
+                    start = time.perf_counter()
                     _enqueue(controller, requests, grouped)
+                    queued.append(time.perf_counter() - start)
                     start = time.perf_counter()
                     response_list = controller.compute_response_list(channel)
                     times.append(time.perf_counter() - start)
                 assert controller.counters["fast_path"] == n
                 assert not grouped or len(response_list.responses) == 1
-                out[f"{impl}{'-grouped' if grouped else ''}/{count}"] = statistics.median(times) * 1e6
+                key = f"{impl}{'-grouped' if grouped else ''}/{count}"
+                out[key] = statistics.median(times) * 1e6
+                # the submitting thread's side: queueing (the core looks each request up in the cache there)
+                out[f"enqueue-{key}"] = statistics.median(queued) * 1e9 / count
     return out
+
+
+def callgrind_cycles(impl, count, cycles):
+    """``cycles`` one-rank hit cycles of ``count`` tensors, for callgrind: run it twice (say 100 and 300 cycles)
+    with ``--toggle-collect`` on ``compute_response_list`` and divide the difference by the extra cycles."""
+    from distlab import _backend
+
+    module = _backend.load("negotiation", impl)
+    controller = module.Controller(0, 1)
+    requests = _requests(module, count, "grad", 0)
+    channel = _NoComm()
+    for _ in range(cycles + 5):
+        _enqueue(controller, requests, False)
+        controller.compute_response_list(channel)
+    assert controller.counters["fast_path"] == cycles + 4
 
 
 def worker(out_path):
@@ -266,6 +289,7 @@ def main():
 
 
 def render(report):
+    nan = float("nan")
     lines = []
     book = report["bookkeeping_us"]
     data = report["mpi"].get(2, report["mpi"].get("2", {}))
@@ -281,14 +305,16 @@ def render(report):
         lines.append("")
     if not book:
         return "\n".join(lines)
-    lines.append("Cache bookkeeping, one-rank hit cycle, no communication (us per cycle):")
+    lines.append("Cache bookkeeping, one-rank hit cycle, no communication (us per cycle; enqueue: the submitting "
+                 "thread's ns per tensor):")
     lines.append(f"{'tensors':>8} {'reference':>11} {'core':>9} {'ratio':>7} {'ref grouped':>12} "
-                 f"{'core grouped':>13} {'grouped/single core':>20}")
+                 f"{'core grouped':>13} {'grouped/single core':>20} {'enqueue ref':>12} {'enqueue core':>13}")
     for count in COUNTS:
         ref, core = book[f"reference/{count}"], book[f"core/{count}"]
         gref, gcore = book[f"reference-grouped/{count}"], book[f"core-grouped/{count}"]
+        eref, ecore = book.get(f"enqueue-reference/{count}", nan), book.get(f"enqueue-core/{count}", nan)
         lines.append(f"{count:>8} {ref:>11.1f} {core:>9.1f} {ref / core:>6.1f}x {gref:>12.1f} {gcore:>13.1f} "
-                     f"{gcore / core:>19.2f}x")
+                     f"{gcore / core:>19.2f}x {eref:>12.0f} {ecore:>13.0f}")
     for np_, res in report["mpi"].items():
         lines.append("")
         lines.append(f"{np_} ranks, us per cycle (median of the slowest rank):")
@@ -313,5 +339,8 @@ def render(report):
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[sys.argv.index("--worker") + 1])
+    elif "--callgrind" in sys.argv:   # --callgrind IMPL TENSORS CYCLES
+        at = sys.argv.index("--callgrind")
+        callgrind_cycles(sys.argv[at + 1], int(sys.argv[at + 2]), int(sys.argv[at + 3]))
     else:
         main()

@@ -5,17 +5,20 @@
 cdef class Request:
     """See :class:`distlab.reference.messages.Request`."""
 
-    cdef public int request_type, tensor_type, request_rank, root_rank, device, reduce_op, group_id, group_size
-    cdef public double prescale_factor, postscale_factor
+    # readonly to Cython's descriptors: every write from Python goes through __setattr__, which forgets the hint
+    cdef readonly int request_type, tensor_type, request_rank, root_rank, device, reduce_op, group_id, group_size
+    cdef readonly double prescale_factor, postscale_factor
     cdef object _name
     cdef tuple _shape
     cdef string _cname
     cdef vector[int64_t] _cshape
     cdef int _ndim
     cdef int64_t _dims[8]
-    # A lookup hint: the cache bit of this name in the cache state numbered _hint_epoch (see ResponseCache._state)
+    # A lookup hint: this request's cache state (MISS, HIT, INVALID) and bit in the cache state numbered
+    # _hint_epoch (see _new_epoch in _response_cache.pxi); any change of the request forgets it
     cdef uint64_t _hint_epoch
     cdef uint32_t _hint_bit
+    cdef int _hint_state
 
     def __init__(self, tensor_name="", request_type=RequestType.ALLREDUCE, tensor_type=0, tensor_shape=(),
                  request_rank=0, root_rank=0, device=CPU_DEVICE_ID, reduce_op=0, prescale_factor=1.0,
@@ -32,6 +35,22 @@ cdef class Request:
         self.postscale_factor = postscale_factor
         self.group_id = group_id
         self.group_size = group_size
+
+    def __setattr__(self, str name, value):
+        # the typed fields by C assignment (same conversions as __init__), the rest through their descriptors
+        if name == "request_type": self.request_type = value
+        elif name == "tensor_type": self.tensor_type = value
+        elif name == "request_rank": self.request_rank = value
+        elif name == "root_rank": self.root_rank = value
+        elif name == "device": self.device = value
+        elif name == "reduce_op": self.reduce_op = value
+        elif name == "group_id": self.group_id = value
+        elif name == "group_size": self.group_size = value
+        elif name == "prescale_factor": self.prescale_factor = value
+        elif name == "postscale_factor": self.postscale_factor = value
+        else:
+            PyObject_GenericSetAttr(self, name, value)
+        self._hint_epoch = 0
 
     @property
     def tensor_name(self):
@@ -57,6 +76,7 @@ cdef class Request:
         self._ndim = len(self._shape)
         for i in range(min(self._ndim, 8)):
             self._dims[i] = self._cshape[i]
+        self._hint_epoch = 0
 
     def to_bytes(self):
         """See :meth:`distlab.reference.messages.Request.to_bytes`."""
@@ -69,14 +89,24 @@ cdef class Request:
         """``tensor_name``."""
         return self._name
 
-    cdef inline uint32_t cache_bit(self, unordered_map[string, uint32_t]& name_to_bit, uint64_t epoch) noexcept:
-        """The bit of this request's name in a cache's ``name_to_bit`` (_NO_BIT: none), in the state of that map the
-        cache numbers ``epoch``: looked up once per state (every state of every cache gets a new number)."""
+    cdef inline uint32_t find_bit(self, unordered_map[string, uint32_t]& name_to_bit) noexcept:
+        """The bit of this request's name in a cache's ``name_to_bit`` (_NO_BIT: none)."""
+        it = name_to_bit.find(self._cname)
+        return _NO_BIT if it == name_to_bit.end() else deref(it).second
+
+    cdef inline int hinted(self, uint64_t epoch, uint32_t* bit) noexcept:
+        """The cache state remembered for the cache state numbered ``epoch`` (its bit into ``bit``); -1 when none
+        is (every state of every cache gets a new number, so an equal number means nothing changed)."""
         if self._hint_epoch != epoch:
-            it = name_to_bit.find(self._cname)
-            self._hint_bit = _NO_BIT if it == name_to_bit.end() else deref(it).second
-            self._hint_epoch = epoch
-        return self._hint_bit
+            return -1
+        bit[0] = self._hint_bit
+        return self._hint_state
+
+    cdef inline void remember(self, uint64_t epoch, uint32_t bit, int state) noexcept:
+        """Remember this request's cache state and bit in the cache state numbered ``epoch``."""
+        self._hint_epoch = epoch
+        self._hint_bit = bit
+        self._hint_state = state
 
     cdef inline int64_t num_elements(self):
         """The product of the dimensions (the element count of an allreduce's response)."""

@@ -3,6 +3,14 @@
 # parses with the struct layouts of distlab._wire (reference/messages.py).
 # --- core-only helpers ---
 
+cdef inline void _acquire(PyThread_type_lock lock) noexcept:
+    """Take ``lock``: at once when free, else waiting with the GIL released (its holders run a few C statements
+    and never wait for the GIL while holding it, so no thread waits on both)."""
+    if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+
+
 cdef inline ResponseList _response_list(bint shutdown, int process_set_id):
     """An empty ResponseList (no Python-level construction on the fast path)."""
     cdef ResponseList response_list = ResponseList.__new__(ResponseList)
@@ -158,3 +166,48 @@ cdef _Params _params_of(Request r):
     p.group_size = r.group_size
     r.shape_into(&p)
     return p
+
+
+# -- the response cache's C helpers that touch no cache's fields (_response_cache.pxi) ---------------------------
+cdef list _bits_list(const vector[uint64_t]& words):
+    """The set bits, ascending (the reference's _set_bits over C words)."""
+    cdef list out = []
+    cdef size_t i
+    cdef uint64_t word
+    for i in range(words.size()):
+        word = words[i]
+        while word:
+            out.append(<long>(i * 64 + __builtin_ctzll(word)))
+            word &= word - 1
+    return out
+
+cdef inline uint64_t* _words_at(object words, long n) except NULL:
+    """The data of ``words``, a C-contiguous, aligned uint64 numpy array of ``n`` words (numpy's C API: no
+    buffer export, no memoryview per cycle)."""
+    cdef cnp.ndarray arr
+    if type(words) is not np.ndarray:
+        raise TypeError(f"the bit vector must be a numpy array, got {type(words).__name__}")
+    arr = <cnp.ndarray>words
+    if not (cnp.PyArray_TYPE(arr) == cnp.NPY_UINT64 and cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_DIM(arr, 0) == n
+            and cnp.PyArray_IS_C_CONTIGUOUS(arr) and cnp.PyArray_ISALIGNED(arr)):
+        raise ValueError(f"the bit vector must be a uint64 array of {n} words, got {words.dtype} "
+                         f"{words.shape}")
+    return <uint64_t*>cnp.PyArray_DATA(arr)
+
+cdef inline bint _params_match(_Params& a, Request r) noexcept:
+    # the HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
+    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and r.shape_in(&a)
+                         and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
+                         and a.post == r.postscale_factor and a.group_id == r.group_id
+                         and a.group_size == r.group_size))
+
+# Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
+# remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current. No lock:
+# the increment is one C statement under the GIL (no Python code runs between its read and its write).
+cdef uint64_t _EPOCHS = 0
+
+
+cdef inline uint64_t _new_epoch():
+    global _EPOCHS
+    _EPOCHS += 1
+    return _EPOCHS

@@ -12,21 +12,23 @@ what formats errors or validates the coordinator's requests is shared with the r
 (:mod:`distlab._common.negotiation`).
 """
 import sys
-import threading
 import warnings
 
 import numpy as np
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.math cimport isfinite
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 from libcpp.deque cimport deque as cppdeque
 from libcpp.list cimport list as cpplist
 from libcpp.string cimport string
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref, predecrement as dec, preincrement as inc
+from cpython.pythread cimport (NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock,
+                               PyThread_free_lock, PyThread_release_lock, PyThread_type_lock)
 
 from distlab._common.negotiation import (
     MAX_TENSOR_BYTES, CACHEABLE_RESPONSE_TYPES, COUNTERS, cache_error, check_capacity,
@@ -61,6 +63,7 @@ cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     object PyBytes_FromStringAndSize(const char* v, Py_ssize_t n)
+    int PyObject_GenericSetAttr(object o, object name, object value) except -1
 
 # The C mirrors of the shared codes (asserted equal below, at import).
 cdef enum:
@@ -98,6 +101,7 @@ _C_CONSTANTS = {
     (len(_wire.REQUEST_TYPE_NAMES), len(_wire.RESPONSE_TYPE_NAMES), len(_wire.DTYPE_NAMES),
      _wire.NEGOTIATED_REDUCE_OP_MAX): (_NUM_REQUEST_TYPES, _NUM_RESPONSE_TYPES, _NUM_DTYPES, _MAX_REDUCE_OP),
 }
+cnp.import_array()
 for _python, _c in _C_CONSTANTS.items():
     assert _python == _c, f"distlab.core._negotiation is out of date with the shared constants: {_python} != {_c}"
 assert len(DTYPE_SIZES) <= MAX_DTYPES
@@ -181,9 +185,21 @@ cdef class Controller:
     cdef public Coordinator coordinator
     cdef public bint joined
     cdef _Counters _counts
-    cdef object _lock
+    cdef PyThread_type_lock _lock  # the queue's lock (a C lock: taken per request by enqueue)
     cdef list _queue
     cdef dict _pending
+    cdef object _words               # the bit vector's uint64 words, reused every cycle
+    cdef vector[int] _states         # per request of the cycle's batch: its cache state, and its bit (reused)
+    cdef vector[uint32_t] _bits
+
+    def __cinit__(self, *args, **kwargs):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("cannot allocate the controller's queue lock")
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
 
     def __init__(self, rank, size, cache_capacity=1024, fusion_threshold=128 * 1024 * 1024, stall_check_time=60.0,
                  stall_shutdown_time=0.0, timeline=None, clock=None, process_set_id=_wire.GLOBAL_PROCESS_SET_ID):
@@ -194,7 +210,6 @@ cdef class Controller:
         self.cache = ResponseCache(cache_capacity)
         self.timeline = timeline
         self.stall = StallInspector(size, stall_check_time, stall_shutdown_time, **({"clock": clock} if clock else {}))
-        self._lock = threading.Lock()
         self._queue = []
         self._pending = {}
         if rank == 0:
@@ -208,37 +223,50 @@ cdef class Controller:
                                    self._counts.requeued, self._counts.responses, self._counts.fused_tensors)))
 
     cpdef enqueue(self, Request request):
-        """See :meth:`distlab.reference.negotiation.Controller.enqueue`."""
-        with self._lock:
-            self._queue.append(request)
+        """See :meth:`distlab.reference.negotiation.Controller.enqueue` (the request is looked up in the cache
+        here, on the submitting thread: the cycle then only checks that the cache has not changed since)."""
+        cdef uint32_t bit
+        if self.cache.capacity > 0:
+            self.cache.lookup(request, &bit)
+        _acquire(self._lock)
+        self._queue.append(request)
+        PyThread_release_lock(self._lock)
 
     def enqueue_group(self, requests):
         """See :meth:`distlab.reference.negotiation.Controller.enqueue_group`."""
         cdef list checked = [<Request?>request for request in requests]
-        with self._lock:
-            self._queue.extend(checked)
+        cdef Request request
+        cdef uint32_t bit
+        if self.cache.capacity > 0:
+            for request in checked:
+                self.cache.lookup(request, &bit)
+        _acquire(self._lock)
+        self._queue.extend(checked)
+        PyThread_release_lock(self._lock)
 
     def queue_length(self):
         """See :meth:`distlab.reference.negotiation.Controller.queue_length`."""
-        with self._lock:
-            return len(self._queue)
+        cdef Py_ssize_t n
+        _acquire(self._lock)
+        n = len(self._queue)
+        PyThread_release_lock(self._lock)
+        return n
 
     def compute_response_list(self, channel, shut_down=False, shutdown_reason=""):
         """See :meth:`distlab.reference.negotiation.Controller.compute_response_list`."""
-        cdef CacheCoordinator coordinator = CacheCoordinator(self.cache.num_active_bits())
-        cdef vector[int] states             # per request of the batch: its cache state, and its bit
-        cdef vector[uint32_t] bits
+        cdef CacheCoordinator coordinator = CacheCoordinator.__new__(CacheCoordinator)
         cdef long long hits = self._counts.hits
         cdef list batch, uncached
         cdef bint erased
         cdef object stopping                # this rank's reason to stop (None: it does not)
+        coordinator.start(self.cache.num_active_bits())
         self._counts.cycles += 1
-        batch = self._look_up(coordinator, states, bits)                                                 # 1
+        batch = self._look_up(coordinator, self._states, self._bits)                                     # 1
         stopping = self._check_for_stalls(coordinator, shut_down, shutdown_reason)                       # 2
         uncached = batch
         if self.cache.capacity > 0:
             erased = self._coordinate_cache_and_state(coordinator, channel)                              # 3
-            uncached = self._requeue_uncommon_hits(batch, coordinator, states, bits, erased,             # 4
+            uncached = self._requeue_uncommon_hits(batch, coordinator, self._states, self._bits, erased, # 4
                                                    self._counts.hits - hits)
             if not coordinator.uncached_in_queue and not coordinator.invalid_in_queue:
                 return self._fast_path(coordinator)                                                      # 5
@@ -250,18 +278,19 @@ cdef class Controller:
         """See :meth:`distlab.reference.negotiation.Controller._look_up` (each request's state and bit kept)."""
         # i < n == len(batch) == states.size() == bits.size() on every indexing below
         cdef ResponseCache cache = self.cache
-        cdef bint caching = cache.capacity > 0, grouped = False
-        cdef list batch
+        cdef bint caching = cache.capacity > 0, grouped = False, missed = False
+        cdef list batch, fresh = []
         cdef Py_ssize_t i, n
         cdef Request request
         cdef int state
         cdef uint32_t bit
-        with self._lock:
-            batch = self._queue
-            self._queue = []
+        _acquire(self._lock)
+        batch = self._queue
+        self._queue = fresh
+        PyThread_release_lock(self._lock)
         n = len(batch)
-        states.resize(n, S_MISS)
-        bits.resize(n, 0)
+        states.assign(n, S_MISS)
+        bits.assign(n, 0)
         for i in range(n):
             request = <Request>batch[i]
             if request.request_type == RT_JOIN:
@@ -276,6 +305,7 @@ cdef class Controller:
                     coordinator.hit(bit)  # record_hit
                     self._counts.hits += 1
                 else:
+                    missed = True
                     if state == S_INVALID:
                         bits[i] = bit
                         coordinator.record_invalid_bit(bit)
@@ -283,7 +313,7 @@ cdef class Controller:
                     coordinator.set_uncached_in_queue(True)
                     self._counts.misses += 1
                     self.stall.remove_cached(request.name())
-        if grouped and caching:
+        if grouped and missed:  # (a group is partial only where a member did not hit)
             self._invalidate_partial_groups(batch, states, bits, coordinator)
         if self.joined and caching:
             # a joined rank: every cached allreduce is "ready" (zeros), every other cached collective invalid
@@ -318,7 +348,9 @@ cdef class Controller:
     cdef bint _coordinate_cache_and_state(self, CacheCoordinator coordinator, channel) except -1:
         """See :meth:`distlab.reference.negotiation.Controller._coordinate_cache_and_state` (True when it erased)."""
         cdef bint erased = False
-        coordinator.sync(channel.allreduce_bits)
+        if self._words is None or len(self._words) != coordinator.num_words:
+            self._words = np.empty(coordinator.num_words, dtype=np.uint64)
+        coordinator.sync_into(channel.allreduce_bits, self._words)
         if coordinator.invalid_in_queue:
             for bit in coordinator.invalid_bits:
                 self.cache.erase_response(bit)
@@ -353,8 +385,11 @@ cdef class Controller:
                 uncached.append(request)
         if requeue:
             self._counts.requeued += len(requeue)
-            with self._lock:
+            _acquire(self._lock)
+            try:
                 self._queue[0:0] = requeue
+            finally:
+                PyThread_release_lock(self._lock)
         return uncached
 
     cdef ResponseList _fast_path(self, CacheCoordinator coordinator):

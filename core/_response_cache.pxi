@@ -86,7 +86,8 @@ cdef class ResponseCache:
         """See :meth:`distlab.reference.response_cache.ResponseCache.peek_cache_bit`."""
         cdef uint32_t bit
         if type(request_or_name) is Request:  # a request remembers its bit while the cache's state lasts
-            bit = (<Request>request_or_name).cache_bit(self._name_to_bit, self._epoch)
+            if _cache_state(self, <Request>request_or_name, &bit) == S_MISS:
+                bit = _NO_BIT
         else:
             it = self._name_to_bit.find(_utf8(request_or_name if isinstance(request_or_name, str)
                                               else request_or_name.tensor_name))
@@ -268,14 +269,28 @@ cdef class CacheCoordinator:
     cdef vector[uint64_t] _hits        # raw cache bits (not shifted by the status bits)
     cdef vector[uint64_t] _invalid
     cdef readonly bint should_shut_down, uncached_in_queue, invalid_in_queue, synced  # (properties in the reference)
-    cdef public object sent_words
+    cdef vector[uint64_t] _sent        # the words as they went into the AND allreduce (sent_words, once synced)
 
     def __init__(self, num_active_bits):
+        self.start(num_active_bits)
+
+    cdef int start(self, long num_active_bits) except -1:
+        """``__init__`` at C level (core only: the controller makes one per cycle)."""
         self.num_active_bits = num_active_bits
         self.num_words = (num_active_bits + NUM_STATUS_BITS + 63) >> 6
         self._hits.assign(self.num_words, 0)
         self._invalid.assign(self.num_words, 0)
-        self.sent_words = None
+        return 0
+
+    @property
+    def sent_words(self):
+        """See :attr:`distlab.reference.response_cache.CacheCoordinator.sent_words` (made when read)."""
+        if not self.synced:
+            return None
+        out = np.empty(self._sent.size(), dtype=np.uint64)
+        if self._sent.size():
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), self._sent.data(), self._sent.size() * sizeof(uint64_t))
+        return out
 
     cdef inline int _check_not_synced(self) except -1:
         if self.synced:
@@ -350,41 +365,51 @@ cdef class CacheCoordinator:
         """How many hits there are (core only)."""
         return _popcount(self._hits)
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
     def bitvector(self):
         """See :meth:`distlab.reference.response_cache.CacheCoordinator.bitvector`."""
-        # words has num_words entries and i < num_words on every access
-        cdef object arr = np.zeros(self.num_words, dtype=np.uint64)
-        cdef uint64_t[::1] words = arr
-        cdef uint64_t h
+        cdef object arr = np.empty(self.num_words, dtype=np.uint64)
+        self.fill_bitvector(<uint64_t*>cnp.PyArray_DATA(<cnp.ndarray>arr))
+        return arr
+
+    def sync(self, allreduce):
+        """See :meth:`distlab.reference.response_cache.CacheCoordinator.sync`."""
+        self.sync_into(allreduce, np.empty(self.num_words, dtype=np.uint64))
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef int fill_bitvector(self, uint64_t* words) noexcept:
+        """``bitvector()`` into ``words`` (``num_words`` of them; core only)."""
+        # _hits and _invalid have num_words entries and i < num_words on every access
+        cdef uint64_t h, status = 0
         cdef long i, n = self.num_words
-        cdef uint64_t status = 0
         if not self.should_shut_down:
             status |= (<uint64_t>1) << SHOULD_SHUT_DOWN
         if not self.uncached_in_queue:
             status |= (<uint64_t>1) << UNCACHED_IN_QUEUE
         if not self.invalid_in_queue:
             status |= (<uint64_t>1) << INVALID_IN_QUEUE
+        memset(words, 0, n * sizeof(uint64_t))
         words[0] = status
         for i in range(n):
             h = self._hits[i] & ~self._invalid[i]     # an invalid bit is never a hit
             words[i] |= h << NUM_STATUS_BITS
             if i + 1 < n:
                 words[i + 1] |= h >> (64 - NUM_STATUS_BITS)
-        return arr
+        return 0
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def sync(self, allreduce):
-        """See :meth:`distlab.reference.response_cache.CacheCoordinator.sync`."""
-        # every memoryview below has num_words entries (checked after each allreduce) and i < num_words
-        cdef uint64_t[::1] w
+    cdef int sync_into(self, allreduce, object words) except -1:
+        """``sync(allreduce)`` through ``words``, a uint64 array of ``num_words`` the caller keeps (core only: the
+        controller reuses one every cycle, so a cycle allocates no array)."""
+        # every pointer below has num_words entries (checked after each allreduce) and i < num_words
+        cdef uint64_t* w
         cdef long i, n = self.num_words
         self._check_not_synced()
-        words = self.bitvector()
-        self.sent_words = words.copy()
-        w = _reduce(allreduce, words, "band", n)
+        w = _words_at(words, n)
+        self.fill_bitvector(w)
+        self._sent.assign(w, w + n)
+        w = _words_at(_reduce(allreduce, words, "band", n), n)
         self.should_shut_down = not (w[0] >> SHOULD_SHUT_DOWN) & 1
         self.uncached_in_queue = not (w[0] >> UNCACHED_IN_QUEUE) & 1
         self.invalid_in_queue = not (w[0] >> INVALID_IN_QUEUE) & 1
@@ -394,69 +419,48 @@ cdef class CacheCoordinator:
                 self._hits[i] |= w[i + 1] << (64 - NUM_STATUS_BITS)
         if self.invalid_in_queue:
             invalid = np.empty(n, dtype=np.uint64)
-            w = invalid
+            w = _words_at(invalid, n)
             for i in range(n):
                 w[i] = self._invalid[i]
-            w = _reduce(allreduce, invalid, "bor", n)
+            w = _words_at(_reduce(allreduce, invalid, "bor", n), n)
             for i in range(n):
                 self._invalid[i] = w[i]
                 self._hits[i] &= ~w[i]
         self.synced = True
+        return 0
 
 
-cdef uint64_t[::1] _reduce(allreduce, object words, str op, long n):
-    """See :func:`distlab.reference.response_cache._reduce` (the result as a checked uint64 view)."""
+cdef object _reduce(allreduce, object words, str op, long n):
+    """See :func:`distlab.reference.response_cache._reduce` (the result checked: a uint64 array of n words)."""
     reduced = allreduce(words, op)
-    cdef uint64_t[::1] out = words if reduced is None else np.ascontiguousarray(reduced, dtype=np.uint64)
-    if out.shape[0] != n:
-        raise ValueError(f"the bit-vector allreduce returned {out.shape[0]} words, expected {n}")
+    if reduced is None:
+        return words
+    out = np.ascontiguousarray(reduced, dtype=np.uint64)
+    if out.ndim != 1 or out.shape[0] != n:
+        raise ValueError(f"the bit-vector allreduce returned {out.size} words, expected {n}")
     return out
 
-
-cdef list _bits_list(const vector[uint64_t]& words):
-    """The set bits, ascending (the reference's _set_bits over C words)."""
-    cdef list out = []
-    cdef size_t i
-    cdef uint64_t word
-    for i in range(words.size()):
-        word = words[i]
-        while word:
-            out.append(<long>(i * 64 + __builtin_ctzll(word)))
-            word &= word - 1
-    return out
 
 
 # --- core-only helpers ---------------------------------------------------------------------------------------
 cdef Request _BLANK_REQUEST = Request()
 
 
-cdef inline bint _params_match(_Params& a, Request r) noexcept:
-    # the HIT condition (mirrors response_cache.cc cached(), plus op and scale factors)
-    return (a.joined or (a.rtype == r.request_type and a.dtype == r.tensor_type and r.shape_in(&a)
-                         and a.device == r.device and a.op == r.reduce_op and a.pre == r.prescale_factor
-                         and a.post == r.postscale_factor and a.group_id == r.group_id
-                         and a.group_size == r.group_size))
-
-
-# Every state of every cache's name -> bit mapping gets a number never used before (0 = none), so a Request can
-# remember "in mapping state E my name had bit B (or none)" and skip the hash lookup while E is current. No lock:
-# the increment is one C statement under the GIL (no Python code runs between its read and its write).
-cdef uint64_t _EPOCHS = 0
-
-
-cdef inline uint64_t _new_epoch():
-    global _EPOCHS
-    _EPOCHS += 1
-    return _EPOCHS
-
-
 cdef inline int _cache_state(ResponseCache cache, Request r, uint32_t* bit) noexcept:
-    """ResponseCache.cached() without the Python call; sets ``bit`` on HIT and INVALID."""
-    cdef uint32_t b = r.cache_bit(cache._name_to_bit, cache._epoch)
+    """ResponseCache.cached() without the Python call; sets ``bit`` on HIT and INVALID. Remembered in the request
+    while the cache's state lasts: a request looked up at enqueue costs the cycle one comparison."""
+    cdef int state = r.hinted(cache._epoch, bit)
+    cdef uint32_t b
+    if state >= 0:
+        return state
+    b = r.find_bit(cache._name_to_bit)
     if b == _NO_BIT:
-        return S_MISS
+        state = S_MISS
+    else:
+        state = S_HIT if _params_match(cache._params[cache._bit_slot[b]], r) else S_INVALID
+    r.remember(cache._epoch, b, state)
     bit[0] = b
-    return S_HIT if _params_match(cache._params[cache._bit_slot[b]], r) else S_INVALID
+    return state
 
 
 cdef int _slot_at(ResponseCache cache, long bit) except -1:

@@ -387,3 +387,26 @@ def test_repeated_hit_cycles_follow_threshold_and_cache_changes(negotiation):
     again = cycle(shape=(8,))
     assert names_of(again[0]) == [["a", "b", "c"]] and again[0].responses[0].tensor_sizes == [8, 8, 8]
     assert all(c.counters["fast_path"] >= 5 for c in cs)
+
+
+def test_a_request_changed_after_enqueue_is_negotiated_as_changed(negotiation):
+    """A request is looked up in the cache when it is queued; changing it before the cycle, or a cycle changing
+    the cache meanwhile, must give the cycle the state of the request as it is then (invalid, renegotiated)."""
+    m = negotiation
+    world, cs, ts = make_world([m, m])
+    for c in cs:
+        submit(m, c, "a")
+    run_cycle(cs, ts)
+    kept = []
+    for c in cs:
+        request = m.Request("a", RequestType.ALLREDUCE, F32, (4,), request_rank=c.rank, reduce_op=1)
+        c.enqueue(request)                                    # a HIT when queued ...
+        kept.append(request)
+    for request in kept:
+        request.reduce_op = 2                                 # ... changed before the cycle: invalid everywhere
+    out = run_cycle(cs, ts)
+    assert all(c.counters["invalid"] == 1 and c.counters["slow_path"] == 2 for c in cs)
+    assert names_of(out[0]) == [["a"]] and out[0].responses[0].reduce_op == 2
+    for c in cs:
+        submit(m, c, "a", op=2)
+    assert names_of(run_cycle(cs, ts)[0]) == [["a"]] and all(c.counters["fast_path"] == 1 for c in cs)

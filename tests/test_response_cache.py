@@ -370,3 +370,24 @@ def test_many_dimensions_and_mutated_requests(negotiation):
     assert cache.cached(kept) == m.INVALID
     kept.tensor_name = "other"
     assert cache.cached(kept) == m.MISS
+
+
+@pytest.mark.parametrize("field, changed", [("request_type", RequestType.ALLGATHER), ("tensor_type", F64),
+                                            ("device", 0), ("reduce_op", 2), ("prescale_factor", 0.5),
+                                            ("postscale_factor", 2.0), ("group_id", 7), ("group_size", 3)])
+def test_a_changed_field_is_looked_at_afresh(negotiation, field, changed):
+    """A request remembers what a lookup found only while neither it nor the cache changes: every field a HIT
+    compares, written after a lookup, gives the state of the changed request (and back)."""
+    m = negotiation
+    cache = m.ResponseCache(8)
+    put(m, cache, "a")
+    kept = req(m, "a")
+    assert cache.cached(kept) == m.HIT
+    before = getattr(kept, field)
+    setattr(kept, field, changed)
+    assert getattr(kept, field) == changed
+    assert cache.cached(kept) == m.INVALID
+    setattr(kept, field, before)
+    assert cache.cached(kept) == m.HIT
+    with pytest.raises(AttributeError):
+        kept.no_such_field = 1
