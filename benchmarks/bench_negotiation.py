@@ -17,6 +17,8 @@ and 1000 tensors submitted per cycle:
   turned off (its copies in private memory and MPI: the data path before the arena), interleaved round by round.
   ``--data-path`` runs only this part.
 
+``--record docs/_data/bench/negotiation.json`` also writes the run as the docs' record (with ``--from-results``:
+from the last run's ``benchmarks/results/bench_negotiation.json``, measuring nothing).
 ``--callgrind IMPL TENSORS CYCLES`` runs only one-rank hit cycles, for instruction counts (see
 :func:`callgrind_cycles`, and docs/benchmarks.md for the commands).
 
@@ -271,6 +273,10 @@ def main():
     from distlab.launch import launch_script
 
     RESULTS.mkdir(parents=True, exist_ok=True)
+    record_to = sys.argv[sys.argv.index("--record") + 1] if "--record" in sys.argv else None
+    if record_to and "--from-results" in sys.argv:      # rewrite the record from the last run's results
+        record(json.loads((RESULTS / "bench_negotiation.json").read_text()), Path(record_to))
+        return
     only_data = "--data-path" in sys.argv[1:]
     report = {"command": " ".join(sys.argv), "host_cores": os.cpu_count(),
               "bookkeeping_us": {} if only_data else bookkeeping(), "mpi": {}}
@@ -283,9 +289,71 @@ def main():
             sys.exit(f"benchmark on {np_} ranks failed:\n{result.stdout}\n{result.stderr}")
         report["mpi"][np_] = json.loads(out.read_text())["results"]
         out.unlink()
+    report["load_average"] = os.getloadavg()[0]
     name = "bench_negotiation_data_path.json" if only_data else "bench_negotiation.json"
     (RESULTS / name).write_text(json.dumps(report, indent=2))
     print(render(report))
+    if record_to and not only_data:
+        record(report, Path(record_to))
+
+
+def _us(value):
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def record(report, path):
+    """Write the run as the docs' record (``docs/_data/bench/negotiation.json``): the bookkeeping table ``t1``, the
+    2-rank table ``t2``, the targets ``targets`` and the figures the pages quote, keeping the record's ``before``
+    and ``instructions`` tables (the figures before the change the page describes, and callgrind's counts)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    book, two, four = report["bookkeeping_us"], report["mpi"].get("2", report["mpi"].get(2)), \
+        report["mpi"].get("4", report["mpi"].get(4))
+    t1 = [[str(c), _us(book[f"reference/{c}"]), _us(book[f"core/{c}"]),
+           f"{book[f'reference/{c}'] / book[f'core/{c}']:.0f}x", f"{book.get(f'enqueue-core/{c}', float('nan')):.0f}"]
+          for c in COUNTS]
+    t2 = [[str(c), _us(two[f"floor-mpi4py/{c}"]), _us(two[f"floor-group/{c}"]), _us(two[f"hit-core/{c}"]),
+           _us(two[f"miss-core/{c}"]), _us(two[f"hit-reference/{c}"]), _us(two[f"miss-reference/{c}"]),
+           _us(two[f"hit-core-grouped/{c}"])] for c in COUNTS]
+    targets = [[f"hit cycle, {c} tensors, 2 ranks", f"floor + {limit} us", f"{two[f'floor-mpi4py/{c}']:.1f} us",
+                f"{two[f'hit-core/{c}']:.1f} us", f"+{two[f'hit-core/{c}'] - two[f'floor-mpi4py/{c}']:.1f} us",
+                "yes" if two[f"hit-core/{c}"] - two[f"floor-mpi4py/{c}"] <= limit else "no"]
+               for c, limit in ((100, 5), (1000, 10))]
+    grouped = [two[f"hit-core-grouped/{c}"] / two[f"hit-core/{c}"] for c in COUNTS]
+    data = {
+        "what": "A negotiation cycle for 1, 100 and 1000 tensors, hit and miss paths, both twins; bookkeeping on one "
+                "rank (microseconds per cycle; enqueue: nanoseconds per tensor on the submitting thread; 2 ranks: "
+                "median of the slowest rank, beside the same run's raw mpi4py allreduce, the floor)",
+        "tables": {
+            "t1": {"columns": ["tensors", "reference", "core", "ratio", "enqueue, core [ns]"], "rows": t1,
+                   "align": "right"},
+            "t2": {"columns": ["tensors", "raw (floor)", "floor through the group", "hit, core", "miss, core",
+                               "hit, reference", "miss, reference", "grouped hit, core"], "rows": t2,
+                   "align": "right"},
+            "targets": {"columns": ["figure", "target", "floor, same run", "core", "above the floor", "met"],
+                        "rows": targets},
+        },
+        "command": " ".join(["python -P benchmarks/bench_negotiation.py"] + [a for a in sys.argv[1:]
+                                                                            if a != "--from-results"]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"the {report['host_cores']}-core development machine, load average "
+                   f"{report.get('load_average', float('nan')):.1f} at the end of the run",
+        "figures": {
+            "hit_extra_us": f"{two['hit-core/1000'] - two['floor-mpi4py/1000']:.0f} us",
+            "hit_bookkeeping_us": f"{book['core/1000']:.0f} us",
+            "miss_over_hit": f"{two['miss-core/1000'] / two['hit-core/1000']:.0f}",
+            "grouped_range": f"{min(grouped):.2f}x to {max(grouped):.2f}x",
+            "four_ranks_raw_us": f"{four['floor-mpi4py/1000']:.0f} us",
+            "four_ranks_pg_us": f"{four['floor-group/1000']:.0f} us",
+            "four_ranks_hit_core_us": f"{four['hit-core/1000']:.0f} us",
+        },
+    }
+    for kept in ("before", "instructions"):
+        if kept in old.get("tables", {}):
+            data["tables"][kept] = old["tables"][kept]
+    for kept in ("before_source", "instructions_source"):
+        if kept in old.get("figures", {}):
+            data["figures"][kept] = old["figures"][kept]
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def render(report):

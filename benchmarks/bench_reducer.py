@@ -91,6 +91,11 @@ def worker(out: str, rounds: int) -> None:
                 diffs = [a - b for a, b in zip(samples[key], local)]
                 row[f"{key} overhead ms"] = statistics.median(diffs) * 1e3
         for impl in ("reference", "core"):
+            # where DDP's overhead goes: the reducer's own work (the step with a no-op comm hook, minus local) and
+            # communication with waiting for the other ranks (the step minus the no-op-hook step)
+            diffs = [a - b for a, b in zip(samples[f"ddp {impl}"], samples[f"bookkeeping {impl}"])]
+            row[f"comm and wait {impl} ms"] = statistics.median(diffs) * 1e3
+        for impl in ("reference", "core"):
             row[f"bookkeeping {impl} us/param"] = bookkeeping_per_param(impl, layers, width, rounds)
         row["buckets"] = len(steps["ddp core"].model.reducer.get_grad_buckets())
         gathered = pg.allgather_object(row)
@@ -161,7 +166,42 @@ def table(rows) -> str:
             f"{r['ddp reference ms']:>11.2f} {r['ddp core ms']:>12.2f} {r['ddp reference overhead ms']:>10.2f} ms "
             f"{r['ddp core overhead ms']:>11.2f} ms {r['bookkeeping reference us/param']:>10.2f} us/p "
             f"{r['bookkeeping core us/param']:>11.2f} us/p {ratio:>6.1f}")
+    lines.append("")
+    lines.append("where the overhead goes (ms per step, medians of per-round differences): the reducer's own work "
+                 "(DDP with a no-op comm hook - local), communication and waiting for the other rank (DDP - no-op hook)")
+    head = f"{'model':6} {'own work ref':>13} {'own work core':>14} {'comm+wait ref':>14} {'comm+wait core':>15}"
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model']:6} {r['bookkeeping reference overhead ms']:>13.2f} "
+                     f"{r['bookkeeping core overhead ms']:>14.2f} {r['comm and wait reference ms']:>14.2f} "
+                     f"{r['comm and wait core ms']:>15.2f}")
     return "\n".join(lines)
+
+
+def callgrind_steps(impl: str, steps: int) -> None:
+    """``steps`` training steps of the small model on one rank after 12 warm-up steps (runtime stats are sampled
+    on the first 10), for callgrind: run it twice (say 2 and 5 steps) and divide the difference by the extra steps;
+    ``impl`` ``local`` is the plain model. Toggle on ``*Reducer_autograd_hook*`` and ``*finalize_backward*`` for
+    the reducer's own instructions."""
+    import numpy as np
+
+    from distlab import nn, optim
+    from distlab.ddp import DistributedDataParallel
+
+    layers, width = MODELS["small"]
+    distlab.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    if impl != "local":
+        model = DistributedDataParallel(model, impl=impl)
+    opt = optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    rng = np.random.default_rng(0)
+    x = distlab.tensor(rng.standard_normal((BATCH, width), dtype=np.float32))
+    y = distlab.tensor(rng.standard_normal((BATCH, width), dtype=np.float32))
+    loss_fn = nn.MSELoss()
+    for _ in range(12 + steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
 
 
 def main() -> None:
@@ -169,9 +209,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="5 rounds: a smoke run")
     parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--callgrind", nargs=2, metavar=("IMPL", "STEPS"),
+                        help="only STEPS one-rank steps of the small model (IMPL: local, reference, core), for callgrind")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     rounds = 5 if options.quick else options.rounds
+    if options.callgrind:
+        callgrind_steps(options.callgrind[0], int(options.callgrind[1]))
+        return
     if options.worker:
         worker(options.worker, rounds)
         return
