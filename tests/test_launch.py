@@ -19,7 +19,7 @@ from distlab import _jobdir
 from distlab._bootstrap import user_traceback
 from distlab._cli import split_run_args
 from distlab._jobdir import process_start_stamp
-from distlab._supervise import Demux, is_banner
+from distlab._supervise import Demux, is_banner, supervise
 from distlab.errors import RankFailedError
 
 mpi = pytest.mark.mpi
@@ -541,6 +541,18 @@ def test_when_no_rank_started_mpiexec_s_own_errors_are_shown(tmp_path):
 
 
 @mpi
+@pytest.mark.parametrize("grace", [0.2, None])
+def test_a_failed_rank_ends_the_job_after_the_grace_and_never_under_fault_tolerance(tmp_path, grace):
+    # the job: a rank's end record (as its watcher writes it), then the others' work goes on past the grace;
+    # under fault tolerance (grace None) the survivors finish it, else the launcher stops the job
+    command = ["sh", "-c", f"echo '{{}}' > {tmp_path}/rank1.exit; sleep 1; echo survivors done"]
+    lines = []
+    outcome = supervise(command, dict(os.environ), None, tmp_path, 2, lambda *line: lines.append(line), None,
+                        timeout=30, monitor_interval=0.05, failure_grace=grace)
+    finished = any(line.endswith("survivors done") for *_, line in lines)
+    assert finished == (grace is None) and (outcome.status == 0) == (grace is None), (outcome, lines)
+
+
 def test_a_rank_stopped_from_outside_stops_the_job_and_is_named(tmp_path):
     script = write(tmp_path / "term.py", """\
         import os, signal, time

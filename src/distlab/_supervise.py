@@ -198,14 +198,16 @@ class RunOutcome:
 
 
 def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np: int, sink: Sink,
-              marker: bytes | None, timeout: float | None, monitor_interval: float = MONITOR_INTERVAL) -> RunOutcome:
+              marker: bytes | None, timeout: float | None, monitor_interval: float = MONITOR_INTERVAL,
+              failure_grace: float | None = FAILURE_GRACE) -> RunOutcome:
     """Run ``command`` (mpiexec) in its own session, forward its output to ``sink``, stop it on interrupt.
 
     A ``KeyboardInterrupt`` or :class:`Interrupted` while the job runs stops every rank (they write their
     timelines first) and is reported in the outcome rather than raised; so is the ``timeout``. Every
     ``monitor_interval`` seconds the launcher looks at the ranks' records: a rank stopped by a SIGTERM from
     elsewhere has it stop the others as well, and so does a rank that failed while the others go on past
-    :data:`FAILURE_GRACE` (one failure ends every rank, as torchrun's agent does).
+    ``failure_grace`` (one failure ends every rank, as torchrun's agent does; None under fault tolerance, where
+    the survivors go on without the dead and their own timeouts bound every wait).
     """
     proc = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -218,7 +220,7 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         try:
-            reason = _pump(proc, selector, streams, deadline, job_dir, monitor_interval)
+            reason = _pump(proc, selector, streams, deadline, job_dir, monitor_interval, failure_grace)
             if reason != "ended":
                 outcome.timed_out = reason == "deadline"
                 stop_job(proc, job_dir, np, selector, streams)
@@ -244,10 +246,10 @@ def supervise(command: list[str], env: dict, cwd: str | None, job_dir: Path, np:
 
 
 def _pump(proc, selector, streams, deadline: float | None, job_dir: Path,
-          monitor_interval: float = MONITOR_INTERVAL) -> str:
+          monitor_interval: float = MONITOR_INTERVAL, failure_grace: float | None = FAILURE_GRACE) -> str:
     """Forward output until mpiexec has exited and its pipes are drained ("ended"), until ``deadline``
     ("deadline"), until a rank was told to stop by someone else ("rank stopped"), or until the job outlived a
-    failed rank by :data:`FAILURE_GRACE` ("rank failed")."""
+    failed rank by ``failure_grace`` ("rank failed"; None: never)."""
     drain_until = None
     next_check = time.monotonic() + monitor_interval
     failed_at = None
@@ -264,9 +266,10 @@ def _pump(proc, selector, streams, deadline: float | None, job_dir: Path,
             names = _record_names(job_dir) if drain_until is None else []
             if any(name.endswith(".stopped") for name in names):
                 return "rank stopped"
-            if failed_at is None and any(name.endswith((".failed", ".exit")) for name in names):
+            if failed_at is None and failure_grace is not None \
+                    and any(name.endswith((".failed", ".exit")) for name in names):
                 failed_at = now
-            if failed_at is not None and now - failed_at >= FAILURE_GRACE:
+            if failed_at is not None and now - failed_at >= failure_grace:
                 return "rank failed"
         limit = min(t for t in (deadline, drain_until, next_check) if t is not None) - now
         _read_ready(selector, streams, max(limit, 0.0))

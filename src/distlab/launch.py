@@ -347,7 +347,8 @@ def _attempt(entry, np, extra, timeline, limits, cwd, report, job_dir, cluster_j
         if announce:
             output.write("stderr", f"distlab: {np} rank{'s' if np != 1 else ''} on {mpi}")
         outcome = _supervise.supervise(command, environment, cwd, job_dir, np, output,
-                                       marker if uses_tags else None, timeout, monitor_interval)
+                                       marker if uses_tags else None, timeout, monitor_interval,
+                                       None if fault_tolerance else _supervise.FAILURE_GRACE)
         records = _jobdir.read_records(job_dir, np)
     finally:
         if cluster_job is not None:
