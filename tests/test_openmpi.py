@@ -139,7 +139,8 @@ def test_rpc_and_rrefs_fail_with_the_dead_worker_named_and_go_on_over_the_surviv
     # tests/mpi/elastic_rpc.py, mixed twins: the last worker SIGKILLed inside an RPC handler (an rpc_sync and
     # rpc_async futures in flight to it), then worker 1 of the shrunk world while it owns RRefs the others hold
     # (one forked on from a peer); each time to_here, rpc_sync and the futures fail with ProcessFailedError naming
-    # it (not a timeout: DISTLAB_TIMEOUT=30 bounds them), RPC starts again on the survivors (rpc.reinit, by hand
+    # it (not a timeout: DISTLAB_TIMEOUT=30 bounds them), so does a graceful rpc.shutdown of the old agent (op
+    # "rpc shutdown", after the survivors met), RPC starts again on the survivors (rpc.reinit, by hand
     # and through elastic.run), the old agent's RRefs raise RRefError, new calls and RRefs work, and the graceful
     # shutdown finds nothing leaked.
     job = mpirun("elastic_rpc.py", np=np_, args=["mixed"], timeout=180, fault_tolerance=True, expect_failure=True,

@@ -7,8 +7,9 @@ Two failures in one job:
    calls it with ``rpc_sync`` and the handler SIGKILLs its own process. Rank 0's ``rpc_sync`` and the others'
    futures fail with ProcessFailedError naming the dead worker; a call to a live worker still works on the old
    agent, a new one to the dead worker fails at once; the survivors rebuild the world
-   (:func:`distlab.comm.recovery.rebuild`) and start RPC again on it (:func:`distlab.rpc.reinit`): the same
-   names, new ids.
+   (:func:`distlab.comm.recovery.rebuild`), a graceful ``rpc.shutdown`` of the old agent fails with
+   ProcessFailedError naming the dead worker and leaves RPC stopped, and they start RPC again on the new world
+   (:func:`distlab.rpc.reinit`): the same names, new ids.
 2. **a kill while owning RRefs**: under ``elastic.run``, worker 1 of the new world owns RRefs that every other
    survivor holds (one of them forked on from a peer) and dies; ``to_here()`` and a proxy's future fail with
    ProcessFailedError naming it; elastic.run's recovery shrinks the world and starts RPC again; an RRef of the
@@ -29,7 +30,7 @@ if "mixed" in sys.argv[1:]:
 from distlab import comm, rpc  # noqa: E402
 from distlab.collectives import elastic  # noqa: E402
 from distlab.comm import recovery, ulfm  # noqa: E402
-from distlab.errors import ProcessFailedError, RRefError  # noqa: E402
+from distlab.errors import ProcessFailedError, RpcError, RRefError  # noqa: E402
 
 ME, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # in COMM_WORLD: what every error names
 
@@ -98,6 +99,10 @@ def kill_in_a_handler() -> None:
     check_failed(failure_of(rpc.rpc_async(name, add, (1, 2)).wait), victim, victim, name, "rpc call")
     rebuilt = recovery.rebuild(timeout=60)
     assert rebuilt.failed_ranks == [victim], rebuilt.failed_ranks
+    # a graceful shutdown of the old agent cannot meet the dead worker: the survivors meet without it, each raises
+    # ProcessFailedError naming it, and RPC is stopped all the same
+    check_failed(failure_of(rpc.shutdown), victim, victim, name, "rpc shutdown")
+    assert isinstance(failure_of(lambda: rpc.rpc_sync(f"w{(ME + 1) % victim}", add, (ME, 1))), RpcError)
     info = rpc.reinit()
     survivors = [r for r in range(WORLD) if r != victim]
     assert [w.name for w in rpc.get_worker_infos()] == [f"w{r}" for r in survivors], rpc.get_worker_infos()

@@ -443,18 +443,49 @@ class RpcAgent:
             delay = min(delay * 2, 0.01)
 
     def barrier(self, timeout: float) -> None:
-        """A non-blocking barrier on the agent's communicator, polled with back-off, bounded by ``timeout``."""
-        request = self.comm.Ibarrier()
+        """A non-blocking barrier on the agent's communicator, polled with back-off, bounded by ``timeout``.
+
+        Under fault tolerance, a dead worker fails it: the survivors meet without it (``MPI_Comm_agree``, bounded
+        too) and each raises a ProcessFailedError naming the dead workers (as torch's shutdown fails when a peer
+        is gone), so that none stops its agent while another survivor still calls it."""
         deadline = time.monotonic() + timeout
         delay = 1e-4
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise DistTimeoutError(
-                    f"rpc shutdown on worker {self.info.name!r}: not every worker reached shutdown within "
-                    f"{timeout:g} s (workers: {[w.name for w in self.workers]})",
-                    op="rpc shutdown barrier", timeout=timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        try:
+            request = self.comm.Ibarrier()
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    raise DistTimeoutError(
+                        f"rpc shutdown on worker {self.info.name!r}: not every worker reached shutdown within "
+                        f"{timeout:g} s (workers: {[w.name for w in self.workers]})",
+                        op="rpc shutdown barrier", timeout=timeout)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)
+        except DistTimeoutError:
+            raise
+        except Exception as exc:
+            failure = self._failed_at_shutdown(exc, deadline)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    def _failed_at_shutdown(self, exc: BaseException, deadline: float) -> ProcessFailedError | None:
+        """For MPI's report ``exc`` that workers died: the survivors meet, then the ProcessFailedError naming the
+        dead to raise (None: ``exc`` is no such report)."""
+        from distlab.comm import ulfm
+
+        label = self.comm.Get_name() or "rpc"
+        cause = ulfm.process_failure(exc, self.comm, "rpc shutdown barrier", label)
+        if cause is None:
+            return None
+        ulfm.agree(self.comm, timeout=max(deadline - time.monotonic(), 0.0), group=label)
+        dead = [self.workers[w].name for w in cause.group_ranks]
+        world = f" (world ranks {cause.failed_ranks})" if cause.failed_ranks else ""
+        return ProcessFailedError(
+            f"rpc shutdown on worker {self.info.name!r}: workers {dead}{world} have died, so RPC cannot shut down "
+            "gracefully; it stops on every survivor without them. Start it again on the survivors "
+            "(distlab.rpc.reinit after distlab.comm.recovery.rebuild) or end the job.",
+            failed_ranks=cause.failed_ranks, group_ranks=cause.group_ranks, group=cause.group,
+            op="rpc shutdown", revoked=cause.revoked, error_class=cause.error_class)
 
     def stop(self, graceful: bool = True, timeout: float = 60.0) -> None:
         """Stop listening and the threads; fail unanswered requests. ``graceful`` frees the communicator and
