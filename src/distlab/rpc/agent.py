@@ -386,12 +386,15 @@ class RpcAgent:
 
     def _failed_error(self, mid, dst, kind, cause: ProcessFailedError) -> ProcessFailedError:
         label = self._dispatch.label(kind)
+        return self._died(f"rpc {label} #{mid} from worker {self.info.name!r} to worker {self.workers[dst].name!r} "
+                          "failed", f"rpc {label}", cause)
+
+    def _died(self, what: str, op: str, cause: ProcessFailedError) -> ProcessFailedError:
         world = f" (world ranks {cause.failed_ranks})" if cause.failed_ranks else ""
         return ProcessFailedError(
-            f"rpc {label} #{mid} from worker {self.info.name!r} to worker {self.workers[dst].name!r} failed: "
-            f"workers {[self.workers[w].name for w in cause.group_ranks]}{world} have died. Start RPC again on "
-            "the survivors (distlab.rpc.reinit after distlab.comm.recovery.rebuild; elastic.run does both).",
-            failed_ranks=cause.failed_ranks, group_ranks=cause.group_ranks, group=cause.group, op=f"rpc {label}",
+            f"{what}: workers {[self.workers[w].name for w in cause.group_ranks]}{world} have died. Start RPC again "
+            "on the survivors (distlab.rpc.reinit after distlab.comm.recovery.rebuild; elastic.run does both).",
+            failed_ranks=cause.failed_ranks, group_ranks=cause.group_ranks, group=cause.group, op=op,
             revoked=cause.revoked, error_class=cause.error_class)
 
     # -- timeouts ---------------------------------------------------------------------------------------------
@@ -443,11 +446,8 @@ class RpcAgent:
             delay = min(delay * 2, 0.01)
 
     def barrier(self, timeout: float) -> None:
-        """A non-blocking barrier on the agent's communicator, polled with back-off, bounded by ``timeout``.
-
-        Under fault tolerance, a dead worker fails it: the survivors meet without it (``MPI_Comm_agree``, bounded
-        too) and each raises a ProcessFailedError naming the dead workers (as torch's shutdown fails when a peer
-        is gone), so that none stops its agent while another survivor still calls it."""
+        """A non-blocking barrier on the agent's communicator, polled with back-off, bounded by ``timeout``. A dead
+        worker fails it: the survivors meet without it (``MPI_Comm_agree``), then raise ProcessFailedError."""
         deadline = time.monotonic() + timeout
         delay = 1e-4
         try:
@@ -460,32 +460,15 @@ class RpcAgent:
                         op="rpc shutdown barrier", timeout=timeout)
                 time.sleep(delay)
                 delay = min(delay * 2, 0.005)
-        except DistTimeoutError:
-            raise
         except Exception as exc:
-            failure = self._failed_at_shutdown(exc, deadline)
-            if failure is None:
+            from distlab.comm import ulfm
+
+            cause = ulfm.process_failure(exc, self.comm, "rpc shutdown", self.comm.Get_name() or "rpc")
+            if cause is None:  # not MPI's report of a death (a timeout, another error)
                 raise
-            raise failure from exc
-
-    def _failed_at_shutdown(self, exc: BaseException, deadline: float) -> ProcessFailedError | None:
-        """For MPI's report ``exc`` that workers died: the survivors meet, then the ProcessFailedError naming the
-        dead to raise (None: ``exc`` is no such report)."""
-        from distlab.comm import ulfm
-
-        label = self.comm.Get_name() or "rpc"
-        cause = ulfm.process_failure(exc, self.comm, "rpc shutdown barrier", label)
-        if cause is None:
-            return None
-        ulfm.agree(self.comm, timeout=max(deadline - time.monotonic(), 0.0), group=label)
-        dead = [self.workers[w].name for w in cause.group_ranks]
-        world = f" (world ranks {cause.failed_ranks})" if cause.failed_ranks else ""
-        return ProcessFailedError(
-            f"rpc shutdown on worker {self.info.name!r}: workers {dead}{world} have died, so RPC cannot shut down "
-            "gracefully; it stops on every survivor without them. Start it again on the survivors "
-            "(distlab.rpc.reinit after distlab.comm.recovery.rebuild) or end the job.",
-            failed_ranks=cause.failed_ranks, group_ranks=cause.group_ranks, group=cause.group,
-            op="rpc shutdown", revoked=cause.revoked, error_class=cause.error_class)
+            ulfm.agree(self.comm, timeout=max(deadline - time.monotonic(), 0.0), group=cause.group)
+            raise self._died(f"rpc shutdown on worker {self.info.name!r} cannot end gracefully (RPC is stopped on "
+                             "every survivor)", "rpc shutdown", cause) from exc
 
     def stop(self, graceful: bool = True, timeout: float = 60.0) -> None:
         """Stop listening and the threads; fail unanswered requests. ``graceful`` frees the communicator and
