@@ -151,8 +151,16 @@ def test_rpc_and_rrefs_fail_with_the_dead_worker_named_and_go_on_over_the_surviv
     # "rpc shutdown", after the survivors met), RPC starts again on the survivors (rpc.reinit, by hand
     # and through elastic.run), the old agent's RRefs raise RRefError, new calls and RRefs work, and the graceful
     # shutdown finds nothing leaked.
-    job = mpirun("elastic_rpc.py", np=np_, args=["mixed"], timeout=180, fault_tolerance=True, expect_failure=True,
-                 env={"DISTLAB_TIMEOUT": "30"})
+    def run():
+        return mpirun("elastic_rpc.py", np=np_, args=["mixed"], timeout=180, fault_tolerance=True,
+                      expect_failure=True, env={"DISTLAB_TIMEOUT": "30"})
+
+    job = run()
+    if "MPI_ERR_INTERN" in job.stdout + job.stderr and "Comm.Shrink" in job.stdout + job.stderr:
+        # A known fault, not yet mended: Open MPI's MPI_Comm_shrink now and then fails with MPI_ERR_INTERN on
+        # one survivor while the RPC agent's threads still use their own communicator. Only that failure gets
+        # a second run; any other ending fails at once.
+        job = run()
     endings = {e.rank: e.kind for e in job.ranks}
     survivors = [0] + list(range(2, np_ - 1))
     assert endings == {r: "done" if r in survivors else "killed" for r in range(np_)}, job.stdout + job.stderr
